@@ -1,0 +1,207 @@
+"""The backend registry: every way this pack can run an INT8 linear, with declared constraints.
+
+Each backend has one signature, ``linear(x2d, layer) -> y2d``: ``x2d`` is [M, K] float activations,
+``layer`` an :class:`quant.linear.Int8Linear`, ``y2d`` [M, N] in ``x2d.dtype``. Whether a backend can
+run is decided once per layer at patch time (``resolve``), never on every call; a layer a backend
+cannot take goes to the backend's stated fallback with one log line for the whole model.
+
+Backends:
+  fused_triton   this pack's Triton kernels: per-token quantization, int8 x int8 -> int32 tensor-core
+                 GEMM, dequantization and bias in the epilogue (CUDA, compute capability >= 8.0).
+  torch_int_mm   torch's quantization ops + ``torch._int_mm`` (cuBLASLt int8) + torch dequantization.
+  dequant_bf16   the common "production INT8" path: quantize, dequantize to the compute dtype, float
+                 matmul. Slow on purpose; it is the baseline and the always-available fallback.
+  fp8_rowwise    FP8 e4m3 with per-row/per-channel scales through ``torch._scaled_mm`` (compute
+                 capability >= 8.9); it runs from the INT8 weights dequantized and requantized to FP8.
+  bf16           the unquantized model: the control. It never quantizes a layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import kernel_module
+from .quantize import dequantize, quantize_per_token_ref
+
+log = logging.getLogger("int8_fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A way to run an INT8 linear. ``device_reason``/``shape_reason`` return None when it can run."""
+    name: str
+    description: str
+    device_reason: Callable[[torch.device], str | None]
+    shape_reason: Callable[[int, int], str | None]
+    linear: Callable | None  # (x2d, layer) -> y2d; None for the bf16 control (no quantization)
+    fallback: str | None = "dequant_bf16"
+    quantizes: bool = True
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+# --------------------------------------------------------------------------- per-backend math
+def _quantize_act(x2d: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_per_token_ref(x2d, layer.inv_smooth)
+
+
+def _dequant_bf16_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
+    a_q, a_s = _quantize_act(x2d, layer)
+    dt = x2d.dtype
+    a = dequantize(a_q, a_s).to(dt)
+    w = dequantize(layer.qweight, layer.weight_scale).to(dt)
+    return F.linear(a, w, None if layer.bias is None else layer.bias.to(dt))
+
+
+def _torch_int_mm_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
+    a_q, a_s = _quantize_act(x2d, layer)
+    M = a_q.shape[0]
+    if M <= 16:  # torch._int_mm's CUDA rule is M > 16: pad with zero rows (exact), slice after
+        a_q = torch.cat([a_q, a_q.new_zeros(17 - M, a_q.shape[1])])
+    acc = torch._int_mm(a_q, layer.qweight.t())[:M]
+    y = acc.float() * a_s[:, None] * layer.weight_scale[None, :]
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.to(x2d.dtype)
+
+
+def _int_mm_shape(N: int, K: int) -> str | None:
+    if K % 8 or N % 8:
+        return f"torch._int_mm needs N and K divisible by 8 (got N={N}, K={K})"
+    return None
+
+
+def _fused_triton_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
+    return kernel_module().int8_linear(x2d, layer.qweight, layer.weight_scale, layer.bias,
+                                 layer.inv_smooth, out_dtype=x2d.dtype)
+
+
+def _fp8_weight(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 copy of the layer's (smoothed) weight with per-channel scales, made once and cached."""
+    cached = getattr(layer, "_fp8_cache", None)
+    if cached is None or cached[0].device != layer.qweight.device:
+        w = dequantize(layer.qweight, layer.weight_scale)
+        s = (w.abs().amax(1).clamp(min=1e-12) / 448.0)
+        w8 = (w / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        cached = (w8, s.float())
+        object.__setattr__(layer, "_fp8_cache", cached)
+    return cached
+
+
+def _fp8_rowwise_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
+    xf = x2d.float()
+    if layer.inv_smooth is not None:
+        xf = xf * layer.inv_smooth[None, :]
+    s_a = xf.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+    a8 = (xf / s_a).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w8, s_w = _fp8_weight(layer)
+    bias = None if layer.bias is None else layer.bias.to(torch.bfloat16)
+    y = torch._scaled_mm(a8, w8.t(), scale_a=s_a, scale_b=s_w[None, :], bias=bias,
+                         out_dtype=torch.bfloat16)
+    return y.to(x2d.dtype)
+
+
+# --------------------------------------------------------------------------- constraints
+def _any_device(device: torch.device) -> str | None:
+    return None
+
+
+def _any_shape(N: int, K: int) -> str | None:
+    return None
+
+
+def _fused_triton_device(device: torch.device) -> str | None:
+    try:
+        ok, reason = kernel_module().triton_status(device)
+    except ImportError as e:  # the kernel package itself failed to import
+        return f"the pack's kernel package failed to import ({e})"
+    return None if ok else reason
+
+
+def _fused_triton_shape(N: int, K: int) -> str | None:
+    return None  # the kernel masks every tail; any N and K run
+
+
+def _fp8_device(device: torch.device) -> str | None:
+    cc = _cuda_capability(device)
+    if cc is None:
+        return "FP8 tensor cores need a CUDA GPU"
+    if cc < (8, 9):
+        return f"FP8 needs compute capability >= 8.9 (Ada/Hopper); this GPU is {cc[0]}.{cc[1]}"
+    return None
+
+
+def _fp8_shape(N: int, K: int) -> str | None:
+    if K % 16 or N % 16:
+        return f"torch._scaled_mm needs N and K divisible by 16 (got N={N}, K={K})"
+    return None
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in [
+    Backend("fused_triton", "fused Triton INT8 GEMM (this pack)", _fused_triton_device,
+            _fused_triton_shape, _fused_triton_linear, fallback="torch_int_mm"),
+    Backend("torch_int_mm", "torch._int_mm (cuBLASLt INT8) + torch quantize/dequantize",
+            _any_device, _int_mm_shape, _torch_int_mm_linear, fallback="dequant_bf16"),
+    Backend("dequant_bf16", "quantize, dequantize to the compute dtype, float matmul (baseline)",
+            _any_device, _any_shape, _dequant_bf16_linear, fallback=None),
+    Backend("fp8_rowwise", "FP8 e4m3 row-wise torch._scaled_mm", _fp8_device, _fp8_shape,
+            _fp8_rowwise_linear, fallback="dequant_bf16"),
+    Backend("bf16", "unquantized float model (control)", _any_device, _any_shape, None,
+            fallback=None, quantizes=False),
+]}
+
+PREFERENCE = ["fused_triton", "torch_int_mm", "dequant_bf16"]
+
+
+def get(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown INT8 backend {name!r}; known: {', '.join(BACKENDS)}") from None
+
+
+def device_reasons(device: torch.device) -> dict[str, str | None]:
+    """Every backend's verdict for ``device``: None when it runs there, else why not."""
+    return {name: b.device_reason(device) for name, b in BACKENDS.items()}
+
+
+def available(device: torch.device) -> list[str]:
+    """Names of the backends that run on ``device``, the default (fastest) first."""
+    ok = [n for n, r in device_reasons(device).items() if r is None]
+    return sorted(ok, key=lambda n: PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE))
+
+
+def default_backend(device: torch.device) -> str:
+    return available(device)[0]
+
+
+def resolve(name: str, device: torch.device, N: int, K: int) -> tuple[str, str | None]:
+    """Pick the backend that runs an [N, K] layer on ``device``, walking fallbacks.
+
+    Returns (backend name, note) where note says why the asked-for backend was passed over (None when
+    it was taken). Raises ValueError listing every rejection when nothing can run it.
+    """
+    reasons = []
+    cur: str | None = name
+    while cur is not None:
+        b = get(cur)
+        why = b.device_reason(device) or b.shape_reason(N, K)
+        if why is None:
+            return cur, (None if cur == name else "; ".join(reasons))
+        reasons.append(f"{cur}: {why}")
+        cur = b.fallback
+    raise ValueError(f"no backend can run a {N}x{K} linear on {device}: " + "; ".join(reasons))
+
+
+def env_override() -> str | None:
+    """INT8_FUSED_BACKEND forces a backend for every node (useful for A/B runs from the shell)."""
+    return os.environ.get("INT8_FUSED_BACKEND") or None

@@ -1,0 +1,74 @@
+"""Which linears of a diffusion model get quantized.
+
+Presets work on module names relative to the diffusion model (``layers.0.attention.qkv``):
+
+* ``blocks`` (the default for every architecture): the linears inside the repeated transformer blocks
+  (``layers.N``, ``double_blocks.N``, ``transformer_blocks.N``, ...), minus the adaLN/modulation
+  GEMVs, which run with M = batch (a GEMV gains nothing from INT8 and their errors scale every
+  activation of the block).
+* ``blocks+modulation``: the above plus the modulation GEMVs.
+* ``all``: every linear, embedders and final layer included.
+
+``include`` / ``exclude`` are comma-separated regular expressions matched (``re.search``) against the
+names; ``exclude`` wins. Layers smaller than ``MIN_FEATURES`` in either dimension stay float.
+"""
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+# Repeated-block containers across the DiTs ComfyUI loads (Ideogram 4 / Lumina2 / Z-Image `layers`,
+# Flux `double_blocks`/`single_blocks`, SD3 `joint_blocks`, Qwen-Image / HunyuanImage
+# `transformer_blocks`, Wan `blocks`, Lumina2 refiners).
+_BLOCK = re.compile(r"(^|\.)(layers|blocks|double_blocks|single_blocks|joint_blocks|transformer_blocks"
+                    r"|noise_refiner|context_refiner|single_transformer_blocks)\.\d+\.")
+# adaLN / modulation projections (Ideogram 4 `adaln_modulation`, Lumina2 `adaLN_modulation.1`,
+# Flux `img_mod.lin`, `modulation.lin`, Qwen-Image `img_mod.1`, Wan `modulation`).
+_MODULATION = re.compile(r"(adaln|adaLN|modulation|_mod\.|(^|\.)mod\.|norm1_context\.linear|norm1\.linear"
+                         r"|norm\.linear)", re.I)
+
+PRESETS = ("blocks", "blocks+modulation", "all")
+MIN_FEATURES = 16
+
+
+def _patterns(text: str | None) -> list[re.Pattern]:
+    out = []
+    for p in (text or "").split(","):
+        p = p.strip()
+        if p:
+            try:
+                out.append(re.compile(p))
+            except re.error as e:
+                raise ValueError(f"layer pattern {p!r} is not a valid regular expression: {e}") from None
+    return out
+
+
+def is_linear(m: nn.Module) -> bool:
+    """nn.Linear and ComfyUI's casting subclasses of it (``comfy.ops.*.Linear``)."""
+    return isinstance(m, nn.Linear)
+
+
+def select_linears(model: nn.Module, preset: str = "blocks", include: str | None = None,
+                   exclude: str | None = None) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of each linear of ``model`` to quantize, in model order."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown layer preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    inc, exc = _patterns(include), _patterns(exclude)
+    chosen = []
+    for name, m in model.named_modules():
+        if not is_linear(m):
+            continue
+        if min(m.in_features, m.out_features) < MIN_FEATURES:
+            continue
+        if preset == "all":
+            take = True
+        else:
+            take = bool(_BLOCK.search(name)) and (preset == "blocks+modulation" or not _MODULATION.search(name))
+        if inc and any(p.search(name) for p in inc):
+            take = True
+        if exc and any(p.search(name) for p in exc):
+            take = False
+        if take:
+            chosen.append((name, m))
+    return chosen
