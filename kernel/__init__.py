@@ -1,0 +1,182 @@
+"""W8A8 INT8 kernels (Triton): per-token activation quantization and a fused dequant GEMM.
+
+Public API (torch + triton only; importing this package imports neither triton nor CUDA — both load on the
+first kernel call, so ComfyUI imports the pack instantly):
+
+- ``triton_status(device)`` -> (usable, reason)
+- ``quantize_per_token(x [M, K], inv_smooth [K] | None)`` -> (int8 [M, K], fp32 scale [M])
+- ``int8_gemm(a_q [M, K], a_scale [M], w_q [N, K], w_scale [N], bias [N] | None)`` -> [M, N]
+- ``int8_linear(x [..., K], w_q, w_scale, bias, inv_smooth)`` -> [..., N] (quantize, then GEMM)
+- ``int8_linear_op(...)``: the same through the ``torch.ops.int8_fused.linear`` custom op (torch.compile)
+
+Numerics follow ``quant/quantize.py`` bit for bit (quantizer, int32 accumulator); the epilogue is fp32.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["triton_status", "quantize_per_token", "int8_gemm", "int8_linear", "int8_linear_op",
+           "register_ops"]
+
+_FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
+_FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_status(device: torch.device | None = None) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on ``device`` (default: the current CUDA device), and why not."""
+    if importlib.util.find_spec("triton") is None:
+        return False, "Triton is not installed: pip install triton (triton-windows on Windows)"
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cpu":
+        if _interpreting():
+            return True, "Triton interpreter (TRITON_INTERPRET=1) on CPU tensors"
+        return False, ("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing "
+                       "(tests only; it is far too slow for inference)")
+    if device is not None and device.type != "cuda":
+        return False, f"device {device} is not a CUDA GPU; the INT8 kernels need an NVIDIA GPU (sm_80 or newer)"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU: torch.cuda.is_available() is False (CPU-only torch build or no driver)"
+    idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(idx)
+    if major < 8:
+        name = torch.cuda.get_device_name(idx)
+        return False, (f"GPU '{name}' has compute capability {major}.{minor}; INT8 tensor cores need >= 8.0 "
+                       "(Ampere or newer): use the bf16 or fp8 path on this GPU")
+    return True, f"Triton on '{torch.cuda.get_device_name(idx)}' (sm_{major}{minor})"
+
+
+_USABLE: dict[tuple, tuple[bool, str]] = {}  # per device: the status is checked once, not per call
+
+
+def _check_usable(t: torch.Tensor, what: str) -> None:
+    key = (t.device.type, t.device.index, _interpreting())
+    if key not in _USABLE:
+        _USABLE[key] = triton_status(t.device)
+    ok, reason = _USABLE[key]
+    if not ok:
+        raise RuntimeError(f"{what}: {reason}")
+
+
+def _check_2d(t: torch.Tensor, name: str, dtypes: tuple, fix: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}: {fix}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}: {fix}")
+
+
+def _vector(t: torch.Tensor, n: int, name: str, device: torch.device, allow_scalar: bool) -> torch.Tensor:
+    """A float vector of n entries (or one entry broadcast with stride 0) on ``device``, as a 1-D view."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor of {n} entries, got "
+                         f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the int8 operands are on {device}: move it with .to()")
+    if t.numel() == 1 and allow_scalar and n != 1:
+        return t.reshape(1).expand(n)
+    if t.numel() != n:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} ({t.numel()} entries), expected [{n}]")
+    return t.reshape(n)
+
+
+def quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] bf16/fp16/fp32 (any strides) -> (int8 [M, K] contiguous, fp32 scale [M]).
+
+    scale = max|x * inv_smooth| / 127 per row; q = clamp(rint(x * inv_smooth * 127 / absmax), +-127), half to
+    even; all-zero rows -> scale 0, zeros; rows with NaN/Inf -> scale NaN, zeros. Bit-exact with
+    ``quant.quantize.quantize_per_token_ref``."""
+    _check_2d(x, "x", _FLOAT_IN, "pass activations as [tokens, K] in bf16, fp16 or fp32")
+    m, k = x.shape
+    if inv_smooth is not None:
+        inv_smooth = _vector(inv_smooth, k, "inv_smooth", x.device, allow_scalar=False)
+        if inv_smooth.dtype != torch.float32 or inv_smooth.stride(0) != 1:
+            inv_smooth = inv_smooth.float().contiguous()  # fp32 like the reference; bf16 -> fp32 is exact
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    _check_usable(x, "quantize_per_token")
+    from .quantize import launch_quantize_per_token
+    launch_quantize_per_token(x, inv_smooth, q, scale)
+    return q, scale
+
+
+def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+              out_int32: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A_q int8 [M, K] x W_q int8 [N, K] (nn.Linear layout) -> [M, N].
+
+    ``out_int32``: the exact int32 accumulator ``A_q @ W_q.T``. Otherwise
+    ``acc * a_scale[m] * w_scale[n] + bias[n]`` in fp32, stored as ``out_dtype`` (bf16, fp16, fp32).
+    Any M, N, K (tails masked) and any strides. Scales are fp32 [M] / [N] (other float dtypes are upcast
+    exactly; a 1-entry w_scale is a per-tensor scale); bias is [N] in any float dtype. ``out`` (optional):
+    a preallocated [M, N] result of the output dtype, e.g. to check that every element is written."""
+    fix = "quantize with kernel.quantize_per_token / quant.quantize.quantize_weight_per_channel"
+    _check_2d(a_q, "a_q", (torch.int8,), fix)
+    _check_2d(w_q, "w_q", (torch.int8,), fix + " (weight in nn.Linear layout [N, K])")
+    m, k = a_q.shape
+    n, k_w = w_q.shape
+    if k != k_w:
+        raise ValueError(f"K mismatch: a_q is [{m}, {k}] but w_q is [{n}, {k_w}]; w_q must be [N, K] "
+                         "(nn.Linear layout), not transposed")
+    if w_q.device != a_q.device:
+        raise ValueError(f"a_q is on {a_q.device} but w_q is on {w_q.device}")
+    if not out_int32 and out_dtype not in _FLOAT_OUT:
+        raise ValueError(f"out_dtype {out_dtype} is not supported: use torch.bfloat16, float16 or float32 "
+                         "(or out_int32=True for the raw accumulator)")
+    a_scale = _vector(a_scale, m, "a_scale", a_q.device, allow_scalar=False).float()
+    w_scale = _vector(w_scale, n, "w_scale", a_q.device, allow_scalar=True).float()
+    if bias is not None:
+        bias = _vector(bias, n, "bias", a_q.device, allow_scalar=False)
+    dtype = torch.int32 if out_int32 else out_dtype
+    if out is None:
+        out = torch.empty((m, n), dtype=dtype, device=a_q.device)
+    elif out.shape != (m, n) or out.dtype != dtype or out.device != a_q.device:
+        raise ValueError(f"out must be [{m}, {n}] {dtype} on {a_q.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:  # empty sum: acc = 0 (scales still propagate NaN rows)
+        acc = torch.zeros((m, n), dtype=torch.float32, device=a_q.device)
+        res = acc if out_int32 else acc * a_scale[:, None] * w_scale[None, :]
+        if bias is not None and not out_int32:
+            res = res + bias.float()[None, :]
+        return out.copy_(res)
+    _check_usable(a_q, "int8_gemm")
+    from .gemm import launch_int8_gemm, select_config
+    cfg = select_config(a_q, a_scale, w_q, w_scale, bias, out)
+    return launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, cfg)
+
+
+def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                inv_smooth: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W8A8 linear: x [..., K] float -> quantize_per_token -> int8_gemm -> [..., N] in ``out_dtype``
+    (default x.dtype). Two launches; the activation is read once and written once as int8."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError("x must be a tensor [..., K]")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    a_q, a_scale = quantize_per_token(x2, inv_smooth)
+    y = int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype or x.dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def register_ops() -> None:
+    """Registers ``torch.ops.int8_fused.linear`` (idempotent); see kernel/ops.py."""
+    from .ops import register_ops as _register
+    _register()
+
+
+def int8_linear_op(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   inv_smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """``int8_linear`` through the custom op (output in x.dtype), traceable by ``torch.compile``."""
+    from .ops import linear_op
+    return linear_op(x, w_q, w_scale, bias, inv_smooth)

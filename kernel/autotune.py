@@ -1,0 +1,175 @@
+"""GEMM tile configs as data, and a small autotuner whose winners persist across processes.
+
+Why not ``triton.autotune``: its cache lives in one process, it re-benchmarks in every new ComfyUI session, and
+it keys on exact M, so each new image size would tune again. Here the key is ``(N, K, M bucket)`` and the
+winners are written to ``$INT8_FUSED_CACHE_DIR`` (default ``~/.cache/comfyui-int8-fused``) in a JSON file
+named after the GPU and the Triton version, so a second process reuses them without timing anything.
+
+The cache logic takes the timing function as an argument, so it is tested on the CPU with a fake clock.
+No import of triton or CUDA here.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+Config = dict  # {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
+
+SMALL_M = 16        # rows up to here use the GEMV-style configs (adaLN modulation runs with M = batch)
+M_BUCKET_CAP = 16384
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> Config:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
+            "num_warps": warps, "num_stages": stages}
+
+
+def hopper_configs() -> list[Config]:
+    """sm_90: every tile is wgmma-eligible (BLOCK_M % 64 == 0, warps % 4 == 0, BLOCK_K >= 32).
+    First entry: the reference's best plain-Triton tile on DiT shapes (1050-1310 TOP/s on an H200)."""
+    return [
+        _cfg(128, 128, 128, 8, 3),
+        _cfg(128, 128, 128, 8, 4),
+        _cfg(128, 256, 128, 8, 3),   # 144 KB smem: halves A re-reads on wide N (qkv, w1)
+        _cfg(256, 128, 128, 8, 3),
+        _cfg(128, 256, 64, 8, 4),
+        _cfg(128, 128, 64, 4, 5),
+        _cfg(64, 128, 128, 4, 4),    # more tiles for short M (text projection, M = 512)
+        _cfg(128, 64, 128, 4, 4),
+    ]
+
+
+def ampere_configs() -> list[Config]:
+    """sm_80/86/89 (mma.sync): tiles sized for 100 KB (RTX 3090/4090) or 164 KB (A100) of shared memory;
+    ``fits_smem`` drops the ones a given GPU cannot hold."""
+    return [
+        _cfg(128, 128, 64, 4, 4),
+        _cfg(128, 256, 64, 8, 3),
+        _cfg(256, 128, 64, 8, 3),
+        _cfg(128, 128, 128, 8, 3),
+        _cfg(64, 128, 64, 4, 4),
+        _cfg(128, 64, 64, 4, 4),
+        _cfg(64, 64, 128, 4, 4),
+    ]
+
+
+def small_m_configs() -> list[Config]:
+    """M <= 16 (a GEMV in practice): a 16-row tile instead of a 128-row one that would be 99 % padding.
+    Memory-bound on the weight, so many narrow N tiles keep every SM streaming."""
+    return [
+        _cfg(16, 64, 256, 4, 3, group=1),
+        _cfg(16, 128, 128, 4, 4, group=1),
+        _cfg(16, 32, 256, 2, 4, group=1),
+        _cfg(16, 64, 128, 4, 4, group=1),
+    ]
+
+
+def interpreter_configs() -> list[Config]:
+    """TRITON_INTERPRET=1 (CPU tests): small tiles so several K steps and program ids get exercised."""
+    return [_cfg(32, 32, 32, 4, 1, group=2), _cfg(16, 16, 64, 4, 1, group=1)]
+
+
+def smem_bytes(cfg: Config) -> int:
+    """Shared memory of the int8 A and W stages (1 byte an element)."""
+    return (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * cfg["num_stages"]
+
+
+def fits_smem(cfg: Config, smem_limit: int) -> bool:
+    return smem_bytes(cfg) <= smem_limit - 4096  # headroom for barriers and the epilogue's scratch
+
+
+def candidates(capability: tuple[int, int], smem_limit: int, m_bucket: int) -> list[Config]:
+    """The configs worth timing on a GPU of this capability for rows in this bucket."""
+    if m_bucket <= SMALL_M:
+        return [c for c in small_m_configs() if fits_smem(c, smem_limit)]
+    base = hopper_configs() if capability[0] == 9 else ampere_configs()
+    out = [c for c in base if fits_smem(c, smem_limit) and c["BLOCK_M"] <= max(64, m_bucket)]
+    return out or [_cfg(64, 64, 64, 4, 2)]
+
+
+def m_bucket(m: int) -> int:
+    """Rows rounded up to a power of two (at least SMALL_M, at most M_BUCKET_CAP): a new image size
+    lands in a bucket that is already tuned."""
+    if m <= SMALL_M:
+        return SMALL_M
+    return min(1 << math.ceil(math.log2(m)), M_BUCKET_CAP)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("INT8_FUSED_CACHE_DIR") or Path.home() / ".cache" / "comfyui-int8-fused")
+
+
+def cache_file(gpu_name: str, triton_version: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu_name}-triton-{triton_version}").strip("-")
+    return cache_dir() / f"gemm-{slug}.json"
+
+
+class ConfigCache:
+    """Winning configs of one GPU + Triton version: in memory, mirrored to a JSON file.
+
+    Writes merge with what is on disk (another process may have tuned other shapes meanwhile) and
+    replace the file atomically, so a reader never sees half a file. An unreadable file is ignored."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._mem: dict[str, Config] | None = None
+
+    @staticmethod
+    def key(n: int, k: int, bucket: int) -> str:
+        return f"N{n}_K{k}_M{bucket}"
+
+    def _read_disk(self) -> dict[str, Config]:
+        try:
+            data = json.loads(self.path.read_text())
+            return {k: v for k, v in data.get("configs", {}).items() if isinstance(v, dict)}
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str) -> Config | None:
+        with self._lock:
+            if self._mem is None:
+                self._mem = self._read_disk()
+            return self._mem.get(key)
+
+    def put(self, key: str, cfg: Config, meta: dict | None = None) -> None:
+        with self._lock:
+            merged = self._read_disk()
+            merged.update(self._mem or {})
+            merged[key] = cfg
+            self._mem = merged
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    json.dump({**(meta or {}), "configs": merged}, f, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
+            except OSError:
+                pass  # NOTE: a read-only home only costs a re-tune in the next process
+
+
+def pick_config(cache: ConfigCache, key: str, configs: list[Config],
+                time_fn: Callable[[Config], float], meta: dict | None = None) -> Config:
+    """Cached winner for ``key``, or time every candidate (``time_fn`` -> ms; an exception such as
+    out-of-resources counts as infinitely slow), store the fastest and return it."""
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    best, best_ms = None, math.inf
+    for cfg in configs:
+        try:
+            ms = float(time_fn(cfg))
+        except Exception:  # noqa: BLE001 - a config that fails to compile or launch is just skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"int8 GEMM autotune {key}: every candidate config failed to run")
+    cache.put(key, best, meta)
+    return best

@@ -1,0 +1,137 @@
+"""Fused W8A8 GEMM: int8 x int8 -> int32 on tensor cores, per-token x per-channel dequant and bias in the epilogue.
+
+``out[m, n] = acc[m, n] * a_scale[m] * w_scale[n] + bias[n]`` in fp32, stored as bf16 / fp16 / fp32, where
+``acc = A_q @ W_q.T`` is the exact int32 accumulator (``OUT_INT32`` stores ``acc`` itself).
+
+Layouts: A int8 [M, K] and W int8 [N, K] (nn.Linear layout, K-major: the layout Hopper's 8-bit wgmma reads;
+an [K, N] weight runs ~4x slower, so W is never transposed). Any strides are taken as given (no copies); the
+fast path is unit K-stride, which Triton specialises on. Any M, N, K: M/N tails wrap on load (``% M``) and are
+masked on store, K tails are masked (``EVEN_K`` drops that mask when BLOCK_K divides K).
+
+NOTE: int32 accumulation is exact while K * 127 * 127 < 2**31, i.e. K < 133,143 (the largest K in Ideogram 4
+is 53,248). Importing this module imports triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
+
+
+@triton.jit
+def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
+                      M, N, K,
+                      stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
+                      stride_as, stride_ws, stride_bias,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr,
+                      EVEN_K: tl.constexpr):
+    # Grouped ordering: GROUP_M row-tiles sweep N together, so the W tiles they share stay in L2
+    # (the standard Triton matmul trick; worth a few % on the 4608-row block GEMMs).
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # Row / column tails wrap (% M, % N) so the loads need no mask; the store masks them.
+    offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_wn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + offs_wn[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+    c_ptrs = c_ptr + offs_cm[:, None].to(tl.int64) * stride_cm + offs_cn[None, :] * stride_cn
+    if OUT_INT32:
+        tl.store(c_ptrs, acc, mask=c_mask)
+    else:
+        a_s = tl.load(as_ptr + offs_cm * stride_as, mask=offs_cm < M, other=0.0)
+        w_s = tl.load(ws_ptr + offs_cn * stride_ws, mask=offs_cn < N, other=0.0)
+        out = acc.to(tl.float32) * a_s[:, None] * w_s[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_cn * stride_bias, mask=offs_cn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None, out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Runs the kernel with one config into ``out`` (int32 or float [M, N]); inputs already validated,
+    M, N, K > 0. ``a_scale``/``w_scale``/``bias`` may have stride 0 (a broadcast scalar)."""
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    out_int32 = out.dtype == torch.int32
+    has_bias = bias is not None and not out_int32
+    _int8_gemm_kernel[grid](
+        a_q, w_q, out, a_scale, w_scale, bias if has_bias else a_scale,
+        m, n, k,
+        a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
+        a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+_TUNED: dict[tuple, dict] = {}      # (device index, N, K, M bucket) -> config, for this process
+_CACHES: dict[int, object] = {}     # device index -> autotune.ConfigCache
+
+
+def _device_cache(device: torch.device):
+    from . import autotune
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CACHES:
+        _CACHES[idx] = autotune.ConfigCache(
+            autotune.cache_file(torch.cuda.get_device_name(idx), triton.__version__))
+    return _CACHES[idx]
+
+
+def select_config(a_q, a_scale, w_q, w_scale, bias, out) -> dict:
+    """The config for this (N, K, M bucket): memoised, else from the on-disk cache, else timed now with
+    ``triton.testing.do_bench`` on these very tensors (``out`` is overwritten by the real call after)."""
+    from . import autotune
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    bucket = autotune.m_bucket(m)
+    if a_q.device.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the first config
+        return autotune.interpreter_configs()[1 if m <= autotune.SMALL_M else 0]
+    memo_key = (a_q.device.index, n, k, bucket)
+    cfg = _TUNED.get(memo_key)
+    if cfg is not None:
+        return cfg
+    props = torch.cuda.get_device_properties(a_q.device)
+    cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket)
+
+    def time_fn(c):
+        return triton.testing.do_bench(
+            lambda: launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, c),
+            warmup=10, rep=40, return_mode="median")
+
+    meta = {"gpu": props.name, "triton": triton.__version__}
+    cfg = autotune.pick_config(_device_cache(a_q.device), autotune.ConfigCache.key(n, k, bucket),
+                               cands, time_fn, meta)
+    _TUNED[memo_key] = cfg
+    return cfg

@@ -1,0 +1,125 @@
+"""Per-token activation quantization: one Triton program per row, bit-exact with
+``quant.quantize.quantize_per_token_ref``.
+
+``x [M, K]`` float (any strides) -> ``(int8 [M, K] contiguous, fp32 scale [M])``::
+
+    x'       = float32(x) * inv_smooth          (when given; one fp32 multiply, as the reference)
+    absmax   = max_k |x'|
+    scale    = absmax / 127                     (IEEE division: div_rn, not the fast reciprocal)
+    mult     = 127 / absmax                     (IEEE division; 1 for all-zero or non-finite rows)
+    q        = clamp(rint(x' * mult), -127, 127) (rint: round half to even)
+
+All-zero rows give scale 0 and zeros; a row with NaN/Inf gives scale NaN and zeros (see quant/quantize.py).
+Any K: two passes over the row in BLOCK_K chunks (the second pass re-reads from L2 for K up to tens of
+thousands). Importing this module imports triton.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_BLOCK_K = 8192
+
+
+def _interpreter_compat() -> None:
+    """NOTE: Triton 3.6's interpreter turns a scalar kernel argument into a Python int with
+    ``int(array([v]))``, which numpy >= 2.4 refuses ("only 0-dimensional arrays ..."), so any
+    ``range(0, K, ...)`` loop fails on CPU. Re-patch that one hook to read the single element.
+    Only under TRITON_INTERPRET=1; harmless with older numpy."""
+    import triton.runtime.interpreter as interp
+    orig = interp._patch_lang_tensor
+    if getattr(orig, "_int8_fused_compat", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._int8_fused_compat = True
+    interp._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _interpreter_compat()
+
+
+@triton.jit
+def _rint(y, INTERPRET: tl.constexpr):
+    # Round half to even. Compiled: libdevice rint (one cvt.rni). The interpreter has no libdevice, so it
+    # adds and subtracts 1.5 * 2**23 in IEEE fp32 (exact for |y| < 2**22; |y| <= 127 here); no FMA can
+    # contract it there because the interpreter runs each numpy op separately.
+    if INTERPRET:
+        return (y + 12582912.0) - 12582912.0
+    else:
+        return libdevice.rint(y)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
+                       M, K,
+                       stride_xm, stride_xk, stride_qm,
+                       HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    cols = tl.arange(0, BLOCK_K)
+
+    # pass 1: absmax and a non-finite flag (NaN fails `< inf` as well as Inf does)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + cols
+        mask = ks < K
+        x = tl.load(x_row + ks * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            x = x * tl.load(inv_ptr + ks, mask=mask, other=1.0).to(tl.float32)
+        ax = tl.abs(x)
+        bad = tl.maximum(bad, tl.where(ax < float("inf"), 0, 1))
+        amax = tl.maximum(amax, ax)
+    row_amax = tl.max(amax, axis=0)
+    row_bad = tl.max(bad, axis=0) > 0
+    usable = (row_amax > 0.0) & (~row_bad)
+    scale = tl.where(row_bad, float("nan"), tl.math.div_rn(row_amax, 127.0))
+    mult = tl.math.div_rn(127.0, tl.where(usable, row_amax, 1.0))
+    tl.store(s_ptr + row, scale)
+
+    # pass 2: quantize
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + cols
+        mask = ks < K
+        x = tl.load(x_row + ks * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            x = x * tl.load(inv_ptr + ks, mask=mask, other=1.0).to(tl.float32)
+        q = _rint(x * mult, INTERPRET)
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        q = tl.where(usable, q, 0.0)
+        tl.store(q_row + ks, q.to(tl.int8), mask=mask)
+
+
+def _block_k(k: int) -> tuple[int, int]:
+    """(BLOCK_K, num_warps): the whole row in one chunk up to 8192, else 8192-wide chunks."""
+    bk = min(triton.next_power_of_2(max(k, 16)), MAX_BLOCK_K)
+    warps = 4 if bk <= 2048 else 8 if bk <= 4096 else 16
+    return bk, warps
+
+
+def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
+                              q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Fills ``q`` (int8 [M, K], unit column stride) and ``scale`` (fp32 [M]); inputs already validated."""
+    m, k = x.shape
+    if m == 0:
+        return
+    if k == 0:
+        scale.zero_()
+        return
+    bk, warps = _block_k(k)
+    inv = inv_smooth if inv_smooth is not None else scale  # dummy pointer when HAS_SMOOTH is False
+    _quant_rows_kernel[(m,)](x, inv, q, scale, m, k,
+                             x.stride(0), x.stride(1), q.stride(0),
+                             HAS_SMOOTH=inv_smooth is not None, BLOCK_K=bk, INTERPRET=INTERPRET,
+                             num_warps=warps)
