@@ -37,7 +37,9 @@ def hopper_configs() -> list[Config]:
         _cfg(128, 128, 128, 8, 3),
         _cfg(128, 128, 128, 8, 4),
         _cfg(128, 256, 128, 8, 3),   # 144 KB smem: halves A re-reads on wide N (qkv, w1)
+        _cfg(128, 256, 128, 8, 4),   # 192 KB: deeper pipeline, still under sm_90's 227 KB
         _cfg(256, 128, 128, 8, 3),
+        _cfg(256, 128, 64, 8, 4),
         _cfg(128, 256, 64, 8, 4),
         _cfg(128, 128, 64, 4, 5),
         _cfg(64, 128, 128, 4, 4),    # more tiles for short M (text projection, M = 512)
@@ -154,6 +156,9 @@ class ConfigCache:
                 pass  # NOTE: a read-only home only costs a re-tune in the next process
 
 
+TIMINGS: dict[str, list[tuple[Config, float]]] = {}  # key -> every candidate's time, for bench reports
+
+
 def pick_config(cache: ConfigCache, key: str, configs: list[Config],
                 time_fn: Callable[[Config], float], meta: dict | None = None) -> Config:
     """Cached winner for ``key``, or time every candidate (``time_fn`` -> ms; an exception such as
@@ -162,11 +167,14 @@ def pick_config(cache: ConfigCache, key: str, configs: list[Config],
     if hit is not None:
         return hit
     best, best_ms = None, math.inf
+    TIMINGS[key] = []
     for cfg in configs:
         try:
             ms = float(time_fn(cfg))
         except Exception:  # noqa: BLE001 - a config that fails to compile or launch is just skipped
+            TIMINGS[key].append((cfg, math.inf))
             continue
+        TIMINGS[key].append((cfg, ms))
         if ms < best_ms:
             best, best_ms = cfg, ms
     if best is None:
