@@ -57,8 +57,9 @@ def torch_quant_fp8(x):
 
 
 def check_correctness(log):
-    """Compiled kernels vs the references; raises on any mismatch."""
+    """Compiled kernels vs the references (evaluated on the GPU); returns the number of failed checks."""
     dev = "cuda"
+    failures = 0
     g = torch.Generator(device=dev).manual_seed(1)
     for (m, k, dt, smooth) in [(1, 4608, torch.bfloat16, False), (4608, 4608, torch.bfloat16, True),
                                (512, 53248, torch.bfloat16, True), (300, 1000, torch.float16, False),
@@ -70,9 +71,11 @@ def check_correctness(log):
         inv = (torch.rand(k, device=dev, generator=g) + 0.5) if smooth else None
         q, s = kernel.quantize_per_token(x, inv)
         qr, sr = quantize_per_token_ref(x, inv)
-        ok = torch.equal(q, qr) and torch.equal(s.nan_to_num(-1), sr.nan_to_num(-1))
-        log(f"check quantize M={m} K={k} {dt} smooth={smooth}: {'bit-exact' if ok else 'MISMATCH'}")
-        assert ok, "quantizer mismatch"
+        nq = (q != qr).sum().item()
+        ns = (s.nan_to_num(-1) != sr.nan_to_num(-1)).sum().item()
+        log(f"check quantize M={m} K={k} {dt} smooth={smooth}: "
+            + ("bit-exact" if nq == ns == 0 else f"MISMATCH {nq} q, {ns} scales"))
+        failures += nq + ns > 0
     for (m, n, k) in [(1, 18432, 512), (17, 4608, 4608), (300, 1000, 1000), (2816, 13824, 4608),
                       (4608, 4608, 12288), (512, 4608, 53248), (4608, 12288, 4608)]:
         a = torch.randint(-127, 128, (m, k), device=dev, dtype=torch.int8, generator=g)
@@ -84,7 +87,7 @@ def check_correctness(log):
             ref, how = int8_matmul_ref(a.cpu(), w.cpu()).to(dev), "int64 matmul"
         ok = torch.equal(acc, ref)
         log(f"check int32 acc M={m} N={n} K={k} vs {how}: {'bit-exact' if ok else 'MISMATCH'}")
-        assert ok, "accumulator mismatch"
+        failures += not ok
         a_s = torch.rand(m, device=dev, generator=g) * 1e-2
         w_s = torch.rand(n, device=dev, generator=g) * 1e-2
         bias = torch.randn(n, device=dev, generator=g)
@@ -93,7 +96,9 @@ def check_correctness(log):
         bound = (ref.double().abs() * a_s.double()[:, None] * w_s.double()[None, :] + bias.double().abs())
         err = ((y.double() - r).abs() / bound).max().item()
         log(f"check epilogue fp32 M={m} N={n} K={k}: max err / (|acc*sa*sw|+|b|) = {err:.2e}")
-        assert err < 1e-6, "epilogue error"
+        failures += not err < 1e-6
+    log(f"checks: {'all passed' if failures == 0 else f'{failures} FAILED'}")
+    return failures
 
 
 def make_paths(case, m, n, k, has_bias, nrot):

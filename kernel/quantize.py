@@ -5,9 +5,17 @@
 
     x'       = float32(x) * inv_smooth          (when given; one fp32 multiply, as the reference)
     absmax   = max_k |x'|
-    scale    = absmax / 127                     (IEEE division: div_rn, not the fast reciprocal)
-    mult     = 127 / absmax                     (IEEE division; 1 for all-zero or non-finite rows)
+    mult     = (1 / absmax) * 127               (1 for all-zero or non-finite rows)
     q        = clamp(rint(x' * mult), -127, 127) (rint: round half to even)
+    scale    = absmax / 127          on CPU  (IEEE division)
+             = absmax * fp32(1/127)  on CUDA
+
+NOTE: those two lines are what the reference's torch ops compute, rounding for rounding. ``127.0 / t`` is
+``t.reciprocal() * 127`` in torch (two roundings, on every device; it differs from one IEEE division for ~25 %
+of inputs), and on CUDA ``t / 127.0`` is ``t * (1/127)`` (ATen's div_true_kernel_cuda turns a CPU-scalar divisor
+into a reciprocal multiply) while the CPU divides. The divisions here are div_rn (IEEE), never the fast
+``div.full`` that Triton's ``/`` gives. So the kernel is bit-exact with ``quantize_per_token_ref`` evaluated on
+the same device; the CPU and CUDA references themselves differ by at most 1 ulp in ``scale`` (never in q).
 
 All-zero rows give scale 0 and zeros; a row with NaN/Inf gives scale NaN and zeros (see quant/quantize.py).
 Any K: two passes over the row in BLOCK_K chunks (the second pass re-reads from L2 for K up to tens of
@@ -63,7 +71,8 @@ def _rint(y, INTERPRET: tl.constexpr):
 def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
                        M, K,
                        stride_xm, stride_xk, stride_qm,
-                       HAS_SMOOTH: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                       HAS_SMOOTH: tl.constexpr, SCALE_RECIP: tl.constexpr, BLOCK_K: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     q_row = q_ptr + row.to(tl.int64) * stride_qm
@@ -84,8 +93,12 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
     row_amax = tl.max(amax, axis=0)
     row_bad = tl.max(bad, axis=0) > 0
     usable = (row_amax > 0.0) & (~row_bad)
-    scale = tl.where(row_bad, float("nan"), tl.math.div_rn(row_amax, 127.0))
-    mult = tl.math.div_rn(127.0, tl.where(usable, row_amax, 1.0))
+    if SCALE_RECIP:
+        scale = row_amax * 0.007874015718698502  # fp32(1/127), exactly as ATen's CUDA division by a scalar
+    else:
+        scale = tl.math.div_rn(row_amax, 127.0)
+    scale = tl.where(row_bad, float("nan"), scale)
+    mult = tl.math.div_rn(1.0, tl.where(usable, row_amax, 1.0)) * 127.0  # torch: 127 / t == t.reciprocal() * 127
     tl.store(s_ptr + row, scale)
 
     # pass 2: quantize
@@ -121,5 +134,5 @@ def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
     inv = inv_smooth if inv_smooth is not None else scale  # dummy pointer when HAS_SMOOTH is False
     _quant_rows_kernel[(m,)](x, inv, q, scale, m, k,
                              x.stride(0), x.stride(1), q.stride(0),
-                             HAS_SMOOTH=inv_smooth is not None, BLOCK_K=bk, INTERPRET=INTERPRET,
+                             HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, BLOCK_K=bk, INTERPRET=INTERPRET,
                              num_warps=warps)
