@@ -1,0 +1,315 @@
+"""Per-step timing of the MODELs this pack patches, sent to the frontend widget (web/int8_fused.js).
+
+``instrument(model_patcher, node_id=..., backend=...)`` adds three wrappers to a cloned ModelPatcher
+(``add_wrapper_with_key``, so other packs' wrappers and ``set_model_unet_function_wrapper`` keep working):
+
+  OUTER_SAMPLE     brackets one sampling run: opens a :class:`Run`, wraps the sampler's per-step callback
+                   to mark step boundaries, and in ``finally`` closes the run (also when interrupted),
+                   sends ``int8_fused.summary`` and keeps it in a bounded ring buffer.
+  APPLY_MODEL      one model call: reads the CFG branch from ``transformer_options["cond_or_uncond"]``
+                   (0 cond, 1 uncond; [1, 0] is both batched together) and times the call unless ...
+  DIFFUSION_MODEL  ... the architecture also runs this one (Flux, Lumina2/Z-Image, Qwen, Wan, ...): then
+                   the time is that of the diffusion model's forward alone.
+
+A step's time is the sum of its model calls' wall times (cond + uncond, or both batched; two calls
+for second-order samplers). Steps end at the sampler's callback (once per step, with its index); a
+sampler that never calls back gets one step per distinct sigma instead.
+
+No synchronisation is added inside a step. On a GPU each model call records two CUDA events on the
+current stream (``Event.record`` is asynchronous); nothing waits on them while sampling. At each step
+boundary the finished steps are resolved with ``Event.query()``, which never blocks, and their
+``int8_fused.step`` events are sent then (so on a GPU the live chart may trail the sampler by a step).
+Only when sampling has ended does the summary ``synchronize()`` the last event, when the sampler's output
+is about to be consumed anyway. On the CPU, calls are synchronous and timed with ``time.perf_counter``.
+
+WebSocket events (``PromptServer.instance.send_sync``, to every connected page):
+  int8_fused.step     {run, node, backend, device, step (0-based), steps, seconds, branches, calls}
+  int8_fused.summary  {run, node, backend, device, workload, prompt_id, status ("ok" | "interrupted"),
+                       timer ("cuda_events" | "perf_counter"), steps, step_seconds [..], mean, median,
+                       total, branches {branch: seconds}, calls, started (unix time)}
+HTTP: GET /int8_fused/runs -> {"runs": [summary, ...] (oldest first, at most RING_SIZE), "ring_size"}
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import statistics
+import threading
+import time
+
+import torch
+
+log = logging.getLogger("int8_fused")
+
+WRAPPER_KEY = "int8_fused.timing"
+RING_SIZE = 64
+_RUNS: collections.deque = collections.deque(maxlen=RING_SIZE)
+_RUNS_LOCK = threading.Lock()
+_RUN_IDS = itertools.count(1)
+
+
+# --------------------------------------------------------------------------- messages
+def _server():
+    try:
+        from server import PromptServer
+    except Exception:  # not running inside ComfyUI's server (plain in-process use)
+        return None
+    return getattr(PromptServer, "instance", None)
+
+
+def _send(event: str, data: dict) -> None:
+    srv = _server()
+    if srv is None:
+        return
+    try:
+        srv.send_sync(event, data)
+    except Exception as e:  # a closed loop must never break sampling
+        log.debug("int8_fused: could not send %s: %s", event, e)
+
+
+def recent_runs() -> list[dict]:
+    """The summaries of the last ``RING_SIZE`` runs, oldest first."""
+    with _RUNS_LOCK:
+        return list(_RUNS)
+
+
+def _register_routes() -> None:
+    srv = _server()
+    if srv is None or getattr(srv, "_int8_fused_routes", False):
+        return
+    from aiohttp import web
+
+    @srv.routes.get("/int8_fused/runs")
+    async def _runs(request):
+        return web.json_response({"runs": recent_runs(), "ring_size": RING_SIZE})
+
+    srv._int8_fused_routes = True
+
+
+# --------------------------------------------------------------------------- timers
+class _CpuTimer:
+    kind = "perf_counter"
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.seconds = None
+
+    def stop(self):
+        self.seconds = time.perf_counter() - self.t0
+
+    def ready(self) -> bool:
+        return True
+
+    def result(self, block: bool = False) -> float:
+        return self.seconds
+
+
+class _CudaTimer:
+    """Two events on the current stream; elapsed time read only once the end event has completed."""
+    kind = "cuda_events"
+
+    def __init__(self, device):
+        self.stream = torch.cuda.current_stream(device)
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record(self.stream)
+
+    def stop(self):
+        self.end.record(self.stream)
+
+    def ready(self) -> bool:
+        return self.end.query()  # non-blocking
+
+    def result(self, block: bool = False) -> float:
+        if block:
+            self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
+def _timer(device):
+    if device is not None and device.type == "cuda":
+        return _CudaTimer(device)
+    return _CpuTimer()
+
+
+def _branch(cond_or_uncond) -> str:
+    """[0] -> "cond", [1] -> "uncond", [1, 0] -> "cond+uncond" (batched together)."""
+    names = {0: "cond", 1: "uncond"}
+    tags = sorted({names.get(int(c), str(c)) for c in (cond_or_uncond or [])})
+    return "+".join(tags) if tags else "unknown"
+
+
+# --------------------------------------------------------------------------- one sampling run
+class Run:
+    """Timers of one sampling run, grouped into steps; resolves them without blocking."""
+
+    def __init__(self, *, node_id, backend, device, workload, steps_planned, prompt_id):
+        self.id = f"{node_id}-{next(_RUN_IDS)}"
+        self.node_id, self.backend, self.device = node_id, backend, device
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.workload, self.steps_planned, self.prompt_id = workload, steps_planned, prompt_id
+        self.started = time.time()
+        self.open: list[tuple[str, object]] = []        # (branch, timer) of the current step
+        self.closed: list[list[tuple[str, object]]] = []  # finished steps, timers maybe unresolved
+        self.resolved: list[dict] = []                  # {"seconds", "branches", "calls"} per step
+        self.open_sigmas: list = []                     # sigma tensor of each open call (by identity)
+        self.callbacks_seen = False
+        self.timer_kind = "cuda_events" if device.type == "cuda" else "perf_counter"
+
+    def call_started(self, branch: str, sigma, device):
+        t = _timer(device)
+        self.add_call(branch, sigma, t)
+        return t
+
+    def add_call(self, branch: str, sigma, timer) -> None:
+        self.open.append((branch, timer))
+        self.open_sigmas.append(sigma)
+
+    def end_step(self):
+        if self.open:
+            self.closed.append(self.open)
+            self.open, self.open_sigmas = [], []
+        self.resolve(block=False)
+
+    def resolve(self, block: bool):
+        """Turn finished steps into seconds, in order, and announce each; stop at the first pending."""
+        while len(self.resolved) < len(self.closed):
+            timers = self.closed[len(self.resolved)]
+            if not block and not all(t.ready() for _, t in timers):
+                return
+            branches: dict[str, float] = {}
+            for br, t in timers:
+                branches[br] = branches.get(br, 0.0) + t.result(block=block)
+            step = {"seconds": sum(branches.values()), "branches": branches, "calls": len(timers)}
+            self.resolved.append(step)
+            _send("int8_fused.step", {**self._tags(), "step": len(self.resolved) - 1,
+                                      "steps": self.steps_planned, **step})
+
+    def finish(self, status: str) -> dict:
+        if not self.callbacks_seen:  # a sampler that never called back: one step per sigma tensor
+            groups, prev = [], object()
+            for call, sigma in zip(self.open, self.open_sigmas):
+                if not groups or sigma is not prev:
+                    groups.append([])
+                groups[-1].append(call)
+                prev = sigma
+            self.closed.extend(groups)
+            self.open, self.open_sigmas = [], []
+        self.end_step()
+        self.resolve(block=True)
+        secs = [s["seconds"] for s in self.resolved]
+        branches: dict[str, float] = {}
+        for s in self.resolved:
+            for br, v in s["branches"].items():
+                branches[br] = branches.get(br, 0.0) + v
+        total = sum(secs)
+        return {**self._tags(), "workload": self.workload, "prompt_id": self.prompt_id,
+                "status": status, "timer": self.timer_kind, "steps": len(secs),
+                "step_seconds": secs, "mean": total / len(secs) if secs else None,
+                "median": statistics.median(secs) if secs else None, "total": total,
+                "branches": branches, "calls": sum(s["calls"] for s in self.resolved),
+                "started": self.started}
+
+    def _tags(self) -> dict:
+        return {"run": self.id, "node": self.node_id, "backend": self.backend,
+                "device": self.device_name}
+
+
+# --------------------------------------------------------------------------- the wrappers
+class _Recorder:
+    """The wrappers of one instrumented MODEL (shared by its clones, which copy the wrapper lists)."""
+
+    def __init__(self, node_id: str, backend: str):
+        self.node_id, self.backend = node_id, backend
+        self.run: Run | None = None
+        self.in_call = None  # (branch, sigma, device) of the APPLY_MODEL call in progress
+        self.inner_timed = False
+
+    def outer_sample(self, executor, noise, latent_image, sampler, sigmas, denoise_mask=None,
+                     callback=None, *args, **kwargs):
+        guider = executor.class_obj
+        patcher = getattr(guider, "model_patcher", None)
+        device = getattr(patcher, "load_device", None) or noise.device
+        model_name = type(getattr(patcher, "model", None)).__name__
+        run = Run(node_id=self.node_id, backend=self.backend, device=torch.device(device),
+                  workload=f"{model_name} {'x'.join(str(d) for d in noise.shape)}",
+                  steps_planned=max(int(sigmas.shape[-1]) - 1, 0), prompt_id=_prompt_id())
+        outer_run, self.run = self.run, run
+
+        def step_callback(*cb_args, **cb_kwargs):
+            run.callbacks_seen = True
+            run.end_step()
+            if callback is not None:
+                return callback(*cb_args, **cb_kwargs)
+
+        status = "interrupted"
+        try:
+            out = executor(noise, latent_image, sampler, sigmas, denoise_mask, step_callback,
+                           *args, **kwargs)
+            status = "ok"
+            return out
+        finally:
+            self.run = outer_run
+            try:
+                summary = run.finish(status)
+                with _RUNS_LOCK:
+                    _RUNS.append(summary)
+                _send("int8_fused.summary", summary)
+            except Exception as e:  # timing must never turn a finished sampling into an error
+                log.warning("int8_fused: timing summary failed: %s", e)
+
+    def apply_model(self, executor, x, t, c_concat=None, c_crossattn=None, control=None,
+                    transformer_options={}, **kwargs):
+        if self.run is None:  # called outside a sampling run (e.g. by another pack): untimed
+            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        branch = _branch(transformer_options.get("cond_or_uncond"))
+        sigma = transformer_options.get("sigmas")  # compared by identity: reading it could sync
+        prev = self.in_call, self.inner_timed
+        self.in_call, self.inner_timed = (branch, sigma, x.device), False
+        try:
+            timer = _timer(x.device)  # used only if DIFFUSION_MODEL does not time the call
+            out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+            if not self.inner_timed:
+                timer.stop()
+                self.run.add_call(branch, sigma, timer)
+            return out
+        finally:
+            self.in_call, self.inner_timed = prev
+
+    def diffusion_model(self, executor, *args, **kwargs):
+        if self.run is None or self.in_call is None or self.inner_timed:
+            return executor(*args, **kwargs)
+        branch, sigma, device = self.in_call
+        self.inner_timed = True
+        timer = self.run.call_started(branch, sigma, device)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            timer.stop()
+
+
+def _prompt_id():
+    srv = _server()
+    return getattr(srv, "last_prompt_id", None) if srv is not None else None
+
+
+def instrument(model_patcher, *, node_id: str, backend: str) -> None:
+    """Record per-step model-call times of ``model_patcher`` (a clone the caller owns) for the widget.
+
+    Calling it again on the same patcher replaces the earlier timing wrappers (the latest node wins).
+    """
+    import comfy.patcher_extension as pe
+
+    rec = _Recorder(str(node_id), str(backend))
+    for kind, fn in ((pe.WrappersMP.OUTER_SAMPLE, rec.outer_sample),
+                     (pe.WrappersMP.APPLY_MODEL, rec.apply_model),
+                     (pe.WrappersMP.DIFFUSION_MODEL, rec.diffusion_model)):
+        model_patcher.remove_wrappers_with_key(kind, WRAPPER_KEY)
+        model_patcher.add_wrapper_with_key(kind, WRAPPER_KEY, fn)
+
+
+_register_routes()
+
+NODE_CLASS_MAPPINGS: dict = {}
+NODE_DISPLAY_NAME_MAPPINGS: dict = {}

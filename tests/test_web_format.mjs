@@ -1,0 +1,86 @@
+// Unit tests of web/int8_format.js (node --test tests/test_web_format.mjs; also run by test_web_format.py).
+import test from "node:test";
+import assert from "node:assert/strict";
+import * as f from "../web/int8_format.js";
+
+test("seconds pick ms below 0.1 s and three significant digits", () => {
+  assert.equal(f.fmtSeconds(0.0429), "42.9 ms");
+  assert.equal(f.fmtSeconds(0.05), "50 ms");
+  assert.equal(f.fmtSeconds(0.00123), "1.23 ms");
+  assert.equal(f.fmtSeconds(0.2134), "0.213 s");
+  assert.equal(f.fmtSeconds(1.5833), "1.58 s");
+  assert.equal(f.fmtSeconds(12.34), "12.3 s");
+  assert.equal(f.fmtSeconds(1234.5), "1235 s");
+  assert.equal(f.fmtPerStep(0.21), "0.21 s/step");
+});
+
+test("missing or invalid numbers show a dash, never NaN", () => {
+  for (const v of [null, undefined, NaN, -1, Infinity, "0.2"]) {
+    assert.equal(f.fmtSeconds(v), "\u2014");
+    assert.equal(f.fmtPerStep(v), "\u2014");
+  }
+  assert.equal(f.fmtRatio(null), "\u2014");
+  assert.equal(f.speedup(0, 1), null);
+  assert.equal(f.speedup(1, 0), null);
+  assert.equal(f.mean([]), null);
+  assert.equal(f.median([]), null);
+  assert.equal(f.statsText(null), "no run yet");
+});
+
+test("ratios are base / this, three significant digits", () => {
+  assert.equal(f.fmtRatio(f.speedup(0.3318, 0.21)), "1.58\u00d7");
+  assert.equal(f.fmtRatio(f.speedup(0.2, 0.4)), "0.5\u00d7");
+  assert.equal(f.fmtRatio(12.04), "12\u00d7");
+});
+
+test("mean and median agree with a direct computation on random data", () => {
+  for (let trial = 0; trial < 20; trial++) {
+    const n = 1 + Math.floor(Math.random() * 30);
+    const xs = Array.from({ length: n }, () => Math.random() * 2);
+    const sorted = [...xs].sort((a, b) => a - b);
+    const want = n % 2 ? sorted[(n - 1) / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+    assert.equal(f.median(xs), want);
+    let s = 0;
+    for (const x of xs) s += x;
+    assert.ok(Math.abs(f.mean(xs) - s / n) < 1e-12);
+  }
+});
+
+test("badge and stats labels", () => {
+  assert.equal(f.badgeText("fused_triton", "NVIDIA H200"), "fused_triton \u00b7 NVIDIA H200");
+  assert.equal(f.badgeText("bf16", null), "bf16");
+  assert.equal(f.badgeText(null, null), "no backend");
+  const run = { steps: 4, mean: 0.2134, median: 0.2, total: 0.8536 };
+  assert.equal(f.statsText(run),
+    "mean 0.213 s/step \u00b7 median 0.2 s/step \u00b7 total 0.854 s");
+  assert.equal(f.progressText(3, 20, false), "step 3/20");
+  assert.equal(f.progressText(1, 1, true), "1 step");
+  assert.equal(f.progressText(20, 20, true), "20 steps");
+});
+
+const run = (backend, mean, started, extra = {}) =>
+  ({ backend, device: "cpu", mean, started, steps: 4, status: "ok", workload: "Flux 1x16x8x8", ...extra });
+
+test("comparison takes the latest finished run of each backend against bf16", () => {
+  const runs = [
+    run("bf16", 0.9, 1), run("bf16", 0.3318, 5), run("fused_triton", 0.5, 2),
+    run("fused_triton", 0.21, 6), run("torch_int_mm", 0.1, 7, { status: "interrupted" }),
+    run("torch_int_mm", 0.25, 3), run("dequant_bf16", 0.05, 8, { workload: "other" }),
+  ];
+  const rows = f.compareRows(runs, "Flux 1x16x8x8");
+  assert.deepEqual(rows.map((r) => r.label), [
+    "fused_triton 0.21 s/step, 1.58\u00d7 bf16",
+    "torch_int_mm 0.25 s/step, 1.33\u00d7 bf16",
+    "bf16 0.332 s/step (baseline)",
+  ]);
+  assert.equal(rows[0].ratio, 0.3318 / 0.21);
+});
+
+test("without bf16 the dequant baseline is used; without either, no ratios", () => {
+  const rows = f.compareRows([run("dequant_bf16", 0.4, 1), run("fused_triton", 0.2, 2)]);
+  assert.equal(rows[0].label, "fused_triton 0.2 s/step, 2\u00d7 dequant_bf16");
+  const solo = f.compareRows([run("fused_triton", 0.2, 2)]);
+  assert.deepEqual(solo.map((r) => [r.label, r.ratio]), [["fused_triton 0.2 s/step", null]]);
+  assert.deepEqual(f.compareRows([]), []);
+  assert.deepEqual(f.compareRows(null), []);
+});

@@ -1,0 +1,109 @@
+// Pure formatting and comparison logic of the timing widget (no DOM, no ComfyUI imports), so that
+// node's test runner can check it (tests/test_web_format.mjs). Run summaries have the shape sent by
+// nodes/timing.py: {run, node, backend, device, workload, status, steps, step_seconds, mean, median,
+// total, started}.
+
+// Backends whose latest run serves as "1.00x", most preferred first: the unquantized control, then
+// the dequantize-to-bf16 baseline.
+export const BASELINES = ["bf16", "dequant_bf16"];
+
+const DASH = "\u2014";
+const TIMES = "\u00d7";
+
+const isNum = (v) => typeof v === "number" && Number.isFinite(v);
+
+/** 0.0429 -> "42.9 ms", 0.213 -> "0.213 s", 12.34 -> "12.3 s", 1234.5 -> "1235 s". */
+export function fmtSeconds(s) {
+  if (!isNum(s) || s < 0) return DASH;
+  if (s < 0.1) return `${Number((s * 1000).toPrecision(3))} ms`;
+  if (s >= 1000) return `${Math.round(s)} s`;
+  return `${Number(s.toPrecision(3))} s`;
+}
+
+/** 0.213 -> "0.213 s/step". */
+export function fmtPerStep(s) {
+  return isNum(s) && s >= 0 ? `${fmtSeconds(s)}/step` : DASH;
+}
+
+/** How many times faster `mean` is than `baseMean` (null when either is missing or zero). */
+export function speedup(baseMean, mean) {
+  if (!isNum(baseMean) || !isNum(mean) || baseMean <= 0 || mean <= 0) return null;
+  return baseMean / mean;
+}
+
+/** 1.5833 -> "1.58x", 0.6 -> "0.6x", 12.04 -> "12x" (three significant digits, trailing zeros cut). */
+export function fmtRatio(r) {
+  if (!isNum(r) || r <= 0) return DASH;
+  return `${Number(r.toPrecision(3))}${TIMES}`;
+}
+
+export function mean(xs) {
+  const v = (xs || []).filter(isNum);
+  return v.length ? v.reduce((a, b) => a + b, 0) / v.length : null;
+}
+
+export function median(xs) {
+  const v = (xs || []).filter(isNum).sort((a, b) => a - b);
+  if (!v.length) return null;
+  const m = v.length >> 1;
+  return v.length % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
+
+/** Badge text: "fused_triton · NVIDIA H200"; just the backend when the device is unknown. */
+export function badgeText(backend, device) {
+  const b = backend || "no backend";
+  return device ? `${b} \u00b7 ${device}` : b;
+}
+
+/** "mean 0.213 s/step · median 0.21 s/step · total 4.26 s". */
+export function statsText(run) {
+  if (!run || !run.steps) return "no run yet";
+  return `mean ${fmtPerStep(run.mean)} \u00b7 median ${fmtPerStep(run.median)} \u00b7 total ${fmtSeconds(run.total)}`;
+}
+
+/** The latest finished run of each backend, optionally only those of one workload (model + latent). */
+export function latestByBackend(runs, workload = null) {
+  const latest = new Map();
+  for (const r of runs || []) {
+    if (!r || r.status !== "ok" || !r.steps || !isNum(r.mean)) continue;
+    if (workload && r.workload !== workload) continue;
+    const prev = latest.get(r.backend);
+    if (!prev || (r.started ?? 0) >= (prev.started ?? 0)) latest.set(r.backend, r);
+  }
+  return latest;
+}
+
+/** The baseline run among the latest per backend (see BASELINES), or null. */
+export function pickBaseline(latest) {
+  for (const name of BASELINES) if (latest.has(name)) return latest.get(name);
+  return null;
+}
+
+/** One comparison line: "fused_triton 0.21 s/step, 1.58× bf16" (or "(baseline)", or no ratio). */
+export function compareLabel(run, baseline) {
+  const head = `${run.backend} ${fmtPerStep(run.mean)}`;
+  if (!baseline) return head;
+  if (baseline === run) return `${head} (baseline)`;
+  return `${head}, ${fmtRatio(speedup(baseline.mean, run.mean))} ${baseline.backend}`;
+}
+
+/** Rows of the side-by-side comparison, fastest first: [{backend, device, mean, ratio, label}]. */
+export function compareRows(runs, workload = null) {
+  const latest = latestByBackend(runs, workload);
+  const base = pickBaseline(latest);
+  return [...latest.values()]
+    .sort((a, b) => a.mean - b.mean)
+    .map((r) => ({
+      backend: r.backend,
+      device: r.device,
+      mean: r.mean,
+      ratio: base ? speedup(base.mean, r.mean) : null,
+      label: compareLabel(r, base),
+    }));
+}
+
+/** "3/20" while sampling, "20 steps" when done. */
+export function progressText(done, planned, finished) {
+  if (finished) return `${done} step${done === 1 ? "" : "s"}`;
+  return planned ? `step ${done}/${planned}` : `step ${done}`;
+}
