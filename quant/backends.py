@@ -13,6 +13,9 @@ Backends:
                  matmul. Slow on purpose; it is the baseline and the always-available fallback.
   fp8_rowwise    FP8 e4m3 with per-row/per-channel scales through ``torch._scaled_mm`` (compute
                  capability >= 8.9); it runs from the INT8 weights dequantized and requantized to FP8.
+  comfy_kitchen  ``comfy_kitchen.int8_linear`` (ComfyUI's own kernel library: per-row activation
+                 quantization, int8 GEMM, fused dequantization and bias) when that package is importable
+                 and accepts per-channel weight scales on the device (checked once, numerically).
   bf16           the unquantized model: the control. It never quantizes a layer.
 """
 from __future__ import annotations
@@ -85,6 +88,46 @@ def _fused_triton_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
                                  layer.inv_smooth, out_dtype=x2d.dtype)
 
 
+def _comfy_kitchen_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
+    import comfy_kitchen as ck
+    if layer.inv_smooth is not None:  # kitchen has no smoothing input: divide in fp32, then round once
+        x2d = (x2d.float() * layer.inv_smooth[None, :]).to(x2d.dtype)
+    return ck.int8_linear(x2d, layer.qweight, layer.weight_scale, layer.bias, out_dtype=x2d.dtype)
+
+
+_KITCHEN_OK: dict[tuple, str | None] = {}
+
+
+def _comfy_kitchen_device(device: torch.device) -> str | None:
+    """Importable, and on ``device`` its int8_linear matches the reference with per-channel scales.
+
+    The probe runs once per device (a 32x64x48 problem): kitchen versions differ in the weight-scale
+    shapes they take, and a silently wrong scale would be worse than not offering the backend."""
+    key = (device.type, device.index)
+    if key in _KITCHEN_OK:
+        return _KITCHEN_OK[key]
+    try:
+        import comfy_kitchen  # noqa: F401
+    except Exception as e:  # ImportError, or a binary that fails to load
+        _KITCHEN_OK[key] = f"comfy_kitchen is not importable ({type(e).__name__}: {e}); pip install comfy-kitchen"
+        return _KITCHEN_OK[key]
+    try:
+        from .linear import Int8Linear
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 64, generator=g) * torch.linspace(0.1, 4.0, 48)[:, None]
+        layer = Int8Linear.from_float(w, torch.randn(48, generator=g)).to(device)
+        x = torch.randn(32, 64, generator=g).to(device=device, dtype=torch.bfloat16)
+        ref = _dequant_bf16_linear(x.float(), layer)
+        got = _comfy_kitchen_linear(x, layer).float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        _KITCHEN_OK[key] = None if err < 2e-2 else (
+            f"comfy_kitchen.int8_linear disagrees with the reference by {err:.1%} with per-channel "
+            "weight scales on this device (this kitchen version expects a per-tensor scale)")
+    except Exception as e:
+        _KITCHEN_OK[key] = f"comfy_kitchen.int8_linear failed on {device}: {type(e).__name__}: {e}"
+    return _KITCHEN_OK[key]
+
+
 def _fp8_weight(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 copy of the layer's (smoothed) weight with per-channel scales, made once and cached."""
     cached = getattr(layer, "_fp8_cache", None)
@@ -155,11 +198,13 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
             _any_device, _any_shape, _dequant_bf16_linear, fallback=None),
     Backend("fp8_rowwise", "FP8 e4m3 row-wise torch._scaled_mm", _fp8_device, _fp8_shape,
             _fp8_rowwise_linear, fallback="dequant_bf16"),
+    Backend("comfy_kitchen", "comfy_kitchen.int8_linear (ComfyUI's kernel library)", _comfy_kitchen_device,
+            _any_shape, _comfy_kitchen_linear, fallback="torch_int_mm"),
     Backend("bf16", "unquantized float model (control)", _any_device, _any_shape, None,
             fallback=None, quantizes=False),
 ]}
 
-PREFERENCE = ["fused_triton", "torch_int_mm", "dequant_bf16"]
+PREFERENCE = ["fused_triton", "comfy_kitchen", "torch_int_mm", "fp8_rowwise", "dequant_bf16", "bf16"]
 
 
 def get(name: str) -> Backend:

@@ -8,7 +8,15 @@ quantizes the activation per token (dividing by ``smooth`` first) and runs the s
 
 Everything is a buffer, so ``.to()``, ComfyUI's offloading and ``state_dict()`` round trips carry it.
 The int8 tensor is called ``qweight`` (not ``weight``) on purpose: code that patches float weights
-(LoRA, weight casting) must never reach it by its usual name.
+(LoRA, weight casting) must never reach it by its usual name; asking for ``.weight`` raises an error
+that says where the LoRA loader belongs.
+
+ComfyUI's ModelPatcher only moves and counts modules that own parameters or carry a
+``comfy_cast_weights`` attribute (``model_patcher.ModelPatcher._load_list``). This module has buffers
+only, so it carries that attribute (plus empty ``weight_function``/``bias_function`` lists, which
+lowvram loading resets): full loads move it with ``.to()``, partial (lowvram) loads may leave it on the
+offload device, and then the forward copies its tensors to the activation's device for the call —
+the same contract as ``comfy.ops`` casting layers.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from .quantize import dequantize, quantize_weight_per_channel
 class Int8Linear(nn.Module):
     """W8A8 linear layer; see the module docstring. ``backend`` names an entry of ``backends.BACKENDS``."""
 
+    comfy_cast_weights = False  # ComfyUI's lowvram loader may set True: tensors then stay offloaded
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, smooth: bool = False,
                  backend: str = "dequant_bf16", name: str = "", device=None):
         super().__init__()
@@ -33,6 +43,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
         self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device) if smooth else None)
         self.register_buffer("inv_smooth", None, persistent=False)
+        self.weight_function: list = []  # ComfyUI lowvram bookkeeping; never holds anything for us
+        self.bias_function: list = []
         self._refresh_inv_smooth()
 
     # ------------------------------------------------------------------ construction
@@ -84,12 +96,41 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        y = backends.get(self.backend).linear(x2, self)
+        layer = self if self.qweight.device == x.device else _OnDevice(self, x.device)
+        y = backends.get(self.backend).linear(x2, layer)
         return y.reshape(*lead, self.out_features)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "weight":
+                raise AttributeError(
+                    f"INT8 layer {self.name or '?'} has no float 'weight' (its int8 tensor is 'qweight'): "
+                    "something tried to patch it, usually a LoRA loaded after 'Apply Fused INT8 GEMM'. "
+                    "Load LoRAs before the Apply node; it merges them into the weights it quantizes") from None
+            raise
+
+    def nbytes(self) -> int:
+        """Bytes of the persistent tensors (what ComfyUI counts for this module)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, smooth={self.smooth is not None}, backend={self.backend}")
+
+
+class _OnDevice:
+    """The layer's tensors copied to ``device`` for one call (lowvram: the module stays offloaded)."""
+
+    def __init__(self, layer: Int8Linear, device: torch.device):
+        nb = device.type == "cuda"
+        self.name, self.backend = layer.name, layer.backend
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.qweight = layer.qweight.to(device, non_blocking=nb)
+        self.weight_scale = layer.weight_scale.to(device, non_blocking=nb)
+        self.bias = None if layer.bias is None else layer.bias.to(device, non_blocking=nb)
+        self.inv_smooth = None if layer.inv_smooth is None else layer.inv_smooth.to(device, non_blocking=nb)
 
 
 def _check_smooth(smooth: torch.Tensor, K: int, name: str) -> torch.Tensor:

@@ -49,14 +49,30 @@ def is_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear)
 
 
+def compile_patterns(text: str | None) -> list[re.Pattern]:
+    """Comma-separated regular expressions -> compiled list; a bad one raises ValueError naming it."""
+    return _patterns(text)
+
+
+def matches(name: str, patterns: list[re.Pattern]) -> bool:
+    return any(p.search(name) for p in patterns)
+
+
 def select_linears(model: nn.Module, preset: str = "blocks", include: str | None = None,
                    exclude: str | None = None) -> list[tuple[str, nn.Linear]]:
     """(name, module) of each linear of ``model`` to quantize, in model order."""
+    return select_from(model.named_modules(), preset, include, exclude)
+
+
+def select_from(named_modules, preset: str = "blocks", include: str | None = None,
+                exclude: str | None = None) -> list[tuple[str, nn.Linear]]:
+    """``select_linears`` over an iterable of (name, module) pairs (e.g. with patched modules swapped
+    back for their originals)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown layer preset {preset!r}; choose one of {', '.join(PRESETS)}")
     inc, exc = _patterns(include), _patterns(exclude)
     chosen = []
-    for name, m in model.named_modules():
+    for name, m in named_modules:
         if not is_linear(m):
             continue
         if min(m.in_features, m.out_features) < MIN_FEATURES:

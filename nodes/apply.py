@@ -1,0 +1,205 @@
+"""Node "Apply Fused INT8 GEMM": quantize a loaded DiT's linears once and run them on a chosen backend.
+
+MODEL in -> a clone whose selected linears are object patches (``diffusion_model.<name>`` ->
+``Int8Linear``); the input MODEL is not modified, so unpatching gives back the float model exactly.
+
+How it fits ComfyUI's ModelPatcher (comfy/model_patcher.py, 0.3.75):
+* Weights are quantized here, once, when the node executes; ComfyUI caches the node's output, so
+  sampling steps never quantize weights again.
+* LoRA before this node lives as weight patches in ``model.patches``. For each selected layer we merge
+  them with ComfyUI's own ``comfy.lora.calculate_weight`` (from the unpatched backup when the model is
+  loaded with patches applied), quantize the merged weight, and drop that layer's ``.weight``/``.bias``
+  patches from the clone, so nothing later tries to patch the int8 tensor. Other layers keep theirs.
+* fp8 / scaled-fp8 / QuantizedTensor checkpoints are cast to fp32 through the layer's own
+  ``convert_weight`` (as ``patch_weight_to_device`` does) or ``dequantize()`` before quantizing.
+* The clone gets a fresh ``patches_uuid`` and its own size: switching between this clone and the float
+  model makes ComfyUI unpatch and move the tree off the GPU, then load the INT8 tree (the replaced
+  float weights are no longer in it, so they do not come back to the GPU).
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+
+from .common import CALIBRATION_TYPE, CATEGORY
+from ..quant import backends, select
+from ..quant.patch import build_int8_layers
+
+try:
+    from . import timing
+except ImportError:  # the timing module is optional
+    timing = None
+
+log = logging.getLogger("int8_fused")
+# ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
+# above tests/) without ComfyUI on the path, and that import must not fail.
+PREFIX = "diffusion_model."
+_CALLBACK_KEY = "int8_fused_lora_guard"
+
+
+def backend_choices() -> list[str]:
+    """What this machine can run, the default first (the bf16 control is always offered)."""
+    import comfy.model_management as mm
+    names = backends.available(mm.get_torch_device())
+    forced = backends.env_override()
+    if forced in names:
+        names = [forced] + [n for n in names if n != forced]
+    return names if "bf16" in names else names + ["bf16"]
+
+
+def _original_modules(model):
+    """(name, module) over the diffusion model with any currently applied object patch swapped back."""
+    root = model.model.diffusion_model
+    for name, m in root.named_modules():
+        yield name, model.object_patches_backup.get(PREFIX + name, m)
+
+
+def _float_tensor(model, name: str, module, attr: str, device: torch.device) -> torch.Tensor | None:
+    """The layer's weight/bias in fp32 on ``device``, decoded the way ComfyUI decodes it, with the
+    MODEL's weight patches (LoRA) merged by ``comfy.lora.calculate_weight``."""
+    import comfy.lora
+    import comfy.model_management as mm
+    t = getattr(module, attr, None)
+    if t is None:
+        return None
+    key = f"{PREFIX}{name}.{attr}"
+    bk = model.backup.get(key)
+    if bk is not None:  # the model is loaded with patches merged in place: start from the original
+        t = bk.weight
+    if hasattr(t, "dequantize") and type(t).__name__ == "QuantizedTensor":
+        out = t.to(device).dequantize().float()
+    else:
+        out = mm.cast_to_device(t, device, torch.float32, copy=True)
+        convert = getattr(module, f"convert_{attr}", None)
+        if convert is not None:  # scaled fp8 / mixed precision layers decode here
+            out = convert(out, inplace=True).float()
+    if key in model.patches:
+        out = comfy.lora.calculate_weight(model.patches[key], out, key, intermediate_dtype=torch.float32)
+    return out.float()
+
+
+def _lora_guard(patcher):
+    """Pre-run check: a LoRA added after this node would target a layer that is now int8."""
+    names = patcher.get_attachment("int8_fused_layers") or ()
+    late = [k for k in patcher.patches if k.rsplit(".", 1)[0][len(PREFIX):] in names]
+    if late:
+        raise RuntimeError(
+            f"{len(late)} LoRA weight patches (e.g. {late[0]}) target layers already quantized by "
+            "'Apply Fused INT8 GEMM'. Put LoRA loaders BEFORE the Apply node: it merges them into the "
+            "weights it quantizes.")
+
+
+class _Names(tuple):
+    """Attachment holding the quantized layer names (survives ModelPatcher.clone)."""
+
+    def on_model_patcher_clone(self):
+        return self
+
+
+def _vram(device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+class ApplyFusedInt8GEMM:
+    DESCRIPTION = ("Quantizes the selected linear layers of a diffusion model to INT8 (W8A8: int8 weights "
+                   "per output channel, activations per token) once, and runs them on the chosen backend. "
+                   "Returns a patched copy; the input MODEL is unchanged. Put LoRA loaders before this node.")
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    RETURN_TYPES = ("MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("A copy of the model whose selected linears run as INT8 on the chosen backend "
+                       "(or the unchanged float model for 'bf16').",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "The diffusion model to quantize (bf16/fp16/fp32 or an fp8 "
+                                               "checkpoint). LoRAs applied before this node are merged in."}),
+                "backend": (backend_choices(), {"tooltip": (
+                    "How INT8 linears run. Only backends this machine can run are listed, fastest first: "
+                    "fused_triton (this pack's Triton kernel), comfy_kitchen, torch_int_mm (cuBLASLt), "
+                    "fp8_rowwise, dequant_bf16 (the slow 'production INT8' baseline), bf16 (no "
+                    "quantization: the control for side-by-side comparisons).")}),
+                "preset": (list(select.PRESETS), {"default": "blocks", "tooltip": (
+                    "Which linears: 'blocks' = the repeated transformer blocks without adaLN/modulation "
+                    "GEMVs; 'blocks+modulation' adds those; 'all' also embedders and the final layer.")}),
+                "include": ("STRING", {"default": "", "tooltip": (
+                    "Comma-separated regular expressions of extra layer names to quantize "
+                    "(e.g. 'final_layer'). Names are relative to the diffusion model.")}),
+                "exclude": ("STRING", {"default": "", "tooltip": (
+                    "Comma-separated regular expressions of layer names never to touch (wins over "
+                    "include), e.g. 'layers\\.0\\.'.")}),
+                "keep_float": ("STRING", {"default": "", "tooltip": (
+                    "Comma-separated regular expressions of selected layers to keep in float "
+                    "(sensitive layers); counted as 'kept float' in the log.")}),
+            },
+            "optional": {
+                "calibration": (CALIBRATION_TYPE, {"tooltip": (
+                    "Optional output of 'INT8 Calibrate': per-layer SmoothQuant vectors and layers it "
+                    "found too sensitive to quantize (kept float).")}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def apply(self, model, backend, preset="blocks", include="", exclude="", keep_float="",
+              calibration=None, unique_id=None):
+        backends.get(backend)  # unknown name -> ValueError listing the known ones
+        select.compile_patterns(keep_float)  # a bad regex -> ValueError naming it, even for bf16
+        select.compile_patterns(include), select.compile_patterns(exclude)
+        out = model.clone()
+        if backend == "bf16":
+            log.info("INT8 Apply: backend bf16 = the unquantized control; model passed through")
+        else:
+            _patch(out, model, backend, preset, include, exclude, keep_float, calibration)
+        if timing is not None:
+            timing.instrument(out, node_id=str(unique_id), backend=backend)
+        return (out,)
+
+
+def _patch(out, model, backend, preset, include, exclude, keep_float, calibration) -> None:
+    """Quantize the selected layers of ``model`` and add them to ``out`` (its clone) as object patches."""
+    from comfy.patcher_extension import CallbacksMP
+    already = {k[len(PREFIX):] for k in model.object_patches if k.startswith(PREFIX)}
+    pairs = [(n, m) for n, m in select.select_from(_original_modules(model), preset, include, exclude)
+             if n not in already]
+    if not pairs:
+        arch = type(model.model.diffusion_model).__name__
+        raise ValueError(
+            f"Apply Fused INT8 GEMM: no linear layer of {arch} matches preset {preset!r} with include "
+            f"{include!r} / exclude {exclude!r}" + (f" ({len(already)} are already INT8-patched)" if already
+                                                    else "") + ". Widen 'include' (e.g. '.') or use preset 'all'.")
+    load_dev, store_dev = model.load_device, model.offload_device
+    compute_dev = load_dev if load_dev.type == "cuda" else torch.device("cpu")
+    before_size, vram_before = model.model_size(), _vram(compute_dev)
+    layers, report = build_int8_layers(
+        pairs, backend, calibration=calibration, keep_float=keep_float,
+        weight_fn=lambda n, m: _float_tensor(model, n, m, "weight", compute_dev),
+        bias_fn=lambda n, m: _float_tensor(model, n, m, "bias", compute_dev),
+        device=load_dev, compute_device=compute_dev, store_device=store_dev)
+    dropped = 0
+    for name, layer in layers.items():
+        out.add_object_patch(PREFIX + name, layer)
+        for attr in ("weight", "bias"):
+            dropped += out.patches.pop(f"{PREFIX}{name}.{attr}", None) is not None
+    out.patches_uuid = uuid.uuid4()  # forces ComfyUI to reload (not reuse) the tree when switching models
+    out.size = before_size - report.float_bytes + report.int8_bytes
+    out.set_attachments("int8_fused_layers", _Names(layers))
+    out.add_callback_with_key(CallbacksMP.ON_PRE_RUN, _CALLBACK_KEY, _lora_guard)
+    vram_after = _vram(compute_dev)
+    mem = f"model weights {before_size / 2**20:.1f} -> {out.size / 2**20:.1f} MiB"
+    if vram_before is not None:
+        mem += f"; VRAM allocated {vram_before / 2**20:.0f} -> {vram_after / 2**20:.0f} MiB"
+    report.model_bytes_before, report.model_bytes_after = before_size, out.size
+    report.lora_patches_merged = dropped
+    report.vram_before, report.vram_after = vram_before, vram_after
+    out.int8_report = report  # for tests and the bench; not carried by later clones
+    log.info("INT8 Apply [%s, preset %s]: %s; %s%s", backend, preset, report.summary(), mem,
+             f"; {dropped} LoRA patches merged" if dropped else "")
+
+
+NODE_CLASS_MAPPINGS = {"ApplyFusedInt8GEMM": ApplyFusedInt8GEMM}
+NODE_DISPLAY_NAME_MAPPINGS = {"ApplyFusedInt8GEMM": "Apply Fused INT8 GEMM"}
