@@ -11,9 +11,11 @@
   DIFFUSION_MODEL  ... the architecture also runs this one (Flux, Lumina2/Z-Image, Qwen, Wan, ...): then
                    the time is that of the diffusion model's forward alone.
 
-A step's time is the sum of its model calls' wall times (cond + uncond, or both batched; two calls
-for second-order samplers). Steps end at the sampler's callback (once per step, with its index); a
-sampler that never calls back gets one step per distinct sigma instead.
+A step's time is the sum of the wall times of the model calls between two of the sampler's per-step
+callbacks (the progress-bar ticks): cond + uncond, or both batched in one call; a second-order
+sampler (Heun, DPM2) calls back between its two evaluations, so its "step" k holds the correction of
+step k-1 and the prediction of step k; calls after the last callback join the last step. A sampler
+that never calls back gets one step per sigma tensor instead.
 
 No synchronisation is added inside a step. On a GPU each model call records two CUDA events on the
 current stream (``Event.record`` is asynchronous); nothing waits on them while sampling. At each step
@@ -155,6 +157,7 @@ class Run:
         self.resolved: list[dict] = []                  # {"seconds", "branches", "calls"} per step
         self.open_sigmas: list = []                     # sigma tensor of each open call (by identity)
         self.callbacks_seen = False
+        self.after_last = False
         self.timer_kind = "cuda_events" if device.type == "cuda" else "perf_counter"
 
     def call_started(self, branch: str, sigma, device):
@@ -163,14 +166,20 @@ class Run:
         return t
 
     def add_call(self, branch: str, sigma, timer) -> None:
+        if self.after_last and not self.open and len(self.closed) > len(self.resolved):
+            self.open = self.closed.pop()  # a call after the last callback joins the last step
         self.open.append((branch, timer))
         self.open_sigmas.append(sigma)
 
-    def end_step(self):
+    def end_step(self, last: bool = False):
+        """Close the open step; ``last``: it was the sampler's last callback, so keep it open to
+        calls that may still come (resolved at ``finish``)."""
         if self.open:
             self.closed.append(self.open)
             self.open, self.open_sigmas = [], []
-        self.resolve(block=False)
+        self.after_last = self.after_last or last
+        if not self.after_last:
+            self.resolve(block=False)
 
     def resolve(self, block: bool):
         """Turn finished steps into seconds, in order, and announce each; stop at the first pending."""
@@ -196,7 +205,9 @@ class Run:
                 prev = sigma
             self.closed.extend(groups)
             self.open, self.open_sigmas = [], []
-        self.end_step()
+        if self.open:
+            self.closed.append(self.open)
+            self.open, self.open_sigmas = [], []
         self.resolve(block=True)
         secs = [s["seconds"] for s in self.resolved]
         branches: dict[str, float] = {}
@@ -239,7 +250,7 @@ class _Recorder:
 
         def step_callback(*cb_args, **cb_kwargs):
             run.callbacks_seen = True
-            run.end_step()
+            run.end_step(last=_is_last_step(cb_args))
             if callback is not None:
                 return callback(*cb_args, **cb_kwargs)
 
@@ -287,6 +298,14 @@ class _Recorder:
             return executor(*args, **kwargs)
         finally:
             timer.stop()
+
+
+def _is_last_step(cb_args) -> bool:
+    """KSAMPLER calls back with (step, denoised, x, total_steps)."""
+    try:
+        return int(cb_args[0]) >= int(cb_args[3]) - 1
+    except (IndexError, TypeError, ValueError):
+        return False
 
 
 def _prompt_id():

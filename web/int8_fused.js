@@ -1,0 +1,260 @@
+// Timing widget of the INT8 Fused pack: on the pack's model nodes, a badge with the backend and device,
+// a live per-step time chart, mean / median s/step and total, and the latest run of every backend side
+// by side ("fused_triton 0.21 s/step, 1.58x bf16"). Data: WebSocket events int8_fused.step and
+// int8_fused.summary, and GET /int8_fused/runs on setup (nodes/timing.py documents the schema).
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import * as fmt from "./int8_format.js";
+
+const NODE_TYPES = new Set(["ApplyFusedInt8GEMM", "LoadIdeogram4Int8"]);
+const PACK_MODULE = /int8[-_]fused/i;
+const WIDGET = "int8_timing";
+const CHART_H = 46;
+const COLORS = {
+  fused_triton: "#4caf50", comfy_kitchen: "#26a69a", torch_int_mm: "#42a5f5",
+  fp8_rowwise: "#ab47bc", dequant_bf16: "#ffa726", bf16: "#9e9e9e",
+};
+
+const state = {
+  runs: [],          // finished summaries, oldest first (server ring buffer + live ones)
+  live: new Map(),   // run id -> {run, node, backend, device, steps, step_seconds[]} while sampling
+  widgets: new Set(),
+};
+
+const color = (backend) => COLORS[backend] ?? "#78909c";
+
+function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text != null) e.textContent = text;
+  return e;
+}
+
+function injectStyle() {
+  if (document.getElementById("int8-fused-style")) return;
+  const s = el("style");
+  s.id = "int8-fused-style";
+  s.textContent = `
+.int8-timing{box-sizing:border-box;display:flex;flex-direction:column;gap:3px;padding:4px 6px;
+  font:11px/1.35 var(--font-sans, sans-serif);color:var(--input-text, #ddd);
+  background:var(--comfy-input-bg, #222);border:1px solid var(--border-color, #444);border-radius:6px;
+  overflow:hidden;pointer-events:auto}
+.int8-timing .int8-head{display:flex;align-items:center;gap:6px;min-width:0}
+.int8-timing .int8-badge{flex:0 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;
+  padding:1px 7px;border-radius:9px;font-weight:600;color:#111}
+.int8-timing .int8-progress{margin-left:auto;white-space:nowrap;color:var(--descrip-text, #999)}
+.int8-timing canvas{width:100%;height:${CHART_H}px;display:block}
+.int8-timing .int8-stats{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
+.int8-timing .int8-empty{color:var(--descrip-text, #999);font-style:italic}
+.int8-timing .int8-compare{margin:0;padding:0;list-style:none;border-top:1px solid var(--border-color, #444);
+  padding-top:2px}
+.int8-timing .int8-compare li{display:flex;align-items:center;gap:5px;white-space:nowrap}
+.int8-timing .int8-compare li.int8-self{font-weight:600}
+.int8-timing .int8-dot{width:7px;height:7px;border-radius:50%;flex:none}
+.int8-timing details{color:var(--descrip-text, #999)}
+.int8-timing details ol{margin:0;padding-left:22px;max-height:90px;overflow:auto}
+.int8-timing summary{cursor:pointer}`;
+  document.head.appendChild(s);
+}
+
+function isPackNode(node) {
+  return NODE_TYPES.has(node.comfyClass) || NODE_TYPES.has(node.type) || node.constructor?.int8Timing;
+}
+
+function backendWidgetValue(node) {
+  return node.widgets?.find((w) => w.name === "backend")?.value ?? null;
+}
+
+/** The run this node shows: its live run if sampling, else its latest finished one. */
+function runFor(node) {
+  const id = String(node.id);
+  let live = null;
+  for (const r of state.live.values()) if (r.node === id) live = r;
+  if (live) return { run: live, finished: false };
+  for (let i = state.runs.length - 1; i >= 0; i--) {
+    if (state.runs[i].node === id) return { run: state.runs[i], finished: true };
+  }
+  return { run: null, finished: false };
+}
+
+function drawChart(canvas, secs, planned, backend) {
+  const w = Math.max(60, Math.round(canvas.clientWidth || 240));
+  const dpr = window.devicePixelRatio || 1;
+  canvas.width = w * dpr;
+  canvas.height = CHART_H * dpr;
+  const g = canvas.getContext("2d");
+  g.setTransform(dpr, 0, 0, dpr, 0, 0);
+  g.clearRect(0, 0, w, CHART_H);
+  const n = Math.max(planned || 0, secs.length, 1);
+  const max = Math.max(...secs, 1e-9);
+  const slot = w / n;
+  const bar = Math.max(1, slot - Math.min(3, slot * 0.25));
+  g.fillStyle = color(backend);
+  secs.forEach((s, i) => {
+    const h = Math.max(1, (s / max) * (CHART_H - 10));
+    g.fillRect(i * slot, CHART_H - h, bar, h);
+  });
+  const m = fmt.median(secs);
+  if (m != null) {  // median line
+    const y = CHART_H - (m / max) * (CHART_H - 10);
+    g.strokeStyle = "rgba(255,255,255,0.55)";
+    g.setLineDash([3, 3]);
+    g.beginPath(); g.moveTo(0, y); g.lineTo(w, y); g.stroke();
+  }
+}
+
+function render(w) {
+  const { node, root, badge, progress, canvas, stats, steps, compare } = w;
+  const { run, finished } = runFor(node);
+  const backend = run?.backend ?? backendWidgetValue(node);
+  badge.textContent = fmt.badgeText(backend, run?.device ?? null);
+  badge.style.background = color(backend);
+  root.dataset.run = run?.run ?? "";
+  root.dataset.backend = backend ?? "";
+  root.dataset.device = run?.device ?? "";
+  root.dataset.finished = String(finished);
+  const secs = run?.step_seconds ?? [];
+  root.dataset.stepSeconds = JSON.stringify(secs);
+
+  if (!run) {
+    progress.textContent = "";
+    canvas.style.display = "none";
+    steps.style.display = "none";
+    stats.className = "int8-stats int8-empty";
+    stats.textContent = "No run yet \u2014 queue the workflow to time each step.";
+  } else {
+    progress.textContent = fmt.progressText(secs.length, run.steps_planned ?? run.steps, finished);
+    canvas.style.display = "";
+    drawChart(canvas, secs, finished ? secs.length : run.steps_planned, backend);
+    stats.className = "int8-stats";
+    const shown = finished ? run
+      : { steps: secs.length, mean: fmt.mean(secs), median: fmt.median(secs), total: secs.reduce((a, b) => a + b, 0) };
+    stats.textContent = secs.length ? fmt.statsText(shown) : "waiting for the first step\u2026";
+    steps.style.display = secs.length ? "" : "none";
+    const list = steps.querySelector("ol");
+    list.replaceChildren(...secs.map((s) => el("li", "int8-step", fmt.fmtSeconds(s))));
+    steps.querySelector("summary").textContent = `per step (${secs.length})`;
+  }
+
+  const rows = fmt.compareRows(state.runs, finished ? run.workload : latestWorkload(node));
+  compare.replaceChildren(...rows.map((r) => {
+    const li = el("li", r.backend === backend ? "int8-self" : "");
+    li.dataset.backend = r.backend;
+    const dot = el("span", "int8-dot");
+    dot.style.background = color(r.backend);
+    li.append(dot, el("span", "", r.label));
+    li.title = `${r.backend} on ${r.device}`;
+    return li;
+  }));
+  compare.style.display = rows.length > 1 ? "" : "none";
+}
+
+function latestWorkload(node) {
+  for (let i = state.runs.length - 1; i >= 0; i--) {
+    if (state.runs[i].node === String(node.id)) return state.runs[i].workload;
+  }
+  return state.runs.at(-1)?.workload ?? null;
+}
+
+function renderAll() {
+  for (const w of state.widgets) {
+    if (!w.node.graph) { state.widgets.delete(w); continue; }
+    render(w);
+  }
+  app.graph?.setDirtyCanvas?.(true, false);
+}
+
+function attach(node) {
+  if (node.widgets?.some((x) => x.name === WIDGET)) return;
+  injectStyle();
+  const root = el("div", "int8-timing");
+  const head = el("div", "int8-head");
+  const badge = el("span", "int8-badge");
+  const progress = el("span", "int8-progress");
+  head.append(badge, progress);
+  const canvas = el("canvas");
+  const stats = el("div", "int8-stats");
+  const steps = el("details", "int8-steps");
+  steps.append(el("summary", "", "per step"), el("ol"));
+  const compare = el("ul", "int8-compare");
+  root.append(head, canvas, stats, steps, compare);
+  root.dataset.node = String(node.id);
+
+  const widget = node.addDOMWidget(WIDGET, "int8_timing", root, {
+    serialize: false,
+    hideOnZoom: false,
+    getMinHeight: () => 130,
+  });
+  widget.serialize = false;
+  const w = { node, root, badge, progress, canvas, stats, steps, compare };
+  state.widgets.add(w);
+  const onRemoved = node.onRemoved;
+  node.onRemoved = function () {
+    state.widgets.delete(w);
+    return onRemoved?.apply(this, arguments);
+  };
+  // The badge follows the backend picked on the node until a run says what really ran.
+  const bw = node.widgets?.find((x) => x.name === "backend");
+  if (bw) {
+    const cb = bw.callback;
+    bw.callback = function () {
+      const r = cb?.apply(this, arguments);
+      render(w);
+      return r;
+    };
+  }
+  const size = node.computeSize?.() ?? node.size;
+  node.setSize?.([Math.max(node.size?.[0] ?? 0, 300), Math.max(node.size?.[1] ?? 0, size[1])]);
+  render(w);
+}
+
+function onStep({ detail: d }) {
+  if (!d || !d.run) return;
+  let r = state.live.get(d.run);
+  if (!r) {
+    r = { run: d.run, node: d.node, backend: d.backend, device: d.device, steps_planned: d.steps, step_seconds: [] };
+    state.live.set(d.run, r);
+  }
+  r.step_seconds[d.step] = d.seconds;
+  renderAll();
+}
+
+function onSummary({ detail: d }) {
+  if (!d || !d.run) return;
+  state.live.delete(d.run);
+  if (!state.runs.some((r) => r.run === d.run)) state.runs.push(d);
+  renderAll();
+}
+
+async function loadRuns() {
+  try {
+    const res = await api.fetchApi("/int8_fused/runs");
+    if (!res.ok) return;
+    const { runs } = await res.json();
+    const known = new Set(state.runs.map((r) => r.run));
+    state.runs = [...(runs || []).filter((r) => !known.has(r.run)), ...state.runs];
+    renderAll();
+  } catch (e) {
+    console.warn("int8_fused: could not load past runs", e);
+  }
+}
+
+app.registerExtension({
+  name: "int8_fused.widget",
+  async setup() {
+    api.addEventListener("int8_fused.step", onStep);
+    api.addEventListener("int8_fused.summary", onSummary);
+    await loadRuns();
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    const ours = NODE_TYPES.has(nodeData.name) ||
+      (PACK_MODULE.test(nodeData.python_module ?? "") && (nodeData.output ?? []).includes("MODEL"));
+    if (ours) nodeType.int8Timing = true;
+  },
+  nodeCreated(node) {
+    if (isPackNode(node)) attach(node);
+  },
+});
+
+// For tests and debugging: the widget's data as the page sees it.
+window.__int8Fused = { state, renderAll, fmt };
