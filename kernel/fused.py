@@ -1,0 +1,298 @@
+"""Producer-fused activation quantization for DiT blocks (issue 8): the per-token int8 quantizer of
+``kernel/quantize.py`` folded into the elementwise op that produces the GEMM input, so that input is read
+once and written once, as int8, instead of being written in bf16 and re-read by a separate quantizer.
+
+- ``rmsnorm_modulate_quantize(x [M, K], norm_weight [K], eps, scale [B | 1, K], tokens_per_batch,
+  inv_smooth [K] | None)`` -> (int8 [M, K], fp32 [M]): the adaLN-modulated RMSNorm feeding qkv / w1+w3.
+- ``swiglu_quantize(h13 [M, 2F] | (a [M, F], b [M, F]), inv_smooth [F] | None)`` -> (int8 [M, F], fp32 [M]):
+  ``silu(a) * b`` feeding w2.
+
+Numerics. Each kernel reproduces the unfused torch sequence *including its roundings to the model dtype*
+(bf16 rounding of an intermediate is ~1/4 of an int8 step near the row maximum, so computing everything in
+fp32 would flip ~5 % of the codes against the unfused path). With ``dt`` = the input dtype:
+
+    rmsnorm_modulate:  n = dt(x * rsqrt(mean(x^2) + eps) * w)       # F.rms_norm: fp32 math, one rounding
+                       y = pt(n * scale[row // tokens_per_batch])    # pt = promote_types(dt, scale.dtype)
+    swiglu:            s = dt(a / (1 + exp(-a)))                     # F.silu
+                       y = dt(s * b)                                 # (fp16 + clamp_fp16: nan->0, inf->+-65504)
+    then               quantize_per_token_ref(y, inv_smooth)          # quant/quantize.py rules, bit for bit
+
+(all arithmetic fp32). ``quant.fused.rmsnorm_modulate_quantize_ref`` / ``swiglu_quantize_ref`` are this
+definition in torch. The kernels agree with them exactly except where the fp32 ``sum(x^2)`` order, ``rsqrt``
+or ``exp`` differ by an ulp and that moves a dt rounding: rare ±1 code flips (tests/test_fused.py bounds them).
+
+Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton specialises the unit stride
+away); when the row fits ``MAX_SINGLE`` elements it stays in registers (one DRAM read, one int8 write);
+longer rows run in chunks and the later passes re-read the row from L2. fp32 division and exp use the IEEE /
+libdevice versions torch's CUDA kernels use, so compiled results match torch's bit for bit more often.
+Importing this module imports triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from . import _check_2d, _check_usable, _vector
+from .quantize import INTERPRET, _rint  # the quantizer's rint (and its interpreter compat shim)
+
+MAX_SINGLE = 8192   # row lengths up to this stay in registers (K = 4608 -> one 8192 tile, 8 warps)
+CHUNK = 4096        # longer rows (F = 12288): 4096-wide chunks, 2 (swiglu) / 3 (rmsnorm) passes, L2 re-reads
+
+_DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOAT = tuple(_DT_CODE)
+
+
+@triton.jit
+def _round(y, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> nearest (ties to even) value of dtype DT (0 fp32, 1 bf16, 2 fp16), returned as fp32."""
+    if DT == 1:
+        if INTERPRET:
+            # NOTE: Triton 3.6's interpreter rounds fp32 -> bf16 by truncation (and its 'rtne' mode neither
+            # breaks ties to even nor carries into the exponent), so round on the bits: add 0x7FFF plus the
+            # lowest kept bit, drop the low half. NaN stays NaN (its payload could carry into the sign).
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
+        else:
+            return y.to(tl.bfloat16).to(tl.float32)  # cvt.rn.bf16.f32
+    elif DT == 2:
+        return y.to(tl.float16).to(tl.float32)       # RNE compiled and in the interpreter (numpy astype)
+    else:
+        return y
+
+
+@triton.jit
+def _rstd(ssq, K, eps, INTERPRET: tl.constexpr):
+    """rsqrt(sum(x^2) / K + eps) as torch computes it: IEEE mean; rsqrtf (libdevice) on the GPU like
+    torch's CUDA rms_norm, 1 / sqrt like torch's CPU one in the interpreter."""
+    v = tl.math.div_rn(ssq, K * 1.0) + eps
+    if INTERPRET:
+        return 1.0 / tl.sqrt_rn(v)
+    else:
+        return libdevice.rsqrt(v)
+
+
+@triton.jit
+def _quant_params(amax, bad):
+    """Per-row (scale, multiplier, usable) from the row's |max| and non-finite flag (quantize.py rules)."""
+    usable = (amax > 0.0) & (~bad)
+    scale = tl.where(bad, float("nan"), tl.math.div_rn(amax, 127.0))
+    mult = tl.math.div_rn(127.0, tl.where(usable, amax, 1.0))
+    return scale, mult, usable
+
+
+@triton.jit
+def _store_q(q_ptrs, y, mult, usable, mask, INTERPRET: tl.constexpr):
+    q = _rint(y * mult, INTERPRET)
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    q = tl.where(usable, q, 0.0)
+    tl.store(q_ptrs, q.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _rmsmod_tile(x, w_ptr, s_row, inv_ptr, ks, mask, rstd,
+                 HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr, PROD_DT: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    w = tl.load(w_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_row + ks, mask=mask, other=0.0).to(tl.float32)
+    y = _round(_round(x * rstd * w, NORM_DT, INTERPRET) * s, PROD_DT, INTERPRET)
+    if HAS_SMOOTH:
+        y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
+    return y
+
+
+@triton.jit
+def _rmsnorm_modulate_quant_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_ptr,
+                                   K, tokens_per_batch, eps,
+                                   stride_xm, stride_sb, stride_qm,
+                                   HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr, PROD_DT: tl.constexpr,
+                                   BLOCK: tl.constexpr, SINGLE: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    s_row = s_ptr + (row // tokens_per_batch).to(tl.int64) * stride_sb
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:  # the whole row in registers: one read of x, one write of q
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = _rstd(tl.sum(x * x, axis=0), K, eps, INTERPRET)
+        y = _rmsmod_tile(x, w_ptr, s_row, inv_ptr, cols, mask, rstd, HAS_SMOOTH, NORM_DT, PROD_DT, INTERPRET)
+        ay = tl.abs(y)
+        scale, mult, usable = _quant_params(tl.max(ay, axis=0), tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0)
+        tl.store(qs_ptr + row, scale)
+        _store_q(q_row + cols, y, mult, usable, mask, INTERPRET)
+    else:
+        ssq = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + cols
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            ssq += x * x
+        rstd = _rstd(tl.sum(ssq, axis=0), K, eps, INTERPRET)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + cols
+            mask = ks < K
+            x = tl.load(x_row + ks, mask=mask, other=0.0).to(tl.float32)
+            ay = tl.abs(_rmsmod_tile(x, w_ptr, s_row, inv_ptr, ks, mask, rstd,
+                                     HAS_SMOOTH, NORM_DT, PROD_DT, INTERPRET))
+            bad = tl.maximum(bad, tl.where(ay < float("inf"), 0, 1))
+            amax = tl.maximum(amax, ay)
+        scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0)
+        tl.store(qs_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + cols
+            mask = ks < K
+            x = tl.load(x_row + ks, mask=mask, other=0.0).to(tl.float32)
+            y = _rmsmod_tile(x, w_ptr, s_row, inv_ptr, ks, mask, rstd, HAS_SMOOTH, NORM_DT, PROD_DT, INTERPRET)
+            _store_q(q_row + ks, y, mult, usable, mask, INTERPRET)
+
+
+@triton.jit
+def _swiglu_tile(a_row, b_row, inv_ptr, ks, mask,
+                 HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    a = tl.load(a_row + ks, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_row + ks, mask=mask, other=0.0).to(tl.float32)
+    if INTERPRET:
+        e = tl.exp(-a)
+    else:
+        e = libdevice.exp(-a)  # expf, as torch's CUDA silu
+    s = _round(tl.math.div_rn(a, 1.0 + e), DT, INTERPRET)
+    y = _round(s * b, DT, INTERPRET)
+    if CLAMP_FP16:  # comfy.ldm.lumina.model.clamp_fp16: nan_to_num(nan=0, posinf=65504, neginf=-65504)
+        y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -65504.0), 65504.0))
+    if HAS_SMOOTH:
+        y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
+    return y
+
+
+@triton.jit
+def _swiglu_quant_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
+                         F, stride_am, stride_bm, stride_qm,
+                         HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
+                         BLOCK: tl.constexpr, SINGLE: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0)
+    a_row = a_ptr + row.to(tl.int64) * stride_am
+    b_row = b_ptr + row.to(tl.int64) * stride_bm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        mask = cols < F
+        y = _swiglu_tile(a_row, b_row, inv_ptr, cols, mask, HAS_SMOOTH, DT, CLAMP_FP16, INTERPRET)
+        ay = tl.abs(y)
+        scale, mult, usable = _quant_params(tl.max(ay, axis=0), tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0)
+        tl.store(qs_ptr + row, scale)
+        _store_q(q_row + cols, y, mult, usable, mask, INTERPRET)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for f0 in range(0, F, BLOCK):
+            ks = f0 + cols
+            ay = tl.abs(_swiglu_tile(a_row, b_row, inv_ptr, ks, ks < F, HAS_SMOOTH, DT, CLAMP_FP16, INTERPRET))
+            bad = tl.maximum(bad, tl.where(ay < float("inf"), 0, 1))
+            amax = tl.maximum(amax, ay)
+        scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0)
+        tl.store(qs_ptr + row, scale)
+        for f0 in range(0, F, BLOCK):
+            ks = f0 + cols
+            mask = ks < F
+            y = _swiglu_tile(a_row, b_row, inv_ptr, ks, mask, HAS_SMOOTH, DT, CLAMP_FP16, INTERPRET)
+            _store_q(q_row + ks, y, mult, usable, mask, INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+def _plan(n: int) -> tuple[int, bool, int]:
+    """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers up to MAX_SINGLE, else chunks."""
+    if n <= MAX_SINGLE:
+        block = triton.next_power_of_2(max(n, 16))
+        return block, True, 4 if block <= 2048 else 8 if block <= 4096 else 16
+    return CHUNK, False, 8
+
+
+def _row_major(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Unit stride along the row (the 16-byte vector loads rely on it); copies only when it is not."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _inv_smooth(inv_smooth, n, device) -> torch.Tensor | None:
+    if inv_smooth is None:
+        return None
+    inv = _vector(inv_smooth, n, "inv_smooth", device, allow_scalar=False)
+    return inv if inv.dtype == torch.float32 and inv.stride(0) == 1 else inv.float().contiguous()
+
+
+def rmsnorm_modulate_quantize(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, scale: torch.Tensor,
+                              tokens_per_batch: int, inv_smooth: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16/fp32, rows = batch-major tokens) -> (int8 [M, K], fp32 scale [M]) of
+    ``(rms_norm(x, norm_weight, eps) * scale[row // tokens_per_batch]) * inv_smooth`` with the roundings of
+    the module docstring. ``scale``: the adaLN ``1 + s`` as [B, K] (or [1, K] / [K] for every row) in any
+    float dtype; B * tokens_per_batch must equal M unless B is 1. ``norm_weight`` [K] any float dtype (it is
+    used in fp32; cast it to x.dtype first to mimic a casting layer)."""
+    _check_2d(x, "x", _FLOAT, "pass the hidden states as [tokens, K] in bf16, fp16 or fp32")
+    m, k = x.shape
+    w = _vector(norm_weight, k, "norm_weight", x.device, allow_scalar=False)
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.shape[-1] != k:
+        raise ValueError(f"scale must be a float tensor [B, {k}] (the adaLN 1 + s), got "
+                         f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    s2 = scale.reshape(-1, k)
+    nb = s2.shape[0]
+    if nb != 1 and nb * tokens_per_batch != m:
+        raise ValueError(f"scale has {nb} batch rows but x has {m} tokens = {tokens_per_batch} tokens per "
+                         f"batch x {m / max(tokens_per_batch, 1):g}: pass tokens_per_batch = M // B")
+    if s2.device != x.device:
+        raise ValueError(f"scale is on {s2.device} but x is on {x.device}")
+    inv = _inv_smooth(inv_smooth, k, x.device)
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    qs = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, qs.zero_()
+    _check_usable(x, "rmsnorm_modulate_quantize")
+    x, w, s2 = _row_major(x, "x"), _row_major(w, "norm_weight"), _row_major(s2, "scale")
+    block, single, warps = _plan(k)
+    _rmsnorm_modulate_quant_kernel[(m,)](
+        x, w, s2, inv if inv is not None else qs, q, qs,
+        k, max(int(tokens_per_batch), 1), float(eps),
+        x.stride(0), 0 if nb == 1 else s2.stride(0), q.stride(0),
+        HAS_SMOOTH=inv is not None, NORM_DT=_DT_CODE[x.dtype],
+        PROD_DT=_DT_CODE[torch.promote_types(x.dtype, s2.dtype)],
+        BLOCK=block, SINGLE=single, INTERPRET=INTERPRET, num_warps=warps)
+    return q, qs
+
+
+def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h13`` = [M, 2F] (the w1 half first, as the merged w1+w3 GEMM writes it) or a pair (a [M, F],
+    b [M, F]) -> (int8 [M, F], fp32 scale [M]) of ``silu(a) * b * inv_smooth`` with the roundings of the
+    module docstring. ``clamp_fp16``: apply ComfyUI's ``clamp_fp16`` (fp16 inputs only; current ComfyUI's
+    FeedForward does, 0.3.75 does not)."""
+    if isinstance(h13, (tuple, list)):
+        a, b = h13
+        _check_2d(a, "a (the w1 output)", _FLOAT, "pass silu's input as [tokens, F]")
+        _check_2d(b, "b (the w3 output)", _FLOAT, "pass the gate as [tokens, F]")
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            raise ValueError(f"a and b must match: a {tuple(a.shape)} {a.dtype} on {a.device}, "
+                             f"b {tuple(b.shape)} {b.dtype} on {b.device}")
+    else:
+        _check_2d(h13, "h13", _FLOAT, "pass the merged w1+w3 output as [tokens, 2F]")
+        if h13.shape[1] % 2:
+            raise ValueError(f"h13 has {h13.shape[1]} columns; it must be [M, 2F] (w1 half, then w3 half)")
+        a, b = h13.chunk(2, dim=1)
+    m, f = a.shape
+    inv = _inv_smooth(inv_smooth, f, a.device)
+    q = torch.empty((m, f), dtype=torch.int8, device=a.device)
+    qs = torch.empty((m,), dtype=torch.float32, device=a.device)
+    if m == 0 or f == 0:
+        return q, qs.zero_()
+    _check_usable(a, "swiglu_quantize")
+    a, b = _row_major(a, "a"), _row_major(b, "b")
+    block, single, warps = _plan(f)
+    _swiglu_quant_kernel[(m,)](
+        a, b, inv if inv is not None else qs, q, qs,
+        f, a.stride(0), b.stride(0), q.stride(0),
+        HAS_SMOOTH=inv is not None, DT=_DT_CODE[a.dtype], CLAMP_FP16=bool(clamp_fp16) and a.dtype == torch.float16,
+        BLOCK=block, SINGLE=single, INTERPRET=INTERPRET, num_warps=warps)
+    return q, qs
