@@ -69,7 +69,8 @@ def check_correctness(log):
             x[1] = 0
             x[2, 5] = float("nan")
         inv = (torch.rand(k, device=dev, generator=g) + 0.5) if smooth else None
-        q, s = kernel.quantize_per_token(x, inv)
+        kernel.quantize_per_token(x, inv)
+        q, s = kernel.quantize_per_token(x, inv)  # second call: the direct-launch path
         qr, sr = quantize_per_token_ref(x, inv)
         nq = (q != qr).sum().item()
         ns = (s.nan_to_num(-1) != sr.nan_to_num(-1)).sum().item()
@@ -81,6 +82,9 @@ def check_correctness(log):
         a = torch.randint(-127, 128, (m, k), device=dev, dtype=torch.int8, generator=g)
         w = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8, generator=g)
         acc = kernel.int8_gemm(a, torch.ones(m, device=dev), w, torch.ones(n, device=dev), out_int32=True)
+        acc2 = torch.full_like(acc, -1)  # second call: the direct-launch path (kernel/launch.py), poisoned output
+        kernel.int8_gemm(a, torch.ones(m, device=dev), w, torch.ones(n, device=dev), out_int32=True, out=acc2)
+        failures += not torch.equal(acc, acc2)
         if m > 16 and k % 8 == 0 and n % 8 == 0:
             ref, how = torch._int_mm(a, w.t()), "torch._int_mm"
         else:
@@ -91,7 +95,9 @@ def check_correctness(log):
         a_s = torch.rand(m, device=dev, generator=g) * 1e-2
         w_s = torch.rand(n, device=dev, generator=g) * 1e-2
         bias = torch.randn(n, device=dev, generator=g)
-        y = kernel.int8_gemm(a, a_s, w, w_s, bias, out_dtype=torch.float32)
+        kernel.int8_gemm(a, a_s, w, w_s, bias, out_dtype=torch.float32)
+        y = torch.full((m, n), float("nan"), device=dev)
+        kernel.int8_gemm(a, a_s, w, w_s, bias, out_dtype=torch.float32, out=y)
         r = dequant_epilogue_ref(ref, a_s, w_s, bias)
         bound = (ref.double().abs() * a_s.double()[:, None] * w_s.double()[None, :] + bias.double().abs())
         err = ((y.double() - r).abs() / bound).max().item()

@@ -29,6 +29,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_INTERPRET_AT_IMPORT = _interpreting()  # Triton reads it when the kernels are defined, so it cannot change later
+
+
 def triton_status(device: torch.device | None = None) -> tuple[bool, str]:
     """Whether the Triton kernels can run on ``device`` (default: the current CUDA device), and why not."""
     if importlib.util.find_spec("triton") is None:
@@ -56,7 +59,7 @@ _USABLE: dict[tuple, tuple[bool, str]] = {}  # per device: the status is checked
 
 
 def _check_usable(t: torch.Tensor, what: str) -> None:
-    key = (t.device.type, t.device.index, _interpreting())
+    key = (t.device, _INTERPRET_AT_IMPORT)
     if key not in _USABLE:
         _USABLE[key] = triton_status(t.device)
     ok, reason = _USABLE[key]
@@ -79,11 +82,28 @@ def _vector(t: torch.Tensor, n: int, name: str, device: torch.device, allow_scal
                          f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but the int8 operands are on {device}: move it with .to()")
+    if t.dim() == 1 and t.shape[0] == n:  # the common case: no torch op (each costs microseconds of host time)
+        return t
     if t.numel() == 1 and allow_scalar and n != 1:
         return t.reshape(1).expand(n)
     if t.numel() != n:
         raise ValueError(f"{name} has shape {tuple(t.shape)} ({t.numel()} entries), expected [{n}]")
     return t.reshape(n)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()  # bf16/fp16 -> fp32 is exact
+
+
+_MODS: dict[str, object] = {}  # kernel modules, imported (with triton) on the first launch
+
+
+def _mod(name: str):
+    mod = _MODS.get(name)
+    if mod is None:
+        import importlib
+        mod = _MODS[name] = importlib.import_module(f"{__name__}.{name}")
+    return mod
 
 
 def quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None = None
@@ -104,8 +124,7 @@ def quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None = None
     if m == 0:
         return q, scale
     _check_usable(x, "quantize_per_token")
-    from .quantize import launch_quantize_per_token
-    launch_quantize_per_token(x, inv_smooth, q, scale)
+    _mod("quantize").launch_quantize_per_token(x, inv_smooth, q, scale)
     return q, scale
 
 
@@ -132,8 +151,8 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
     if not out_int32 and out_dtype not in _FLOAT_OUT:
         raise ValueError(f"out_dtype {out_dtype} is not supported: use torch.bfloat16, float16 or float32 "
                          "(or out_int32=True for the raw accumulator)")
-    a_scale = _vector(a_scale, m, "a_scale", a_q.device, allow_scalar=False).float()
-    w_scale = _vector(w_scale, n, "w_scale", a_q.device, allow_scalar=True).float()
+    a_scale = _fp32(_vector(a_scale, m, "a_scale", a_q.device, allow_scalar=False))
+    w_scale = _fp32(_vector(w_scale, n, "w_scale", a_q.device, allow_scalar=True))
     if bias is not None:
         bias = _vector(bias, n, "bias", a_q.device, allow_scalar=False)
     dtype = torch.int32 if out_int32 else out_dtype
@@ -151,9 +170,9 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
             res = res + bias.float()[None, :]
         return out.copy_(res)
     _check_usable(a_q, "int8_gemm")
-    from .gemm import launch_int8_gemm, select_config
-    cfg = select_config(a_q, a_scale, w_q, w_scale, bias, out)
-    return launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, cfg)
+    gemm = _mod("gemm")
+    cfg = gemm.select_config(a_q, a_scale, w_q, w_scale, bias, out)
+    return gemm.launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, cfg)
 
 
 def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -162,11 +181,10 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias:
     (default x.dtype). Two launches; the activation is read once and written once as int8."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor [..., K]")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     a_q, a_scale = quantize_per_token(x2, inv_smooth)
     y = int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype or x.dtype)
-    return y.reshape(*lead, y.shape[-1])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def register_ops() -> None:

@@ -32,18 +32,20 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> 
 
 def hopper_configs() -> list[Config]:
     """sm_90: every tile is wgmma-eligible (BLOCK_M % 64 == 0, warps % 4 == 0, BLOCK_K >= 32).
-    First entry: the reference's best plain-Triton tile on DiT shapes (1050-1310 TOP/s on an H200)."""
+    First entry: the best tile on every Ideogram 4 block shape in the H200 run of 2026-11-29 (1160-1340 TOP/s,
+    bench/RESULTS.md); 96 KB of smem lets two CTAs share an SM, which is why 4 stages (128 KB) ran 25-40 %
+    slower. The rest are its neighbours: group size, a 64-deep K step, one warpgroup, wider tiles."""
     return [
         _cfg(128, 128, 128, 8, 3),
-        _cfg(128, 128, 128, 8, 4),
-        _cfg(128, 256, 128, 8, 3),   # 144 KB smem: halves A re-reads on wide N (qkv, w1)
-        _cfg(128, 256, 128, 8, 4),   # 192 KB: deeper pipeline, still under sm_90's 227 KB
-        _cfg(256, 128, 128, 8, 3),
-        _cfg(256, 128, 64, 8, 4),
-        _cfg(128, 256, 64, 8, 4),
+        _cfg(128, 128, 128, 8, 3, group=4),
+        _cfg(128, 128, 128, 8, 3, group=16),
+        _cfg(128, 128, 128, 4, 3),
+        _cfg(128, 128, 64, 8, 4),
         _cfg(128, 128, 64, 4, 5),
+        _cfg(128, 256, 64, 8, 3),
+        _cfg(128, 256, 128, 8, 3),   # 144 KB smem, one CTA an SM: 8-15 % slower in that run
+        _cfg(256, 128, 64, 8, 3),
         _cfg(64, 128, 128, 4, 4),    # more tiles for short M (text projection, M = 512)
-        _cfg(128, 64, 128, 4, 4),
     ]
 
 

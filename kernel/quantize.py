@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .launch import launch
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK_K = 8192
 
@@ -68,28 +70,38 @@ def _rint(y, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _row_chunk(x_row, inv_ptr, ks, K, stride_xk, HAS_SMOOTH: tl.constexpr):
+    mask = ks < K
+    x = tl.load(x_row + ks * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SMOOTH:
+        x = x * tl.load(inv_ptr + ks, mask=mask, other=1.0).to(tl.float32)
+    return x, mask
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
                        M, K,
                        stride_xm, stride_xk, stride_qm,
                        HAS_SMOOTH: tl.constexpr, SCALE_RECIP: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       ONE_CHUNK: tl.constexpr, INTERPRET: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     q_row = q_ptr + row.to(tl.int64) * stride_qm
     cols = tl.arange(0, BLOCK_K)
 
     # pass 1: absmax and a non-finite flag (NaN fails `< inf` as well as Inf does)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    bad = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + cols
-        mask = ks < K
-        x = tl.load(x_row + ks * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SMOOTH:
-            x = x * tl.load(inv_ptr + ks, mask=mask, other=1.0).to(tl.float32)
-        ax = tl.abs(x)
-        bad = tl.maximum(bad, tl.where(ax < float("inf"), 0, 1))
-        amax = tl.maximum(amax, ax)
+    if ONE_CHUNK:  # the whole row stays in registers: one read of x
+        x, mask = _row_chunk(x_row, inv_ptr, cols, K, stride_xk, HAS_SMOOTH)
+        amax = tl.abs(x)
+        bad = tl.where(amax < float("inf"), 0, 1)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        bad = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            xc, _ = _row_chunk(x_row, inv_ptr, k0 + cols, K, stride_xk, HAS_SMOOTH)
+            ax = tl.abs(xc)
+            bad = tl.maximum(bad, tl.where(ax < float("inf"), 0, 1))
+            amax = tl.maximum(amax, ax)
     row_amax = tl.max(amax, axis=0)
     row_bad = tl.max(bad, axis=0) > 0
     usable = (row_amax > 0.0) & (~row_bad)
@@ -101,24 +113,24 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
     mult = tl.math.div_rn(1.0, tl.where(usable, row_amax, 1.0)) * 127.0  # torch: 127 / t == t.reciprocal() * 127
     tl.store(s_ptr + row, scale)
 
-    # pass 2: quantize
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + cols
-        mask = ks < K
-        x = tl.load(x_row + ks * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SMOOTH:
-            x = x * tl.load(inv_ptr + ks, mask=mask, other=1.0).to(tl.float32)
-        q = _rint(x * mult, INTERPRET)
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        q = tl.where(usable, q, 0.0)
-        tl.store(q_row + ks, q.to(tl.int8), mask=mask)
+    # pass 2: quantize (re-reading x from L2 when the row did not fit one chunk)
+    if ONE_CHUNK:
+        q = tl.minimum(tl.maximum(_rint(x * mult, INTERPRET), -127.0), 127.0)
+        tl.store(q_row + cols, tl.where(usable, q, 0.0).to(tl.int8), mask=mask)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            xc, mc = _row_chunk(x_row, inv_ptr, k0 + cols, K, stride_xk, HAS_SMOOTH)
+            q = tl.minimum(tl.maximum(_rint(xc * mult, INTERPRET), -127.0), 127.0)
+            tl.store(q_row + k0 + cols, tl.where(usable, q, 0.0).to(tl.int8), mask=mc)
 
 
-def _block_k(k: int) -> tuple[int, int]:
-    """(BLOCK_K, num_warps): the whole row in one chunk up to 8192, else 8192-wide chunks."""
-    bk = min(triton.next_power_of_2(max(k, 16)), MAX_BLOCK_K)
-    warps = 4 if bk <= 2048 else 8 if bk <= 4096 else 16
-    return bk, warps
+def _block_k(k: int) -> tuple[int, int, bool]:
+    """(BLOCK_K, num_warps, one_chunk): rows up to 8192 in one chunk held in registers (16 elements a
+    thread at most); longer rows in 4096-wide chunks, read twice (the second read mostly hits L2)."""
+    if k <= MAX_BLOCK_K:
+        bk = triton.next_power_of_2(max(k, 16))
+        return bk, (1 if bk <= 256 else 2 if bk <= 1024 else 4 if bk <= 2048 else 8 if bk <= 4096 else 16), True
+    return 4096, 8, False
 
 
 def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
@@ -130,9 +142,8 @@ def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
     if k == 0:
         scale.zero_()
         return
-    bk, warps = _block_k(k)
+    bk, warps, one = _block_k(k)
     inv = inv_smooth if inv_smooth is not None else scale  # dummy pointer when HAS_SMOOTH is False
-    _quant_rows_kernel[(m,)](x, inv, q, scale, m, k,
-                             x.stride(0), x.stride(1), q.stride(0),
-                             HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, BLOCK_K=bk, INTERPRET=INTERPRET,
-                             num_warps=warps)
+    launch(_quant_rows_kernel, (m,), (x, inv, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0)),
+           dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, BLOCK_K=bk, ONE_CHUNK=one,
+                INTERPRET=INTERPRET), warps, 3, x.device)

@@ -1,0 +1,52 @@
+"""A lean launcher for the two kernels: after the first call of a specialization, re-launch the compiled kernel
+directly instead of going through ``JITFunction.run`` every time.
+
+Why: measured on the H200 machine (bench/NOTES.md), the host side of one W8A8 linear (two Triton launches and
+the wrapper's checks) cost 150-200 us, longer than the GEMM itself on o-projection shapes. ``JITFunction.run``
+re-binds every argument, stringifies the options for its cache key and checks globals on each call.
+
+Safety: the cache key holds everything Triton specializes on — every constexpr, num_warps/num_stages, tensor
+dtypes and 16-byte pointer alignment, integers equal to 1, divisible by 16, or beyond int32 — so a kernel is
+only reused for arguments it was compiled for. Anything unusual (a profiler's launch hook, the interpreter,
+``INT8_FUSED_JIT_LAUNCH=1``) takes the normal Triton path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_COMPILED: dict[tuple, tuple] = {}
+_USE_FAST = os.environ.get("INT8_FUSED_JIT_LAUNCH") != "1" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _arg_key(v):
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    if isinstance(v, int):
+        return v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31)
+    return v
+
+
+def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
+           device: torch.device) -> None:
+    """``jit_fn[grid](*args, **constexprs, num_warps=, num_stages=)``, with the compiled kernel reused.
+    ``args`` are the runtime arguments in signature order; ``constexprs`` the remaining parameters."""
+    if not _USE_FAST or device.type != "cuda":
+        jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        return
+    import triton
+    key = (jit_fn, device.index, tuple(constexprs.values()), num_warps, num_stages,
+           tuple(_arg_key(a) for a in args))
+    hit = _COMPILED.get(key)
+    hooks = triton.knobs.runtime
+    if hit is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+        compiled = jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        if compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
+            tail = tuple(constexprs[name] for name in jit_fn.arg_names[len(args):])
+            _COMPILED[key] = (compiled, tail)
+        return
+    compiled, tail = hit
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)
