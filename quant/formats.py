@@ -91,7 +91,7 @@ def read_header(path: str) -> tuple[dict, dict]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
-        if head[:2] == b"PK" or head[:1] == b"\x80":
+        if head[:4] == b"PK\x03\x04":
             raise CheckpointError(f"{name}: this is a pickle/zip (torch.save) file, not safetensors; only "
                                   "safetensors files are accepted. Convert it to safetensors first")
         if len(head) < 8:
@@ -99,6 +99,9 @@ def read_header(path: str) -> tuple[dict, dict]:
                                   "(truncated download?); download it again")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
+            if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+                raise CheckpointError(f"{name}: this is a pickle file, not safetensors; only safetensors "
+                                      "files are accepted. Convert it to safetensors first")
             raise CheckpointError(f"{name}: header claims {n} bytes but the file has {size}: the file is "
                                   "truncated or not a safetensors file; download it again")
         raw = f.read(n)

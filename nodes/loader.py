@@ -1,0 +1,258 @@
+""""Load Ideogram 4.0 INT8": an INT8 W8A8 checkpoint (any layout ``quant.formats`` reads) -> two MODELs.
+
+How a branch becomes a MODEL without ever holding its float weights (``build_branch``):
+  1. A skeleton state dict is made from the file: float tensors (norms, embeddings, protected linears)
+     are read; each quantized linear contributes its int8 ``qweight``/``weight_scale``/``smooth``/``bias``
+     plus a *meta-device* ``weight`` [N, K] so ComfyUI's architecture detection sees the usual shapes.
+  2. ``comfy.sd.load_diffusion_model_state_dict`` builds the model with ``custom_operations`` whose
+     ``Linear`` is created on the meta device (no storage) and, on load, keeps the int8 tensors (or
+     materializes a float weight for protected layers).
+  3. Each such Linear that received int8 tensors is replaced in the module tree by the pack's
+     ``quant.linear.Int8Linear`` (the same module "Apply Fused INT8 GEMM" uses), its backend resolved
+     once for the load device. A linear that received nothing raises an error naming it.
+Peak memory is one branch's int8 weights plus its float tensors; branches are built one after the other
+and the conditional and unconditional backbones are never both in float.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import functools
+
+import torch
+from torch import nn
+
+from ..quant import backends
+from ..quant import fmt_ideogram4 as i4
+from ..quant.formats import CheckpointError, open_checkpoint, read_header
+from ..quant.linear import Int8Linear
+from .common import CATEGORY
+
+log = logging.getLogger("int8_fused")
+NONE = "none"
+REQUIRED_COMFYUI = "0.33.0"
+
+
+# ComfyUI is imported inside functions: pytest imports the pack's __init__ without ComfyUI on the path.
+@functools.cache
+def slot_ops():
+    """``custom_operations`` whose Linear is built without storage and, on load, keeps int8 tensors
+    (``int8_tensors``) or materializes a float weight (protected layers)."""
+    import comfy.ops
+
+    class Int8Slot(comfy.ops.manual_cast.Linear):
+        def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+            super().__init__(in_features, out_features, bias, device="meta", dtype=dtype)
+            self.int8_tensors = None
+            self.slot_dtype = dtype
+
+        def _load_from_state_dict(self, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                  error_msgs):
+            if prefix + "qweight" in sd:
+                self.int8_tensors = {k: sd.pop(prefix + k) for k in ("qweight", "weight_scale", "bias", "smooth")
+                                     if prefix + k in sd}
+                sd.pop(prefix + "weight", None)
+                return
+            w, b = sd.pop(prefix + "weight", None), sd.pop(prefix + "bias", None)
+            if w is None or w.is_meta:
+                missing_keys.append(prefix + "weight")
+                return
+            dt = self.slot_dtype or w.dtype
+            self.weight = nn.Parameter(w.to(dt), requires_grad=False)
+            if self.bias is not None or b is not None:
+                self.bias = None if b is None else nn.Parameter(b.to(dt), requires_grad=False)
+
+    class Int8SlotOps(comfy.ops.manual_cast):
+        Linear = Int8Slot
+
+    return Int8SlotOps
+
+
+def _int8_module(name: str, t: dict, backend: str, device: torch.device) -> Int8Linear:
+    q, s = t["qweight"], t["weight_scale"].float().reshape(-1)
+    N, K = q.shape
+    chosen, note = backends.resolve(backend, device, N, K)
+    m = Int8Linear(K, N, bias="bias" in t, smooth="smooth" in t, backend=chosen, name=name, device="meta")
+    m.qweight, m.weight_scale = q, s
+    m.bias = t["bias"].float() if "bias" in t else None
+    m.smooth = t["smooth"].float() if "smooth" in t else None
+    m._refresh_inv_smooth()
+    return m
+
+
+def _base_tensor(base_path: str, branch: str, name: str, f, keys: set) -> torch.Tensor | None:
+    for k in (f"{branch}.{name}" if branch else name, name, f"model.diffusion_model.{name}"):
+        if k in keys:
+            return f.get_tensor(k)
+    return None
+
+
+def skeleton(ck, branch: str, base_path: str | None = None, missing: list[str] = ()) -> dict:
+    """Step 1 of the module docstring; ``missing`` non-linear tensors come from ``base_path``."""
+    sd = ck.branch_state_dict(branch)
+    for n, e in ck.branches[branch].quant.items():
+        sd[f"{n}.weight"] = torch.empty(e.out_features, e.in_features, device="meta", dtype=torch.bfloat16)
+    if missing:
+        if base_path is None:
+            raise CheckpointError(
+                f"{ck.name}: the {branch or 'model'} branch lacks {len(missing)} non-linear tensors (norms, "
+                f"embeddings): {missing[:8]}{' ...' if len(missing) > 8 else ''}. Choose the matching float/FP8 "
+                "Ideogram 4 checkpoint as base checkpoint (the unconditional branch needs the unconditional "
+                "one) to take them from")
+        from safetensors import safe_open
+        header, _ = read_header(base_path)
+        with safe_open(base_path, framework="pt", device="cpu") as f:
+            keys = set(header)
+            absent = []
+            for n in missing:
+                t = _base_tensor(base_path, branch, n, f, keys)
+                if t is None:
+                    absent.append(n)
+                else:
+                    sd[n] = t
+        if absent:
+            raise CheckpointError(f"{os.path.basename(base_path)}: base checkpoint lacks {absent[:8]} too; "
+                                  "choose the Ideogram 4 checkpoint of the same branch")
+    return sd
+
+
+def build_branch(ck, branch: str, backend: str, base_path: str | None = None, missing: list[str] = (),
+                 dtype: torch.dtype | None = None):
+    """A ComfyUI ModelPatcher for one branch of an opened INT8 checkpoint (see the module docstring)."""
+    import comfy.model_management as mm
+    import comfy.sd
+
+    sd = skeleton(ck, branch, base_path, missing)
+    ops = slot_ops()
+    opts = {"custom_operations": ops}
+    if dtype is not None:
+        opts["dtype"] = dtype
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts)
+    if patcher is None:
+        raise CheckpointError(f"{ck.name}: ComfyUI could not detect the model architecture of the "
+                              f"{branch or 'model'} branch; is it a diffusion model this ComfyUI supports?")
+    dm = patcher.model.diffusion_model
+    device = mm.get_torch_device()
+    n_q, empty, bad, notes = 0, [], [], set()
+    for name, mod in list(dm.named_modules()):
+        if not isinstance(mod, ops.Linear):
+            continue
+        if mod.int8_tensors is None:
+            if mod.weight.is_meta:
+                empty.append(name)
+            continue
+        q = mod.int8_tensors["qweight"]
+        if tuple(q.shape) != (mod.out_features, mod.in_features):
+            bad.append(f"{name}: file [{q.shape[0]}, {q.shape[1]}], model [{mod.out_features}, {mod.in_features}]")
+            continue
+        new = _int8_module(name, mod.int8_tensors, backend, device)
+        if new.backend != backend:
+            notes.add(f"{backend}->{new.backend}")
+        parent, _, leaf = name.rpartition(".")
+        setattr(dm.get_submodule(parent) if parent else dm, leaf, new)
+        n_q += 1
+    if bad:
+        raise CheckpointError(f"{ck.name}: {len(bad)} layers do not fit the model ComfyUI built: {bad[:4]}; "
+                              "the file is for another model size or architecture")
+    if empty:
+        raise CheckpointError(f"{ck.name}: the {branch or 'model'} branch has no weights for {empty[:8]}"
+                              f"{' ...' if len(empty) > 8 else ''}; the file is incomplete")
+    log.info("[int8_fused] %s %s: %d INT8 linears (%s)%s", ck.name, branch or "model", n_q, backend,
+             f", fallbacks {sorted(notes)}" if notes else "")
+    return patcher
+
+
+def _require_ideogram4() -> None:
+    try:
+        import comfy.ldm.ideogram4.model  # noqa: F401
+    except ImportError:
+        try:
+            from comfyui_version import __version__ as v
+        except ImportError:
+            v = "unknown"
+        raise RuntimeError(f"Load Ideogram 4.0 INT8 needs a ComfyUI with native Ideogram 4 support "
+                           f"(comfy.ldm.ideogram4, ComfyUI {REQUIRED_COMFYUI} or newer); this ComfyUI is {v}. "
+                           "Update ComfyUI") from None
+
+
+def _empty_branch(patcher, file_name: str):
+    """A MODEL that raises a clear error when sampled: the file had no unconditional branch."""
+    m = patcher.clone()
+
+    def refuse(apply_model, args):
+        raise RuntimeError(f"Load Ideogram 4.0 INT8: {file_name} holds a single backbone, so its "
+                           "model_unconditional output is empty. Load the unconditional INT8 file with a second "
+                           "loader, or use ordinary CFG with model_conditional only")
+    m.set_model_unet_function_wrapper(refuse)
+    return m
+
+
+def _instrument(patcher, node_id, backend) -> None:
+    try:
+        from . import timing
+    except ImportError:
+        return
+    timing.instrument(patcher, node_id=str(node_id), backend=backend)
+
+
+def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: str | None,
+                   real_widths: bool = True, node_id=None):
+    """(model_conditional, model_unconditional) ModelPatchers built from an INT8 Ideogram 4 file."""
+    import comfy.model_management as mm
+
+    _require_ideogram4()
+    if backend == "auto":
+        backend = backends.env_override() or backends.default_backend(mm.get_torch_device())
+    with open_checkpoint(path) as ck:
+        order = [b for b in ("conditional", "unconditional", "") if b in ck.branches]
+        out = {}
+        for br in order:
+            missing = i4.check_branch(ck.branches[br], ck.header, ck.name, real_widths=real_widths)
+            base = base_uncond if br == "unconditional" else base_cond
+            out[br] = build_branch(ck, br, backend, base, missing, dtype=torch.bfloat16)
+            _instrument(out[br], f"{node_id}:{br or 'model'}", backend)
+    cond = out.get("conditional", out.get(""))
+    uncond = out.get("unconditional")
+    if uncond is None:
+        uncond = _empty_branch(cond, os.path.basename(path))
+    return cond, uncond
+
+
+class LoadIdeogram4Int8:
+    """Two MODELs (conditional, unconditional) for DualModelGuider from one INT8 W8A8 file."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        import folder_paths
+
+        files = folder_paths.get_filename_list("diffusion_models")
+        bases = [NONE] + files
+        return {"required": {
+            "unet_name": (files, {"tooltip": "INT8 file in models/diffusion_models: transformerlab W8A8 (both "
+                                             "branches), ComfyUI int8_tensorwise or this pack's int8_fused"}),
+            "backend": (["auto"] + [b for b in backends.BACKENDS if b != "bf16"],
+                        {"tooltip": "INT8 GEMM backend; auto = fastest available on this device"}),
+            "base_checkpoint": (bases, {"tooltip": "float/FP8 Ideogram 4 (conditional) supplying norms and "
+                                                   "embeddings the INT8 file lacks"}),
+            "base_checkpoint_unconditional": (bases, {"tooltip": "the same for the unconditional backbone"}),
+        }, "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    RETURN_TYPES = ("MODEL", "MODEL")
+    RETURN_NAMES = ("model_conditional", "model_unconditional")
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("Loads an INT8 W8A8 Ideogram 4.0 checkpoint as two fast MODELs for DualModelGuider. "
+                   "model_unconditional errors when used if the file holds one backbone.")
+
+    def load(self, unet_name, backend, base_checkpoint, base_checkpoint_unconditional, unique_id=None):
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        get = lambda n: None if n == NONE else folder_paths.get_full_path_or_raise("diffusion_models", n)  # noqa: E731
+        return load_ideogram4(path, backend, get(base_checkpoint), get(base_checkpoint_unconditional),
+                              node_id=unique_id)
+
+
+NODE_CLASS_MAPPINGS = {"LoadIdeogram4Int8": LoadIdeogram4Int8}
+NODE_DISPLAY_NAME_MAPPINGS = {"LoadIdeogram4Int8": "Load Ideogram 4.0 INT8"}

@@ -1,0 +1,138 @@
+""""Save INT8 Model": write a quantized (optionally calibrated) MODEL as an INT8 checkpoint.
+
+Formats:
+  int8_fused             this pack's self-describing format (``quant.fmt_write.write_pack``): int8 weights,
+                         per-layer SmoothQuant vectors, protected float layers, calibration provenance.
+  comfy_int8_tensorwise  ComfyUI core's layout; loads in plain ComfyUI without this pack. Core has no
+                         activation smoothing for this format, so smoothing is *folded*: the stored weight is
+                         the unsmoothed ``W`` quantized per output channel (from a smoothed INT8 layer:
+                         ``dequant(Q(W*s)) / s`` re-quantized). Same float product; the activation is then
+                         quantized without the SmoothQuant division, so the smoothing's accuracy gain is lost
+                         (and a smoothed INT8 layer's weight is rounded twice). Protected layers stay float.
+What is quantized: every ``Int8Linear`` of the MODEL (loaded by "Load Ideogram 4.0 INT8" or patched by
+"Apply Fused INT8 GEMM") is written as it is. A float MODEL is quantized here: the layers of the ``layers``
+preset (``quant.select``), with a calibration's smoothing and protection when one is connected. LoRA
+patches on the MODEL are merged into float weights first.
+Files go under models/diffusion_models; an existing file is an error unless ``overwrite`` is on; writes are
+atomic (temporary file + rename).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from ..quant import select
+from ..quant.fmt_write import write_core_int8, write_pack
+from ..quant.linear import Int8Linear
+from ..quant.quantize import quantize_weight_per_channel
+from .common import CALIBRATION_TYPE, CATEGORY
+
+log = logging.getLogger("int8_fused")
+FORMATS = ("int8_fused", "comfy_int8_tensorwise")
+
+
+def _layer_of(m: Int8Linear) -> dict:
+    return {"qweight": m.qweight.detach().cpu(), "weight_scale": m.weight_scale.detach().float().cpu(),
+            "bias": None if m.bias is None else m.bias.detach().float().cpu(),
+            "smooth": None if m.smooth is None else m.smooth.detach().float().cpu()}
+
+
+def _quantize(weight, bias, smooth) -> dict:
+    w = weight.detach().float().cpu()
+    if smooth is not None:
+        w = w * smooth.float().cpu()[None, :]
+    q, s = quantize_weight_per_channel(w)
+    return {"qweight": q, "weight_scale": s, "bias": None if bias is None else bias.detach().float().cpu(),
+            "smooth": None if smooth is None else smooth.float().cpu()}
+
+
+def collect(model, fmt: str, preset: str = "blocks", calibration=None):
+    """(quant layers, float tensors, protected names) of a MODEL, relative to its diffusion model."""
+    if getattr(model, "patches", None):
+        import comfy.model_management as mm
+        mm.load_models_gpu([model], force_full_load=True)  # merges LoRA/weight patches into the weights
+    dm = model.model.diffusion_model
+    patched = {k[len("diffusion_model."):]: v for k, v in getattr(model, "object_patches", {}).items()
+               if k.startswith("diffusion_model.")}
+    mods = {n: patched.get(n, m) for n, m in dm.named_modules()}
+    has_int8 = any(isinstance(m, Int8Linear) for m in mods.values())
+    chosen = set() if has_int8 else {n for n, _ in select.select_linears(dm, preset)}
+    quant, floats, protected = {}, {}, []
+    for name, m in mods.items():
+        if any(name.startswith(p + ".") for p in quant):
+            continue
+        if isinstance(m, Int8Linear):
+            quant[name] = _layer_of(m)
+            continue
+        if select.is_linear(m) and name in chosen:
+            cal = calibration.for_layer(name, m.out_features, m.in_features) if calibration is not None else None
+            if cal is not None and cal.protected:
+                protected.append(name)
+            else:
+                smooth = cal.smooth if (cal is not None and fmt == "int8_fused") else None
+                quant[name] = _quantize(m.weight, m.bias, smooth)
+                continue
+        for pn, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+            if t is None or pn in getattr(m, "_non_persistent_buffers_set", ()):
+                continue
+            floats[f"{name}.{pn}" if name else pn] = t.detach().cpu()
+    if not quant:
+        raise ValueError("Save INT8 Model: the model has no INT8 layer and none was selected for quantization; "
+                         "connect a model from 'Apply Fused INT8 GEMM' / 'Load Ideogram 4.0 INT8' or pick a preset")
+    protected += [n for n, m in mods.items() if has_int8 and select.is_linear(m) and n not in quant
+                  and select._BLOCK.search(n)]
+    return quant, floats, sorted(set(protected))
+
+
+def output_path(filename: str) -> str:
+    import folder_paths
+
+    rel = filename.strip().replace("\\", "/")
+    if not rel or rel.startswith("/") or ".." in rel.split("/"):
+        raise ValueError(f"Save INT8 Model: invalid file name {filename!r}; give a name relative to "
+                         "models/diffusion_models, without '..'")
+    if not rel.endswith(".safetensors"):
+        rel += ".safetensors"
+    return os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], rel)
+
+
+def save_model(model, path: str, fmt: str, overwrite: bool = False, preset: str = "blocks", calibration=None):
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose {FORMATS}")
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"Save INT8 Model: {path} already exists; choose another name or turn overwrite on")
+    quant, floats, protected = collect(model, fmt, preset, calibration)
+    if fmt == "comfy_int8_tensorwise":
+        write_core_int8(path, quant, floats, overwrite=overwrite)
+    else:
+        meta = getattr(calibration, "meta", None) if calibration is not None else None
+        write_pack(path, {"": (quant, floats)}, protected=protected, calibration=meta,
+                   architecture=type(model.model).__name__, overwrite=overwrite)
+    log.info("[int8_fused] saved %d INT8 + %d float tensors (%s) to %s", len(quant), len(floats), fmt, path)
+    return path
+
+
+class SaveInt8Model:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",),
+            "filename": ("STRING", {"default": "int8/model_int8", "tooltip": "relative to models/diffusion_models"}),
+            "format": (list(FORMATS), {"tooltip": "int8_fused keeps SmoothQuant; comfy_int8_tensorwise loads in "
+                                                  "plain ComfyUI (smoothing folded into the weights)"}),
+            "overwrite": ("BOOLEAN", {"default": False}),
+            "layers": (list(select.PRESETS), {"tooltip": "which linears to quantize when the model is float"}),
+        }, "optional": {"calibration": (CALIBRATION_TYPE,)}}
+
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("path",)
+    OUTPUT_NODE = True
+    FUNCTION = "save"
+    CATEGORY = CATEGORY
+
+    def save(self, model, filename, format, overwrite, layers, calibration=None):
+        return (save_model(model, output_path(filename), format, overwrite, layers, calibration),)
+
+
+NODE_CLASS_MAPPINGS = {"SaveInt8Model": SaveInt8Model}
+NODE_DISPLAY_NAME_MAPPINGS = {"SaveInt8Model": "Save INT8 Model"}
