@@ -10,6 +10,7 @@ const NODE_TYPES = new Set(["ApplyFusedInt8GEMM", "LoadIdeogram4Int8"]);
 const PACK_MODULE = /int8[-_]fused/i;
 const WIDGET = "int8_timing";
 const CHART_H = 46;
+const MARGIN = 6;
 const COLORS = {
   fused_triton: "#4caf50", comfy_kitchen: "#26a69a", torch_int_mm: "#42a5f5",
   fp8_rowwise: "#ab47bc", dequant_bf16: "#ffa726", bf16: "#9e9e9e",
@@ -39,20 +40,24 @@ function injectStyle() {
   font:11px/1.35 var(--font-sans, sans-serif);color:var(--input-text, #ddd);
   background:var(--comfy-input-bg, #222);border:1px solid var(--border-color, #444);border-radius:6px;
   overflow:hidden;pointer-events:auto}
-.int8-timing .int8-head{display:flex;align-items:center;gap:6px;min-width:0}
+.int8-timing>*{flex:none}
+.int8-timing .int8-head{height:18px;display:flex;align-items:center;gap:6px;min-width:0}
 .int8-timing .int8-badge{flex:0 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;
   padding:1px 7px;border-radius:9px;font-weight:600;color:#111}
 .int8-timing .int8-progress{margin-left:auto;white-space:nowrap;color:var(--descrip-text, #999)}
 .int8-timing canvas{width:100%;height:${CHART_H}px;display:block}
-.int8-timing .int8-stats{white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
-.int8-timing .int8-empty{color:var(--descrip-text, #999);font-style:italic}
+.int8-timing .int8-stats{height:16px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
+.int8-timing .int8-stats.int8-empty{height:32px;white-space:normal;color:var(--descrip-text, #999);font-style:italic}
+.int8-timing .int8-chart{position:relative}
+.int8-timing .int8-max{position:absolute;top:0;right:2px;font-size:9px;color:var(--descrip-text, #999)}
 .int8-timing .int8-compare{margin:0;padding:0;list-style:none;border-top:1px solid var(--border-color, #444);
   padding-top:2px}
-.int8-timing .int8-compare li{display:flex;align-items:center;gap:5px;white-space:nowrap}
+.int8-timing .int8-compare li{height:16px;display:flex;align-items:center;gap:5px;white-space:nowrap}
 .int8-timing .int8-compare li.int8-self{font-weight:600}
 .int8-timing .int8-dot{width:7px;height:7px;border-radius:50%;flex:none}
 .int8-timing details{color:var(--descrip-text, #999)}
-.int8-timing details ol{margin:0;padding-left:22px;max-height:90px;overflow:auto}
+.int8-timing details ol{margin:0;padding-left:22px;height:64px;overflow:auto;columns:2}
+.int8-timing details summary{height:16px}
 .int8-timing summary{cursor:pointer}`;
   document.head.appendChild(s);
 }
@@ -104,11 +109,12 @@ function drawChart(canvas, secs, planned, backend) {
 }
 
 function render(w) {
-  const { node, root, badge, progress, canvas, stats, steps, compare } = w;
+  const { node, root, badge, progress, chart, canvas, maxLabel, stats, steps, compare } = w;
   const { run, finished } = runFor(node);
   const backend = run?.backend ?? backendWidgetValue(node);
   badge.textContent = fmt.badgeText(backend, run?.device ?? null);
   badge.style.background = color(backend);
+  root.dataset.node = String(node.id);
   root.dataset.run = run?.run ?? "";
   root.dataset.backend = backend ?? "";
   root.dataset.device = run?.device ?? "";
@@ -118,22 +124,24 @@ function render(w) {
 
   if (!run) {
     progress.textContent = "";
-    canvas.style.display = "none";
+    chart.style.display = "none";
     steps.style.display = "none";
     stats.className = "int8-stats int8-empty";
-    stats.textContent = "No run yet \u2014 queue the workflow to time each step.";
+    stats.textContent = "No run yet \u2014 queue the workflow to time each sampling step here.";
   } else {
     progress.textContent = fmt.progressText(secs.length, run.steps_planned ?? run.steps, finished);
-    canvas.style.display = "";
+    chart.style.display = "";
     drawChart(canvas, secs, finished ? secs.length : run.steps_planned, backend);
+    maxLabel.textContent = secs.length ? `max ${fmt.fmtSeconds(Math.max(...secs))}` : "";
     stats.className = "int8-stats";
     const shown = finished ? run
       : { steps: secs.length, mean: fmt.mean(secs), median: fmt.median(secs), total: secs.reduce((a, b) => a + b, 0) };
     stats.textContent = secs.length ? fmt.statsText(shown) : "waiting for the first step\u2026";
+    stats.title = run.workload ? `${run.workload} \u00b7 timer: ${run.timer ?? "live"}` : "";
     steps.style.display = secs.length ? "" : "none";
     const list = steps.querySelector("ol");
     list.replaceChildren(...secs.map((s) => el("li", "int8-step", fmt.fmtSeconds(s))));
-    steps.querySelector("summary").textContent = `per step (${secs.length})`;
+    steps.querySelector("summary").textContent = `seconds per step (${secs.length})`;
   }
 
   const rows = fmt.compareRows(state.runs, finished ? run.workload : latestWorkload(node));
@@ -147,6 +155,22 @@ function render(w) {
     return li;
   }));
   compare.style.display = rows.length > 1 ? "" : "none";
+  relayout(w, rows.length > 1 ? rows.length : 0);
+}
+
+/** The widget's height from what it shows; grows the node when it needs more room. */
+function relayout(w, compareRows) {
+  const { run } = runFor(w.node);
+  let h = 10 + 18 + 3;  // padding + head
+  if (!run) h += 32;
+  else h += CHART_H + 3 + 16 + 3 + 16 + 3 + (w.steps.open ? 64 : 0);
+  if (compareRows) h += 3 + 3 + compareRows * 16;
+  if (h === w.height) return;
+  const prev = w.height;
+  w.height = h;
+  const node = w.node;
+  // Grow (or shrink) the node by what the widget's content changed; keep the user's width.
+  if (prev && node.size) node.setSize([node.size[0], Math.max(node.size[1] + h - prev, node.computeSize?.()[1] ?? 0)]);
 }
 
 function latestWorkload(node) {
@@ -161,7 +185,7 @@ function renderAll() {
     if (!w.node.graph) { state.widgets.delete(w); continue; }
     render(w);
   }
-  app.graph?.setDirtyCanvas?.(true, false);
+  app.graph?.setDirtyCanvas?.(true, true);
 }
 
 function attach(node) {
@@ -170,28 +194,41 @@ function attach(node) {
   const root = el("div", "int8-timing");
   const head = el("div", "int8-head");
   const badge = el("span", "int8-badge");
+  badge.title = "INT8 backend \u00b7 device of the latest run";
   const progress = el("span", "int8-progress");
   head.append(badge, progress);
+  const chart = el("div", "int8-chart");
   const canvas = el("canvas");
+  const maxLabel = el("span", "int8-max");
+  chart.append(canvas, maxLabel);
   const stats = el("div", "int8-stats");
   const steps = el("details", "int8-steps");
-  steps.append(el("summary", "", "per step"), el("ol"));
+  steps.append(el("summary", "", "seconds per step"), el("ol"));
   const compare = el("ul", "int8-compare");
-  root.append(head, canvas, stats, steps, compare);
-  root.dataset.node = String(node.id);
+  root.append(head, chart, stats, steps, compare);
 
+  const w = { node, root, badge, progress, chart, canvas, maxLabel, stats, steps, compare, height: 0 };
   const widget = node.addDOMWidget(WIDGET, "int8_timing", root, {
     serialize: false,
     hideOnZoom: false,
-    getMinHeight: () => 130,
+    margin: MARGIN,
+    // The frontend sizes the element to (computed height - 2 margins).
+    getMinHeight: () => (w.height || 60) + 2 * MARGIN,
+    getMaxHeight: () => (w.height || 60) + 2 * MARGIN,
   });
   widget.serialize = false;
-  const w = { node, root, badge, progress, canvas, stats, steps, compare };
   state.widgets.add(w);
+  steps.addEventListener("toggle", () => { render(w); app.graph?.setDirtyCanvas?.(true, true); });
   const onRemoved = node.onRemoved;
   node.onRemoved = function () {
     state.widgets.delete(w);
     return onRemoved?.apply(this, arguments);
+  };
+  const onAdded = node.onAdded;
+  node.onAdded = function () {  // the node gets its id when added to a graph
+    const r = onAdded?.apply(this, arguments);
+    render(w);
+    return r;
   };
   // The badge follows the backend picked on the node until a run says what really ran.
   const bw = node.widgets?.find((x) => x.name === "backend");
@@ -203,9 +240,8 @@ function attach(node) {
       return r;
     };
   }
-  const size = node.computeSize?.() ?? node.size;
-  node.setSize?.([Math.max(node.size?.[0] ?? 0, 300), Math.max(node.size?.[1] ?? 0, size[1])]);
   render(w);
+  node.setSize?.([Math.max(node.size?.[0] ?? 0, 320), node.computeSize?.()[1] ?? node.size[1]]);
 }
 
 function onStep({ detail: d }) {
