@@ -1,0 +1,456 @@
+"""Issue 8 fusions on the CPU (TRITON_INTERPRET=1): the producer-fused quantization kernels against their
+torch definition and against the unfused torch sequence, the fused FeedForward / Ideogram 4 block against
+the per-linear INT8 path, module recognition, and the llm_cond_proj cache.
+
+Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_fused.py -q
+"""
+import math
+import os
+import sys
+import types
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from quant import fused as qf  # noqa: E402
+from quant.linear import Int8Linear  # noqa: E402
+from quant.quantize import quantize_per_token_ref  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tests of the Triton kernels need TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="module")
+def kf():
+    import kernel.fused
+    return kernel.fused
+
+
+def _flips(q, ref):
+    d = (q.int() - ref.int()).abs()
+    return (d > 0).float().mean().item(), d.max().item()
+
+
+def _assert_within_rounding(got, ref, rel=5e-3):
+    """Fused vs per-linear INT8 output: equal except where an activation code flipped by 1 (an ulp-level
+    exp / sum-order difference crossing a rounding boundary), which moves that row by ~1/127 of a step."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < rel, f"fused output differs from the per-linear INT8 path by {err:.2e} (rel L2)"
+
+
+def _rand(shape, dtype, gen, std=2.0):
+    return (torch.randn(shape, generator=gen) * std).to(dtype)
+
+
+# ----------------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k,b,smooth,chunked", [
+    (17, 64, 1, False, False), (24, 100, 2, True, False), (1, 48, 1, True, False),
+    (12, 100, 3, False, True), (6, 130, 2, True, True)])
+def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, chunked):
+    if chunked:  # exercise the multi-pass path (rows longer than MAX_SINGLE) on small rows
+        monkeypatch.setattr(kf, "MAX_SINGLE", 32)
+        monkeypatch.setattr(kf, "CHUNK", 32)
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x = _rand((m, k), dtype, g)
+    w = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    s = (1 + 0.5 * torch.randn(b, k, generator=g)).to(dtype)
+    inv = (0.5 + torch.rand(k, generator=g)) if smooth else None
+    tpb = m // b
+    q, qs = kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, tpb, inv)
+    rq, rs = qf.rmsnorm_modulate_quantize_ref(x, w, 1e-5, s, tpb, inv)
+    # the unfused torch sequence: ComfyUI's RMSNorm (F.rms_norm) in the model dtype, times 1 + s, quantize
+    y = F.rms_norm(x, (k,), w, 1e-5).reshape(b, tpb, k) * s.reshape(b, 1, k)
+    uq, us = quantize_per_token_ref(y.reshape(m, k), inv)
+    assert q.dtype == torch.int8 and qs.dtype == torch.float32 and q.shape == (m, k) and qs.shape == (m,)
+    if dtype == torch.float32:  # nothing rounds: the fp32 sum order / rsqrt show as ulp-level scale changes
+        for ref_q, ref_s in ((rq, rs), (uq, us)):
+            frac, mx = _flips(q, ref_q)
+            assert frac < 1e-3 and mx <= 1
+            torch.testing.assert_close(qs, ref_s, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(q, rq) and torch.equal(qs, rs)
+        frac, mx = _flips(q, uq)
+        assert frac < 1e-3 and mx <= 1, (frac, mx)
+        torch.testing.assert_close(qs, us, rtol=1e-6, atol=0)
+
+
+def test_rmsnorm_modulate_quantize_flip_rate_large(kf):
+    """A full Ideogram 4 row width (K = 4608) against the unfused bf16 path: rare +-1 flips at most."""
+    g = torch.Generator().manual_seed(7)
+    m, k = 8, 4608
+    x, w = _rand((m, k), torch.bfloat16, g, 3.0), (1 + 0.1 * torch.randn(k, generator=g)).bfloat16()
+    s = (1 + 0.3 * torch.randn(1, k, generator=g)).bfloat16()
+    q, qs = kf.rmsnorm_modulate_quantize(x, w, 1e-6, s, m)
+    uq, us = quantize_per_token_ref(F.rms_norm(x, (k,), w, 1e-6) * s, None)
+    frac, mx = _flips(q, uq)
+    assert frac < 1e-3 and mx <= 1
+    torch.testing.assert_close(qs, us, rtol=1e-6, atol=0)
+
+
+def test_rmsnorm_modulate_quantize_zero_and_nan_rows(kf):
+    g = torch.Generator().manual_seed(3)
+    x = _rand((5, 64), torch.bfloat16, g)
+    x[1] = 0
+    x[3, 7] = float("nan")
+    x[4, 9] = float("inf")
+    q, qs = kf.rmsnorm_modulate_quantize(x, torch.ones(64), 1e-5, torch.ones(1, 64), 5)
+    assert qs[1] == 0 and not q[1].any()                        # zero row: scale 0, zeros, no NaN
+    assert math.isnan(qs[3]) and math.isnan(qs[4]) and not q[3].any() and not q[4].any()
+    rq, rs = qf.rmsnorm_modulate_quantize_ref(x[[0, 2]], torch.ones(64), 1e-5, torch.ones(1, 64), 2)
+    assert torch.equal(q[[0, 2]], rq) and torch.equal(qs[[0, 2]], rs)   # other rows unaffected
+
+
+def test_rmsnorm_modulate_quantize_errors(kf):
+    x = torch.randn(6, 32).bfloat16()
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        kf.rmsnorm_modulate_quantize(x, torch.ones(32), 1e-5, torch.ones(4, 32), 2)
+    with pytest.raises(ValueError, match="scale must be"):
+        kf.rmsnorm_modulate_quantize(x, torch.ones(32), 1e-5, torch.ones(2, 31), 3)
+    with pytest.raises(ValueError, match="norm_weight"):
+        kf.rmsnorm_modulate_quantize(x, torch.ones(31), 1e-5, torch.ones(1, 32), 6)
+    q, qs = kf.rmsnorm_modulate_quantize(x[:0], torch.ones(32), 1e-5, torch.ones(1, 32), 1)
+    assert q.shape == (0, 32) and qs.shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,f,smooth,pair,chunked", [
+    (9, 160, False, False, False), (1, 48, True, True, False), (13, 100, True, False, True),
+    (4, 70, False, True, True)])
+def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
+    if chunked:
+        monkeypatch.setattr(kf, "MAX_SINGLE", 32)
+        monkeypatch.setattr(kf, "CHUNK", 32)
+    g = torch.Generator().manual_seed(m * 100 + f)
+    h = _rand((m, 2 * f), dtype, g, 3.0)
+    a, b = h.chunk(2, dim=1)
+    inv = (0.5 + torch.rand(f, generator=g)) if smooth else None
+    q, qs = kf.swiglu_quantize((a, b) if pair else h, inv)
+    rq, rs = qf.swiglu_quantize_ref(a, b, inv)
+    uq, us = quantize_per_token_ref(F.silu(a) * b, inv)       # the unfused torch sequence
+    for ref_q, ref_s in ((rq, rs), (uq, us)):
+        frac, mx = _flips(q, ref_q)
+        assert frac < 1e-3 and mx <= 1, (frac, mx)
+        torch.testing.assert_close(qs, ref_s, rtol=1e-6, atol=0)
+    if dtype != torch.float32:  # rounded intermediates: exact (up to exp differences, none at this size)
+        assert torch.equal(q, rq) and torch.equal(qs, rs)
+
+
+def test_swiglu_quantize_zero_nan_and_fp16_clamp(kf):
+    g = torch.Generator().manual_seed(5)
+    h = _rand((4, 64), torch.float16, g)
+    h[0] = 0
+    h[1, 3] = float("nan")
+    h[2, 0], h[2, 32] = 400.0, 400.0                 # silu(400) * 400 = 160000 -> inf in fp16
+    q, qs = kf.swiglu_quantize(h)
+    assert qs[0] == 0 and not q[0].any()
+    assert math.isnan(qs[1]) and math.isnan(qs[2]) and not q[1].any()
+    qc, qsc = kf.swiglu_quantize(h, clamp_fp16=True)  # current ComfyUI's clamp_fp16: nan -> 0, inf -> 65504
+    rq, rs = qf.swiglu_quantize_ref(*h.chunk(2, 1), clamp_fp16=True)
+    assert torch.equal(qc, rq) and torch.equal(qsc, rs)
+    assert qsc[2] == torch.tensor(65504.0) / 127 and qc[2, 0] == 127
+    with pytest.raises(ValueError, match="2F"):
+        kf.swiglu_quantize(h[:, :63])
+
+
+# ----------------------------------------------------------------------------------- FeedForward
+class LuminaFeedForwardStandIn(nn.Module):
+    """Structure of comfy.ldm.lumina.model.FeedForward (used when ComfyUI is not importable)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
+            nn.Linear(dim, hidden, bias=False)
+
+    def _forward_silu_gating(self, x1, x3):
+        return F.silu(x1) * x3
+
+    def forward(self, x):
+        return self.w2(self._forward_silu_gating(self.w1(x), self.w3(x)))
+
+
+LuminaFeedForwardStandIn.__name__ = "FeedForward"
+
+
+def _int8(lin, name, smooth=None, backend="fused_triton"):
+    return Int8Linear.from_float(lin.weight, getattr(lin, "bias", None), smooth=smooth, backend=backend, name=name)
+
+
+def _unfused_copy(module, layers, prefix=""):
+    """A deep copy of ``module`` with the named linears replaced by their Int8Linear (the plain path)."""
+    import copy
+    m = copy.deepcopy(module)
+    for name, layer in layers.items():
+        if not name.startswith(prefix):
+            continue
+        parent, _, attr = name[len(prefix):].rpartition(".")
+        setattr(m.get_submodule(parent) if parent else m, attr, layer)
+    return m
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("w2_int8", [True, False])
+def test_fused_feed_forward_matches_unfused(smooth, w2_int8):
+    torch.manual_seed(0)
+    ff = LuminaFeedForwardStandIn(64, 160).to(torch.bfloat16)
+    s13 = 0.5 + torch.rand(64) if smooth else None
+    layers = {"w1": _int8(ff.w1, "w1", s13), "w3": _int8(ff.w3, "w3", s13)}
+    if w2_int8:
+        layers["w2"] = _int8(ff.w2, "w2", 0.5 + torch.rand(160) if smooth else None)
+    fused = qf.fuse_modules(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()})["ff"]
+    assert isinstance(fused, qf.FusedFeedForward)
+    assert set(fused.covers) == {f"ff.{k}" for k in layers}
+    x = torch.randn(3, 11, 64).bfloat16()                         # ragged M = 33
+    ref = _unfused_copy(ff, layers)(x)
+    got = fused(x)
+    _assert_within_rounding(got, ref)
+    flt = ff(x).float()
+    assert ((got.float() - flt).norm() / flt.norm()).item() < 3e-2  # and close to the float FFN
+
+
+def test_merge_refuses_different_smoothing():
+    ff = LuminaFeedForwardStandIn(32, 48)
+    layers = {"w1": _int8(ff.w1, "w1", 0.5 + torch.rand(32)), "w3": _int8(ff.w3, "w3", 0.5 + torch.rand(32)),
+              "w2": _int8(ff.w2, "w2")}
+    assert qf.fuse_modules(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()}) == {}
+    with pytest.raises(ValueError, match="SmoothQuant"):
+        qf.merge_int8(layers["w1"], layers["w3"], "ff.w1+w3")
+
+
+def test_other_backends_and_architectures_stay_plain():
+    ff = LuminaFeedForwardStandIn(32, 48)
+    layers = {f"ff.{k}": _int8(getattr(ff, k), k, backend="torch_int_mm") for k in ("w1", "w2", "w3")}
+    assert qf.fuse_modules(nn.ModuleDict({"ff": ff}), layers) == {}
+    flux_like = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))})
+    layers = {"mlp.0": _int8(flux_like.mlp[0], "mlp.0"), "mlp.2": _int8(flux_like.mlp[2], "mlp.2")}
+    assert qf.fuse_modules(flux_like, layers) == {}
+    assert qf.object_patches(flux_like, layers) == layers
+
+
+# ----------------------------------------------------------------------------------- Ideogram 4 block
+# A miniature of comfy/ldm/ideogram4/model.py's block (current ComfyUI; not in the pinned runtime): the same
+# attribute names and forward bodies, with stand-ins for the ComfyUI functions its forward calls. The fused
+# module reaches them through this module's globals, exactly as it reaches ComfyUI's in the real class.
+def _rope(x, freqs):  # stand-in for _apply_rope_split_half1: rotate halves by per-position angles
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = freqs
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+_apply_rope_split_half1 = _rope
+
+
+def optimized_attention_masked(q, k, v, heads, mask=None, skip_reshape=False, transformer_options={}):
+    b, h, l, d = q.shape
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).reshape(b, l, h * d)
+
+
+def _rms_rope_split_half(q, k, freqs, q_scale, k_scale, eps):
+    return (_rope(F.rms_norm(q, q.shape[-1:], q_scale, eps), freqs),
+            _rope(F.rms_norm(k, k.shape[-1:], k_scale, eps), freqs))
+
+
+comfy = types.SimpleNamespace(
+    model_management=types.SimpleNamespace(in_training=False),
+    ops=types.SimpleNamespace(cast_bias_weight=lambda m, x, offloadable=False: (m.weight.to(x.dtype), None, None),
+                              uncast_bias_weight=lambda *a: None),
+    quant_ops=types.SimpleNamespace(ck=types.SimpleNamespace(rms_rope_split_half=_rms_rope_split_half)))
+
+
+class Ideogram4Attention(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.num_heads, self.head_dim, self.hidden_size = heads, hidden // heads, hidden
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.norm_q, self.norm_k = nn.RMSNorm(self.head_dim, eps=1e-5), nn.RMSNorm(self.head_dim, eps=1e-5)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x, attn_mask, freqs_cis, transformer_options={}):
+        b, l, _ = x.shape
+        q, k, v = self.qkv(x).view(b, l, 3, self.num_heads, self.head_dim).unbind(dim=2)
+        if comfy.model_management.in_training:
+            q, k = _apply_rope_split_half1(self.norm_q(q), freqs_cis), _apply_rope_split_half1(self.norm_k(k), freqs_cis)
+        else:
+            q, k = comfy.quant_ops.ck.rms_rope_split_half(q, k, freqs_cis, self.norm_q.weight, self.norm_k.weight,
+                                                          self.norm_q.eps)
+        out = optimized_attention_masked(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         self.num_heads, attn_mask, skip_reshape=True)
+        return self.o(out)
+
+
+class Ideogram4TransformerBlock(nn.Module):
+    def __init__(self, hidden, ffn, heads, adaln):
+        super().__init__()
+        self.attention = Ideogram4Attention(hidden, heads)
+        self.feed_forward = LuminaFeedForwardStandIn(hidden, ffn)
+        for n in ("attention_norm1", "ffn_norm1", "attention_norm2", "ffn_norm2"):
+            setattr(self, n, nn.RMSNorm(hidden, eps=1e-5))
+        self.adaln_modulation = nn.Linear(adaln, 4 * hidden)
+
+    def forward(self, x, attn_mask, freqs_cis, adaln_input, transformer_options={}):
+        mod = self.adaln_modulation(adaln_input)
+        scale_msa, gate_msa, scale_mlp, gate_mlp = mod.chunk(4, dim=-1)
+        gate_msa, gate_mlp = torch.tanh(gate_msa), torch.tanh(gate_mlp)
+        scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
+        attn_out = self.attention(self.attention_norm1(x) * scale_msa, attn_mask, freqs_cis)
+        x = x + gate_msa * self.attention_norm2(attn_out)
+        return x + gate_mlp * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * scale_mlp))
+
+
+def _mini_ideogram(layers=2, hidden=64, heads=4, ffn=96, adaln=32, seed=0):
+    torch.manual_seed(seed)
+    dm = nn.Module()
+    dm.layers = nn.ModuleList([Ideogram4TransformerBlock(hidden, ffn, heads, adaln) for _ in range(layers)])
+    dm.llm_cond_norm = nn.RMSNorm(48)
+    dm.llm_cond_proj = nn.Linear(48, hidden)
+    with torch.no_grad():
+        for n, p in dm.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return dm.to(torch.bfloat16)
+
+
+def _block_inputs(b=2, l=10, hidden=64, heads=4, adaln=32):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(b, l, hidden, generator=g).bfloat16()
+    ang = torch.randn(l, hidden // heads // 2, generator=g)
+    freqs = (ang.cos()[None, :, None, :], ang.sin()[None, :, None, :])  # broadcast over batch and heads
+    ada = F.silu(torch.randn(b, 1, adaln, generator=g)).bfloat16()
+    return x, freqs, ada
+
+
+@pytest.mark.parametrize("in_training", [False, True])
+def test_fused_ideogram4_block_matches_unfused(monkeypatch, in_training):
+    monkeypatch.setattr(comfy.model_management, "in_training", in_training)
+    dm = _mini_ideogram()
+    names = [f"layers.{i}.{n}" for i in range(2) for n in
+             ("attention.qkv", "attention.o", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+    layers = {n: _int8(dm.get_submodule(n), n) for n in names}
+    patches = qf.object_patches(dm, layers)
+    assert set(patches) == {"layers.0", "layers.1", "llm_cond_proj"}   # every block linear is covered
+    blk = patches["layers.0"]
+    assert isinstance(blk, qf.FusedIdeogram4Block) and set(blk.covers) == {n for n in names if "layers.0" in n}
+    assert not [n for n, m in blk.named_modules() if type(m) is nn.Linear and n != "adaln_modulation"]
+    x, freqs, ada = _block_inputs()
+    for i in range(2):
+        ref = _unfused_copy(dm.layers[i], layers, f"layers.{i}.")(x, None, freqs, ada)
+        got = patches[f"layers.{i}"](x, None, freqs, ada)
+        _assert_within_rounding(got, ref)
+        flt = dm.layers[i](x, None, freqs, ada).float()
+        assert ((got.float() - flt).norm() / flt.norm()).item() < 3e-2
+
+
+def test_ideogram4_partial_quantization_falls_back():
+    dm = _mini_ideogram(layers=1)
+    # only the FFN is INT8 (qkv kept float): the block stays, its FeedForward is fused on its own
+    layers = {f"layers.0.feed_forward.{w}": _int8(dm.get_submodule(f"layers.0.feed_forward.{w}"), w)
+              for w in ("w1", "w2", "w3")}
+    patches = qf.object_patches(dm, layers)
+    assert isinstance(patches["layers.0.feed_forward"], qf.FusedFeedForward)
+    assert "layers.0" not in patches and not any(k.endswith((".w1", ".w2", ".w3")) for k in patches)
+
+
+def test_lumina2_real_feed_forward_and_block():
+    """The pinned runtime's real Lumina 2 classes: FeedForward fused inside a JointTransformerBlock."""
+    cu = ROOT / ".runtime" / "ComfyUI"
+    if not (cu / "comfy").is_dir():
+        pytest.skip("the pinned ComfyUI runtime is missing: run scripts/setup_runtime.sh")
+    if str(cu) not in sys.path:
+        sys.path.insert(0, str(cu))
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = True
+    import comfy.ops
+    import comfy.ldm.lumina.model as lm
+    torch.manual_seed(1)
+    ops = {"operations": comfy.ops.disable_weight_init, "dtype": torch.bfloat16, "device": "cpu"}
+    blk = lm.JointTransformerBlock(0, 64, 4, 4, 16, None, 1e-5, True, operation_settings=ops)
+    with torch.no_grad():
+        for n, p in blk.named_parameters():
+            p.copy_((1 + 0.1 * torch.randn_like(p)) if "norm" in n else torch.randn_like(p) * p.shape[-1] ** -0.5)
+    names = [f"feed_forward.{w}" for w in ("w1", "w2", "w3")] + ["attention.qkv", "attention.out"]
+    layers = {n: _int8(blk.get_submodule(n), n) for n in names}
+    patches = qf.object_patches(blk, layers)
+    assert isinstance(patches["feed_forward"], qf.FusedFeedForward)
+    assert set(patches) == {"feed_forward", "attention.qkv", "attention.out"}
+    ref_blk = _unfused_copy(blk, layers)
+    fused_blk = _unfused_copy(blk, patches)
+    x = torch.randn(2, 9, 64).bfloat16()
+    freqs = torch.ones(2, 9, 1, 8, 2, 2)  # identity rotation
+    freqs[..., 0, 1] = 0
+    freqs[..., 1, 0] = 0
+    ada = torch.randn(2, 64).bfloat16()
+    ref, got = ref_blk(x, None, freqs, ada), fused_blk(x, None, freqs, ada)
+    _assert_within_rounding(got, ref)
+
+
+# ----------------------------------------------------------------------------------- llm_cond_proj cache
+def test_cached_linear_reuses_only_under_a_verified_key():
+    lin = nn.Linear(16, 8)
+    c = qf.CachedLinear(lin, "llm_cond_proj")
+    x = torch.randn(5, 16)
+    assert torch.equal(c(x), lin(x)) and c.misses == 0          # no key bound: plain call, nothing stored
+    k1 = (uuid.uuid4(),)
+    with c.bind(k1):
+        y1 = c(x)
+        y2 = c(x.clone())                                        # a new tensor with the same content
+        assert y2 is y1 and c.hits == 1 and c.misses == 1
+        changed = x.clone()
+        changed[2, 3] += 1
+        assert c(changed) is y1                                  # verified key: trusted for this run
+    with c.bind((uuid.uuid4(),)):                                # another cond / run: computed afresh
+        assert torch.equal(c(changed), lin(changed))
+    c.invalidate()
+    with c.bind(k1):
+        y = c(x)
+        assert torch.equal(c(changed), lin(changed))             # first reuse sees the change: not stale
+        assert k1 in c._bad and torch.equal(c(x), lin(x))        # and caching is off for that key
+    with c.bind(k1):
+        assert c(torch.randn(3, 16)).shape == (3, 8)            # other shape never hits
+    assert y.shape == (5, 8)
+
+
+def test_cached_linear_follows_weight_changes_and_patching():
+    lin = nn.Linear(16, 8)
+    c = qf.CachedLinear(lin)
+    x = torch.randn(4, 16)
+    with c.bind("run"):
+        y1 = c(x)
+        with torch.no_grad():
+            lin.weight.add_(1.0)                                  # in-place patch (LoRA merge): version bump
+        y2 = c(x)
+        assert not torch.equal(y1, y2) and torch.allclose(y2, lin(x))
+        c.weight = nn.Parameter(torch.zeros(8, 16))              # ComfyUI set_attr_param: reaches the inner
+        assert lin.weight.abs().sum() == 0 and "weight" not in c._parameters
+        assert torch.allclose(c(x), lin.bias.expand(4, 8))
+
+
+def test_cache_wrappers_bind_uuids_and_invalidate():
+    dm = _mini_ideogram(layers=1)
+    cache = qf.fuse_modules(dm, {})["llm_cond_proj"]
+    dm.llm_cond_proj = cache
+    x = torch.randn(3, 48).bfloat16()
+
+    class Executor:                                              # what ComfyUI's WrapperExecutor passes
+        class_obj = dm
+
+        def __call__(self, x_, t, context, mask, transformer_options):
+            return dm.llm_cond_proj(context)
+
+    to = {"uuids": [uuid.uuid4()], "cond_or_uncond": [0]}
+    y1 = qf.diffusion_model_wrapper(Executor(), None, None, x, None, to)
+    y2 = qf.diffusion_model_wrapper(Executor(), None, None, x.clone(), None, to)
+    assert y2 is y1 and cache.hits == 1
+    qf.outer_sample_wrapper(lambda: None)
+    assert not cache._entries
+    qf.diffusion_model_wrapper(Executor(), None, None, x, None, {})  # no uuids: not cached
+    assert not cache._entries
