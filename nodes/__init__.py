@@ -2,7 +2,7 @@
 defines ``NODE_CLASS_MAPPINGS`` and ``NODE_DISPLAY_NAME_MAPPINGS``; they are merged here."""
 import importlib
 
-_MODULES = ["apply", "calibrate"]  # e.g. "apply", "calibrate", "loader", "save", "timing"
+_MODULES = ["apply", "calibrate", "loader", "save", "conditioning"]  # e.g. "apply", "calibrate", "loader", "save", "timing"
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}

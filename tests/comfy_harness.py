@@ -1,0 +1,361 @@
+"""Helpers that run the pack inside a real ComfyUI: the pinned runtime in-process, a real server, and a
+current ComfyUI checkout (``COMFYUI_CURRENT``) in a subprocess. The fixtures in conftest.py wrap these;
+scripts/demo.py uses the same server client.
+
+Nothing here imports ComfyUI at module import time.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNTIME = Path(os.environ.get("INT8_RUNTIME_DIR") or ROOT / ".runtime")
+COMFY_DIR = RUNTIME / "ComfyUI"
+PACK_MODULE = "comfyui_int8_fused"
+SETUP_HINT = "run `bash scripts/setup_runtime.sh` (or `bash scripts/test.sh`, which does it first)"
+
+
+# --------------------------------------------------------------------------- in-process ComfyUI
+def check_runtime() -> None:
+    if not (COMFY_DIR / "main.py").is_file():
+        raise RuntimeError(f"the pinned ComfyUI is missing at {COMFY_DIR}: {SETUP_HINT}")
+
+
+def import_comfy(comfy_dir: Path = COMFY_DIR):
+    """Put ``comfy_dir`` first on sys.path, select the CPU, import comfy.sd / model_management and
+    ComfyUI's top-level ``nodes`` module. Returns the ``comfy`` package."""
+    comfy_dir = str(comfy_dir)
+    loaded = sys.modules.get("comfy")
+    if loaded is not None and not str(Path(loaded.__file__).resolve()).startswith(str(Path(comfy_dir).resolve())):
+        raise RuntimeError(f"a different ComfyUI is already imported in this process ({loaded.__file__}); "
+                           "run work on another ComfyUI in a subprocess (see run_in_current_comfy)")
+    nodes_mod = sys.modules.get("nodes")
+    if nodes_mod is not None and not hasattr(nodes_mod, "NODE_CLASS_MAPPINGS"):
+        raise RuntimeError("a module named `nodes` that is not ComfyUI's nodes.py is imported: tests must "
+                           "never import the pack's nodes package as a top-level name (use the `pack` fixture)")
+    if comfy_dir in sys.path:
+        sys.path.remove(comfy_dir)
+    sys.path.insert(0, comfy_dir)  # before the repo root: ComfyUI's nodes.py must win over our nodes/
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = True
+    import comfy.model_management  # noqa: F401
+    import comfy.sd  # noqa: F401
+    import nodes  # noqa: F401  ComfyUI's own nodes.py, which node code may import
+    return comfy
+
+
+def import_pack(root: Path = ROOT, name: str = PACK_MODULE):
+    """Import the repository as a ComfyUI custom-node package, the way ComfyUI's loader does
+    (spec_from_file_location of __init__.py with submodule_search_locations)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def load_tiny(arch: str, seed: int = 0, dtype=None):
+    """ModelPatcher of the width-128 miniature ``arch`` (scripts/miniature.py), built in-process with
+    ComfyUI's own model classes from the explicit config (detection cannot size tiny models). CPU."""
+    import torch
+    import comfy.model_detection
+    import comfy.model_patcher
+    mini = miniature()
+    dtype = dtype or torch.float32
+    sd = mini.tiny_state_dict(arch, seed, dtype)
+    mc = comfy.model_detection.model_config_from_unet_config(dict(mini.TINY_UNET_CONFIG[arch]), sd)
+    mc.set_inference_dtype(dtype, None)
+    cpu = torch.device("cpu")
+    model = mc.get_model(sd, "", device=cpu)
+    model.diffusion_model.load_state_dict(sd, strict=True)
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def miniature():
+    """scripts/miniature.py as a module."""
+    if "int8fused_miniature" in sys.modules:
+        return sys.modules["int8fused_miniature"]
+    spec = importlib.util.spec_from_file_location("int8fused_miniature", ROOT / "scripts" / "miniature.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["int8fused_miniature"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write_miniature_models(comfy_dir: Path = COMFY_DIR, archs=None, seed: int = 0) -> dict[str, str]:
+    """Write the detectable miniatures into ``<comfy>/models/diffusion_models`` (kept when already
+    there) and return {arch: file name as UNETLoader lists it}."""
+    mini = miniature()
+    out = {}
+    for arch in archs or mini.ARCHS:
+        name = mini.default_filename(arch, seed)
+        mini.write_miniature(arch, Path(comfy_dir) / "models" / "diffusion_models" / name, seed=seed)
+        out[arch] = name
+    return out
+
+
+# --------------------------------------------------------------------------- a real server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ComfyError(RuntimeError):
+    """A prompt failed, was rejected or timed out; the message carries the server log tail."""
+
+
+class ComfyServer:
+    """``python main.py --cpu`` of a ComfyUI tree on 127.0.0.1, a WebSocket listener thread, and an
+    HTTP client. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, comfy_dir: Path = COMFY_DIR, output_dir: Path | None = None, python: str | None = None,
+                 extra_args=(), env: dict | None = None, startup_timeout: float = 300.0):
+        self.comfy_dir = Path(comfy_dir)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.output_dir = Path(output_dir or tempfile.mkdtemp(prefix="comfy-out-"))
+        self.python = python or sys.executable
+        self.extra_args = list(extra_args)
+        self.env = env
+        self.startup_timeout = startup_timeout
+        self.client_id = uuid.uuid4().hex
+        self.events: list[dict] = []
+        self.log_path = self.output_dir.parent / f"comfy-server-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+        self._ws = None
+        self._ws_thread: threading.Thread | None = None
+
+    # -- lifecycle
+    def start(self) -> "ComfyServer":
+        check_runtime()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("TRITON_INTERPRET", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--output-directory", str(self.output_dir), *self.extra_args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env)
+        try:
+            self._wait_ready()
+            self._start_ws()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        import requests
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ComfyError(f"ComfyUI exited with code {self.proc.returncode} while starting:\n"
+                                 + self.log_tail())
+            try:
+                if requests.get(self.url + "/object_info", timeout=10).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise ComfyError(f"ComfyUI did not answer /object_info within {self.startup_timeout:.0f} s:\n"
+                         + self.log_tail())
+
+    def _start_ws(self) -> None:
+        import websocket
+        self._ws = websocket.create_connection(
+            f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=30)
+        self._ws.settimeout(None)
+
+        def pump():
+            while True:
+                try:
+                    msg = self._ws.recv()
+                except Exception:
+                    return
+                if isinstance(msg, (bytes, bytearray)):
+                    self.events.append({"type": "binary", "size": len(msg)})
+                elif msg:
+                    try:
+                        self.events.append(json.loads(msg))
+                    except ValueError:
+                        self.events.append({"type": "text", "data": msg})
+
+        self._ws_thread = threading.Thread(target=pump, name="comfy-ws", daemon=True)
+        self._ws_thread.start()
+
+    def stop(self) -> None:
+        if self._ws is not None:
+            try:
+                self._ws.close()
+            except Exception:
+                pass
+            self._ws = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(15)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- client
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no server log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def object_info(self, node_class: str | None = None) -> dict:
+        import requests
+        r = requests.get(self.url + "/object_info" + (f"/{node_class}" if node_class else ""), timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    def get_json(self, path: str):
+        import requests
+        r = requests.get(self.url + path, timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    def queue(self, api_workflow: dict) -> str:
+        """POST an API-format workflow to /prompt; returns the prompt id. A rejected workflow raises
+        with ComfyUI's node_errors."""
+        import requests
+        r = requests.post(self.url + "/prompt", json={"prompt": api_workflow, "client_id": self.client_id},
+                          timeout=60)
+        if r.status_code != 200:
+            raise ComfyError(f"/prompt rejected the workflow (HTTP {r.status_code}): {r.text[:3000]}\n"
+                             + self.log_tail(30))
+        return r.json()["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = 600.0) -> dict:
+        """Wait until ``prompt_id`` has finished; returns its /history entry. Raises ComfyError with
+        the execution error and the log tail when it failed, or when ``timeout`` passes."""
+        import requests
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ComfyError(f"ComfyUI exited (code {self.proc.returncode}) while running {prompt_id}:\n"
+                                 + self.log_tail())
+            h = requests.get(f"{self.url}/history/{prompt_id}", timeout=60).json()
+            entry = h.get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None:
+                st = entry["status"]
+                if st.get("status_str") == "error" or not st.get("completed"):
+                    errs = [m for m in st.get("messages", []) if m[0] == "execution_error"]
+                    detail = json.dumps(errs[0][1], indent=1)[:4000] if errs else json.dumps(st)[:2000]
+                    raise ComfyError(f"prompt {prompt_id} failed: {detail}\n--- server log tail ---\n"
+                                     + self.log_tail())
+                return entry
+            time.sleep(0.25)
+        try:
+            requests.post(self.url + "/interrupt", timeout=10)
+        except Exception:
+            pass
+        raise ComfyError(f"prompt {prompt_id} did not finish within {timeout:.0f} s\n--- server log tail ---\n"
+                         + self.log_tail())
+
+    def run(self, api_workflow: dict, timeout: float = 600.0) -> dict:
+        return self.wait(self.queue(api_workflow), timeout)
+
+    def output_files(self, entry: dict) -> list[Path]:
+        """Files a finished prompt saved (images and latents listed by its output nodes)."""
+        out = []
+        for node_out in entry.get("outputs", {}).values():
+            for items in node_out.values():
+                if not isinstance(items, list):
+                    continue
+                for it in items:
+                    if isinstance(it, dict) and "filename" in it and it.get("type", "output") == "output":
+                        out.append(self.output_dir / it.get("subfolder", "") / it["filename"])
+        return out
+
+    def prompt_events(self, prompt_id: str) -> list[dict]:
+        return [e for e in list(self.events)
+                if isinstance(e.get("data"), dict) and e["data"].get("prompt_id") == prompt_id]
+
+
+# --------------------------------------------------------------------------- a current ComfyUI
+def current_comfy_dir() -> tuple[Path | None, str]:
+    """(checkout, "") when COMFYUI_CURRENT names a ComfyUI with comfy/ldm/ideogram4, else (None, reason)."""
+    cur = os.environ.get("COMFYUI_CURRENT")
+    if not cur:
+        return None, ("COMFYUI_CURRENT is not set (point it at a current ComfyUI checkout with "
+                      "comfy/ldm/ideogram4 to run this test)")
+    p = Path(cur).expanduser().resolve()
+    if not (p / "comfy" / "ldm" / "ideogram4").is_dir():
+        return None, f"COMFYUI_CURRENT={cur} has no comfy/ldm/ideogram4 (needs a ComfyUI with Ideogram 4)"
+    return p, ""
+
+
+_CURRENT_PRELUDE = """\
+import importlib.util, os, sys
+sys.path.insert(0, {cur!r})
+import comfy.cli_args
+comfy.cli_args.args.cpu = True
+import comfy.model_management, comfy.sd
+import nodes as _comfy_nodes
+sys.path.insert(1, {root!r})
+
+def import_pack():
+    if {name!r} in sys.modules:
+        return sys.modules[{name!r}]
+    spec = importlib.util.spec_from_file_location({name!r}, os.path.join({root!r}, "__init__.py"),
+                                                  submodule_search_locations=[{root!r}])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[{name!r}] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+"""
+
+
+def run_in_current_comfy(script_text: str, timeout: float = 900.0, check: bool = False,
+                         env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``script_text`` in a fresh Python with the COMFYUI_CURRENT checkout first on sys.path, the
+    CPU selected, comfy.sd and ComfyUI's nodes imported, the repo root on sys.path (``quant``,
+    ``kernel`` importable) and ``import_pack()`` defined (the pack as module "comfyui_int8_fused").
+    Python: COMFYUI_CURRENT_PYTHON, else this interpreter. cwd is the checkout.
+    Returns the CompletedProcess (text stdout/stderr); ``check=True`` raises with both on failure."""
+    cur, reason = current_comfy_dir()
+    if cur is None:
+        raise RuntimeError(reason)
+    code = _CURRENT_PRELUDE.format(cur=str(cur), root=str(ROOT), name=PACK_MODULE) + textwrap.dedent(script_text)
+    full_env = dict(os.environ if env is None else env)
+    full_env.setdefault("TRITON_INTERPRET", "1")
+    python = os.environ.get("COMFYUI_CURRENT_PYTHON") or sys.executable
+    cp = subprocess.run([python, "-c", code], cwd=cur, env=full_env, capture_output=True, text=True,
+                        timeout=timeout)
+    if check and cp.returncode != 0:
+        raise RuntimeError(f"script under COMFYUI_CURRENT failed (exit {cp.returncode}):\n"
+                           f"--- stdout ---\n{cp.stdout[-4000:]}\n--- stderr ---\n{cp.stderr[-6000:]}")
+    return cp

@@ -1,0 +1,100 @@
+"""Shared fixtures: the pack inside a real ComfyUI.
+
+Fixtures
+--------
+comfy_inprocess (session)  The pinned ComfyUI 0.3.75 (.runtime/ComfyUI, built by
+                           scripts/setup_runtime.sh) first on sys.path, ``comfy.cli_args.args.cpu = True``,
+                           ``comfy.sd``, ``comfy.model_management`` and ComfyUI's ``nodes`` imported.
+                           Returns the ComfyUI root Path.
+pack (session)             The repository imported as ComfyUI imports a custom node pack (module name
+                           "comfyui_int8_fused"): ``pack.nodes.apply``, ``pack.quant.backends``, ...
+                           Never import our ``nodes`` package as a top-level name: ComfyUI's nodes.py
+                           owns that name.
+tiny_model (function)      ``tiny_model(arch, seed=0, dtype=torch.float32)`` -> ModelPatcher of the
+                           width-128 miniature (scripts/miniature.py, real key layout, built with
+                           ComfyUI's classes from an explicit config; in-process, fast).
+miniature_models (session) Writes the detectable miniatures (scripts/miniature.py) into the runtime's
+                           models/diffusion_models and returns {arch: filename} ("lumina2", "flux").
+                           They load with the core UNETLoader and are ~0.4-0.5 B parameters (the
+                           pinned ComfyUI fixes their widths), so prefer ``tiny_model`` in-process.
+comfy_server (session)     A real ``main.py --cpu`` on 127.0.0.1:<free port> with the pack in
+                           custom_nodes; a client (tests/comfy_harness.ComfyServer):
+                           ``.object_info(cls=None)``, ``.queue(api) -> prompt_id``,
+                           ``.wait(prompt_id, timeout) -> history entry`` (raises ComfyError with the
+                           server log tail on error/timeout), ``.run(api)``, ``.events`` (WebSocket
+                           messages), ``.prompt_events(pid)``, ``.log_tail()``, ``.url``,
+                           ``.output_dir``, ``.output_files(entry)``, ``.get_json(path)``.
+                           Stopped at session end, also when tests fail.
+comfy_current (session)    Path of the ComfyUI checkout named by COMFYUI_CURRENT (must contain
+                           comfy/ldm/ideogram4); skips with a reason naming the variable otherwise.
+
+Two ComfyUIs cannot live in one process (both own the top-level names ``comfy``, ``nodes``,
+``folder_paths``, ...). The session may already hold the pinned one (comfy_inprocess), so tests on a
+current ComfyUI run their work in a subprocess: ``run_in_current_comfy(script_text)`` (re-exported
+here from tests/comfy_harness.py) runs Python (COMFYUI_CURRENT_PYTHON, else this interpreter) with the
+checkout first on sys.path, the CPU selected, the repo root importable and ``import_pack()`` defined,
+and returns the CompletedProcess; print results (e.g. JSON) and assert on them in the test.
+
+TRITON_INTERPRET=1 is set here at import time (before anything imports Triton), so the Triton
+kernels run in the interpreter on this CPU-only machine.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import comfy_harness as H  # noqa: E402
+from comfy_harness import run_in_current_comfy  # noqa: E402,F401  (re-exported for tests)
+
+
+@pytest.fixture(scope="session")
+def comfy_inprocess():
+    try:
+        H.check_runtime()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    H.import_comfy(H.COMFY_DIR)
+    return H.COMFY_DIR
+
+
+@pytest.fixture(scope="session")
+def pack(comfy_inprocess):
+    return H.import_pack()
+
+
+@pytest.fixture
+def tiny_model(comfy_inprocess):
+    return H.load_tiny
+
+
+@pytest.fixture(scope="session")
+def miniature_models():
+    try:
+        H.check_runtime()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    return H.write_miniature_models(H.COMFY_DIR)
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory):
+    out = tmp_path_factory.mktemp("comfy_server") / "output"
+    try:
+        H.check_runtime()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    server = H.ComfyServer(H.COMFY_DIR, output_dir=out)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def comfy_current():
+    path, reason = H.current_comfy_dir()
+    if path is None:
+        pytest.skip(reason)
+    return path
