@@ -1,18 +1,12 @@
-"""Per-step timing (nodes/timing.py) on a real ComfyUI sampler in-process, with a tiny Flux on the CPU.
+"""Per-step timing (nodes/timing.py) on a real ComfyUI sampler in-process, with the tiny Flux on the CPU.
 
 No wall-clock assertions: structure (one time per step, CFG branch tags, sums) is checked against
 independent computations, and a fake clock checks that a step is the sum of its model calls.
 """
-import importlib.util
 import itertools
-import statistics
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +24,8 @@ def timing(pack):
 
 @pytest.fixture(scope="module")
 def tiny_flux(comfy):
-    """A 1+1-block Flux of width 64 with random weights, built from an explicit config (no detection)."""
-    cfg = comfy.supported_models.Flux({
-        "image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2, "vec_in_dim": 32,
-        "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 1,
-        "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000, "qkv_bias": True,
-        "guidance_embed": False})
-    cfg.set_inference_dtype(torch.float32, None)
-    model = cfg.get_model({}, device="cpu")
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    cpu = torch.device("cpu")
-    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    import comfy_harness  # tests/ helper behind the tiny_model fixture (module scope here: built once)
+    return comfy_harness.load_tiny("flux")
 
 
 @pytest.fixture
@@ -55,7 +37,7 @@ def sent(timing, monkeypatch):
 
 def _sample(comfy, patcher, steps, cfg, sampler="euler", callback=None, seed=0):
     g = torch.Generator().manual_seed(seed)
-    cond = lambda: [[torch.randn(1, 4, 32, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
+    cond = lambda: [[torch.randn(1, 4, 64, generator=g), {"pooled_output": torch.randn(1, 64, generator=g)}]]
     latent = torch.zeros(1, 16, 8, 8)
     noise = torch.randn(latent.shape, generator=g)
     return comfy.sample.sample(patcher, noise, steps, cfg, sampler, "simple", cond(), cond(), latent,
