@@ -22,13 +22,34 @@ from .launch import launch
 
 
 @triton.jit
+def _to_bf16_rne_bits(v):
+    # fp32 -> bf16 rounding to nearest even on the bit pattern (finite values; NaN stays NaN).
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _store_out(c_ptrs, v, c_mask, INTERPRET: tl.constexpr):
+    # NOTE: Triton 3.6's interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest even,
+    # cvt.rn.bf16.f32), so under TRITON_INTERPRET=1 round on the bits to test the same numbers on the CPU.
+    if INTERPRET:
+        if c_ptrs.dtype.element_ty == tl.bfloat16:
+            tl.store(c_ptrs, _to_bf16_rne_bits(v), mask=c_mask)
+        else:
+            tl.store(c_ptrs, v.to(c_ptrs.dtype.element_ty), mask=c_mask)
+    else:
+        tl.store(c_ptrs, v.to(c_ptrs.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
 def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
                       M, N, K,
                       stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
                       stride_as, stride_ws, stride_bias,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr,
-                      EVEN_K: tl.constexpr):
+                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
     # Grouped ordering: GROUP_M row-tiles sweep N together, so the W tiles they share stay in L2
     # (the standard Triton matmul trick; worth a few % on the 4608-row block GEMMs).
     pid = tl.program_id(0)
@@ -73,7 +94,7 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
         out = acc.to(tl.float32) * a_s[:, None] * w_s[None, :]
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_cn * stride_bias, mask=offs_cn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
+        _store_out(c_ptrs, out, c_mask, INTERPRET)
 
 
 def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -92,7 +113,7 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
             a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
             a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0),
            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-                HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0),
+                HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0, INTERPRET=_quantize.INTERPRET),
            cfg["num_warps"], cfg["num_stages"], a_q.device)
     return out
 

@@ -1,0 +1,149 @@
+"""Fused INT8 GEMM (CPU, Triton interpreter): int32 accumulator bit-exact, epilogue within fp32 rounding.
+
+Tolerances: the fp32 epilogue rounds acc -> fp32, two products and one add, so each element is within
+4 * 2**-24 (< 1e-6) of the float64 reference relative to |acc * a_scale * w_scale| + |bias|; bf16 / fp16
+outputs add one final rounding, so they are within half an ulp of the output type (at most 2**-8 / 2**-11
+relative; fp16 subnormals: 2**-25 absolute) plus that.
+
+Run: TRITON_INTERPRET=1 python -m pytest tests/test_kernel_gemm.py -q
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+import kernel  # noqa: E402
+from kernel import autotune  # noqa: E402
+from quant.quantize import dequant_epilogue_ref, int8_matmul_ref  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tests need TRITON_INTERPRET=1 before triton kernels are defined")
+
+HALF_ULP = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -8 + 1e-6, torch.float16: 2.0 ** -11 + 1e-6}
+
+
+def _i8(*shape):
+    return torch.randint(-127, 128, shape, dtype=torch.int8)
+
+
+def _int_mm_or_ref(a, w):
+    ref = int8_matmul_ref(a, w)
+    try:  # torch._int_mm on the CPU where it accepts the shape; it must agree with the int64 reference
+        mm = torch._int_mm(a, w.t())
+        assert torch.equal(mm, ref)
+    except RuntimeError:
+        pass
+    return ref
+
+
+def _check_epilogue(y, acc, a_s, w_s, bias):
+    ref = dequant_epilogue_ref(acc, a_s, w_s, bias)
+    mag = acc.double().abs() * a_s.double()[:, None] * w_s.double()[None, :]
+    if bias is not None:
+        mag = mag + bias.double().abs()[None, :]
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y).all(), "unwritten or non-finite output"
+    assert (err <= HALF_ULP[y.dtype] * mag + 2.0 ** -25).all(), f"max rel err {(err / mag.clamp_min(1e-30)).max():.3e}"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 48, 80), (17, 33, 80), (33, 48, 80), (33, 50, 100), (5, 20, 37),
+                                   (64, 64, 64)])
+def test_int32_accumulator_bit_exact(m, n, k):
+    a, w = _i8(m, k), _i8(n, k)
+    out = torch.full((m, n), -12345, dtype=torch.int32)  # poisoned
+    acc = kernel.int8_gemm(a, torch.rand(m), w, torch.rand(n), out_int32=True, out=out)
+    assert acc is out and torch.equal(acc, _int_mm_or_ref(a, w))
+
+
+def test_extreme_values_accumulate_exactly():
+    a = torch.full((3, 96), -127, dtype=torch.int8)
+    w = torch.full((5, 96), 127, dtype=torch.int8)
+    w[1] = -127
+    acc = kernel.int8_gemm(a, torch.ones(3), w, torch.ones(5), out_int32=True)
+    assert torch.equal(acc, int8_matmul_ref(a, w)) and acc[0, 0] == -127 * 127 * 96
+
+
+@pytest.mark.parametrize("cfg", autotune.interpreter_configs() + [autotune.small_m_configs()[0],
+                                                                  autotune.hopper_configs()[0]],
+                         ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}")
+def test_every_config_family_is_exact(cfg):
+    from kernel.gemm import launch_int8_gemm
+    for m, n, k in [(1, 40, 300), (33, 70, 256)]:   # K tail and EVEN_K (256 % BLOCK_K == 0)
+        a, w = _i8(m, k), _i8(n, k)
+        out = torch.full((m, n), -1, dtype=torch.int32)
+        launch_int8_gemm(a, torch.ones(m), w, torch.ones(n), None, out, cfg)
+        assert torch.equal(out, int8_matmul_ref(a, w))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 80), (33, 48, 80), (17, 50, 100)])
+def test_epilogue_matches_float64_reference(out_dtype, bias_dtype, m, n, k):
+    a, w = _i8(m, k), _i8(n, k)
+    a_s, w_s = torch.rand(m) * 0.02 + 1e-4, torch.rand(n) * 0.02 + 1e-4
+    bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype)  # poisoned: every element must be written
+    y = kernel.int8_gemm(a, a_s, w, w_s, bias, out_dtype=out_dtype, out=out)
+    assert y.dtype == out_dtype and y.shape == (m, n)
+    _check_epilogue(y, int8_matmul_ref(a, w), a_s, w_s, bias)
+
+
+def test_non_contiguous_operands():
+    m, n, k = 21, 30, 72
+    a_big, w_big = _i8(m, 2 * k), _i8(n + 7, k + 16)
+    a = a_big[:, ::2]                          # column stride 2
+    w = w_big[3:3 + n, 8:8 + k]                # row stride k+16, offset
+    a_t = _i8(k, m).t()                        # transposed view: unit row stride
+    s_big = torch.rand(2 * m)
+    a_s, w_s, bias = s_big[::2], torch.rand(n), torch.randn(3 * n)[::3]
+    for aa in (a, a_t):
+        acc = kernel.int8_gemm(aa, a_s, w, w_s, out_int32=True)
+        assert torch.equal(acc, int8_matmul_ref(aa, w))
+        y = kernel.int8_gemm(aa, a_s, w, w_s, bias, out_dtype=torch.float32)
+        _check_epilogue(y, acc, a_s, w_s, bias)
+
+
+def test_nan_scale_row_stays_in_its_row():
+    m, n, k = 9, 16, 40
+    a, w = _i8(m, k), _i8(n, k)
+    a_s = torch.rand(m)
+    a_s[4] = float("nan")
+    y = kernel.int8_gemm(a, a_s, w, torch.rand(n), out_dtype=torch.float32)
+    assert y[4].isnan().all() and torch.isfinite(y[torch.arange(m) != 4]).all()
+
+
+def test_per_tensor_weight_scale_broadcasts():
+    m, n, k = 7, 24, 48
+    a, w = _i8(m, k), _i8(n, k)
+    a_s = torch.rand(m)
+    y = kernel.int8_gemm(a, a_s, w, torch.tensor(0.01), out_dtype=torch.float32)
+    _check_epilogue(y, int8_matmul_ref(a, w), a_s, torch.full((n,), 0.01), None)
+
+
+def test_empty_dimensions():
+    assert kernel.int8_gemm(_i8(0, 16), torch.rand(0), _i8(8, 16), torch.rand(8)).shape == (0, 8)
+    y = kernel.int8_gemm(_i8(3, 0), torch.rand(3), _i8(4, 0), torch.rand(4), torch.ones(4),
+                         out_dtype=torch.float32)
+    assert torch.equal(y, torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(a_q=_i8(4, 16), w_q=_i8(8, 24)), "K mismatch"),
+    (dict(a_q=torch.randn(4, 16), w_q=_i8(8, 16)), "dtype"),
+    (dict(a_q=_i8(4, 16), w_q=_i8(8, 16).t()), "not transposed"),  # a [K, N] weight
+    (dict(a_q=_i8(16), w_q=_i8(8, 16)), "2-D"),
+    (dict(a_q=_i8(4, 16), w_q=_i8(8, 16), a_scale=torch.rand(5)), r"expected \[4\]"),
+    (dict(a_q=_i8(4, 16), w_q=_i8(8, 16), w_scale=torch.rand(7)), r"expected \[8\]"),
+    (dict(a_q=_i8(4, 16), w_q=_i8(8, 16), bias=torch.rand(9)), r"expected \[8\]"),
+    (dict(a_q=_i8(4, 16), w_q=_i8(8, 16), out_dtype=torch.int8), "out_dtype"),
+    (dict(a_q=_i8(4, 16), w_q=_i8(8, 16), out=torch.empty(4, 8)), "out must be"),
+])
+def test_bad_inputs_raise(kwargs, match):
+    a_q, w_q = kwargs.pop("a_q"), kwargs.pop("w_q")
+    a_scale = kwargs.pop("a_scale", torch.rand(a_q.shape[0]))
+    w_scale = kwargs.pop("w_scale", torch.rand(w_q.shape[0]))
+    with pytest.raises(ValueError, match=match):
+        kernel.int8_gemm(a_q, a_scale, w_q, w_scale, **kwargs)

@@ -1,0 +1,120 @@
+"""Per-token quantization kernel vs quant.quantize.quantize_per_token_ref, bit for bit (CPU, Triton interpreter).
+
+Run: TRITON_INTERPRET=1 python -m pytest tests/test_kernel_quantize.py -q
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+import kernel  # noqa: E402
+from quant.quantize import quantize_per_token_ref  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tests need TRITON_INTERPRET=1 before triton kernels are defined")
+
+
+def _assert_same(x, inv=None):
+    q, s = kernel.quantize_per_token(x, inv)
+    qr, sr = quantize_per_token_ref(x, inv)
+    assert q.dtype == torch.int8 and q.is_contiguous() and s.dtype == torch.float32
+    assert torch.equal(q, qr), f"{(q != qr).sum().item()} quantized values differ"
+    assert torch.equal(s.isnan(), sr.isnan())
+    assert torch.equal(s.nan_to_num(-1.0), sr.nan_to_num(-1.0)), "scales differ"
+    return q, s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 48), (17, 80), (33, 300)])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_bit_exact_random(dtype, m, k, smooth):
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 8).to(dtype)
+    inv = (torch.rand(k) + 0.25) if smooth else None
+    _assert_same(x, inv)
+
+
+def test_many_rows_hit_reciprocal_rounding():
+    # 127 / absmax is torch's reciprocal-then-multiply (two roundings); ~25 % of rows differ from one IEEE
+    # division, and some of those change a quantized value, so this catches a kernel that divides once.
+    x = torch.randn(512, 64) * torch.rand(512, 1) * 50
+    _assert_same(x)
+
+
+def test_long_rows_loop_over_k():
+    _assert_same(torch.randn(2, 53248, dtype=torch.bfloat16))           # text projection K, chunked
+    _assert_same(torch.randn(3, 8200) * 3, torch.rand(8200) + 0.5)      # just past one chunk, ragged tail
+
+
+def test_non_contiguous_inputs():
+    base = torch.randn(40, 96, dtype=torch.bfloat16)
+    _assert_same(base[::2, 5:85])                        # row stride 192, column offset
+    _assert_same(torch.randn(64, 24).t())                # transposed view: unit row stride
+    inv = torch.rand(2 * 80)[::2] + 0.5                  # strided smoothing vector
+    _assert_same(base[:17, :80], inv)
+
+
+def test_zero_rows_give_zero_scale_and_zeros():
+    x = torch.randn(6, 50)
+    x[2] = 0
+    x[4] = -0.0
+    q, s = _assert_same(x)
+    assert s[2] == 0 and s[4] == 0 and not s.isnan().any()
+    assert (q[2] == 0).all() and (q[4] == 0).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rows_are_nan_scale_and_zeros(bad):
+    x = torch.randn(5, 70, dtype=torch.bfloat16)
+    x[1, 33] = bad
+    q, s = _assert_same(x)
+    assert s[1].isnan() and (q[1] == 0).all()
+    assert torch.isfinite(s[[0, 2, 3, 4]]).all() and (s[[0, 2, 3, 4]] > 0).all()
+
+
+def test_smoothing_overflow_to_inf_is_non_finite():
+    x = torch.full((2, 16), 3e38)
+    x[1] = 1.0
+    q, s = _assert_same(x, torch.full((16,), 4.0))      # 3e38 * 4 overflows fp32 -> that row is NaN
+    assert s[0].isnan() and s[1] > 0
+
+
+def test_round_half_to_even_ties():
+    # absmax 127 makes the multiplier exactly 1.0, so x itself is rounded: exact .5 ties
+    row = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -125.5, 3.5, 4.5, 0.0])
+    q, s = _assert_same(row[None, :].repeat(3, 1))
+    assert q[0].tolist() == [127, 0, 2, 2, 0, -2, -2, 126, -126, 4, 4, 0]
+    # the same ties reached through the SmoothQuant multiplier (x * 0.5) and in bf16 input
+    q2, _ = _assert_same((row * 2)[None, :].to(torch.bfloat16), torch.full((12,), 0.5))
+    assert q2[0].tolist() == q[0].tolist()
+
+
+def test_clamped_to_127():
+    x = torch.randn(4, 33) * 100
+    q, _ = _assert_same(x)
+    assert q.abs().max() <= 127 and (q == -128).sum() == 0
+
+
+def test_empty_and_degenerate_shapes():
+    q, s = kernel.quantize_per_token(torch.randn(0, 64))
+    assert q.shape == (0, 64) and s.shape == (0,)
+    q, s = kernel.quantize_per_token(torch.randn(3, 0))
+    assert q.shape == (3, 0) and torch.equal(s, torch.zeros(3))
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.randn(8),), "2-D"),
+    ((torch.randint(-5, 5, (4, 8)),), "dtype"),
+    ((torch.randn(4, 8), torch.rand(7)), r"expected \[8\]"),
+    ((torch.randn(4, 8), torch.randint(1, 3, (8,))), "float tensor"),
+])
+def test_bad_inputs_raise(args, match):
+    with pytest.raises(ValueError, match=match):
+        kernel.quantize_per_token(*args)
+
+
+def test_triton_status_on_cpu_under_interpreter():
+    ok, reason = kernel.triton_status(torch.device("cpu"))
+    assert ok and "interpreter" in reason
