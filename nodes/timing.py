@@ -228,6 +228,27 @@ class Run:
 
 
 # --------------------------------------------------------------------------- the wrappers
+class _Sampling:
+    """One sampling (one OUTER_SAMPLE): the driving MODEL's run and the runs of other instrumented
+    MODELs it calls (DualModelGuider), which share its step boundaries."""
+
+    def __init__(self, run: Run, meta: dict):
+        self.run, self.meta, self.children = run, meta, {}
+
+    def child(self, recorder) -> Run:
+        run = self.children.get(id(recorder))
+        if run is None:
+            run = self.children[id(recorder)] = Run(node_id=recorder.node_id, backend=recorder.backend,
+                                                    **self.meta)
+        return run
+
+    def runs(self) -> list:
+        return [self.run, *self.children.values()]
+
+
+_ACTIVE: list[_Sampling] = []  # ComfyUI samples one prompt at a time; a stack for nested samplings
+_TIMING = threading.local()  # .owner: the recorder timing the model call in progress on this thread
+
 class _Recorder:
     """The wrappers of one instrumented MODEL (shared by its clones, which copy the wrapper lists)."""
 
@@ -241,16 +262,20 @@ class _Recorder:
                      callback=None, *args, **kwargs):
         guider = executor.class_obj
         patcher = getattr(guider, "model_patcher", None)
-        device = getattr(patcher, "load_device", None) or noise.device
+        device = torch.device(getattr(patcher, "load_device", None) or noise.device)
         model_name = type(getattr(patcher, "model", None)).__name__
-        run = Run(node_id=self.node_id, backend=self.backend, device=torch.device(device),
-                  workload=f"{model_name} {'x'.join(str(d) for d in noise.shape)}",
-                  steps_planned=max(int(sigmas.shape[-1]) - 1, 0), prompt_id=_prompt_id())
+        meta = dict(device=device, workload=f"{model_name} {'x'.join(str(d) for d in noise.shape)}",
+                    steps_planned=max(int(sigmas.shape[-1]) - 1, 0), prompt_id=_prompt_id())
+        run = Run(node_id=self.node_id, backend=self.backend, **meta)
+        ctx = _Sampling(run, meta)
         outer_run, self.run = self.run, run
+        _ACTIVE.append(ctx)
 
         def step_callback(*cb_args, **cb_kwargs):
-            run.callbacks_seen = True
-            run.end_step(last=_is_last_step(cb_args))
+            last = _is_last_step(cb_args)
+            for r in ctx.runs():
+                r.callbacks_seen = True
+                r.end_step(last=last)
             if callback is not None:
                 return callback(*cb_args, **cb_kwargs)
 
@@ -262,38 +287,54 @@ class _Recorder:
             return out
         finally:
             self.run = outer_run
-            try:
-                summary = run.finish(status)
-                with _RUNS_LOCK:
-                    _RUNS.append(summary)
-                _send("int8_fused.summary", summary)
-            except Exception as e:  # timing must never turn a finished sampling into an error
-                log.warning("int8_fused: timing summary failed: %s", e)
+            _ACTIVE.remove(ctx)
+            for r in ctx.runs():
+                try:
+                    summary = {**r.finish(status), "group": run.id}
+                    with _RUNS_LOCK:
+                        _RUNS.append(summary)
+                    _send("int8_fused.summary", summary)
+                except Exception as e:  # timing must never turn a finished sampling into an error
+                    log.warning("int8_fused: timing summary failed: %s", e)
+
+    def _current_run(self):
+        """This MODEL's run: its own sampling, or, when another model's guider drives the sampling
+        (DualModelGuider's second model), a run attached to that sampling."""
+        if self.run is not None:
+            return self.run
+        if not _ACTIVE:
+            return None
+        return _ACTIVE[-1].child(self)
 
     def apply_model(self, executor, x, t, c_concat=None, c_crossattn=None, control=None,
                     transformer_options={}, **kwargs):
-        if self.run is None:  # called outside a sampling run (e.g. by another pack): untimed
+        run = self._current_run()
+        if run is None or getattr(_TIMING, "owner", None) is not None:
+            # Outside sampling (e.g. a calibration pass), or the call is already timed by the
+            # wrapper of another instrumented MODEL around it: no second timer.
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
         branch = _branch(transformer_options.get("cond_or_uncond"))
         sigma = transformer_options.get("sigmas")  # compared by identity: reading it could sync
         prev = self.in_call, self.inner_timed
-        self.in_call, self.inner_timed = (branch, sigma, x.device), False
+        self.in_call, self.inner_timed = (run, branch, sigma, x.device), False
+        _TIMING.owner = self
         try:
             timer = _timer(x.device)  # used only if DIFFUSION_MODEL does not time the call
             out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
             if not self.inner_timed:
                 timer.stop()
-                self.run.add_call(branch, sigma, timer)
+                run.add_call(branch, sigma, timer)
             return out
         finally:
             self.in_call, self.inner_timed = prev
+            _TIMING.owner = None
 
     def diffusion_model(self, executor, *args, **kwargs):
-        if self.run is None or self.in_call is None or self.inner_timed:
+        if self.in_call is None or self.inner_timed:
             return executor(*args, **kwargs)
-        branch, sigma, device = self.in_call
+        run, branch, sigma, device = self.in_call
         self.inner_timed = True
-        timer = self.run.call_started(branch, sigma, device)
+        timer = run.call_started(branch, sigma, device)
         try:
             return executor(*args, **kwargs)
         finally:

@@ -254,3 +254,38 @@ def test_cuda_timer_reads_events_without_blocking(timing, monkeypatch):
     assert not any(e[0] == "sync" for e in log)
     assert ("record", "e0", "stream0") in log and ("record", "e1", "stream0") in log
     assert t.result(block=True) == 0.25 and log[-1] == ("sync", "e1")
+
+
+def test_second_model_of_a_dual_model_guider_gets_its_own_run(comfy, timing, tiny_flux, sent):
+    """DualModelGuider-style sampling: the guider drives model A and calls model B for the
+    unconditional branch. B's calls are timed once, into B's own run, on A's step boundaries."""
+    import comfy.samplers
+    a, b = tiny_flux.clone(), tiny_flux.clone()
+    timing.instrument(a, node_id="20", backend="fused_triton")
+    timing.instrument(b, node_id="21", backend="fused_triton")
+    g = torch.Generator().manual_seed(3)
+    ctx, pooled = torch.randn(1, 4, 64, generator=g), torch.randn(1, 64, generator=g)
+
+    class TwoModelGuider(comfy.samplers.CFGGuider):
+        def predict_noise(self, x, timestep, model_options={}, seed=None):
+            cond = comfy.samplers.calc_cond_batch(self.inner_model, [self.conds.get("positive")], x,
+                                                  timestep, model_options)[0]
+            opts = {"wrappers": b.wrappers, "cond_or_uncond": [1], "sigmas": timestep}
+            uncond = b.model.apply_model(x, timestep, c_crossattn=ctx, y=pooled, transformer_options=opts)
+            return uncond + (cond - uncond) * 2.0
+
+    guider = TwoModelGuider(a)
+    guider.set_conds([[ctx, {"pooled_output": pooled}]], [])
+    sigmas = comfy.samplers.calculate_sigmas(a.get_model_object("model_sampling"), "simple", 3)
+    latent = torch.zeros(1, 16, 8, 8)
+    out = guider.sample(torch.randn(latent.shape, generator=g), latent,
+                        comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True, seed=0)
+    assert torch.isfinite(out).all()
+    summaries = {s["node"]: s for s in _events(sent, "int8_fused.summary")}
+    assert set(summaries) == {"20", "21"}
+    sa, sb = summaries["20"], summaries["21"]
+    assert sa["steps"] == sb["steps"] == 3 and sa["calls"] == sb["calls"] == 3
+    assert list(sa["branches"]) == ["cond"] and list(sb["branches"]) == ["uncond"]
+    assert sa["group"] == sb["group"] == sa["run"] != sb["run"]
+    steps_b = [s for s in _events(sent, "int8_fused.step") if s["node"] == "21"]
+    assert [s["seconds"] for s in steps_b] == sb["step_seconds"]
