@@ -84,3 +84,21 @@ test("without bf16 the dequant baseline is used; without either, no ratios", () 
   assert.deepEqual(f.compareRows([]), []);
   assert.deepEqual(f.compareRows(null), []);
 });
+
+test("runs of one sampling by one node's two models are summed per step", () => {
+  const cond = { run: "12:conditional-1", group: "12:conditional-1", node: "12:conditional", backend: "fused_triton",
+    status: "ok", steps: 2, step_seconds: [0.5, 0.25], mean: 0.375, median: 0.375, total: 0.75, calls: 2 };
+  const uncond = { ...cond, run: "12:unconditional-2", node: "12:unconditional", step_seconds: [0.125, 0.0625], calls: 2 };
+  const other = { ...cond, run: "7-3", group: "7-3", node: "7", step_seconds: [1, 3], mean: 2, median: 2, total: 4 };
+  const [m, o] = f.mergeRuns([cond, uncond, other]);
+  assert.equal(m.node, "12");
+  assert.deepEqual(m.parts, ["12:conditional", "12:unconditional"]);
+  assert.deepEqual(m.step_seconds, [0.625, 0.3125]);
+  assert.equal(m.total, 0.9375);
+  assert.equal(m.mean, 0.46875);
+  assert.equal(m.calls, 4);
+  assert.deepEqual([o.node, o.step_seconds, o.mean, o.total], ["7", [1, 3], 2, 4]);
+  assert.equal(f.mergeRuns([{ ...uncond, status: "interrupted" }, cond])[0].status, "interrupted");
+  assert.equal(f.nodeKey("12:conditional"), "12");
+  assert.equal(f.nodeKey(7), "7");
+});

@@ -107,3 +107,36 @@ export function progressText(done, planned, finished) {
   if (finished) return `${done} step${done === 1 ? "" : "s"}`;
   return planned ? `step ${done}/${planned}` : `step ${done}`;
 }
+
+/** The UI node a run belongs to: the loader tags its two models "12:conditional" / "12:unconditional". */
+export function nodeKey(node) {
+  return String(node ?? "").split(":")[0];
+}
+
+/** One view per (sampling, UI node): runs of one sampling made by one node's models (a dual-model
+ *  loader) are summed step by step; a single run is passed through with its numbers unchanged. */
+export function mergeRuns(runs) {
+  const out = [];
+  const index = new Map();
+  for (const r of runs || []) {
+    if (!r) continue;
+    const key = `${r.group ?? r.run}|${nodeKey(r.node)}`;
+    if (!index.has(key)) {
+      index.set(key, out.length);
+      out.push({ ...r, node: nodeKey(r.node), parts: [r.node] });
+      continue;
+    }
+    const m = out[index.get(key)];
+    const a = m.step_seconds || [], b = r.step_seconds || [];
+    const n = Math.max(a.length, b.length);
+    m.step_seconds = Array.from({ length: n }, (_, i) => (a[i] ?? 0) + (b[i] ?? 0));
+    m.steps = n;
+    m.total = m.step_seconds.reduce((x, y) => x + y, 0);
+    m.mean = n ? m.total / n : null;
+    m.median = median(m.step_seconds);
+    m.calls = (m.calls ?? 0) + (r.calls ?? 0);
+    m.status = m.status === "ok" && r.status === "ok" ? "ok" : "interrupted";
+    m.parts.push(r.node);
+  }
+  return out;
+}

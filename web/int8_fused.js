@@ -18,6 +18,7 @@ const COLORS = {
 
 const state = {
   runs: [],          // finished summaries, oldest first (server ring buffer + live ones)
+  views: [],         // state.runs merged per (sampling, UI node): fmt.mergeRuns
   live: new Map(),   // run id -> {run, node, backend, device, steps, step_seconds[]} while sampling
   widgets: new Set(),
 };
@@ -70,14 +71,15 @@ function backendWidgetValue(node) {
   return node.widgets?.find((w) => w.name === "backend")?.value ?? null;
 }
 
-/** The run this node shows: its live run if sampling, else its latest finished one. */
+/** The run this node shows: its live run if sampling, else its latest finished one (views merge
+ *  the two models of a dual-model loader). */
 function runFor(node) {
   const id = String(node.id);
   let live = null;
-  for (const r of state.live.values()) if (r.node === id) live = r;
+  for (const r of state.live.values()) if (fmt.nodeKey(r.node) === id) live = r;
   if (live) return { run: live, finished: false };
-  for (let i = state.runs.length - 1; i >= 0; i--) {
-    if (state.runs[i].node === id) return { run: state.runs[i], finished: true };
+  for (let i = state.views.length - 1; i >= 0; i--) {
+    if (state.views[i].node === id) return { run: state.views[i], finished: true };
   }
   return { run: null, finished: false };
 }
@@ -144,7 +146,7 @@ function render(w) {
     steps.querySelector("summary").textContent = `seconds per step (${secs.length})`;
   }
 
-  const rows = fmt.compareRows(state.runs, finished ? run.workload : latestWorkload(node));
+  const rows = fmt.compareRows(state.views, finished ? run.workload : latestWorkload(node));
   compare.replaceChildren(...rows.map((r) => {
     const li = el("li", r.backend === backend ? "int8-self" : "");
     li.dataset.backend = r.backend;
@@ -174,13 +176,14 @@ function relayout(w, compareRows) {
 }
 
 function latestWorkload(node) {
-  for (let i = state.runs.length - 1; i >= 0; i--) {
-    if (state.runs[i].node === String(node.id)) return state.runs[i].workload;
+  for (let i = state.views.length - 1; i >= 0; i--) {
+    if (state.views[i].node === String(node.id)) return state.views[i].workload;
   }
-  return state.runs.at(-1)?.workload ?? null;
+  return state.views.at(-1)?.workload ?? null;
 }
 
 function renderAll() {
+  state.views = fmt.mergeRuns(state.runs);
   for (const w of state.widgets) {
     if (!w.node.graph) { state.widgets.delete(w); continue; }
     render(w);
