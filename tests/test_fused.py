@@ -52,10 +52,13 @@ def _rand(shape, dtype, gen, std=2.0):
 
 
 # ----------------------------------------------------------------------------------- kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m,k,b,smooth,chunked", [
-    (17, 64, 1, False, False), (24, 100, 2, True, False), (1, 48, 1, True, False),
-    (12, 100, 3, False, True), (6, 130, 2, True, True)])
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("dtype,m,k,b,smooth,chunked", [
+    (BF16, 7, 64, 1, False, False), (BF16, 8, 100, 2, True, False), (BF16, 1, 48, 1, True, False),
+    (BF16, 6, 100, 3, False, True), (FP16, 6, 130, 2, True, True), (FP16, 5, 64, 1, False, False),
+    (FP32, 4, 100, 2, True, False), (FP32, 6, 70, 3, False, True)])
 def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, chunked):
     if chunked:  # exercise the multi-pass path (rows longer than MAX_SINGLE) on small rows
         monkeypatch.setattr(kf, "MAX_SINGLE", 32)
@@ -122,10 +125,9 @@ def test_rmsnorm_modulate_quantize_errors(kf):
     assert q.shape == (0, 32) and qs.shape == (0,)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m,f,smooth,pair,chunked", [
-    (9, 160, False, False, False), (1, 48, True, True, False), (13, 100, True, False, True),
-    (4, 70, False, True, True)])
+@pytest.mark.parametrize("dtype,m,f,smooth,pair,chunked", [
+    (BF16, 5, 160, False, False, False), (BF16, 1, 48, True, True, False), (BF16, 6, 100, True, False, True),
+    (FP16, 4, 70, False, True, True), (FP16, 3, 100, True, False, False), (FP32, 4, 70, True, False, True)])
 def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
     if chunked:
         monkeypatch.setattr(kf, "MAX_SINGLE", 32)
@@ -197,8 +199,7 @@ def _unfused_copy(module, layers, prefix=""):
     return m
 
 
-@pytest.mark.parametrize("smooth", [False, True])
-@pytest.mark.parametrize("w2_int8", [True, False])
+@pytest.mark.parametrize("smooth,w2_int8", [(False, True), (True, True), (True, False)])
 def test_fused_feed_forward_matches_unfused(smooth, w2_int8):
     torch.manual_seed(0)
     ff = LuminaFeedForwardStandIn(64, 160).to(torch.bfloat16)
@@ -209,7 +210,7 @@ def test_fused_feed_forward_matches_unfused(smooth, w2_int8):
     fused = qf.fuse_modules(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()})["ff"]
     assert isinstance(fused, qf.FusedFeedForward)
     assert set(fused.covers) == {f"ff.{k}" for k in layers}
-    x = torch.randn(3, 11, 64).bfloat16()                         # ragged M = 33
+    x = torch.randn(3, 3, 64).bfloat16()                          # ragged M = 9
     ref = _unfused_copy(ff, layers)(x)
     got = fused(x)
     _assert_within_rounding(got, ref)
@@ -320,7 +321,7 @@ def _mini_ideogram(layers=2, hidden=64, heads=4, ffn=96, adaln=32, seed=0):
     return dm.to(torch.bfloat16)
 
 
-def _block_inputs(b=2, l=10, hidden=64, heads=4, adaln=32):
+def _block_inputs(b=2, l=3, hidden=64, heads=4, adaln=32):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(b, l, hidden, generator=g).bfloat16()
     ang = torch.randn(l, hidden // heads // 2, generator=g)
@@ -342,7 +343,7 @@ def test_fused_ideogram4_block_matches_unfused(monkeypatch, in_training):
     assert isinstance(blk, qf.FusedIdeogram4Block) and set(blk.covers) == {n for n in names if "layers.0" in n}
     assert not [n for n, m in blk.named_modules() if type(m) is nn.Linear and n != "adaln_modulation"]
     x, freqs, ada = _block_inputs()
-    for i in range(2):
+    for i in range(1):  # layer 1 is built the same way; one keeps the interpreter time down
         ref = _unfused_copy(dm.layers[i], layers, f"layers.{i}.")(x, None, freqs, ada)
         got = patches[f"layers.{i}"](x, None, freqs, ada)
         _assert_within_rounding(got, ref)
@@ -384,8 +385,8 @@ def test_lumina2_real_feed_forward_and_block():
     assert set(patches) == {"feed_forward", "attention.qkv", "attention.out"}
     ref_blk = _unfused_copy(blk, layers)
     fused_blk = _unfused_copy(blk, patches)
-    x = torch.randn(2, 9, 64).bfloat16()
-    freqs = torch.ones(2, 9, 1, 8, 2, 2)  # identity rotation
+    x = torch.randn(2, 5, 64).bfloat16()
+    freqs = torch.ones(2, 5, 1, 8, 2, 2)  # identity rotation
     freqs[..., 0, 1] = 0
     freqs[..., 1, 0] = 0
     ada = torch.randn(2, 64).bfloat16()
