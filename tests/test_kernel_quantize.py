@@ -36,10 +36,30 @@ def test_bit_exact_random(dtype, m, k, smooth):
     _assert_same(x, inv)
 
 
-def test_many_rows_hit_reciprocal_rounding():
-    # 127 / absmax is torch's reciprocal-then-multiply (two roundings); ~25 % of rows differ from one IEEE
-    # division, and some of those change a quantized value, so this catches a kernel that divides once.
-    x = torch.randn(512, 64) * torch.rand(512, 1) * 50
+def _rows_where_one_division_differs(n_rows=6):
+    """Rows [absmax, v] for which rint(v * 127/absmax) changes if 127/absmax were one IEEE division instead of
+    torch's reciprocal-then-multiply (two roundings) — random data almost never lands on such a boundary."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    while len(rows) < n_rows:
+        a = (torch.rand(1, generator=g) * 100 + 1).float()
+        m_torch = 127.0 / a                                    # reciprocal * 127
+        m_ieee = torch.tensor([127.0], dtype=torch.float64).div(a.double()).float()  # one rounding
+        if torch.equal(m_torch, m_ieee):
+            continue
+        for j in range(1, 126):
+            v = torch.tensor([(j + 0.5) / m_ieee.item()], dtype=torch.float32)
+            for c in (torch.nextafter(v, -v.abs() - 1), v, torch.nextafter(v, v.abs() + 1)):
+                if torch.round(c * m_torch) != torch.round(c * m_ieee):
+                    rows.append(torch.cat([a, c]))
+                    break
+            if len(rows) and rows[-1][0] == a[0]:
+                break
+    return torch.stack(rows)
+
+
+def test_multiplier_rounds_like_torch_reciprocal():
+    x = _rows_where_one_division_differs()
     _assert_same(x)
 
 
