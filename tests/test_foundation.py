@@ -1,0 +1,143 @@
+"""The pack inside a real ComfyUI 0.3.75 server: it is loaded, its nodes are described, a miniature
+DiT of each architecture samples through a real workflow; importing the pack is light; the runtime
+setup reuses what it built."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import comfy_harness as H
+
+PACK_DIR_NAME = "comfyui-int8-fused"
+
+
+def _pack_nodes(info: dict) -> dict:
+    return {k: v for k, v in info.items() if v.get("python_module", "").endswith(PACK_DIR_NAME)}
+
+
+def test_server_lists_pack_nodes_with_categories_and_tooltips(comfy_server):
+    info = comfy_server.object_info()
+    ours = _pack_nodes(info)
+    assert ours, ("no node of the pack in /object_info; server log:\n" + comfy_server.log_tail())
+    bad = [ln for ln in comfy_server.log_tail(2000).splitlines()
+           if PACK_DIR_NAME in ln and ("IMPORT FAILED" in ln or "Cannot import" in ln)]
+    assert not bad, bad
+    problems = []
+    for name, d in ours.items():
+        if not d["category"].startswith("quantization/int8"):
+            problems.append(f"{name}: category {d['category']!r}")
+        if not d.get("display_name"):
+            problems.append(f"{name}: no display name")
+        for group in ("required", "optional"):
+            for inp, spec in d["input"].get(group, {}).items():
+                opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                if not opts.get("tooltip"):
+                    problems.append(f"{name}.{inp}: no tooltip")
+    assert not problems, "; ".join(problems)
+    assert "Int8TestConditioning" in ours
+
+
+def test_server_serves_pack_web_extension(comfy_server):
+    js = sorted(p.name for p in (H.ROOT / "web").glob("*.js"))
+    if not js:
+        pytest.skip("the pack has no web/*.js yet")
+    served = comfy_server.get_json("/extensions")
+    for name in js:
+        assert f"/extensions/{PACK_DIR_NAME}/{name}" in served, (name, served)
+
+
+def _sampling_workflow(unet: str, arch: str, steps: int = 2) -> dict:
+    """UNETLoader -> two conditionings (seeds 0, 1) -> KSampler each, same noise seed -> SaveLatent."""
+    width, pooled = H.miniature().CONDITIONING[arch]
+    wf = {
+        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
+        "latent": {"class_type": "EmptyLatentImage", "inputs": {"width": 32, "height": 32, "batch_size": 1}},
+    }
+    for c in (0, 1):
+        wf[f"cond{c}"] = {"class_type": "Int8TestConditioning",
+                          "inputs": {"tokens": 8, "width": width, "pooled_width": pooled, "seed": c,
+                                     "scale": 1.0}}
+        wf[f"sample{c}"] = {"class_type": "KSampler", "inputs": {
+            "model": ["unet", 0], "positive": [f"cond{c}", 0], "negative": [f"cond{c}", 0],
+            "latent_image": ["latent", 0], "seed": 7, "steps": steps, "cfg": 1.0, "sampler_name": "euler",
+            "scheduler": "simple", "denoise": 1.0}}
+        wf[f"save{c}"] = {"class_type": "SaveLatent",
+                          "inputs": {"samples": [f"sample{c}", 0], "filename_prefix": f"foundation_{arch}_c{c}"}}
+    return wf
+
+
+def _latent(path: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+    return load_file(str(path))["latent_tensor"]
+
+
+@pytest.mark.parametrize("arch", ["lumina2", "flux"])
+def test_miniature_samples_through_real_workflow(comfy_server, miniature_models, arch):
+    pid = comfy_server.queue(_sampling_workflow(miniature_models[arch], arch))
+    entry = comfy_server.wait(pid, timeout=900)
+    files = sorted(comfy_server.output_files(entry))
+    assert len(files) == 2 and all(f.is_file() for f in files), files
+    a, b = (_latent(f) for f in files)
+    for t in (a, b):
+        assert t.shape == (1, 16, 4, 4)
+        assert torch.isfinite(t).all()
+        assert t.std() > 0.1 and t.abs().max() < 1e3, (t.std(), t.abs().max())
+    # Same noise seed, different conditioning: the model (and the conditioning) shaped the result.
+    assert (a - b).abs().max() > 1e-3
+    kinds = {e["type"] for e in comfy_server.prompt_events(pid)}
+    assert {"execution_start", "executing"} <= kinds, kinds
+    log = comfy_server.log_tail(300)
+    assert "unet missing" not in log and "unet unexpected" not in log
+
+
+_IMPORT_PROBE = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import comfy.cli_args
+comfy.cli_args.args.cpu = True
+import torch, comfy.model_management, nodes  # what ComfyUI has imported before it loads custom nodes
+sys.path.insert(0, sys.argv[2])
+import comfy_harness as H
+before = set(sys.modules)
+t = time.perf_counter()
+pack = H.import_pack()
+dt = time.perf_counter() - t
+new = sorted(set(sys.modules) - before)
+print(json.dumps({"seconds": dt, "triton": [m for m in new if m.split(".")[0] == "triton"],
+                  "cuda_initialized": torch.cuda.is_initialized(), "nodes": len(pack.NODE_CLASS_MAPPINGS),
+                  "web": pack.WEB_DIRECTORY}))
+"""
+
+
+def test_pack_import_is_light():
+    H.check_runtime()
+    cp = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, str(H.COMFY_DIR), str(H.ROOT / "tests")],
+                        capture_output=True, text=True, timeout=300, cwd=H.COMFY_DIR)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    r = json.loads(cp.stdout.strip().splitlines()[-1])
+    print(f"pack import: {r['seconds'] * 1000:.0f} ms, {r['nodes']} nodes")
+    assert r["triton"] == [], f"importing the pack imported Triton: {r['triton']}"
+    assert not r["cuda_initialized"], "importing the pack initialized CUDA"
+    assert r["nodes"] > 0 and r["web"] == "./web"
+    # A loose bound that catches kernel compilation or model work at import (torch/comfy excluded).
+    assert r["seconds"] < 5.0, r
+
+
+def test_setup_reuses_existing_runtime():
+    H.check_runtime()
+    stamps = list(H.RUNTIME.glob(".ready-v*"))
+    assert stamps, "no recipe stamp in the runtime"
+    before = stamps[0].stat().st_mtime
+    t = time.monotonic()
+    cp = subprocess.run(["bash", str(H.ROOT / "scripts" / "setup_runtime.sh")], capture_output=True, text=True,
+                        timeout=600, env={**os.environ, "INT8_RUNTIME_DIR": str(H.RUNTIME)})
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert "(reused)" in cp.stdout, cp.stdout
+    assert stamps[0].stat().st_mtime == before
+    assert (H.COMFY_DIR / "custom_nodes" / PACK_DIR_NAME).resolve() == H.ROOT.resolve()
+    print(f"setup re-run: {time.monotonic() - t:.1f} s")
