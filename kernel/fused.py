@@ -296,3 +296,50 @@ def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: boo
         HAS_SMOOTH=inv is not None, DT=_DT_CODE[a.dtype], CLAMP_FP16=bool(clamp_fp16) and a.dtype == torch.float16,
         BLOCK=block, SINGLE=single, INTERPRET=INTERPRET, num_warps=warps)
     return q, qs
+
+
+# ----------------------------------------------------------------------------------- torch.compile ops
+# The fused modules call the functions above directly in eager mode (no dispatcher overhead on ~400 calls a
+# step) and these custom ops while torch.compile traces (``torch.compiler.is_compiling()``), so a compiled
+# model sees each kernel as one opaque node with a shape-only fake implementation.
+_OPS_READY = False
+
+
+def register_ops() -> None:
+    """Registers ``int8_fused::{rms_mod_quant, swiglu_quant, act_quant, gemm_dequant}`` (idempotent)."""
+    global _OPS_READY
+    if _OPS_READY:
+        return
+    from . import int8_gemm, quantize_per_token
+    lib = torch.library
+
+    def _aq(x, inv_smooth):
+        return quantize_per_token(x, inv_smooth)
+
+    def _rmq(x, w, eps, scale, tokens_per_batch, inv_smooth):
+        return rmsnorm_modulate_quantize(x, w, eps, scale, tokens_per_batch, inv_smooth)
+
+    def _swq(h13, inv_smooth, clamp_fp16):
+        return swiglu_quantize(h13, inv_smooth, clamp_fp16)
+
+    def _gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype):
+        return int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype)
+
+    ops = [
+        ("rms_mod_quant", "(Tensor x, Tensor w, float eps, Tensor scale, int tokens_per_batch, Tensor? inv_smooth)"
+                          " -> (Tensor, Tensor)", _rmq,
+         lambda x, w, eps, s, t, inv: (x.new_empty(x.shape, dtype=torch.int8),
+                                       x.new_empty(x.shape[:1], dtype=torch.float32))),
+        ("swiglu_quant", "(Tensor h13, Tensor? inv_smooth, bool clamp_fp16) -> (Tensor, Tensor)", _swq,
+         lambda h, inv, c: (h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.int8),
+                            h.new_empty(h.shape[:1], dtype=torch.float32))),
+        ("act_quant", "(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)", _aq,
+         lambda x, inv: (x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:1], dtype=torch.float32))),
+        ("gemm_dequant", "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, Tensor? bias, "
+                         "ScalarType out_dtype) -> Tensor", _gemm,
+         lambda a, sa, w, sw, b, dt: a.new_empty((a.shape[0], w.shape[0]), dtype=dt)),
+    ]
+    for name, schema, impl, fake in ops:
+        op = lib.custom_op(f"int8_fused::{name}", mutates_args=(), schema=schema)(impl)
+        op.register_fake(fake)
+    _OPS_READY = True

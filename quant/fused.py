@@ -86,9 +86,43 @@ def _on(layer, device: torch.device):
     return layer if layer.qweight.device == device else _OnDevice(layer, device)
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def _gemm(a_q, a_s, layer, dtype):
     layer = _on(layer, a_q.device)
+    if _compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
+        return torch.ops.int8_fused.gemm_dequant(a_q, a_s, layer.qweight, layer.weight_scale, layer.bias, dtype)
     return kernel_module().int8_gemm(a_q, a_s, layer.qweight, layer.weight_scale, layer.bias, out_dtype=dtype)
+
+
+def _act_quant(x2, inv_smooth):
+    if _compiling():
+        return torch.ops.int8_fused.act_quant(x2, inv_smooth)
+    return kernel_module().quantize_per_token(x2, inv_smooth)
+
+
+def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; a fused_triton Int8Linear runs as quantize + GEMM here (the same two kernels its backend
+    launches) so that torch.compile sees the custom ops instead of the backend registry."""
+    if not _fusable(layer):
+        return layer(x)
+    lead, k = x.shape[:-1], x.shape[-1]
+    a_q, a_s = _act_quant(x.reshape(-1, k), _on(layer, x.device).inv_smooth)
+    return _gemm(a_q, a_s, layer, x.dtype).reshape(*lead, -1)
+
+
+def _swiglu_quant(h13, inv_smooth, clamp_fp16):
+    if _compiling():
+        return torch.ops.int8_fused.swiglu_quant(h13, inv_smooth, clamp_fp16)
+    return _kf().swiglu_quantize(h13, inv_smooth, clamp_fp16)
+
+
+def _rms_mod_quant(x2, w, eps, scale, tokens, inv_smooth):
+    if _compiling():
+        return torch.ops.int8_fused.rms_mod_quant(x2, w, eps, scale, tokens, inv_smooth)
+    return _kf().rmsnorm_modulate_quantize(x2, w, eps, scale, tokens, inv_smooth)
 
 
 def _fusable(layer) -> bool:
@@ -118,8 +152,8 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
     w = _norm_weight(norm, x2)
     if w is None:
         y = norm(x2).reshape(-1, tokens, x2.shape[-1]) * scale.reshape(-1, 1, x2.shape[-1])
-        return kernel_module().quantize_per_token(y.reshape(x2.shape), inv_smooth)
-    return _kf().rmsnorm_modulate_quantize(x2, w, _norm_eps(norm, x2), scale, tokens, inv_smooth)
+        return _act_quant(y.reshape(x2.shape), inv_smooth)
+    return _rms_mod_quant(x2, w, _norm_eps(norm, x2), scale, tokens, inv_smooth)
 
 
 def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Linear:
@@ -157,6 +191,7 @@ class FusedFeedForward(nn.Module):
         super().__init__()
         self.w13, self.w2 = w13, w2
         self.clamp_fp16 = clamp_fp16
+        _kf().register_ops()
         self.covers = tuple(covers)
 
     @classmethod
@@ -170,20 +205,20 @@ class FusedFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        a_q, a_s = kernel_module().quantize_per_token(x2, _on(self.w13, x.device).inv_smooth)
+        a_q, a_s = _act_quant(x2, _on(self.w13, x.device).inv_smooth)
         return self.forward_quantized(a_q, a_s, x.dtype).reshape(*lead, -1)
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """From the already-quantized input (int8 [M, K], fp32 [M]) -> [M, dim] in ``dtype``."""
         h13 = _gemm(a_q, a_s, self.w13, dtype)
         if _fusable(self.w2):
-            q, s = _kf().swiglu_quantize(h13, _on(self.w2, a_q.device).inv_smooth, self.clamp_fp16)
+            q, s = _swiglu_quant(h13, _on(self.w2, a_q.device).inv_smooth, self.clamp_fp16)
             return _gemm(q, s, self.w2, dtype)
         a, b = h13.chunk(2, dim=-1)
         h = F.silu(a) * b
         if self.clamp_fp16 and h.dtype == torch.float16:
             h = torch.nan_to_num(h, nan=0.0, posinf=65504.0, neginf=-65504.0)
-        return self.w2(h)
+        return _linear(self.w2, h)
 
     def extra_repr(self) -> str:
         return f"clamp_fp16={self.clamp_fp16}, covers={list(self.covers)}"
@@ -195,6 +230,7 @@ class FusedIdeogram4Attention(nn.Module):
     def __init__(self, attn: nn.Module, qkv: Int8Linear, o: nn.Module):
         super().__init__()
         self.qkv, self.o = qkv, o
+        _kf().register_ops()
         self.norm_q, self.norm_k = attn.norm_q, attn.norm_k
         self.num_heads, self.head_dim, self.hidden_size = attn.num_heads, attn.head_dim, attn.hidden_size
         self._fn = type(attn).forward.__globals__  # the functions the original forward calls (see module doc)
@@ -202,7 +238,7 @@ class FusedIdeogram4Attention(nn.Module):
     def forward(self, x, attn_mask, freqs_cis, transformer_options={}):
         """Drop-in for Ideogram4Attention.forward (normalised x [B, L, dim])."""
         b, l, k = x.shape
-        a_q, a_s = kernel_module().quantize_per_token(x.reshape(-1, k), _on(self.qkv, x.device).inv_smooth)
+        a_q, a_s = _act_quant(x.reshape(-1, k), _on(self.qkv, x.device).inv_smooth)
         return self.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
 
     def forward_quantized(self, a_q, a_s, b, l, dtype, attn_mask, freqs_cis, transformer_options={}):
@@ -221,7 +257,7 @@ class FusedIdeogram4Attention(nn.Module):
         out = self._fn["optimized_attention_masked"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                      self.num_heads, attn_mask, skip_reshape=True,
                                                      transformer_options=transformer_options)
-        return self.o(out)
+        return _linear(self.o, out)
 
 
 class FusedIdeogram4Block(nn.Module):
@@ -240,7 +276,7 @@ class FusedIdeogram4Block(nn.Module):
         self.covers = tuple(covers)
 
     def forward(self, x, attn_mask, freqs_cis, adaln_input, transformer_options={}):
-        mod = self.adaln_modulation(adaln_input)
+        mod = _linear(self.adaln_modulation, adaln_input)
         scale_msa, gate_msa, scale_mlp, gate_mlp = mod.chunk(4, dim=-1)
         gate_msa, gate_mlp = torch.tanh(gate_msa), torch.tanh(gate_mlp)
         scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp

@@ -455,3 +455,17 @@ def test_cache_wrappers_bind_uuids_and_invalidate():
     assert not cache._entries
     qf.diffusion_model_wrapper(Executor(), None, None, x, None, {})  # no uuids: not cached
     assert not cache._entries
+
+
+def test_fused_block_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) traces the fused block: every kernel is a custom op with a fake
+    implementation (aot_eager on the CPU; the H200 run measures inductor)."""
+    dm = _mini_ideogram(layers=1)
+    names = [f"layers.0.{n}" for n in ("attention.qkv", "attention.o", "feed_forward.w1", "feed_forward.w2",
+                                       "feed_forward.w3", "adaln_modulation")]
+    blk = qf.object_patches(dm, {n: _int8(dm.get_submodule(n), n) for n in names})["layers.0"]
+    x, freqs, ada = _block_inputs(b=1, l=2)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(blk, backend="aot_eager", fullgraph=True)(x, None, freqs, ada)
+        assert torch.equal(got, blk(x, None, freqs, ada))
