@@ -93,6 +93,9 @@ def run_calibration(model, positive, negative, latent, seed, steps, cfg, sampler
         raise ValueError(f"activation_scales must be 'dynamic' or 'static', got {activation_scales!r}")
     if steps < 1:
         raise ValueError("INT8 Calibrate needs steps >= 1")
+    # Load THIS patcher first: clones share one module tree, and another clone (e.g. the Apply node's
+    # INT8 copy) may still have its object patches applied to it from the last run.
+    mm.load_models_gpu([model])
     targets = _targets(model, preset, include, exclude)
     n_buckets = max(1, min(int(static_buckets), steps)) if activation_scales == "static" else 1
     capture = ActivationCapture(targets, n_buckets=n_buckets, row_cap=int(rows_per_layer), seed=seed)

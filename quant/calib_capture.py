@@ -15,6 +15,7 @@ activation's device (no host sync per call) apart from the few sampled rows.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 from torch import nn
@@ -126,8 +127,11 @@ class ActivationCapture:
 
     def __init__(self, named_linears, n_buckets: int = 1, row_cap: int = DEFAULT_ROW_CAP, seed: int = 0):
         self.modules: dict[str, nn.Module] = dict(named_linears)
-        gen = torch.Generator().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF)
-        self.stats = {n: LayerStats(n, m.in_features, m.out_features, n_buckets, row_cap, gen)
+        # one generator per layer, seeded from (seed, name): a layer's sample does not depend on
+        # which other layers are captured
+        self.stats = {n: LayerStats(n, m.in_features, m.out_features, n_buckets, row_cap,
+                                    torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(n.encode()))
+                                                                  & 0xFFFF_FFFF_FFFF))
                       for n, m in self.modules.items()}
         self.n_buckets, self.row_cap = n_buckets, row_cap
         self.bucket = 0

@@ -1,0 +1,208 @@
+"""INT8 Calibrate inside the pinned ComfyUI (in-process, CPU): real sampling of a tiny Lumina 2 DiT
+with injected activation outlier channels, the Apply node consuming the result, Save/Load nodes,
+interrupt and mismatch errors.
+
+Outliers are injected without changing the float function: the RMSNorm gains feeding
+``attention.qkv`` and ``feed_forward.w1/w3`` are multiplied by g on a few channels and those weight
+columns divided by g; ``feed_forward.w3`` rows are multiplied by g and the matching ``w2`` columns
+divided by g (the SwiGLU product is linear in w3). That is the DiT pattern SmoothQuant targets.
+"""
+import os
+
+import pytest
+import torch
+
+import comfy_harness as H
+
+OUT_CH = [5, 40, 77, 101]          # hidden channels given outliers
+OUT_GAIN = [25.0, 50.0, 80.0, 120.0]
+FFN_CH = [3, 200, 333]             # FFN hidden channels given outliers (w2 inputs)
+
+
+@pytest.fixture(scope="module")
+def comfy(comfy_inprocess):
+    import comfy.model_detection
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.sample
+    import comfy.supported_models
+    return comfy
+
+
+@pytest.fixture(scope="module")
+def calib(pack):
+    return pack.nodes.calibrate
+
+
+def inject_outliers(sd: dict) -> dict:
+    """Same float function, outlier input channels on qkv, w1, w3 and w2 of every block."""
+    sd = {k: v.clone() for k, v in sd.items()}
+    gain = torch.tensor(OUT_GAIN)
+    blocks = {k.rsplit(".attention.qkv.weight", 1)[0] for k in sd if k.endswith("attention.qkv.weight")}
+    for p in blocks:
+        sd[f"{p}.attention_norm1.weight"][OUT_CH] *= gain
+        sd[f"{p}.attention.qkv.weight"][:, OUT_CH] /= gain
+        sd[f"{p}.ffn_norm1.weight"][OUT_CH] *= gain
+        for w in ("w1", "w3"):
+            sd[f"{p}.feed_forward.{w}.weight"][:, OUT_CH] /= gain
+        g2 = torch.tensor([30.0, 60.0, 90.0])
+        sd[f"{p}.feed_forward.w3.weight"][FFN_CH] *= g2[:, None]
+        sd[f"{p}.feed_forward.w2.weight"][:, FFN_CH] /= g2
+    return sd
+
+
+def tiny_model(comfy, arch="lumina2", outliers=True, seed=0):
+    """ModelPatcher of the tiny (width 128) miniature, fp32 on the CPU (as conftest's ``tiny_model``,
+    with the outlier channels injected into its state dict)."""
+    mini = H.miniature()
+    sd = mini.tiny_state_dict(arch, seed)
+    if outliers:
+        sd = inject_outliers(sd)
+    mc = comfy.model_detection.model_config_from_unet_config(dict(mini.TINY_UNET_CONFIG[arch]), sd)
+    mc.set_inference_dtype(torch.float32, None)
+    cpu = torch.device("cpu")
+    model = mc.get_model(sd, "", device=cpu)
+    model.diffusion_model.load_state_dict(sd, strict=True)
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def conditioning(seed, tokens=8, width=64):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(1, tokens, width, generator=g), {}]]
+
+
+LATENT = {"samples": torch.zeros(1, 16, 16, 16)}
+SAMPLE = dict(steps=3, cfg=2.0, sampler_name="euler", scheduler="simple")
+
+
+def sample(comfy, model, seed, cond_seed):
+    lat = LATENT["samples"]
+    noise = comfy.sample.prepare_noise(lat, seed)
+    return comfy.sample.sample(model, noise, SAMPLE["steps"], SAMPLE["cfg"], SAMPLE["sampler_name"],
+                               SAMPLE["scheduler"], conditioning(cond_seed), conditioning(cond_seed + 100),
+                               lat, seed=seed, disable_pbar=True)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def calibrate(calib, model, **kw):
+    args = dict(seed=1, alpha=0.5, alpha_search=False, protect_top_k=0, protect_threshold=0.0,
+                preset="blocks", include="", exclude="", activation_scales="dynamic", **SAMPLE)
+    args.update(kw)
+    out = calib.Int8Calibrate().calibrate(model, conditioning(1), LATENT, negative=conditioning(101), **args)
+    assert set(out) == {"ui", "result"}
+    cal, text = out["result"]
+    assert out["ui"]["text"] == [text] and text == cal.summary_text()
+    return cal
+
+
+@pytest.fixture(scope="module")
+def tiny(comfy):
+    return tiny_model(comfy)
+
+
+@pytest.fixture(scope="module")
+def calibrations(calib, tiny):
+    return {"plain": calibrate(calib, tiny), "protect": calibrate(calib, tiny, protect_top_k=3),
+            "search": calibrate(calib, tiny, alpha_search=True, activation_scales="static", static_buckets=3,
+                                exclude="refiner")}
+
+
+def test_calibration_covers_selected_layers(calib, comfy, tiny, calibrations, pack):
+    cal = calibrations["plain"]
+    comfy.model_management.load_models_gpu([tiny])
+    names = [n for n, _ in pack.quant.select.select_linears(tiny.model.diffusion_model, "blocks")]
+    assert list(cal.layers) == names and names
+    assert cal.meta["arch"] == "Lumina2" and cal.meta["steps"] == 3 and not cal.meta["unreached"]
+    qkv = [l for n, l in cal.layers.items() if n.endswith("attention.qkv")]
+    assert all(l.smooth is not None and l.err_smoothed < l.err_plain / 2 for l in qkv), cal.summary_text()
+    assert len(calibrations["protect"].protected_names()) == 3
+    search = calibrations["search"]
+    assert list(search.layers) == [n for n in names if "refiner" not in n]
+    for n, l in search.layers.items():
+        assert l.err <= cal.layers[n].err + 1e-9
+        assert l.static_act_scale.shape == (3,) and (l.static_act_scale > 0).all()
+    # no hook left behind on any module of the model
+    assert not any(m._forward_pre_hooks for m in tiny.model.diffusion_model.modules())
+
+
+def test_calibrated_int8_closer_to_float_on_held_out_seed(comfy, pack, tiny, calibrations):
+    apply = pack.nodes.apply.ApplyFusedInt8GEMM()
+    ref = sample(comfy, tiny, seed=7, cond_seed=7)  # held out: calibration used seed 1
+    errs = {}
+    for key, cal in [("uncalibrated", None), ("calibrated", calibrations["plain"]),
+                     ("calibrated+protect", calibrations["protect"])]:
+        (m,) = apply.apply(tiny, "dequant_bf16", "blocks", "", "", "", calibration=cal)
+        errs[key] = rel(sample(comfy, m, seed=7, cond_seed=7), ref)
+    print("error vs float on a held-out seed:", errs)
+    assert errs["calibrated"] < 0.7 * errs["uncalibrated"], errs
+    assert errs["calibrated+protect"] < errs["calibrated"], errs
+
+
+def test_save_load_nodes_round_trip(calib, calibrations, tiny, comfy, tmp_path, monkeypatch):
+    import folder_paths
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "int8_calibration", ([str(tmp_path)], {".safetensors"}))
+    cal = calibrations["search"]
+    calib.SaveInt8Calibration().save(cal, "tiny", overwrite=False)
+    assert os.listdir(tmp_path) == ["tiny.safetensors"]
+    before = (tmp_path / "tiny.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match="tiny.safetensors"):
+        calib.SaveInt8Calibration().save(calibrations["plain"], "tiny", overwrite=False)
+    assert (tmp_path / "tiny.safetensors").read_bytes() == before
+    with pytest.raises(ValueError, match="no folders"):
+        calib.SaveInt8Calibration().save(cal, "../escape", overwrite=False)
+    assert "tiny.safetensors" in calib.LoadInt8Calibration.INPUT_TYPES()["required"]["calibration_name"][0]
+    back, text = calib.LoadInt8Calibration().load("tiny.safetensors", model=tiny)
+    for n, l in cal.layers.items():
+        b = back.layers[n]
+        assert torch.equal(b.smooth, l.smooth) if l.smooth is not None else b.smooth is None
+        assert torch.equal(b.static_act_scale, l.static_act_scale)
+        assert (b.alpha, b.protected, b.err_plain, b.err_smoothed) == (l.alpha, l.protected, l.err_plain, l.err_smoothed)
+    # a different model: clear error naming layers and shapes
+    flux = tiny_model(comfy, "flux", outliers=False)
+    with pytest.raises(ValueError, match=r"does not match this model.*layers\.0\.attention\.qkv"):
+        calib.LoadInt8Calibration().load("tiny.safetensors", model=flux)
+
+
+def test_apply_rejects_calibration_of_other_shapes(comfy, pack, calibrations):
+    other = tiny_model(comfy, "lumina2", outliers=False)
+    cal = calibrations["plain"]
+    name = next(iter(cal.layers))
+    lc = cal.layers[name]
+    bad = type(cal)({name: type(lc)(name, lc.in_features + 1, lc.out_features, None, None, False, 0.1, 0.1)})
+    with pytest.raises(ValueError, match=f"{name}.*another model"):
+        pack.nodes.apply.ApplyFusedInt8GEMM().apply(other, "dequant_bf16", "blocks", "", "", "", calibration=bad)
+
+
+def test_interrupt_removes_hooks_and_returns_nothing(calib, comfy, tiny, tmp_path, monkeypatch):
+    import folder_paths
+    mm = comfy.model_management
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "int8_calibration", ([str(tmp_path)], {".safetensors"}))
+    mm.load_models_gpu([tiny])  # undo the object patches of INT8 clones sampled by earlier tests
+    first = next(m for n, m in tiny.model.diffusion_model.named_modules() if n.endswith("attention.qkv"))
+    calls = []
+    assert os.listdir(tmp_path) == []
+
+    def trip(module, args):  # the user presses Cancel during the first step
+        calls.append(1)
+        mm.interrupt_current_processing(True)
+    h = first.register_forward_pre_hook(trip)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            out = calibrate(calib, tiny)
+            calib.SaveInt8Calibration().save(out, "never", overwrite=False)  # not reached
+    finally:
+        h.remove()
+        mm.interrupt_current_processing(False)
+    assert calls and not any(m._forward_pre_hooks for m in tiny.model.diffusion_model.modules())
+    assert os.listdir(tmp_path) == []
+
+
+def test_empty_selection_and_quantized_model_errors(calib, comfy, pack, tiny):
+    with pytest.raises(ValueError, match="no linear layer of NextDiT matches"):
+        calibrate(calib, tiny, exclude=".")
+    (q,) = pack.nodes.apply.ApplyFusedInt8GEMM().apply(tiny, "dequant_bf16", "blocks", "", "", "")
+    with pytest.raises(ValueError, match="needs the float model"):
+        calibrate(calib, q)
