@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import _check_2d, _check_usable, _vector
+from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
 from .quantize import INTERPRET, _rint  # the quantizer's rint (and its interpreter compat shim)
 
 MAX_SINGLE = 8192   # row lengths up to this stay in registers (K = 4608 -> one 8192 tile, 8 warps)
@@ -75,11 +76,16 @@ def _rstd(ssq, K, eps, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quant_params(amax, bad):
-    """Per-row (scale, multiplier, usable) from the row's |max| and non-finite flag (quantize.py rules)."""
+def _quant_params(amax, bad, SCALE_RECIP: tl.constexpr):
+    """Per-row (scale, multiplier, usable) from the row's |max| and non-finite flag, rounding for rounding as
+    kernel/quantize.py (torch's ``127 / t`` is ``t.reciprocal() * 127``; CUDA's ``t / 127`` is ``t * (1/127)``)."""
     usable = (amax > 0.0) & (~bad)
-    scale = tl.where(bad, float("nan"), tl.math.div_rn(amax, 127.0))
-    mult = tl.math.div_rn(127.0, tl.where(usable, amax, 1.0))
+    if SCALE_RECIP:
+        scale = amax * 0.007874015718698502
+    else:
+        scale = tl.math.div_rn(amax, 127.0)
+    scale = tl.where(bad, float("nan"), scale)
+    mult = tl.math.div_rn(1.0, tl.where(usable, amax, 1.0)) * 127.0
     return scale, mult, usable
 
 
@@ -108,7 +114,8 @@ def _rmsnorm_modulate_quant_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_ptr,
                                    K, tokens_per_batch, eps,
                                    stride_xm, stride_sb, stride_qm,
                                    HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr, PROD_DT: tl.constexpr,
-                                   BLOCK: tl.constexpr, SINGLE: tl.constexpr, INTERPRET: tl.constexpr):
+                                   SCALE_RECIP: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+                                   INTERPRET: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     q_row = q_ptr + row.to(tl.int64) * stride_qm
@@ -120,7 +127,8 @@ def _rmsnorm_modulate_quant_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_ptr,
         rstd = _rstd(tl.sum(x * x, axis=0), K, eps, INTERPRET)
         y = _rmsmod_tile(x, w_ptr, s_row, inv_ptr, cols, mask, rstd, HAS_SMOOTH, NORM_DT, PROD_DT, INTERPRET)
         ay = tl.abs(y)
-        scale, mult, usable = _quant_params(tl.max(ay, axis=0), tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0)
+        bad = tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0  # NaN fails `< inf` as Inf does
+        scale, mult, usable = _quant_params(tl.max(ay, axis=0), bad, SCALE_RECIP)
         tl.store(qs_ptr + row, scale)
         _store_q(q_row + cols, y, mult, usable, mask, INTERPRET)
     else:
@@ -140,7 +148,7 @@ def _rmsnorm_modulate_quant_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_ptr,
                                      HAS_SMOOTH, NORM_DT, PROD_DT, INTERPRET))
             bad = tl.maximum(bad, tl.where(ay < float("inf"), 0, 1))
             amax = tl.maximum(amax, ay)
-        scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0)
+        scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
         tl.store(qs_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             ks = k0 + cols
@@ -173,7 +181,8 @@ def _swiglu_tile(a_row, b_row, inv_ptr, ks, mask,
 def _swiglu_quant_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
                          F, stride_am, stride_bm, stride_qm,
                          HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
-                         BLOCK: tl.constexpr, SINGLE: tl.constexpr, INTERPRET: tl.constexpr):
+                         SCALE_RECIP: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+                         INTERPRET: tl.constexpr):
     row = tl.program_id(0)
     a_row = a_ptr + row.to(tl.int64) * stride_am
     b_row = b_ptr + row.to(tl.int64) * stride_bm
@@ -183,7 +192,8 @@ def _swiglu_quant_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
         mask = cols < F
         y = _swiglu_tile(a_row, b_row, inv_ptr, cols, mask, HAS_SMOOTH, DT, CLAMP_FP16, INTERPRET)
         ay = tl.abs(y)
-        scale, mult, usable = _quant_params(tl.max(ay, axis=0), tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0)
+        bad = tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0  # NaN fails `< inf` as Inf does
+        scale, mult, usable = _quant_params(tl.max(ay, axis=0), bad, SCALE_RECIP)
         tl.store(qs_ptr + row, scale)
         _store_q(q_row + cols, y, mult, usable, mask, INTERPRET)
     else:
@@ -194,7 +204,7 @@ def _swiglu_quant_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
             ay = tl.abs(_swiglu_tile(a_row, b_row, inv_ptr, ks, ks < F, HAS_SMOOTH, DT, CLAMP_FP16, INTERPRET))
             bad = tl.maximum(bad, tl.where(ay < float("inf"), 0, 1))
             amax = tl.maximum(amax, ay)
-        scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0)
+        scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
         tl.store(qs_ptr + row, scale)
         for f0 in range(0, F, BLOCK):
             ks = f0 + cols
@@ -253,13 +263,12 @@ def rmsnorm_modulate_quantize(x: torch.Tensor, norm_weight: torch.Tensor, eps: f
     _check_usable(x, "rmsnorm_modulate_quantize")
     x, w, s2 = _row_major(x, "x"), _row_major(w, "norm_weight"), _row_major(s2, "scale")
     block, single, warps = _plan(k)
-    _rmsnorm_modulate_quant_kernel[(m,)](
-        x, w, s2, inv if inv is not None else qs, q, qs,
-        k, max(int(tokens_per_batch), 1), float(eps),
-        x.stride(0), 0 if nb == 1 else s2.stride(0), q.stride(0),
-        HAS_SMOOTH=inv is not None, NORM_DT=_DT_CODE[x.dtype],
-        PROD_DT=_DT_CODE[torch.promote_types(x.dtype, s2.dtype)],
-        BLOCK=block, SINGLE=single, INTERPRET=INTERPRET, num_warps=warps)
+    launch(_rmsnorm_modulate_quant_kernel, (m,),
+           (x, w, s2, inv if inv is not None else qs, q, qs, k, max(int(tokens_per_batch), 1), float(eps),
+            x.stride(0), 0 if nb == 1 else s2.stride(0), q.stride(0)),
+           dict(HAS_SMOOTH=inv is not None, NORM_DT=_DT_CODE[x.dtype],
+                PROD_DT=_DT_CODE[torch.promote_types(x.dtype, s2.dtype)], SCALE_RECIP=x.is_cuda,
+                BLOCK=block, SINGLE=single, INTERPRET=INTERPRET), warps, 1, x.device)
     return q, qs
 
 
@@ -290,11 +299,11 @@ def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: boo
     _check_usable(a, "swiglu_quantize")
     a, b = _row_major(a, "a"), _row_major(b, "b")
     block, single, warps = _plan(f)
-    _swiglu_quant_kernel[(m,)](
-        a, b, inv if inv is not None else qs, q, qs,
-        f, a.stride(0), b.stride(0), q.stride(0),
-        HAS_SMOOTH=inv is not None, DT=_DT_CODE[a.dtype], CLAMP_FP16=bool(clamp_fp16) and a.dtype == torch.float16,
-        BLOCK=block, SINGLE=single, INTERPRET=INTERPRET, num_warps=warps)
+    launch(_swiglu_quant_kernel, (m,),
+           (a, b, inv if inv is not None else qs, q, qs, f, a.stride(0), b.stride(0), q.stride(0)),
+           dict(HAS_SMOOTH=inv is not None, DT=_DT_CODE[a.dtype],
+                CLAMP_FP16=bool(clamp_fp16) and a.dtype == torch.float16, SCALE_RECIP=a.is_cuda,
+                BLOCK=block, SINGLE=single, INTERPRET=INTERPRET), warps, 1, a.device)
     return q, qs
 
 

@@ -280,7 +280,8 @@ class Ideogram4Attention(nn.Module):
         b, l, _ = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.num_heads, self.head_dim).unbind(dim=2)
         if comfy.model_management.in_training:
-            q, k = _apply_rope_split_half1(self.norm_q(q), freqs_cis), _apply_rope_split_half1(self.norm_k(k), freqs_cis)
+            q = _apply_rope_split_half1(self.norm_q(q), freqs_cis)
+            k = _apply_rope_split_half1(self.norm_k(k), freqs_cis)
         else:
             q, k = comfy.quant_ops.ck.rms_rope_split_half(q, k, freqs_cis, self.norm_q.weight, self.norm_k.weight,
                                                           self.norm_q.eps)
