@@ -1,0 +1,135 @@
+"""Load Ideogram 4.0 INT8 / Save INT8 Model against a current ComfyUI (native Ideogram 4), on the CPU.
+
+Needs COMFYUI_CURRENT = a ComfyUI checkout with comfy/ldm/ideogram4 (0.33.0 or newer) and a Python that
+can import it (comfy-kitchen, comfy-aimdo, torchsde, ...). Skipped with the reason otherwise.
+
+A 1-layer Ideogram 4 at the real widths (ComfyUI fixes them; ~0.5 B parameters) per branch, random
+weights, written in the transformerlab W8A8 layout (block linears int8, ``w2`` kept bf16 as transformerlab
+protects it, a SmoothQuant vector on qkv, the conditional branch without its norms/embedding so the base
+checkpoint supplies them), loaded through the node, sampled 2 steps with DualModelGuider (unconditional
+branch on image tokens only) on a 64x64 image, compared with the bf16 model.
+
+W8A8 bound: relative L2 error of the sampled latent vs the bf16 model <= 5 %. Per-channel int8 weights and
+per-token int8 activations each add ~0.5-1 % relative error per GEMM on Gaussian data; a block chains
+three quantized GEMMs per path and sampling feeds the error back once (2 steps); 5 % leaves a margin
+of ~2x over what we measure while still failing on a wrong scale or smoothing direction (>= 30 %).
+"""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CUR = os.environ.get("COMFYUI_CURRENT")
+pytestmark = pytest.mark.skipif(
+    not CUR or not (Path(CUR) / "comfy" / "ldm" / "ideogram4").is_dir(),
+    reason="COMFYUI_CURRENT is not set to a ComfyUI checkout with comfy/ldm/ideogram4")
+BOUND = 0.05
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    sys.path.insert(0, CUR)
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = True
+    import comfy.model_management  # noqa: F401
+    import comfy.sd  # noqa: F401
+    import folder_paths
+    models = tmp_path_factory.mktemp("models")
+    folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
+    spec = importlib.util.spec_from_file_location("comfyui_int8_fused", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules["comfyui_int8_fused"] = pack
+    spec.loader.exec_module(pack)
+    return pack, models
+
+
+def _files(pack, models):
+    i4 = sys.modules["comfyui_int8_fused.quant.fmt_ideogram4"]
+    W = sys.modules["comfyui_int8_fused.quant.fmt_write"]
+    w = i4.widths()
+    names = [n for n in i4.linear_specs(1, w) if n.startswith("layers.") and n.split(".")[-1] in
+             ("qkv", "o", "w1", "w3")]
+    branches, floats_ref = {}, {}
+    for br, seed in (("conditional", 0), ("unconditional", 1)):
+        sd = i4.random_state_dict(1, w, seed=seed)
+        g = torch.Generator().manual_seed(seed + 10)
+        smooth = {"layers.0.attention.qkv": torch.rand(w["hidden"], generator=g) * 1.5 + 0.5}
+        q, f = i4.quantize_state_dict(sd, names, smooth)
+        if br == "conditional":
+            W.atomic_save(sd, str(models / "ideogram4_base_cond.safetensors"), overwrite=True)
+            f = {k: v for k, v in f.items() if k not in i4.float_specs(1, w)}
+        branches[br] = (q, f)
+        floats_ref[br] = sd
+    W.write_transformerlab(str(models / "ideogram4_tl_int8.safetensors"), branches, overwrite=True)
+    return floats_ref
+
+
+def _sample(guider_cls_args, latent, seed=0):
+    import comfy.samplers
+    import comfy_extras.nodes_custom_sampler as ncs
+    model, model_neg, positive = guider_cls_args
+    guider = ncs.Guider_DualModel(model, model_neg) if model_neg is not None else comfy.samplers.CFGGuider(model)
+    guider.set_conds(positive, [[None, {}]])
+    guider.set_cfg(4.0)
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", 2)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True,
+                         seed=seed).float()
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_transformerlab_file_through_node_and_core_save(env):
+    pack, models = env
+    import comfy.sd
+    ref_sd = _files(pack, models)
+    g = torch.Generator().manual_seed(5)
+    positive = [[torch.randn(1, 8, 53248, generator=g), {}]]
+    latent = torch.zeros(1, 128, 4, 4)
+
+    node = pack.nodes.loader.LoadIdeogram4Int8()
+    with pytest.raises(Exception, match=r"lacks 8 non-linear tensors.*base checkpoint"):
+        node.load("ideogram4_tl_int8.safetensors", "dequant_bf16", "none", "none")
+    cond, uncond = node.load("ideogram4_tl_int8.safetensors", "dequant_bf16",
+                             "ideogram4_base_cond.safetensors", "none")
+    Int8Linear = sys.modules["comfyui_int8_fused.quant.linear"].Int8Linear
+    qkv = cond.model.diffusion_model.layers[0].attention.qkv
+    assert isinstance(qkv, Int8Linear) and qkv.smooth is not None
+    assert not isinstance(cond.model.diffusion_model.layers[0].feed_forward.w2, Int8Linear)
+    out_q = _sample((cond, uncond, positive), latent)
+
+    f_c = comfy.sd.load_diffusion_model_state_dict(dict(ref_sd["conditional"]), {"dtype": torch.bfloat16})
+    f_u = comfy.sd.load_diffusion_model_state_dict(dict(ref_sd["unconditional"]), {"dtype": torch.bfloat16})
+    out_f = _sample((f_c, f_u, positive), latent)
+    err = _rel(out_q, out_f)
+    print(f"INT8 (transformerlab file, node) vs bf16 after 2 DualModelGuider steps: rel L2 {err:.4f}")
+    assert torch.isfinite(out_q).all() and 0 < err <= BOUND
+    del f_c, f_u
+
+    # Save INT8 Model (core layout) -> plain ComfyUI loads it without the pack -> same output as the
+    # pack loading the same file (core semantics: per-token int8 activations x per-channel int8 weights).
+    save = pack.nodes.save.SaveInt8Model()
+    (path,) = save.save(cond, "ideogram4_core_cond", "comfy_int8_tensorwise", False, "blocks")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        save.save(cond, "ideogram4_core_cond", "comfy_int8_tensorwise", False, "blocks")
+    core = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.bfloat16})
+    qw = core.model.diffusion_model.layers[0].attention.qkv.weight
+    assert type(qw).__name__ == "QuantizedTensor", "core did not load the file as int8_tensorwise"
+    ours, _ = pack.nodes.loader.load_ideogram4(path, "dequant_bf16", None, None)
+    out_core = _sample((core, None, positive), latent)
+    out_ours = _sample((ours, None, positive), latent)
+    err_same = _rel(out_core, out_ours)
+    print(f"core ComfyUI vs pack on the saved core file: rel L2 {err_same:.5f}")
+    assert err_same <= 0.01
+    out_fc = _sample((comfy.sd.load_diffusion_model_state_dict(dict(ref_sd["conditional"]),
+                                                               {"dtype": torch.bfloat16}), None, positive), latent)
+    err_core = _rel(out_core, out_fc)
+    print(f"core-loaded INT8 vs bf16 (plain CFG): rel L2 {err_core:.4f}")
+    assert err_core <= BOUND
