@@ -44,6 +44,12 @@ def slot_ops():
     class Int8Slot(comfy.ops.manual_cast.Linear):
         def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
             super().__init__(in_features, out_features, bias, device="meta", dtype=dtype)
+            # Empty (0-element) CPU placeholders rather than meta tensors: older ComfyUI moves the model
+            # with .to() before loading weights, which meta tensors refuse.
+            dt = dtype or torch.float32
+            self.weight = nn.Parameter(torch.empty(0, dtype=dt), requires_grad=False)
+            if bias:
+                self.bias = nn.Parameter(torch.empty(0, dtype=dt), requires_grad=False)
             self.int8_tensors = None
             self.slot_dtype = dtype
 
@@ -55,7 +61,7 @@ def slot_ops():
                 sd.pop(prefix + "weight", None)
                 return
             w, b = sd.pop(prefix + "weight", None), sd.pop(prefix + "bias", None)
-            if w is None or w.is_meta:
+            if w is None or w.is_meta or w.numel() == 0:
                 missing_keys.append(prefix + "weight")
                 return
             dt = self.slot_dtype or w.dtype
@@ -142,7 +148,7 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
         if not isinstance(mod, ops.Linear):
             continue
         if mod.int8_tensors is None:
-            if mod.weight.is_meta:
+            if mod.weight.numel() == 0:
                 empty.append(name)
             continue
         q = mod.int8_tensors["qweight"]
