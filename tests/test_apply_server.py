@@ -7,6 +7,9 @@ their latents differ only by float rounding, far below the W8A8 error; the INT8 
 the float control by the propagated W8A8 error (tests/test_apply.py: ~1e-3 of the output for these
 miniatures per model call; two euler steps keep it at that order), checked with a 10x margin (2 %).
 """
+import json
+import sys
+
 import pytest
 import torch
 
@@ -76,3 +79,23 @@ def test_two_apply_nodes_on_different_backends_feed_two_samplers(comfy_server, m
     log = comfy_server.log_tail(400)
     for b in ("torch_int_mm", "dequant_bf16"):
         assert f"INT8 Apply [{b}, preset blocks]:" in log, log
+
+
+def test_example_side_by_side_workflow_maps_onto_the_server(comfy_server):
+    """example_workflows/int8_side_by_side_backends.json: every node exists with matching widgets;
+    one loader feeds the float sampler and every Apply node; all samplers share one seed."""
+    sys_path = str(H.ROOT / "scripts")
+    sys.path.insert(0, sys_path)
+    try:
+        import workflow
+    finally:
+        sys.path.remove(sys_path)
+    ui = json.loads((H.ROOT / "example_workflows" / "int8_side_by_side_backends.json").read_text())
+    api = workflow.ui_to_api(ui, comfy_server.object_info())
+    applies = {k: v for k, v in api.items() if v["class_type"] == "ApplyFusedInt8GEMM"}
+    samplers = [v for v in api.values() if v["class_type"] == "KSampler"]
+    loader = next(k for k, v in api.items() if v["class_type"] == "UNETLoader")
+    assert sorted(v["inputs"]["backend"] for v in applies.values()) == ["dequant_bf16", "fused_triton", "torch_int_mm"]
+    assert all(v["inputs"]["model"] == [loader, 0] for v in applies.values())
+    assert sorted(s["inputs"]["model"][0] for s in samplers) == sorted([loader, *applies])
+    assert len({s["inputs"]["seed"] for s in samplers}) == 1
