@@ -24,7 +24,12 @@ from quant import fused as qf  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# CPU under the interpreter (CI); on a CUDA machine without TRITON_INTERPRET the same tests check the compiled
+# kernels against torch's CUDA ops (exact equalities then become flip-rate bounds: sum order, rsqrt).
+DEV = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+EXACT = DEV == "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRET,
                                 reason="CPU tests of the Triton kernels need TRITON_INTERPRET=1")
 
 
@@ -48,7 +53,7 @@ def _assert_within_rounding(got, ref, rel=5e-3):
 
 
 def _rand(shape, dtype, gen, std=2.0):
-    return (torch.randn(shape, generator=gen) * std).to(dtype)
+    return (torch.randn(shape, generator=gen) * std).to(dtype).to(DEV)
 
 
 # ----------------------------------------------------------------------------------- kernels
@@ -65,9 +70,9 @@ def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, chun
         monkeypatch.setattr(kf, "CHUNK", 32)
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = _rand((m, k), dtype, g)
-    w = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
-    s = (1 + 0.5 * torch.randn(b, k, generator=g)).to(dtype)
-    inv = (0.5 + torch.rand(k, generator=g)) if smooth else None
+    w = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype).to(DEV)
+    s = (1 + 0.5 * torch.randn(b, k, generator=g)).to(dtype).to(DEV)
+    inv = (0.5 + torch.rand(k, generator=g)).to(DEV) if smooth else None
     tpb = m // b
     q, qs = kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, tpb, inv)
     rq, rs = qf.rmsnorm_modulate_quantize_ref(x, w, 1e-5, s, tpb, inv)
@@ -81,7 +86,8 @@ def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, chun
             assert frac < 1e-3 and mx <= 1
             torch.testing.assert_close(qs, ref_s, rtol=1e-6, atol=0)
     else:
-        assert torch.equal(q, rq) and torch.equal(qs, rs)
+        if EXACT:
+            assert torch.equal(q, rq) and torch.equal(qs, rs)
         frac, mx = _flips(q, uq)
         assert frac < 1e-3 and mx <= 1, (frac, mx)
         torch.testing.assert_close(qs, us, rtol=1e-6, atol=0)
@@ -91,8 +97,8 @@ def test_rmsnorm_modulate_quantize_flip_rate_large(kf):
     """A full Ideogram 4 row width (K = 4608) against the unfused bf16 path: rare +-1 flips at most."""
     g = torch.Generator().manual_seed(7)
     m, k = 8, 4608
-    x, w = _rand((m, k), torch.bfloat16, g, 3.0), (1 + 0.1 * torch.randn(k, generator=g)).bfloat16()
-    s = (1 + 0.3 * torch.randn(1, k, generator=g)).bfloat16()
+    x, w = _rand((m, k), torch.bfloat16, g, 3.0), (1 + 0.1 * torch.randn(k, generator=g)).bfloat16().to(DEV)
+    s = (1 + 0.3 * torch.randn(1, k, generator=g)).bfloat16().to(DEV)
     q, qs = kf.rmsnorm_modulate_quantize(x, w, 1e-6, s, m)
     uq, us = quantize_per_token_ref(F.rms_norm(x, (k,), w, 1e-6) * s, None)
     frac, mx = _flips(q, uq)
@@ -106,15 +112,16 @@ def test_rmsnorm_modulate_quantize_zero_and_nan_rows(kf):
     x[1] = 0
     x[3, 7] = float("nan")
     x[4, 9] = float("inf")
-    q, qs = kf.rmsnorm_modulate_quantize(x, torch.ones(64), 1e-5, torch.ones(1, 64), 5)
+    one = torch.ones(1, 64, device=DEV)
+    q, qs = kf.rmsnorm_modulate_quantize(x, one[0], 1e-5, one, 5)
     assert qs[1] == 0 and not q[1].any()                        # zero row: scale 0, zeros, no NaN
     assert math.isnan(qs[3]) and math.isnan(qs[4]) and not q[3].any() and not q[4].any()
-    rq, rs = qf.rmsnorm_modulate_quantize_ref(x[[0, 2]], torch.ones(64), 1e-5, torch.ones(1, 64), 2)
-    assert torch.equal(q[[0, 2]], rq) and torch.equal(qs[[0, 2]], rs)   # other rows unaffected
+    rq, rs = qf.rmsnorm_modulate_quantize_ref(x[[0, 2]], one[0], 1e-5, one, 2)
+    assert _flips(q[[0, 2]], rq)[1] <= 1 and torch.allclose(qs[[0, 2]], rs)   # other rows unaffected
 
 
 def test_rmsnorm_modulate_quantize_errors(kf):
-    x = torch.randn(6, 32).bfloat16()
+    x = torch.randn(6, 32).bfloat16().to(DEV)
     with pytest.raises(ValueError, match="tokens_per_batch"):
         kf.rmsnorm_modulate_quantize(x, torch.ones(32), 1e-5, torch.ones(4, 32), 2)
     with pytest.raises(ValueError, match="scale must be"):
@@ -135,7 +142,7 @@ def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
     g = torch.Generator().manual_seed(m * 100 + f)
     h = _rand((m, 2 * f), dtype, g, 3.0)
     a, b = h.chunk(2, dim=1)
-    inv = (0.5 + torch.rand(f, generator=g)) if smooth else None
+    inv = (0.5 + torch.rand(f, generator=g)).to(DEV) if smooth else None
     q, qs = kf.swiglu_quantize((a, b) if pair else h, inv)
     rq, rs = qf.swiglu_quantize_ref(a, b, inv)
     uq, us = quantize_per_token_ref(F.silu(a) * b, inv)       # the unfused torch sequence
@@ -143,7 +150,7 @@ def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
         frac, mx = _flips(q, ref_q)
         assert frac < 1e-3 and mx <= 1, (frac, mx)
         torch.testing.assert_close(qs, ref_s, rtol=1e-6, atol=0)
-    if dtype != torch.float32:  # rounded intermediates: exact (up to exp differences, none at this size)
+    if dtype != torch.float32 and EXACT:  # rounded intermediates: exact (up to exp ulps, none at this size)
         assert torch.equal(q, rq) and torch.equal(qs, rs)
 
 
@@ -159,7 +166,7 @@ def test_swiglu_quantize_zero_nan_and_fp16_clamp(kf):
     qc, qsc = kf.swiglu_quantize(h, clamp_fp16=True)  # current ComfyUI's clamp_fp16: nan -> 0, inf -> 65504
     rq, rs = qf.swiglu_quantize_ref(*h.chunk(2, 1), clamp_fp16=True)
     assert torch.equal(qc, rq) and torch.equal(qsc, rs)
-    assert qsc[2] == torch.tensor(65504.0) / 127 and qc[2, 0] == 127
+    assert qsc[2].item() == pytest.approx(65504.0 / 127, rel=1e-6) and qc[2, 0] == 127
     with pytest.raises(ValueError, match="2F"):
         kf.swiglu_quantize(h[:, :63])
 
@@ -202,15 +209,15 @@ def _unfused_copy(module, layers, prefix=""):
 @pytest.mark.parametrize("smooth,w2_int8", [(False, True), (True, True), (True, False)])
 def test_fused_feed_forward_matches_unfused(smooth, w2_int8):
     torch.manual_seed(0)
-    ff = LuminaFeedForwardStandIn(64, 160).to(torch.bfloat16)
-    s13 = 0.5 + torch.rand(64) if smooth else None
+    ff = LuminaFeedForwardStandIn(64, 160).to(DEV, torch.bfloat16)
+    s13 = 0.5 + torch.rand(64, device=DEV) if smooth else None
     layers = {"w1": _int8(ff.w1, "w1", s13), "w3": _int8(ff.w3, "w3", s13)}
     if w2_int8:
-        layers["w2"] = _int8(ff.w2, "w2", 0.5 + torch.rand(160) if smooth else None)
+        layers["w2"] = _int8(ff.w2, "w2", 0.5 + torch.rand(160, device=DEV) if smooth else None)
     fused = qf.fuse_modules(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()})["ff"]
     assert isinstance(fused, qf.FusedFeedForward)
     assert set(fused.covers) == {f"ff.{k}" for k in layers}
-    x = torch.randn(3, 3, 64).bfloat16()                          # ragged M = 9
+    x = torch.randn(3, 3, 64, device=DEV).bfloat16()              # ragged M = 9
     ref = _unfused_copy(ff, layers)(x)
     got = fused(x)
     _assert_within_rounding(got, ref)
@@ -319,15 +326,15 @@ def _mini_ideogram(layers=2, hidden=64, heads=4, ffn=96, adaln=32, seed=0):
         for n, p in dm.named_parameters():
             if "norm" in n:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-    return dm.to(torch.bfloat16)
+    return dm.to(DEV, torch.bfloat16)
 
 
 def _block_inputs(b=2, l=3, hidden=64, heads=4, adaln=32):
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(b, l, hidden, generator=g).bfloat16()
-    ang = torch.randn(l, hidden // heads // 2, generator=g)
+    x = torch.randn(b, l, hidden, generator=g).bfloat16().to(DEV)
+    ang = torch.randn(l, hidden // heads // 2, generator=g).to(DEV)
     freqs = (ang.cos()[None, :, None, :], ang.sin()[None, :, None, :])  # broadcast over batch and heads
-    ada = F.silu(torch.randn(b, 1, adaln, generator=g)).bfloat16()
+    ada = F.silu(torch.randn(b, 1, adaln, generator=g)).bfloat16().to(DEV)
     return x, freqs, ada
 
 
@@ -365,6 +372,8 @@ def test_ideogram4_partial_quantization_falls_back():
 def test_lumina2_real_feed_forward_and_block():
     """The pinned runtime's real Lumina 2 classes: FeedForward fused inside a JointTransformerBlock."""
     cu = ROOT / ".runtime" / "ComfyUI"
+    if DEV != "cpu":
+        pytest.skip("runs the pinned CPU runtime (TRITON_INTERPRET=1)")
     if not (cu / "comfy").is_dir():
         pytest.skip("the pinned ComfyUI runtime is missing: run scripts/setup_runtime.sh")
     if str(cu) not in sys.path:
@@ -470,3 +479,68 @@ def test_fused_block_compiles_without_graph_breaks():
     with torch.no_grad():
         got = torch.compile(blk, backend="aot_eager", fullgraph=True)(x, None, freqs, ada)
         assert torch.equal(got, blk(x, None, freqs, ada))
+
+
+_REAL_IDEOGRAM4 = r'''
+import copy, os, sys, uuid
+import torch
+root, comfy_dir = sys.argv[1], sys.argv[2]
+sys.path.insert(0, comfy_dir)
+sys.path.insert(0, root)
+dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+import comfy.cli_args
+comfy.cli_args.args.cpu = dev == "cpu"
+import comfy.ops, comfy.utils, comfy.model_management as mm
+import comfy.ldm.ideogram4.model as im
+from quant import fused as qf
+from quant.linear import Int8Linear
+if dev == "cpu":
+    mm.in_training = True  # the rms+rope path through comfy_kitchen's fused op needs its GPU backend
+torch.manual_seed(0)
+m = im.Ideogram4Transformer2DModel(in_channels=16, num_layers=2, num_attention_heads=2, attention_head_dim=64,
+                                   intermediate_size=256, adaln_dim=32, llm_features_dim=64, dtype=torch.bfloat16,
+                                   device=dev, operations=comfy.ops.disable_weight_init)
+with torch.no_grad():
+    for n, p in m.named_parameters():
+        p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else torch.randn_like(p) * p.shape[-1] ** -0.5)
+names = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and
+         (n.split(".")[-1] in ("qkv", "o", "w1", "w2", "w3") or n == "llm_cond_proj")]
+layers = {n: Int8Linear.from_float(m.get_submodule(n).weight, m.get_submodule(n).bias, backend="fused_triton",
+                                   name=n) for n in names}
+patches = qf.object_patches(m, layers)
+assert {"layers.0", "layers.1", "llm_cond_proj"} <= set(patches), sorted(patches)
+assert all(isinstance(patches[f"layers.{i}"], qf.FusedIdeogram4Block) for i in range(2))
+plain, fused = copy.deepcopy(m), copy.deepcopy(m)
+for n, l in layers.items():
+    comfy.utils.set_attr(plain, n, l)
+for n, l in patches.items():
+    comfy.utils.set_attr(fused, n, l)
+x = torch.randn(1, 16, 4, 4, device=dev, dtype=torch.bfloat16)
+ctx = torch.randn(1, 5, 64, device=dev, dtype=torch.bfloat16)
+t = torch.full((1,), 0.4, device=dev)
+with torch.no_grad():
+    for c in (ctx, None):
+        ref, got = plain(x, t, context=c), fused(x, t, context=c)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 5e-3, err
+    cache = fused.llm_cond_proj
+    with qf.bind_caches(fused, (uuid.uuid4(),)):
+        a = fused(x, t, context=ctx)
+        b = fused(x, t, context=ctx.clone())
+    assert cache.hits == 1 and torch.equal(a, b), (cache.hits, cache.misses)
+print("OK", dev, err)
+'''
+
+
+def test_real_ideogram4_model_fused_vs_plain(tmp_path):
+    """The real Ideogram 4 classes of a current ComfyUI (COMFYUI_CURRENT), in a subprocess (the pinned
+    runtime's ``comfy`` package may already be imported here): a 2-layer model, fused patches vs the
+    per-linear INT8 patches, with and without text; the llm_cond_proj cache under a bound key."""
+    cu = os.environ.get("COMFYUI_CURRENT")
+    if not cu or not (Path(cu) / "comfy" / "ldm" / "ideogram4").is_dir():
+        pytest.skip("COMFYUI_CURRENT is not set to a ComfyUI checkout with comfy/ldm/ideogram4")
+    import subprocess
+    script = tmp_path / "real_ideogram4.py"
+    script.write_text(_REAL_IDEOGRAM4)
+    r = subprocess.run([sys.executable, str(script), str(ROOT), cu], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
