@@ -124,11 +124,11 @@ class ComfyError(RuntimeError):
 
 
 class ComfyServer:
-    """``python main.py --cpu`` of a ComfyUI tree on 127.0.0.1, a WebSocket listener thread, and an
+    """``python main.py --cpu`` (``cpu=False``: on the GPU) of a ComfyUI tree on 127.0.0.1, a WebSocket listener thread, and an
     HTTP client. Use as a context manager or call start()/stop()."""
 
     def __init__(self, comfy_dir: Path = COMFY_DIR, output_dir: Path | None = None, python: str | None = None,
-                 extra_args=(), env: dict | None = None, startup_timeout: float = 300.0):
+                 extra_args=(), env: dict | None = None, startup_timeout: float = 300.0, cpu: bool = True):
         self.comfy_dir = Path(comfy_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -137,6 +137,7 @@ class ComfyServer:
         self.extra_args = list(extra_args)
         self.env = env
         self.startup_timeout = startup_timeout
+        self.cpu = cpu
         self.client_id = uuid.uuid4().hex
         self.events: list[dict] = []
         self.log_path = self.output_dir.parent / f"comfy-server-{self.port}.log"
@@ -148,10 +149,9 @@ class ComfyServer:
     def start(self) -> "ComfyServer":
         check_runtime()
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ if self.env is None else self.env)
-        env.setdefault("TRITON_INTERPRET", "1")
+        env = dict(os.environ if self.env is None else self.env)  # tests: TRITON_INTERPRET=1 from conftest
         env["PYTHONUNBUFFERED"] = "1"
-        cmd = [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        cmd = [self.python, "main.py", *(["--cpu"] if self.cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
                "--output-directory", str(self.output_dir), *self.extra_args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT,
