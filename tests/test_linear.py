@@ -127,3 +127,12 @@ def test_comfy_lowvram_contract_attributes():
     layer = Int8Linear.from_float(torch.randn(32, 48))
     assert hasattr(layer, "comfy_cast_weights") and layer.weight_function == [] and layer.bias_function == []
     assert list(layer.parameters()) == []
+
+
+def test_offloaded_layer_runs_on_the_activation_device():
+    """lowvram: ComfyUI may leave the layer on the offload device; the forward copies its tensors to the
+    activation's device for the call (here 'meta' stands in for the GPU) and leaves the module where it is."""
+    layer = Int8Linear.from_float(torch.randn(32, 48), torch.randn(32), smooth=torch.ones(48), name="blk.0.qkv")
+    y = layer(torch.empty(2, 5, 48, device="meta"))
+    assert y.device.type == "meta" and y.shape == (2, 5, 32)
+    assert layer.qweight.device.type == "cpu" and layer.inv_smooth.device.type == "cpu"
