@@ -369,17 +369,15 @@ def test_ideogram4_partial_quantization_falls_back():
     assert "layers.0" not in patches and not any(k.endswith((".w1", ".w2", ".w3")) for k in patches)
 
 
-def test_lumina2_real_feed_forward_and_block():
-    """The pinned runtime's real Lumina 2 classes: FeedForward fused inside a JointTransformerBlock."""
-    cu = ROOT / ".runtime" / "ComfyUI"
+@pytest.fixture
+def pinned_comfy(request):
     if DEV != "cpu":
         pytest.skip("runs the pinned CPU runtime (TRITON_INTERPRET=1)")
-    if not (cu / "comfy").is_dir():
-        pytest.skip("the pinned ComfyUI runtime is missing: run scripts/setup_runtime.sh")
-    if str(cu) not in sys.path:
-        sys.path.insert(0, str(cu))
-    import comfy.cli_args
-    comfy.cli_args.args.cpu = True
+    return request.getfixturevalue("comfy_inprocess")
+
+
+def test_lumina2_real_feed_forward_and_block(pinned_comfy):
+    """The pinned runtime's real Lumina 2 classes: FeedForward fused inside a JointTransformerBlock."""
     import comfy.ops
     import comfy.ldm.lumina.model as lm
     torch.manual_seed(1)
@@ -402,6 +400,50 @@ def test_lumina2_real_feed_forward_and_block():
     ada = torch.randn(2, 64).bfloat16()
     ref, got = ref_blk(x, None, freqs, ada), fused_blk(x, None, freqs, ada)
     _assert_within_rounding(got, ref)
+
+
+def test_modelpatcher_object_patches_lumina2(pinned_comfy):
+    """The integration recipe through ComfyUI's ModelPatcher on the pinned runtime: a miniature Lumina 2 with
+    ``object_patches`` (fused FeedForwards + plain qkv/out patches in the same blocks) gives the per-linear
+    INT8 result within rounding, and unpatching gives back the float model exactly."""
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.supported_models
+    from comfy_harness import miniature
+    from quant.patch import build_int8_layers
+    mini = miniature()
+    mc = comfy.supported_models.Lumina2(dict(mini.TINY_UNET_CONFIG["lumina2"]))
+    mc.set_inference_dtype(torch.bfloat16, None)
+    model = mc.get_model({}, "", device=torch.device("cpu"))
+    model.diffusion_model.load_state_dict(mini.tiny_state_dict("lumina2", 0), strict=True)
+    base = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+    dm = model.diffusion_model
+    pairs = [(n, m) for n, m in dm.named_modules() if n.startswith("layers.") and isinstance(m, nn.Linear)
+             and "adaLN" not in n]
+    layers, _ = build_int8_layers(pairs, "fused_triton")
+    patches = qf.object_patches(dm, layers)
+    assert sum(isinstance(m, qf.FusedFeedForward) for m in patches.values()) == len(dm.layers)
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(1, 16, 4, 4, generator=g), torch.randn(1, 4, 64, generator=g)
+
+    def run(mp):
+        comfy.model_management.load_models_gpu([mp])
+        with torch.no_grad():
+            return mp.model.apply_model(x, torch.tensor([0.6]), c_crossattn=ctx, num_tokens=4).float()
+
+    flt = run(base)
+    outs = []
+    for ps in (layers, patches):
+        mp = base.clone()
+        for name, mod in ps.items():
+            mp.add_object_patch("diffusion_model." + name, mod)
+        outs.append(run(mp))
+    comfy.model_management.unload_all_models()
+    assert ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 5e-3
+    assert ((outs[1] - flt).norm() / flt.norm()).item() < 5e-2
+    assert torch.equal(run(base), flt)           # object patches undone: the float model again
+    comfy.model_management.unload_all_models()
 
 
 # ----------------------------------------------------------------------------------- llm_cond_proj cache
