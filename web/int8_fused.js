@@ -57,7 +57,8 @@ function injectStyle() {
 .int8-timing .int8-compare li.int8-self{font-weight:600}
 .int8-timing .int8-dot{width:7px;height:7px;border-radius:50%;flex:none}
 .int8-timing details{color:var(--descrip-text, #999)}
-.int8-timing details ol{margin:0;padding-left:22px;height:64px;overflow:auto;columns:2}
+.int8-timing details ol{margin:0;padding-left:22px;overflow:auto;columns:2}
+.int8-timing details li{height:14px}
 .int8-timing details summary{height:16px}
 .int8-timing summary{cursor:pointer}`;
   document.head.appendChild(s);
@@ -142,6 +143,7 @@ function render(w) {
     stats.title = run.workload ? `${run.workload} \u00b7 timer: ${run.timer ?? "live"}` : "";
     steps.style.display = secs.length ? "" : "none";
     const list = steps.querySelector("ol");
+    list.style.height = `${listHeight(run)}px`;
     list.replaceChildren(...secs.map((s) => el("li", "int8-step", fmt.fmtSeconds(s))));
     steps.querySelector("summary").textContent = `seconds per step (${secs.length})`;
   }
@@ -160,12 +162,17 @@ function render(w) {
   relayout(w, rows.length > 1 ? rows.length : 0);
 }
 
+/** Height of the open per-step list: two columns of 14 px rows, scrolling past 5 rows. */
+function listHeight(run) {
+  return Math.min(5, Math.ceil((run.step_seconds?.length ?? 0) / 2)) * 14;
+}
+
 /** The widget's height from what it shows; grows the node when it needs more room. */
 function relayout(w, compareRows) {
   const { run } = runFor(w.node);
   let h = 10 + 18 + 3;  // padding + head
   if (!run) h += 32;
-  else h += CHART_H + 3 + 16 + 3 + 16 + 3 + (w.steps.open ? 64 : 0);
+  else h += CHART_H + 3 + 16 + 3 + 16 + 3 + (w.steps.open ? listHeight(run) : 0);
   if (compareRows) h += 3 + 3 + compareRows * 16;
   if (h === w.height) return;
   const prev = w.height;
