@@ -206,3 +206,49 @@ def test_empty_selection_and_quantized_model_errors(calib, comfy, pack, tiny):
     (q,) = pack.nodes.apply.ApplyFusedInt8GEMM().apply(tiny, "dequant_bf16", "blocks", "", "", "")
     with pytest.raises(ValueError, match="needs the float model"):
         calibrate(calib, q)
+
+
+# ---------------------------------------------------------------------- a real server
+def test_server_calibrate_save_apply_workflow(comfy_server, miniature_models):
+    """UNETLoader -> INT8 Calibrate -> (Save INT8 Calibration, Apply -> KSampler) in a real ComfyUI:
+    the summary reaches the UI, the file lands in models/int8_calibration/, the Apply node takes it."""
+    import uuid
+    from quant.calibrate import Calibration
+    info = comfy_server.object_info()
+    for cls, shown in [("Int8Calibrate", "INT8 Calibrate"), ("SaveInt8Calibration", "Save INT8 Calibration"),
+                       ("LoadInt8Calibration", "Load INT8 Calibration")]:
+        assert info[cls]["display_name"] == shown and info[cls]["category"] == "quantization/int8"
+    assert info["Int8Calibrate"]["output"] == ["INT8_CALIBRATION", "STRING"]
+    name = f"test_{uuid.uuid4().hex[:8]}"
+    width, pooled = H.miniature().CONDITIONING["lumina2"]
+    wf = {
+        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": miniature_models["lumina2"], "weight_dtype": "default"}},
+        "latent": {"class_type": "EmptyLatentImage", "inputs": {"width": 32, "height": 32, "batch_size": 1}},
+        "cond": {"class_type": "Int8TestConditioning",
+                 "inputs": {"tokens": 8, "width": width, "pooled_width": pooled, "seed": 0, "scale": 1.0}},
+        "calib": {"class_type": "Int8Calibrate", "inputs": {
+            "model": ["unet", 0], "positive": ["cond", 0], "latent_image": ["latent", 0], "seed": 1, "steps": 2,
+            "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "alpha": 0.5, "alpha_search": False,
+            "protect_top_k": 2, "protect_threshold": 0.0, "preset": "blocks", "include": "", "exclude": "",
+            "activation_scales": "dynamic"}},
+        "save": {"class_type": "SaveInt8Calibration", "inputs": {"calibration": ["calib", 0], "filename": name,
+                                                                  "overwrite": False}},
+        "apply": {"class_type": "ApplyFusedInt8GEMM", "inputs": {
+            "model": ["unet", 0], "backend": "dequant_bf16", "preset": "blocks", "include": "", "exclude": "",
+            "keep_float": "", "calibration": ["calib", 0]}},
+        "sample": {"class_type": "KSampler", "inputs": {
+            "model": ["apply", 0], "positive": ["cond", 0], "negative": ["cond", 0], "latent_image": ["latent", 0],
+            "seed": 7, "steps": 1, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+        "out": {"class_type": "SaveLatent", "inputs": {"samples": ["sample", 0], "filename_prefix": f"calib_{name}"}},
+    }
+    path = H.COMFY_DIR / "models" / "int8_calibration" / f"{name}.safetensors"
+    try:
+        entry = comfy_server.run(wf, timeout=900)
+        text = entry["outputs"]["calib"]["text"][0]
+        assert text.startswith("INT8 calibration: 25 layers, 2 kept in float") and "layers.0.feed_forward.w2" in text
+        assert str(path) in entry["outputs"]["save"]["text"][0]
+        cal = Calibration.load(path)
+        assert len(cal.layers) == 25 and len(cal.protected_names()) == 2 and cal.meta["arch"] == "Lumina2"
+        assert len(comfy_server.output_files(entry)) == 1
+    finally:
+        path.unlink(missing_ok=True)
