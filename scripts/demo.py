@@ -187,8 +187,12 @@ def main() -> int:
     print()
     print("backends that ran: " + ", ".join(results))
     for name, why in reasons.items():
-        if name not in results:
-            print(f"did not run: {name}: {why or 'not offered by the Apply node on this machine'}")
+        if name in results:
+            continue
+        if name == "fused_triton" and dev.type == "cpu":
+            why = ("no GPU on this machine: the fused INT8 kernel runs on NVIDIA GPUs with compute "
+                   f"capability >= 8.0 (kernel: {why})")
+        print(f"did not run: {name}: {why or 'not offered by the Apply node on this machine'}")
     if dev.type == "cpu":
         print("note: on a CPU these timings say nothing about GPU speed (no INT8 tensor cores here); "
               "the fused Triton kernel needs an NVIDIA GPU with compute capability >= 8.0.")

@@ -100,7 +100,7 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import comfy.cli_args
 comfy.cli_args.args.cpu = True
-import torch, comfy.model_management, nodes  # what ComfyUI has imported before it loads custom nodes
+import torch, comfy.model_management, nodes, server  # what ComfyUI has imported before it loads custom nodes
 sys.path.insert(0, sys.argv[2])
 import comfy_harness as H
 before = set(sys.modules)
@@ -141,3 +141,20 @@ def test_setup_reuses_existing_runtime():
     assert stamps[0].stat().st_mtime == before
     assert (H.COMFY_DIR / "custom_nodes" / PACK_DIR_NAME).resolve() == H.ROOT.resolve()
     print(f"setup re-run: {time.monotonic() - t:.1f} s")
+
+
+def test_example_workflows_convert_against_installed_nodes(comfy_server):
+    """Every UI-format workflow in example_workflows/ maps onto the nodes the server has installed
+    (widget counts match the node definitions), so it loads in the template browser and queues."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("int8fused_workflow", H.ROOT / "scripts" / "workflow.py")
+    W = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(W)
+    files = sorted((H.ROOT / "example_workflows").glob("*.json"))
+    assert files, "no example workflow"
+    info = comfy_server.object_info()
+    for f in files:
+        ui = json.loads(f.read_text())
+        assert "nodes" in ui and "links" in ui, f"{f.name} is not in UI (litegraph) format"
+        api = W.ui_to_api(ui, info)
+        assert api, f.name
