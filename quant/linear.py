@@ -8,8 +8,7 @@ quantizes the activation per token (dividing by ``smooth`` first) and runs the s
 
 Everything is a buffer, so ``.to()``, ComfyUI's offloading and ``state_dict()`` round trips carry it.
 The int8 tensor is called ``qweight`` (not ``weight``) on purpose: code that patches float weights
-(LoRA, weight casting) must never reach it by its usual name; asking for ``.weight`` raises an error
-that says where the LoRA loader belongs.
+(LoRA, weight casting) must never reach it by its usual name; ``.weight`` reads as None.
 
 ComfyUI's ModelPatcher only moves and counts modules that own parameters or carry a
 ``comfy_cast_weights`` attribute (``model_patcher.ModelPatcher._load_list``). This module has buffers
@@ -105,10 +104,11 @@ class Int8Linear(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             if name == "weight":
-                raise AttributeError(
-                    f"INT8 layer {self.name or '?'} has no float 'weight' (its int8 tensor is 'qweight'): "
-                    "something tried to patch it, usually a LoRA loaded after 'Apply Fused INT8 GEMM'. "
-                    "Load LoRAs before the Apply node; it merges them into the weights it quantizes") from None
+                # No float weight here. Current ComfyUI probes `<module>.weight` of every module that
+                # carries `comfy_cast_weights` while planning a load (ModelPatcher._load_list) and treats
+                # None as "nothing to count", so None, not an error. LoRA patches never reach this layer:
+                # ComfyUI maps LoRA keys through the model's state dict, which holds `qweight`.
+                return None
             raise
 
     def nbytes(self) -> int:
