@@ -247,7 +247,16 @@ class LoadInt8Calibration:
         if model is not None:
             root = model.model.diffusion_model
             mods = [(n, model.object_patches_backup.get(PREFIX + n, m)) for n, m in root.named_modules()]
-            cal.check_model([(n, m) for n, m in mods if select.is_linear(m)])
+            linears = {n: m for n, m in mods if select.is_linear(m)}
+            cal.check_model(linears)
+            dev = model.load_device if model.load_device.type == "cuda" else torch.device("cpu")
+            bad = cal.weight_mismatches(_weight_fn(model, dev), linears)
+            if bad:
+                warn = (f"WARNING: {len(bad)} checked layers (e.g. {bad[0]}) have other weights than the model "
+                        f"this calibration was made on: a different backbone/checkpoint (Ideogram 4: the "
+                        f"other branch?) or a LoRA. Shapes match, so it still applies.")
+                log.warning("Load INT8 Calibration %s: %s", calibration_name, warn)
+                return (cal, warn + "\n" + cal.summary_text())
         return (cal, cal.summary_text())
 
 

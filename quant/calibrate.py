@@ -98,6 +98,20 @@ class Calibration:
                              f"{len(self.layers)} layers) does not match this model: " + "; ".join(parts)
                              + ". Use the calibration made for this model, or calibrate it.")
 
+    def weight_mismatches(self, get_weight, modules: dict, max_layers: int = 8, rtol: float = 1e-3) -> list[str]:
+        """Names of up to ``max_layers`` calibrated layers (spread over the model) whose weight
+        ``sum |W|`` differs from the one recorded at calibration by more than ``rtol``: the same shapes
+        but other weights (e.g. Ideogram 4's other backbone, another checkpoint, or a LoRA)."""
+        sums = self.meta.get("weight_abs_sums") or {}
+        names = [n for n in self.layers if n in sums and n in modules]
+        pick = names[::max(1, len(names) // max_layers)][:max_layers]
+        bad = []
+        for n in pick:
+            got = float(get_weight(n, modules[n]).detach().double().abs().sum())
+            if abs(got - sums[n]) > rtol * max(abs(sums[n]), 1e-30):
+                bad.append(n)
+        return bad
+
     def protected_names(self) -> list[str]:
         return [n for n, l in self.layers.items() if l.protected]
 
@@ -219,13 +233,14 @@ def build_calibration(capture: ActivationCapture, get_weight, alpha: float = 0.5
         raise ValueError(f"none of the {len(capture.stats)} selected layers ran during calibration "
                          f"sampling (e.g. {next(iter(capture.stats))}): nothing to calibrate; check that "
                          f"the MODEL given is the one that samples and that steps >= 1")
-    layers = {}
+    layers, wsums = {}, {}
     for i, (name, st) in enumerate(reached.items()):
         st.check_finite()
         w = get_weight(name, capture.modules[name]).detach()
         if tuple(w.shape) != (st.out_features, st.in_features):
             raise ValueError(f"weight of {name} has shape {tuple(w.shape)}, the layer declares "
                              f"[{st.out_features}, {st.in_features}]")
+        wsums[name] = float(w.double().abs().sum())
         x, act = st.sample, st.act_absmax()
         err_plain = w8a8_error(x, w, None, backend)
         if alpha_search:
@@ -253,6 +268,7 @@ def build_calibration(capture: ActivationCapture, get_weight, alpha: float = 0.5
             (n, (st.out_features, st.in_features)) for n, st in capture.stats.items()),
         "unreached": [n for n in capture.stats if n not in reached],
         "tokens": {n: st.token_summary() for n, st in reached.items()},
+        "weight_abs_sums": wsums,  # sum |W| per layer: tells same-shaped models apart (Load node check)
     })
     return Calibration(layers, meta)
 

@@ -285,3 +285,16 @@ def test_mismatched_model_named_in_errors():
         cal.for_layer("layers.1.down", 64, 256)
     assert cal.for_layer("nope", 1, 1) is None
     assert cal.for_layer("layers.1.down", 64, 128) is cal.layers["layers.1.down"]
+
+
+def test_weight_mismatches_tell_same_shaped_models_apart():
+    cal, _, model = calibrate_toy()
+    named = {f"layers.{i}.{p}": getattr(b, p) for i, b in enumerate(model.layers) for p in ("up", "down")}
+    get = lambda n, m: m.weight
+    assert cal.weight_mismatches(get, named) == []
+    other = Toy(seed=5)  # same shapes, other weights (the other Ideogram 4 backbone, say)
+    named2 = {f"layers.{i}.{p}": getattr(b, p) for i, b in enumerate(other.layers) for p in ("up", "down")}
+    cal.check_model(named2)  # shapes alone cannot tell
+    assert cal.weight_mismatches(get, named2) == list(named2)
+    back = Calibration.load(cal.save(os.path.join(__import__("tempfile").mkdtemp(), "w.safetensors")))
+    assert back.weight_mismatches(get, named) == [] and back.weight_mismatches(get, named2)

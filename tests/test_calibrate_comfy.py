@@ -160,6 +160,10 @@ def test_save_load_nodes_round_trip(calib, calibrations, tiny, comfy, tmp_path, 
         assert torch.equal(b.smooth, l.smooth) if l.smooth is not None else b.smooth is None
         assert torch.equal(b.static_act_scale, l.static_act_scale)
         assert (b.alpha, b.protected, b.err_plain, b.err_smoothed) == (l.alpha, l.protected, l.err_plain, l.err_smoothed)
+    assert not text.startswith("WARNING")
+    # same shapes, other weights (e.g. the other Ideogram 4 backbone): loads, with a warning
+    _, text2 = calib.LoadInt8Calibration().load("tiny.safetensors", model=tiny_model(comfy, seed=3))
+    assert text2.startswith("WARNING: ") and "other weights" in text2
     # a different model: clear error naming layers and shapes
     flux = tiny_model(comfy, "flux", outliers=False)
     with pytest.raises(ValueError, match=r"does not match this model.*layers\.0\.attention\.qkv"):
