@@ -36,7 +36,8 @@ log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
 # above tests/) without ComfyUI on the path, and that import must not fail.
 PREFIX = "diffusion_model."
-_CALLBACK_KEY = "int8_fused_lora_guard"
+_CALLBACK_KEY = "int8_fused_apply"
+_ATTACHMENT = "int8_fused_apply"
 
 
 def backend_choices() -> list[str]:
@@ -82,7 +83,8 @@ def _float_tensor(model, name: str, module, attr: str, device: torch.device) -> 
 
 def _lora_guard(patcher):
     """Pre-run check: a LoRA added after this node would target a layer that is now int8."""
-    names = patcher.get_attachment("int8_fused_layers") or ()
+    info = patcher.get_attachment(_ATTACHMENT)
+    names = info.names if info is not None else ()
     late = [k for k in patcher.patches if k.rsplit(".", 1)[0][len(PREFIX):] in names]
     if late:
         raise RuntimeError(
@@ -91,11 +93,28 @@ def _lora_guard(patcher):
             "weights it quantizes.")
 
 
-class _Names(tuple):
-    """Attachment holding the quantized layer names (survives ModelPatcher.clone)."""
+class _Info:
+    """Attachment (survives ModelPatcher.clone): the INT8 layer names and the float model's weight bytes,
+    for the LoRA guard and the one-time 'loaded' log line."""
+
+    def __init__(self, names, float_bytes: int):
+        self.names, self.float_bytes, self.logged = frozenset(names), float_bytes, False
 
     def on_model_patcher_clone(self):
         return self
+
+
+def _log_loaded(patcher, device_to, *args):
+    """ON_LOAD callback: once, what ComfyUI actually put on the device for the INT8 model."""
+    info = patcher.get_attachment(_ATTACHMENT)
+    if info is None or info.logged or device_to is None:
+        return
+    info.logged = True
+    dev = torch.device(device_to)
+    vram = _vram(dev)
+    log.info("INT8 model loaded on %s: %.1f MiB of weights (the float model: %.1f MiB)%s", dev,
+             patcher.model.model_loaded_weight_memory / 2**20, info.float_bytes / 2**20,
+             "" if vram is None else f"; VRAM allocated {vram / 2**20:.0f} MiB")
 
 
 def _vram(device) -> int | None:
@@ -187,8 +206,9 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
             dropped += out.patches.pop(f"{PREFIX}{name}.{attr}", None) is not None
     out.patches_uuid = uuid.uuid4()  # forces ComfyUI to reload (not reuse) the tree when switching models
     out.size = before_size - report.float_bytes + report.int8_bytes
-    out.set_attachments("int8_fused_layers", _Names(layers))
+    out.set_attachments(_ATTACHMENT, _Info(layers, before_size))
     out.add_callback_with_key(CallbacksMP.ON_PRE_RUN, _CALLBACK_KEY, _lora_guard)
+    out.add_callback_with_key(CallbacksMP.ON_LOAD, _CALLBACK_KEY, _log_loaded)
     vram_after = _vram(compute_dev)
     mem = f"model weights {before_size / 2**20:.1f} -> {out.size / 2**20:.1f} MiB"
     if vram_before is not None:

@@ -12,12 +12,13 @@ output. We measure that prediction (rms over two noise draws) and assert
 
     0.7 * predicted <= ||y_int8 - y_float|| <= 1.4 * predicted.
 
-Measured ratios are 0.93-1.05 for both architectures in fp32, bf16, fp16 and from fp8 weights; the window allows for the two
-noise draws and second-order terms. It makes no assumption about gates or residual gains (in these
-miniatures the adaLN gates shrink block outputs, so the model error is ~1e-3 while single layers err
-by ~1 %): a broken scale, a dropped bias or smoothing, or a layer that silently stays float would
-fall outside it.
+Measured ratios are 0.93-1.05 for both architectures in fp32, bf16, fp16 and from fp8 weights; the
+window allows for the two noise draws and second-order terms. It makes no assumption about gates or
+residual gains (in these miniatures the adaLN gates shrink block outputs, so the model error is ~1e-3
+while single layers err by ~1 %): a broken scale, a dropped bias or smoothing, or a layer that silently
+stays float would fall outside it.
 """
+import logging
 import sys
 from pathlib import Path
 
@@ -224,13 +225,18 @@ def test_lora_after_apply_fails_loudly(comfy, node):
         late.pre_run()
 
 
-def test_model_management_load_lowvram_unload(comfy, node, pack):
+def test_model_management_load_lowvram_unload(comfy, node, pack, caplog):
     """ComfyUI moves and counts Int8Linear: size accounting, partial (lowvram) load, unload."""
     Int8Linear = pack.quant.linear.Int8Linear
     mp = tiny(comfy, "flux")
     ref = run(comfy, mp, "flux")
     q = apply(node, mp, "dequant_bf16")
-    out = run(comfy, q, "flux")
+    with caplog.at_level(logging.INFO, logger="int8_fused"):
+        out = run(comfy, q, "flux")
+        run(comfy, q, "flux")
+    loaded = [r.getMessage() for r in caplog.records if "INT8 model loaded on cpu" in r.getMessage()]
+    assert len(loaded) == 1 and f"{q.model_size() / 2**20:.1f} MiB of weights" in loaded[0], loaded
+    assert f"(the float model: {mp.model_size() / 2**20:.1f} MiB)" in loaded[0]
     mm = comfy.model_management
     assert q.model_size() == mm.module_size(q.model) < mp.model_size()  # counted as the INT8 tree
     listed = {n: m for _, _, n, m, _ in q._load_list()}
