@@ -13,15 +13,16 @@ step^2 / 12. To first order
 (the e^x e^w cross term is smaller by another factor 1/127). Summing (1) over m, n gives the
 predicted squared error P of the whole output; the test asserts
 
-    0.8 * sqrt(P) <= ||y^ - y||_F <= 1.25 * sqrt(P).
+    0.85 * sqrt(P) <= ||y^ - y||_F <= 1.15 * sqrt(P).
 
 Dividing by ||y||_F ~ ||x|| ||W|| / sqrt(K) shows the size: relative error ~ sqrt((c_x^2 + c_w^2) / 12)
 / 127 with c the crest factor max/rms of a row — about 1.2 % for Gaussian rows at K = 256, growing
-with outliers, independent of K otherwise. Measured ratios err / sqrt(P) are 0.98-1.00 here: the sum
-of ~15 000 squared errors concentrates within a few percent, so the +-25 % window is not loose. A
-wrong scale (a transposed, missing or per-tensor-instead-of-per-token activation scale, smoothing
-applied once instead of cancelled) breaks it, and the lower bound catches a backend that silently
-skips quantization.
+with outliers, independent of K otherwise. Measured ratios err / sqrt(P) are 0.97-1.04 over 32 draws
+(fp32 and bf16, with and without outlier channels, both backends): the sum of ~15 000 squared errors
+concentrates within a few percent, so the +-15 % window is not loose. A systematic scale error adds in
+quadrature (measured: 1 % -> ratio 1.11, so ~1.5 % leaves the window); a transposed, missing or
+per-tensor-instead-of-per-token scale, a dropped bias or smoothing applied once instead of cancelled
+are far outside it, and the lower bound catches a backend that silently skips quantization.
 """
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_error_within_derived_w8a8_bound(backend, dtype):
     err = (y - ref).norm().item()
     pred = predicted_error(x.to(dtype).float(), w)
     slack = 0.0 if dtype == torch.float32 else ref.norm().item() * 2 ** -8  # bf16 output rounding
-    assert 0.8 * pred <= err <= 1.25 * pred + slack, (err, pred)
+    assert 0.85 * pred <= err <= 1.15 * pred + slack, (err, pred)
 
 
 def test_smoothing_keeps_product_and_bound():
@@ -75,7 +76,7 @@ def test_smoothing_keeps_product_and_bound():
     ref = x.double() @ w.double().t() + b.double()
     err = (layer(x).double() - ref).norm().item()
     pred = predicted_error(x / s, w * s)
-    assert 0.8 * pred <= err <= 1.25 * pred
+    assert 0.85 * pred <= err <= 1.15 * pred
     # smoothing must help on outlier channels: compare with the unsmoothed layer
     plain = (Int8Linear.from_float(w, b, backend="torch_int_mm")(x).double() - ref).norm().item()
     assert err < plain
@@ -102,11 +103,11 @@ def test_to_moves_every_tensor_and_nbytes_counts_them():
                                      moved.inv_smooth]} == {"meta"}
 
 
-def test_no_float_weight_attribute_and_clear_message():
+def test_weight_reads_none_and_other_attributes_still_raise():
+    """No float weight: ``.weight`` is None (current ComfyUI's load planner probes it on every module
+    with ``comfy_cast_weights``); the int8 tensor is ``qweight``; unknown names still raise."""
     layer = Int8Linear.from_float(torch.randn(32, 32), name="layers.3.attention.qkv")
-    assert not hasattr(layer, "weight")
-    with pytest.raises(AttributeError, match="layers.3.attention.qkv.*LoRA.*before the Apply node"):
-        layer.weight
+    assert layer.weight is None and "weight" not in layer.state_dict()
     with pytest.raises(AttributeError, match="no_such"):
         layer.no_such
 
