@@ -6,6 +6,9 @@ once and written once, as int8, instead of being written in bf16 and re-read by 
   inv_smooth [K] | None)`` -> (int8 [M, K], fp32 [M]): the adaLN-modulated RMSNorm feeding qkv / w1+w3.
 - ``swiglu_quantize(h13 [M, 2F] | (a [M, F], b [M, F]), inv_smooth [F] | None)`` -> (int8 [M, F], fp32 [M]):
   ``silu(a) * b`` feeding w2.
+- ``gated_residual_rmsnorm(x, o, norm_weight, eps, gate, tokens_per_batch[, next_norm_weight, next_eps,
+  next_scale, inv_smooth])`` -> (y, int8 | None, fp32 | None): the block's ``x + gate * norm2(o)`` tail, optionally
+  with the next ``rmsnorm_modulate_quantize`` of y from the same registers (rows <= MAX_SINGLE).
 
 Numerics. Each kernel reproduces the unfused torch sequence *including its roundings to the model dtype*
 (bf16 rounding of an intermediate is ~1/4 of an int8 step near the row maximum, so computing everything in
@@ -213,6 +216,38 @@ def _swiglu_quant_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
             _store_q(q_row + ks, y, mult, usable, mask, INTERPRET)
 
 
+@triton.jit
+def _gated_residual_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, inv_ptr, q_ptr, qs_ptr,
+                           K, tokens_per_batch, eps, eps2,
+                           stride_xm, stride_om, stride_gb, stride_ym, stride_sb, stride_qm,
+                           NORM_DT: tl.constexpr, GATE_DT: tl.constexpr, OUT_DT: tl.constexpr,
+                           HAS_NEXT: tl.constexpr, HAS_SMOOTH: tl.constexpr, NEXT_PROD_DT: tl.constexpr,
+                           SCALE_RECIP: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    # y = x + gate * rms_norm(o) * wn, then (HAS_NEXT) the int8 input of the next GEMM from
+    # rms_norm(y) * w2 * scale2: the block's residual tail and the next norm in one read of x and o.
+    row = tl.program_id(0)
+    bidx = (row // tokens_per_batch).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    o = tl.load(o_ptr + row.to(tl.int64) * stride_om + cols, mask=mask, other=0.0).to(tl.float32)
+    wn = tl.load(wn_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    n = _round(o * _rstd(tl.sum(o * o, axis=0), K, eps, INTERPRET) * wn, NORM_DT, INTERPRET)
+    g = tl.load(g_ptr + bidx * stride_gb + cols, mask=mask, other=0.0).to(tl.float32)
+    t = _round(g * n, GATE_DT, INTERPRET)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _round(x + t, OUT_DT, INTERPRET)
+    tl.store(y_ptr + row.to(tl.int64) * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if HAS_NEXT:
+        rstd2 = _rstd(tl.sum(y * y, axis=0), K, eps2, INTERPRET)
+        z = _rmsmod_tile(y, w2_ptr, s2_ptr + bidx * stride_sb, inv_ptr, cols, mask, rstd2,
+                         HAS_SMOOTH, OUT_DT, NEXT_PROD_DT, INTERPRET)
+        az = tl.abs(z)
+        bad = tl.max(tl.where(az < float("inf"), 0, 1), axis=0) > 0
+        scale, mult, usable = _quant_params(tl.max(az, axis=0), bad, SCALE_RECIP)
+        tl.store(qs_ptr + row, scale)
+        _store_q(q_ptr + row.to(tl.int64) * stride_qm + cols, z, mult, usable, mask, INTERPRET)
+
+
 # ----------------------------------------------------------------------------------------------- launchers
 def _plan(n: int) -> tuple[int, bool, int]:
     """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers up to MAX_SINGLE, else chunks."""
@@ -307,6 +342,64 @@ def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: boo
     return q, qs
 
 
+def gated_residual_rmsnorm(x: torch.Tensor, o: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           gate: torch.Tensor, tokens_per_batch: int, next_norm_weight: torch.Tensor | None = None,
+                           next_eps: float = 1e-6, next_scale: torch.Tensor | None = None,
+                           inv_smooth: torch.Tensor | None = None):
+    """``y = x + gate[row // tokens_per_batch] * rms_norm(o, norm_weight, eps)`` ([M, K] each, gate [B | 1, K]),
+    rounded as torch's three ops (to o's dtype, the gate product's, then y's). With ``next_norm_weight``
+    and ``next_scale`` also the int8 input of the next GEMM, ``rmsnorm_modulate_quantize(y, ...)`` from the
+    same registers. Returns (y, int8 [M, K] | None, fp32 [M] | None). Rows up to MAX_SINGLE only (the
+    Ideogram 4 / Lumina widths); ``fits(K)`` says whether a row fits."""
+    _check_2d(x, "x", _FLOAT, "pass the residual stream as [tokens, K]")
+    _check_2d(o, "o", _FLOAT, "pass the branch output as [tokens, K]")
+    m, k = x.shape
+    if o.shape != x.shape or o.device != x.device:
+        raise ValueError(f"o {tuple(o.shape)} on {o.device} must match x {tuple(x.shape)} on {x.device}")
+    if not fits(k):
+        raise ValueError(f"gated_residual_rmsnorm keeps a row in registers: K={k} > {MAX_SINGLE}")
+    wn = _vector(norm_weight, k, "norm_weight", x.device, allow_scalar=False)
+    g2 = gate.reshape(-1, k)
+    nb = g2.shape[0]
+    if nb != 1 and nb * tokens_per_batch != m:
+        raise ValueError(f"gate has {nb} batch rows but x has {m} tokens ({tokens_per_batch} a batch)")
+    nxt = next_norm_weight is not None
+    gate_dt = torch.promote_types(o.dtype, g2.dtype)
+    out_dt = torch.promote_types(x.dtype, gate_dt)
+    y = torch.empty((m, k), dtype=out_dt, device=x.device)
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device) if nxt else None
+    qs = torch.empty((m,), dtype=torch.float32, device=x.device) if nxt else None
+    if m == 0:
+        return y, q, qs
+    _check_usable(x, "gated_residual_rmsnorm")
+    x, o, wn, g2 = _row_major(x, "x"), _row_major(o, "o"), _row_major(wn, "norm_weight"), _row_major(g2, "gate")
+    if nxt:
+        w2 = _row_major(_vector(next_norm_weight, k, "next_norm_weight", x.device, allow_scalar=False), "w")
+        s2 = _row_major(next_scale.reshape(-1, k), "next_scale")
+        if s2.shape[0] != 1 and s2.shape[0] * tokens_per_batch != m:
+            raise ValueError(f"next_scale has {s2.shape[0]} batch rows for {m} tokens ({tokens_per_batch} a batch)")
+        inv = _inv_smooth(inv_smooth, k, x.device)
+    else:
+        w2, s2, inv = wn, g2, None
+    dummy = y
+    block, _, warps = _plan(k)
+    launch(_gated_residual_kernel, (m,),
+           (x, o, wn, g2, y, w2, s2, inv if inv is not None else dummy, q if nxt else dummy,
+            qs if nxt else dummy, k, max(int(tokens_per_batch), 1), float(eps), float(next_eps),
+            x.stride(0), o.stride(0), 0 if nb == 1 else g2.stride(0), y.stride(0),
+            0 if s2.shape[0] == 1 else s2.stride(0), q.stride(0) if nxt else 0),
+           dict(NORM_DT=_DT_CODE[o.dtype], GATE_DT=_DT_CODE[gate_dt], OUT_DT=_DT_CODE[out_dt], HAS_NEXT=nxt,
+                HAS_SMOOTH=inv is not None,
+                NEXT_PROD_DT=_DT_CODE[torch.promote_types(out_dt, s2.dtype)] if nxt else 0,
+                SCALE_RECIP=x.is_cuda, BLOCK=block, INTERPRET=INTERPRET), warps, 1, x.device)
+    return y, q, qs
+
+
+def fits(k: int) -> bool:
+    """Whether a row of k elements runs in the one-pass (register-resident) kernels."""
+    return k <= MAX_SINGLE
+
+
 # ----------------------------------------------------------------------------------- torch.compile ops
 # The fused modules call the functions above directly in eager mode (no dispatcher overhead on ~400 calls a
 # step) and these custom ops while torch.compile traces (``torch.compiler.is_compiling()``), so a compiled
@@ -315,7 +408,8 @@ _OPS_READY = False
 
 
 def register_ops() -> None:
-    """Registers ``int8_fused::{rms_mod_quant, swiglu_quant, act_quant, gemm_dequant}`` (idempotent)."""
+    """Registers ``int8_fused::{gated_residual, rms_mod_quant, swiglu_quant, act_quant, gemm_dequant}``
+    (idempotent)."""
     global _OPS_READY
     if _OPS_READY:
         return
@@ -334,7 +428,22 @@ def register_ops() -> None:
     def _gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype):
         return int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype)
 
+    def _gr(x, o, wn, eps, gate, tokens_per_batch, w2, eps2, s2, inv_smooth):
+        y, q, qs = gated_residual_rmsnorm(x, o, wn, eps, gate, tokens_per_batch, w2, eps2, s2, inv_smooth)
+        if q is None:
+            q, qs = x.new_empty((0,), dtype=torch.int8), x.new_empty((0,), dtype=torch.float32)
+        return y, q, qs
+
+    def _gr_fake(x, o, wn, eps, gate, t, w2, eps2, s2, inv):
+        dt = torch.promote_types(x.dtype, torch.promote_types(o.dtype, gate.dtype))
+        n = x.shape[0] if w2 is not None else 0
+        return (x.new_empty(x.shape, dtype=dt), x.new_empty((n, x.shape[1] if n else 0), dtype=torch.int8),
+                x.new_empty((n,), dtype=torch.float32))
+
     ops = [
+        ("gated_residual", "(Tensor x, Tensor o, Tensor wn, float eps, Tensor gate, int tokens_per_batch, "
+                           "Tensor? w2, float eps2, Tensor? s2, Tensor? inv_smooth) -> (Tensor, Tensor, Tensor)",
+         _gr, _gr_fake),
         ("rms_mod_quant", "(Tensor x, Tensor w, float eps, Tensor scale, int tokens_per_batch, Tensor? inv_smooth)"
                           " -> (Tensor, Tensor)", _rmq,
          lambda x, w, eps, s, t, inv: (x.new_empty(x.shape, dtype=torch.int8),

@@ -43,9 +43,16 @@ FUSED_BACKEND = "fused_triton"
 _ATTN_GLOBALS = ("comfy", "optimized_attention_masked", "_apply_rope_split_half1")
 
 
+_KF = None
+
+
 def _kf():
-    """kernel.fused, imported on first use (it imports triton)."""
-    return importlib.import_module(kernel_module().__name__ + ".fused")
+    """kernel.fused, imported on first use (it imports triton); then a plain global, which torch.compile
+    reads without tracing an import (the fused modules' constructors import it)."""
+    global _KF
+    if _KF is None:
+        _KF = importlib.import_module(kernel_module().__name__ + ".fused")
+    return _KF
 
 
 # ------------------------------------------------------------------------------------ references (torch)
@@ -154,6 +161,23 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
         y = norm(x2).reshape(-1, tokens, x2.shape[-1]) * scale.reshape(-1, 1, x2.shape[-1])
         return _act_quant(y.reshape(x2.shape), inv_smooth)
     return _rms_mod_quant(x2, w, _norm_eps(norm, x2), scale, tokens, inv_smooth)
+
+
+def _gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_smooth=None):
+    """(y [M, K], int8 | None, fp32 | None): ``x + gate * norm(o)`` and, with ``nxt`` (the next RMSNorm),
+    the int8 input ``nxt(y) * next_scale`` of the next GEMM; None when a norm needs its module (weight
+    functions) or the row is too long for the one-pass kernel: the caller then runs torch."""
+    k = x2.shape[-1]
+    wn = _norm_weight(norm, o2)
+    w2 = _norm_weight(nxt, x2) if nxt is not None else None
+    if wn is None or (nxt is not None and w2 is None) or k > _kf().MAX_SINGLE:
+        return None
+    eps, eps2 = _norm_eps(norm, o2), (_norm_eps(nxt, x2) if nxt is not None else 0.0)
+    if _compiling():
+        y, q, s = torch.ops.int8_fused.gated_residual(x2, o2, wn, eps, gate, tokens, w2, eps2, next_scale,
+                                                      inv_smooth)
+        return y, (q if nxt is not None else None), (s if nxt is not None else None)
+    return _kf().gated_residual_rmsnorm(x2, o2, wn, eps, gate, tokens, w2, eps2, next_scale, inv_smooth)
 
 
 def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Linear:
@@ -285,11 +309,21 @@ class FusedIdeogram4Block(nn.Module):
         a_q, a_s = norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), scale_msa, l,
                                           _on(attn.qkv, x.device).inv_smooth)
         attn_out = attn.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
-        x = x + gate_msa * self.attention_norm2(attn_out)
-        a_q, a_s = norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), scale_mlp, l,
-                                          _on(ff.w13, x.device).inv_smooth)
-        x = x + gate_mlp * self.ffn_norm2(ff.forward_quantized(a_q, a_s, x.dtype).view(b, l, -1))
-        return x
+        inv13 = _on(ff.w13, x.device).inv_smooth
+        # residual tail + ffn_norm1 * (1 + s) + quantize in one kernel (torch when it cannot run)
+        tail = _gated_residual(x.reshape(-1, k), attn_out.reshape(-1, k), self.attention_norm2, gate_msa, l,
+                               self.ffn_norm1, scale_mlp, inv13)
+        if tail is not None:
+            x2, a_q, a_s = tail
+            x = x2.view(b, l, k)
+        else:
+            x = x + gate_msa * self.attention_norm2(attn_out)
+            a_q, a_s = norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), scale_mlp, l, inv13)
+        ff_out = ff.forward_quantized(a_q, a_s, x.dtype)
+        tail = _gated_residual(x.reshape(-1, k), ff_out, self.ffn_norm2, gate_mlp, l)
+        if tail is not None:
+            return tail[0].view(b, l, k)
+        return x + gate_mlp * self.ffn_norm2(ff_out.view(b, l, -1))
 
     def extra_repr(self) -> str:
         return f"covers={len(self.covers)} linears"

@@ -171,6 +171,37 @@ def test_swiglu_quantize_zero_nan_and_fp16_clamp(kf):
         kf.swiglu_quantize(h[:, :63])
 
 
+@pytest.mark.parametrize("dtype,m,k,b,nxt", [(BF16, 6, 64, 2, True), (BF16, 5, 100, 1, False),
+                                             (FP16, 6, 48, 3, True), (FP32, 4, 64, 2, True)])
+def test_gated_residual_rmsnorm(kf, dtype, m, k, b, nxt):
+    """``x + gate * rms_norm(o)`` (the block's residual tail) and the next norm * (1 + s) quantized, against
+    ComfyUI's torch sequence."""
+    g = torch.Generator().manual_seed(m * 10 + k)
+    x, o = _rand((m, k), dtype, g), _rand((m, k), dtype, g, 5.0)
+    wn, w2 = [(1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEV) for _ in range(2)]
+    gate = torch.tanh(torch.randn(b, k, generator=g)).to(dtype).to(DEV)
+    s2 = (1 + 0.3 * torch.randn(b, k, generator=g)).to(dtype).to(DEV)
+    inv = (0.5 + torch.rand(k, generator=g)).to(DEV)
+    tpb = m // b
+    y, q, qs = kf.gated_residual_rmsnorm(x, o, wn, 1e-5, gate, tpb, *((w2, 1e-6, s2, inv) if nxt else ()))
+    yr = (x.reshape(b, tpb, k) + gate.reshape(b, 1, k) * F.rms_norm(o, (k,), wn, 1e-5).reshape(b, tpb, k))
+    yr = yr.reshape(m, k)
+    if EXACT and dtype != FP32:
+        assert torch.equal(y, yr)
+    else:
+        torch.testing.assert_close(y, yr, rtol=1e-2 if dtype != FP32 else 1e-5, atol=1e-5)
+    if not nxt:
+        assert q is None and qs is None
+        return
+    z = F.rms_norm(y, (k,), w2, 1e-6).reshape(b, tpb, k) * s2.reshape(b, 1, k)
+    rq, rs = quantize_per_token_ref(z.reshape(m, k), inv)
+    frac, mx = _flips(q, rq)
+    assert frac < 1e-3 and mx <= 1
+    torch.testing.assert_close(qs, rs, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="gate has"):
+        kf.gated_residual_rmsnorm(x, o, wn, 1e-5, gate.repeat(2, 1), tpb)
+
+
 # ----------------------------------------------------------------------------------- FeedForward
 class LuminaFeedForwardStandIn(nn.Module):
     """Structure of comfy.ldm.lumina.model.FeedForward (used when ComfyUI is not importable)."""
