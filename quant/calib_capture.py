@@ -57,12 +57,12 @@ class LayerStats:
             self.tok_sum = torch.zeros(self.n_buckets, device=dev)
             self.tok_max = torch.zeros(self.n_buckets, device=dev)
             self.nonfinite = torch.zeros((), dtype=torch.int64, device=dev)
-        xa = x2.abs().float()
-        tok = xa.amax(dim=1)
+        xa = x2.abs()  # in the activation dtype: abs and max are exact there, and no fp32 copy is made
+        tok = xa.amax(dim=1).float()
         self.nonfinite += (~torch.isfinite(tok)).sum()
         b = min(max(int(bucket), 0), self.n_buckets - 1)
         dev = self.chan_absmax.device
-        torch.maximum(self.chan_absmax[b], xa.amax(dim=0).to(dev), out=self.chan_absmax[b])
+        torch.maximum(self.chan_absmax[b], xa.amax(dim=0).to(dev, torch.float32), out=self.chan_absmax[b])
         self.tok_sum[b] += tok.sum().to(dev)
         self.tok_max[b] = torch.maximum(self.tok_max[b], tok.max().to(dev))
         self.tok_count[b] += M

@@ -204,6 +204,20 @@ def test_interrupt_removes_hooks_and_returns_nothing(calib, comfy, tiny, tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+def test_progress_bar_and_default_negative(calib, comfy, tiny, monkeypatch):
+    import comfy.utils
+    seen = []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, total, preview, node_id=None: seen.append((v, total, node_id)))
+    cal, _ = calib.Int8Calibrate().calibrate(tiny, conditioning(1), LATENT, seed=1, steps=2, cfg=3.0,
+                                             sampler_name="euler", scheduler="simple", alpha=0.5,
+                                             alpha_search=False, protect_top_k=0, protect_threshold=0.0,
+                                             preset="blocks", include="", exclude="refiner",
+                                             activation_scales="dynamic", unique_id="42")["result"]
+    n = len(cal.layers)
+    assert n == 10 and seen[-1] == (2 + n, 2 + n, "42")  # steps then layers, on this node
+    assert [v for v, _, _ in seen] == sorted(v for v, _, _ in seen)
+
+
 def test_empty_selection_and_quantized_model_errors(calib, comfy, pack, tiny):
     with pytest.raises(ValueError, match="no linear layer of NextDiT matches"):
         calibrate(calib, tiny, exclude=".")
