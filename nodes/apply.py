@@ -187,10 +187,10 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
              if n not in already]
     if not pairs:
         arch = type(model.model.diffusion_model).__name__
+        note = f" ({len(already)} are already INT8-patched)" if already else ""
         raise ValueError(
             f"Apply Fused INT8 GEMM: no linear layer of {arch} matches preset {preset!r} with include "
-            f"{include!r} / exclude {exclude!r}" + (f" ({len(already)} are already INT8-patched)" if already
-                                                    else "") + ". Widen 'include' (e.g. '.') or use preset 'all'.")
+            f"{include!r} / exclude {exclude!r}{note}. Widen 'include' (e.g. '.') or use preset 'all'.")
     load_dev, store_dev = model.load_device, model.offload_device
     compute_dev = load_dev if load_dev.type == "cuda" else torch.device("cpu")
     before_size, vram_before = model.model_size(), _vram(compute_dev)
@@ -206,7 +206,9 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
             dropped += out.patches.pop(f"{PREFIX}{name}.{attr}", None) is not None
     out.patches_uuid = uuid.uuid4()  # forces ComfyUI to reload (not reuse) the tree when switching models
     out.size = before_size - report.float_bytes + report.int8_bytes
-    out.set_attachments(_ATTACHMENT, _Info(layers, before_size))
+    prev = model.get_attachment(_ATTACHMENT)  # an earlier Apply upstream: keep its layers guarded
+    out.set_attachments(_ATTACHMENT, _Info(set(layers) | (prev.names if prev else set()),
+                                           prev.float_bytes if prev else before_size))
     out.add_callback_with_key(CallbacksMP.ON_PRE_RUN, _CALLBACK_KEY, _lora_guard)
     out.add_callback_with_key(CallbacksMP.ON_LOAD, _CALLBACK_KEY, _log_loaded)
     vram_after = _vram(compute_dev)

@@ -300,6 +300,8 @@ def test_calibration_keep_float_second_apply_and_timing(comfy, node, pack, monke
     assert set(int8_names(q2)) > names
     assert q2.object_patches[PREFIX + "layers.0.attention.qkv"] is q.object_patches[PREFIX + "layers.0.attention.qkv"]
     assert torch.isfinite(run(comfy, q2, "lumina2")).all()
+    guarded = q2.get_attachment("int8_fused_apply").names
+    assert guarded == set(int8_names(q2))  # the LoRA guard covers the layers of both Apply nodes
 
 
 def test_node_definition(pack, comfy):
