@@ -146,14 +146,16 @@ class Int8Calibrate:
         return {
             "required": {
                 "model": ("MODEL", {"tooltip": "The FLOAT diffusion model to calibrate (before Apply)."}),
-                "positive": ("CONDITIONING",),
+                "positive": ("CONDITIONING", {"tooltip": "Prompt conditioning to sample with (use typical prompts)."}),
                 "latent_image": ("LATENT", {"tooltip": "Size of the calibration images (e.g. Empty Latent)."}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
+                                 "tooltip": "Noise seed of the calibration run."}),
                 "steps": ("INT", {"default": 8, "min": 1, "max": 200,
                                   "tooltip": "Sampling steps to observe; covers all noise levels."}),
-                "cfg": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 100.0, "step": 0.1}),
-                "sampler_name": (comfy.samplers.KSampler.SAMPLERS,),
-                "scheduler": (comfy.samplers.KSampler.SCHEDULERS,),
+                "cfg": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 100.0, "step": 0.1, "tooltip": (
+                    "CFG scale; 1.0 runs only the positive branch.")}),
+                "sampler_name": (comfy.samplers.KSampler.SAMPLERS, {"tooltip": "Sampler, as in KSampler."}),
+                "scheduler": (comfy.samplers.KSampler.SCHEDULERS, {"tooltip": "Scheduler, as in KSampler."}),
                 "alpha": ("FLOAT", {"default": 0.5, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": (
                     "SmoothQuant migration strength: s_j = max|X_j|^a / max|W_j|^(1-a).")}),
                 "alpha_search": ("BOOLEAN", {"default": False, "tooltip": (
@@ -163,16 +165,20 @@ class Int8Calibrate:
                 "protect_threshold": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 10.0, "step": 0.001,
                                                 "tooltip": "Also keep in float every layer whose relative "
                                                            "error exceeds this (0 = off)."}),
-                "preset": (list(select.PRESETS), {"default": "blocks"}),
-                "include": ("STRING", {"default": ""}),
-                "exclude": ("STRING", {"default": ""}),
+                "preset": (list(select.PRESETS), {"default": "blocks", "tooltip": (
+                    "Which linears to calibrate; use the same as in Apply Fused INT8 GEMM.")}),
+                "include": ("STRING", {"default": "", "tooltip": (
+                    "Comma-separated regular expressions of extra layer names (as in Apply).")}),
+                "exclude": ("STRING", {"default": "", "tooltip": (
+                    "Comma-separated regular expressions of layer names to skip (as in Apply).")}),
                 "activation_scales": (["dynamic", "static"], {"default": "dynamic", "tooltip": (
                     "'static' also stores per-timestep-bucket activation scales in the calibration. "
                     "The Apply node runs dynamic per-token scales either way.")}),
             },
             "optional": {
                 "negative": ("CONDITIONING", {"tooltip": "Unconnected: zeroed positive."}),
-                "static_buckets": ("INT", {"default": 4, "min": 1, "max": 64}),
+                "static_buckets": ("INT", {"default": 4, "min": 1, "max": 64, "tooltip": (
+                    "Timestep buckets of the static activation scales (steps split evenly).")}),
                 "rows_per_layer": ("INT", {"default": DEFAULT_ROW_CAP, "min": 16, "max": 4096, "tooltip": (
                     "Activation rows kept per layer for the error measurement (memory cap).")}),
             },
@@ -212,9 +218,10 @@ class SaveInt8Calibration:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "calibration": (CALIBRATION_TYPE,),
-            "filename": ("STRING", {"default": "int8_calibration"}),
-            "overwrite": ("BOOLEAN", {"default": False}),
+            "calibration": (CALIBRATION_TYPE, {"tooltip": "Output of INT8 Calibrate."}),
+            "filename": ("STRING", {"default": "int8_calibration", "tooltip": (
+                f"File name under models/{FOLDER}/ (.safetensors added).")}),
+            "overwrite": ("BOOLEAN", {"default": False, "tooltip": "Replace an existing file of that name."}),
         }}
 
     def save(self, calibration, filename, overwrite=False):
@@ -237,7 +244,8 @@ class LoadInt8Calibration:
     def INPUT_TYPES(cls):
         import folder_paths
         register_folder()
-        return {"required": {"calibration_name": (folder_paths.get_filename_list(FOLDER),)},
+        return {"required": {"calibration_name": (folder_paths.get_filename_list(FOLDER), {"tooltip": (
+                    f"A calibration file in models/{FOLDER}/.")})},
                 "optional": {"model": ("MODEL", {"tooltip": "Checked against the calibration's layers."})}}
 
     def load(self, calibration_name, model=None):
