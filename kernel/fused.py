@@ -41,8 +41,9 @@ from . import _check_2d, _check_usable, _vector
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
 from .quantize import INTERPRET, _rint  # the quantizer's rint (and its interpreter compat shim)
 
-MAX_SINGLE = 8192   # row lengths up to this stay in registers (K = 4608 -> one 8192 tile, 8 warps)
-CHUNK = 4096        # longer rows (F = 12288): 4096-wide chunks, 2 (swiglu) / 3 (rmsnorm) passes, L2 re-reads
+MAX_SINGLE = 8192   # row lengths up to this stay in registers (K = 4608 -> one 8192 tile, 16 warps)
+MAX_SINGLE_SWIGLU = 16384  # F = 12288 -> one 16384 tile, 16 warps (32 elements a thread): one pass, half the ALU
+CHUNK = 4096        # longer rows: 4096-wide chunks, 2 (swiglu) / 3 (rmsnorm) passes, L2 re-reads
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT = tuple(_DT_CODE)
@@ -249,9 +250,13 @@ def _gated_residual_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, i
 
 
 # ----------------------------------------------------------------------------------------------- launchers
-def _plan(n: int) -> tuple[int, bool, int]:
-    """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers up to MAX_SINGLE, else chunks."""
-    if n <= MAX_SINGLE:
+def _plan(n: int, max_single: int | None = None) -> tuple[int, bool, int]:
+    """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers up to ``max_single`` (MAX_SINGLE),
+    else CHUNK-wide chunks. NOTE (prediction, not measured): SwiGLU with exp + IEEE division + two bf16
+    roundings is ~40 ALU/MUFU ops an element, so at F = 12288 it is near the ALU limit; the single pass
+    halves that against two passes. If it measures > 70 us at M = 4608, try fast exp/div (costs bit-equality
+    of the bf16 intermediates, ~1e-5 code flips)."""
+    if n <= (MAX_SINGLE if max_single is None else max_single):
         block = triton.next_power_of_2(max(n, 16))
         return block, True, 4 if block <= 2048 else 8 if block <= 4096 else 16
     return CHUNK, False, 8
@@ -333,7 +338,7 @@ def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: boo
         return q, qs.zero_()
     _check_usable(a, "swiglu_quantize")
     a, b = _row_major(a, "a"), _row_major(b, "b")
-    block, single, warps = _plan(f)
+    block, single, warps = _plan(f, MAX_SINGLE_SWIGLU)
     launch(_swiglu_quant_kernel, (m,),
            (a, b, inv if inv is not None else qs, q, qs, f, a.stride(0), b.stride(0), q.stride(0)),
            dict(HAS_SMOOTH=inv is not None, DT=_DT_CODE[a.dtype],

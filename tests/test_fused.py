@@ -137,7 +137,7 @@ def test_rmsnorm_modulate_quantize_errors(kf):
     (FP16, 4, 70, False, True, True), (FP16, 3, 100, True, False, False), (FP32, 4, 70, True, False, True)])
 def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
     if chunked:
-        monkeypatch.setattr(kf, "MAX_SINGLE", 32)
+        monkeypatch.setattr(kf, "MAX_SINGLE_SWIGLU", 32)
         monkeypatch.setattr(kf, "CHUNK", 32)
     g = torch.Generator().manual_seed(m * 100 + f)
     h = _rand((m, 2 * f), dtype, g, 3.0)
