@@ -216,3 +216,54 @@ def test_build_int8_layers_weight_fn_and_tuples():
     torch.testing.assert_close(layers["a"].dequantized_weight(), merged, atol=merged.abs().max().item() / 254 + 1e-6,
                                rtol=0)
     assert rep.float_bytes == (32 * 64 + 32) * 4
+
+
+# --------------------------------------------------------------------------- layer selection by name
+def _tree(names, dim=32):
+    """An nn.Module tree with an nn.Linear at each dotted name (ComfyUI's module names of that DiT)."""
+    root = torch.nn.Module()
+    for name in names:
+        parent = root
+        *path, leaf = name.split(".")
+        for p in path:
+            if not hasattr(parent, p):
+                parent.add_module(p, torch.nn.Module())
+            parent = getattr(parent, p)
+        parent.add_module(leaf, torch.nn.Linear(dim, dim))
+    return root
+
+
+ARCH_NAMES = {  # (quantized by 'blocks', left float by 'blocks')
+    "ideogram4": (["layers.0.attention.qkv", "layers.0.attention.o", "layers.0.feed_forward.w1",
+                   "layers.0.feed_forward.w2", "layers.0.feed_forward.w3"],
+                  ["layers.0.adaln_modulation", "llm_cond_proj", "x_embedder", "final_layer.linear"]),
+    "flux": (["double_blocks.0.img_attn.qkv", "double_blocks.0.txt_mlp.0", "single_blocks.0.linear1",
+              "single_blocks.0.linear2"],
+             ["double_blocks.0.img_mod.lin", "single_blocks.0.modulation.lin", "img_in", "time_in.in_layer",
+              "final_layer.adaLN_modulation.1"]),
+    "flux2": (["double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.0", "single_blocks.0.linear1"],
+              ["double_stream_modulation_img.lin", "single_stream_modulation.lin", "img_in"]),
+    "qwen_image": (["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.add_k_proj",
+                    "transformer_blocks.0.img_mlp.net.0.proj", "transformer_blocks.0.txt_mlp.net.2"],
+                   ["transformer_blocks.0.img_mod.1", "transformer_blocks.0.txt_mod.1", "img_in", "proj_out"]),
+    "lumina2": (["layers.0.attention.qkv", "noise_refiner.0.feed_forward.w2", "context_refiner.0.attention.out"],
+                ["layers.0.adaLN_modulation.1", "noise_refiner.0.adaLN_modulation.1", "cap_embedder.1",
+                 "t_embedder.mlp.0"]),
+    "wan": (["blocks.0.self_attn.q", "blocks.0.cross_attn.o", "blocks.0.ffn.0", "blocks.0.ffn.2"],
+            ["time_projection.1", "text_embedding.0", "head.head"]),
+    "sd3": (["joint_blocks.0.x_block.attn.qkv", "joint_blocks.0.context_block.mlp.fc1"],
+            ["joint_blocks.0.x_block.adaLN_modulation.1", "x_embedder.proj", "final_layer.linear"]),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_NAMES))
+def test_blocks_preset_selects_block_linears_of_each_dit(arch):
+    from quant.select import _BLOCK, select_linears
+    take, leave = ARCH_NAMES[arch]
+    tree = _tree(take + leave)
+    assert [n for n, _ in select_linears(tree, "blocks")] == take
+    mods = {n for n, _ in select_linears(tree, "blocks+modulation")}
+    block_mod = {n for n in leave if "mod" in n.lower() and _BLOCK.search(n)}
+    assert mods == set(take) | block_mod
+    assert {n for n, _ in select_linears(tree, "all")} == set(take + leave)
+    assert [n for n, _ in select_linears(tree, "blocks", include=leave[-1], exclude=take[0])] == take[1:] + [leave[-1]]
