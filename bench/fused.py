@@ -1,0 +1,117 @@
+"""Issue 8 fusions at Ideogram 4 shapes: each fused kernel against the unfused torch sequence it replaces
+(time, effective bandwidth, int8 code flips), and the FeedForward fused vs per-linear. H200 (CUDA); with
+``--cpu`` (TRITON_INTERPRET=1) it runs tiny shapes once as a smoke test of the script itself.
+
+    python bench/fused.py [--m 4608] [--out bench/results/h200-fused.json]
+
+Columns: us (median, triton.testing.do_bench), GB/s = bytes the op must move / time, vs the 4.3 TB/s copy
+bandwidth; ``flips`` = fraction of int8 codes differing from the unfused path (max |diff| in brackets).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def bench(fn, cuda: bool) -> float:
+    """Median microseconds of fn()."""
+    if cuda:
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e6
+
+
+def flips(q, ref) -> str:
+    d = (q.int() - ref.int()).abs()
+    return f"{(d > 0).float().mean().item():.1e} ({d.max().item()})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, default=4608, help="token rows (cond pass at 1024²: 4608)")
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 (smoke test)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    cuda = not a.cpu
+    if cuda and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --cpu with TRITON_INTERPRET=1)")
+        return 2
+    import kernel
+    import kernel.fused as kf
+    from quant import fused as qf
+    from quant.linear import Int8Linear
+    dev = "cuda" if cuda else "cpu"
+    m, d, f = (a.m, 4608, 12288) if cuda else (8, 64, 96)
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(m, d, device=dev, dtype=bf, generator=g)
+    o = torch.randn(m, d, device=dev, dtype=bf, generator=g) * 3
+    w1, w2 = [(1 + 0.1 * torch.randn(d, device=dev, generator=g)).to(bf) for _ in range(2)]
+    s = (1 + 0.3 * torch.randn(1, d, device=dev, generator=g)).to(bf)
+    gate = torch.tanh(torch.randn(1, d, device=dev, generator=g)).to(bf)
+    h13 = torch.randn(m, 2 * f, device=dev, dtype=bf, generator=g) * 2
+    r = d * 2
+    rows = []
+
+    def row(name, fused_fn, plain_fn, fused_bytes, plain_bytes, fl=""):
+        tf, tp = bench(fused_fn, cuda), bench(plain_fn, cuda)
+        rows.append({"op": name, "fused_us": tf, "plain_us": tp, "fused_GBps": fused_bytes / tf / 1e3,
+                     "floor_us": fused_bytes / 4.3e6, "plain_floor_us": plain_bytes / 4.3e6, "flips": fl})
+        print(f"{name:<34} fused {tf:9.1f} us ({fused_bytes / tf / 1e3:7.0f} GB/s, floor {fused_bytes / 4.3e6:6.1f})"
+              f"   plain {tp:9.1f} us (floor {plain_bytes / 4.3e6:6.1f})   flips {fl}")
+
+    # norm * (1 + s) + quantize
+    q, _ = kf.rmsnorm_modulate_quantize(x, w1, 1e-5, s, m)
+    uq, _ = kernel.quantize_per_token(F.rms_norm(x, (d,), w1, 1e-5) * s)
+    row("rmsnorm*(1+s)+quantize", lambda: kf.rmsnorm_modulate_quantize(x, w1, 1e-5, s, m),
+        lambda: kernel.quantize_per_token(F.rms_norm(x, (d,), w1, 1e-5) * s), 1.5 * m * r, 5.5 * m * r, flips(q, uq))
+    # SwiGLU + quantize
+    a1, a3 = h13.chunk(2, 1)
+    q, _ = kf.swiglu_quantize(h13)
+    uq, _ = kernel.quantize_per_token(F.silu(a1) * a3)
+    fr = f / d
+    row("silu(a)*b+quantize (F)", lambda: kf.swiglu_quantize(h13),
+        lambda: kernel.quantize_per_token(F.silu(a1) * a3), (2 * fr + fr / 2) * m * r, 6.5 * fr * m * r,
+        flips(q, uq))
+    # residual tail + next norm * (1 + s) + quantize
+    y, q, _ = kf.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m, w2, 1e-5, s)
+
+    def plain_tail():
+        yy = x + gate * F.rms_norm(o, (d,), w1, 1e-5)
+        return yy, kernel.quantize_per_token(F.rms_norm(yy, (d,), w2, 1e-5) * s)
+
+    yy, (uq, _) = plain_tail()
+    row("x+g*norm(o) -> norm*(1+s)+quant", lambda: kf.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m, w2, 1e-5, s),
+        plain_tail, 3.5 * m * r, 12.5 * m * r, flips(q, uq) + f"; y equal: {torch.equal(y, yy)}")
+    # FeedForward: fused (w1+w3 one GEMM, SwiGLU+quant) vs per-linear fused_triton Int8Linear
+    lin = [torch.randn(n, k, device=dev, generator=g) * k ** -0.5 for n, k in ((f, d), (d, f), (f, d))]
+    L1, L2, L3 = [Int8Linear.from_float(w, backend="fused_triton", name=n) for w, n in zip(lin, ("w1", "w2", "w3"))]
+    ff = qf.FusedFeedForward(qf.merge_int8(L1, L3, "w1+w3"), L2)
+    yf, yp = ff(x), L2(F.silu(L1(x)) * L3(x))
+    err = ((yf.float() - yp.float()).norm() / yp.float().norm()).item()
+    row("FeedForward (3 GEMMs incl.)", lambda: ff(x), lambda: L2(F.silu(L1(x)) * L3(x)), 0, 0, f"rel {err:.1e}")
+    if a.out:
+        import triton
+        doc = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+               "triton": triton.__version__, "m": m, "rows": rows}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if "--cpu" in sys.argv:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.exit(main())
