@@ -13,11 +13,14 @@ What the fusions change (numerics equal to the unfused INT8 path within rounding
   qkv GEMM and the merged w1+w3 GEMM directly.
 * w1 and w3 share their input: one int8 GEMM over the concatenated weight [2F, K] (identical smoothing only).
 * ``silu(w1 x) * w3 x`` + quantization -> one kernel (``swiglu_quantize``) feeding w2.
+* each residual tail ``x + gate * norm2(branch)`` -> one kernel (``gated_residual_rmsnorm``), after attention
+  together with the next ``ffn_norm1 * (1 + s)`` + quantization.
 Only layers on the ``fused_triton`` backend are fused (the kernels are Triton); nothing here branches on
-tensor values or synchronises with the host.
+tensor values or synchronises with the host (CachedLinear: once per cond per sampling run, see there).
 
 Ideogram 4 attention: ``Ideogram4Attention.forward`` takes the normalised activation and calls ``self.qkv``
-itself, so the fused block re-states its 15-line body (``_attention_core``) and calls ComfyUI's functions
+itself, so the fused attention re-states its 15-line body (``FusedIdeogram4Attention.forward_quantized``) and
+calls ComfyUI's functions
 (``comfy.model_management.in_training``, ``comfy.ops.cast_bias_weight``, ``comfy.quant_ops.ck.
 rms_rope_split_half``, ``optimized_attention_masked``, ``_apply_rope_split_half1``) through
 ``type(block.attention).forward.__globals__``, i.e. the very objects the original forward uses. A block whose
