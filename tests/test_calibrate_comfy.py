@@ -270,3 +270,35 @@ def test_server_calibrate_save_apply_workflow(comfy_server, miniature_models):
         assert len(comfy_server.output_files(entry)) == 1
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_browser_shows_summary_on_the_node(comfy_server):
+    """web/int8_calibrate.js in the real frontend (Debian chromium): the summary the node returns in
+    ui.text appears in a read-only box on the node and is not saved into the workflow or the prompt."""
+    from playwright.sync_api import sync_playwright
+    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run", "--disable-quic"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=args)
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(comfy_server.url)
+            page.wait_for_function("() => window.app?.graph && window.LiteGraph", timeout=120_000)
+            got = page.evaluate("""async () => {
+              const n = LiteGraph.createNode("Int8Calibrate");
+              app.graph.add(n);
+              const before = n.serialize().widgets_values.length;
+              n.onExecuted({ text: ["INT8 calibration: 2 layers\\nlayers.0.attention.qkv  0.5"] });
+              const w = n.widgets.find((x) => x.name === "int8_calibration_summary");
+              const prompt = await app.graphToPrompt();
+              const inputs = prompt.output[String(n.id)].inputs;
+              return { value: w?.value, readOnly: w?.inputEl?.readOnly, before,
+                       after: n.serialize().widgets_values.length, inPrompt: "int8_calibration_summary" in inputs };
+            }""")
+        finally:
+            browser.close()
+    assert got["value"] == "INT8 calibration: 2 layers\nlayers.0.attention.qkv  0.5", got
+    assert got["readOnly"] is True and got["after"] == got["before"] and not got["inPrompt"], got
+    assert not [e for e in errors if "int8_calibrate" in e], errors

@@ -11,8 +11,12 @@ function summaryWidget(node) {
   let w = node.widgets?.find((x) => x.name === WIDGET);
   if (!w) {
     w = ComfyWidgets.STRING(node, WIDGET, ["STRING", { multiline: true }], app).widget;
-    w.serialize = false; // display only: never saved into the workflow or sent to the server
-    w.options = { ...(w.options ?? {}), read_only: true };
+    // display only: kept out of the saved workflow (serialize) and of the prompt (options.serialize),
+    // so the summary never changes the node's inputs and never invalidates ComfyUI's cache
+    w.serialize = false;
+    w.options ??= {};
+    w.options.serialize = false;
+    w.options.read_only = true;
     if (w.inputEl) {
       w.inputEl.readOnly = true;
       w.inputEl.style.fontFamily = "monospace";
