@@ -24,11 +24,16 @@ boundary the finished steps are resolved with ``Event.query()``, which never blo
 Only when sampling has ended does the summary ``synchronize()`` the last event, when the sampler's output
 is about to be consumed anyway. On the CPU, calls are synchronous and timed with ``time.perf_counter``.
 
+The MODEL whose guider runs OUTER_SAMPLE drives the sampling; another instrumented MODEL that the
+guider also calls (DualModelGuider's unconditional backbone) gets its own run on the same step
+boundaries, with the same ``group``. Each model call is timed once, by the outermost instrumented
+wrapper around it.
+
 WebSocket events (``PromptServer.instance.send_sync``, to every connected page):
   int8_fused.step     {run, node, backend, device, step (0-based), steps, seconds, branches, calls}
-  int8_fused.summary  {run, node, backend, device, workload, prompt_id, status ("ok" | "interrupted"),
-                       timer ("cuda_events" | "perf_counter"), steps, step_seconds [..], mean, median,
-                       total, branches {branch: seconds}, calls, started (unix time)}
+  int8_fused.summary  {run, group, node, backend, device, workload, prompt_id, status ("ok" |
+                       "interrupted"), timer ("cuda_events" | "perf_counter"), steps, step_seconds [..],
+                       mean, median, total, branches {branch: seconds}, calls, started (unix time)}
 HTTP: GET /int8_fused/runs -> {"runs": [summary, ...] (oldest first, at most RING_SIZE), "ring_size"}
 """
 from __future__ import annotations
@@ -255,8 +260,9 @@ class _Recorder:
     def __init__(self, node_id: str, backend: str):
         self.node_id, self.backend = node_id, backend
         self.run: Run | None = None
-        self.in_call = None  # (branch, sigma, device) of the APPLY_MODEL call in progress
+        self.in_call = None  # (run, branch, sigma, device) of the APPLY_MODEL call in progress
         self.inner_timed = False
+        self.inner_seen = False  # this architecture runs the DIFFUSION_MODEL wrapper
 
     def outer_sample(self, executor, noise, latent_image, sampler, sigmas, denoise_mask=None,
                      callback=None, *args, **kwargs):
@@ -319,9 +325,10 @@ class _Recorder:
         self.in_call, self.inner_timed = (run, branch, sigma, x.device), False
         _TIMING.owner = self
         try:
-            timer = _timer(x.device)  # used only if DIFFUSION_MODEL does not time the call
+            # Timed here only for architectures without the DIFFUSION_MODEL wrapper.
+            timer = None if self.inner_seen else _timer(x.device)
             out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
-            if not self.inner_timed:
+            if not self.inner_timed and timer is not None:
                 timer.stop()
                 run.add_call(branch, sigma, timer)
             return out
@@ -333,7 +340,7 @@ class _Recorder:
         if self.in_call is None or self.inner_timed:
             return executor(*args, **kwargs)
         run, branch, sigma, device = self.in_call
-        self.inner_timed = True
+        self.inner_timed = self.inner_seen = True
         timer = run.call_started(branch, sigma, device)
         try:
             return executor(*args, **kwargs)

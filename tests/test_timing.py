@@ -116,9 +116,10 @@ def test_step_is_sum_of_its_diffusion_model_calls(comfy, timing, tiny_flux, sent
     steps = _events(sent, "int8_fused.step")
     calls = [s["calls"] for s in steps]
     assert calls == [1, 2, 2] and sum(calls) == len(inner_calls) == summary["calls"]
-    # Each model call creates an APPLY_MODEL timer (n = 2k) then a DIFFUSION_MODEL timer (n = 2k+1):
-    # only the latter may be counted.
-    durations = [2 * k + 2.0 for k in range(sum(calls))]
+    # The first call creates an APPLY_MODEL timer (n = 0, lasting 1 s) in case the architecture has no
+    # DIFFUSION_MODEL wrapper; it has, so that timer is dropped and every call is a DIFFUSION_MODEL timer
+    # (n = 1, 2, ...; no more APPLY_MODEL timers once the inner wrapper has been seen).
+    durations = [k + 2.0 for k in range(sum(calls))]
     it = iter(durations)
     want = [sum(next(it) for _ in range(c)) for c in calls]
     assert summary["step_seconds"] == want
@@ -289,3 +290,15 @@ def test_second_model_of_a_dual_model_guider_gets_its_own_run(comfy, timing, tin
     assert sa["group"] == sb["group"] == sa["run"] != sb["run"]
     steps_b = [s for s in _events(sent, "int8_fused.step") if s["node"] == "21"]
     assert [s["seconds"] for s in steps_b] == sb["step_seconds"]
+
+
+def test_architectures_without_the_diffusion_model_hook_are_timed_at_apply_model(
+        comfy, timing, tiny_flux, sent, monkeypatch):
+    _FakeTimer.created = itertools.count()
+    monkeypatch.setattr(timing, "_timer", _FakeTimer)
+    m = tiny_flux.clone()
+    timing.instrument(m, node_id="6", backend="bf16")
+    m.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, timing.WRAPPER_KEY)
+    _sample(comfy, m, steps=3, cfg=2.0)
+    (summary,) = _events(sent, "int8_fused.summary")
+    assert summary["step_seconds"] == [1.0, 2.0, 3.0] and summary["calls"] == 3

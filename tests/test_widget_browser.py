@@ -175,7 +175,7 @@ def test_widget_shows_backend_and_the_servers_per_step_times(browser_page, comfy
         assert w["stats"] == expect["stats"] and w["steps"] == expect["steps"]
         # Side by side: the latest run of each backend, the quantized one as a ratio to bf16.
         assert w["compare"] == expect["compare"] and w["compareShown"]
-        assert len(w["compare"]) == len(CPU_BACKENDS)
+        assert {c.split(" ")[0] for c in w["compare"]} >= set(CPU_BACKENDS)
         assert any(c.startswith(f"{a['backend']} ") and c.endswith("\u00d7 bf16") for c in w["compare"])
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
