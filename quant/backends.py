@@ -83,9 +83,22 @@ def _int_mm_shape(N: int, K: int) -> str | None:
     return None
 
 
+_KERNEL = None  # the kernel package, cached at patch time: torch.compile cannot trace importlib
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = kernel_module()
+    return _KERNEL
+
+
 def _fused_triton_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
-    return kernel_module().int8_linear(x2d, layer.qweight, layer.weight_scale, layer.bias,
-                                 layer.inv_smooth, out_dtype=x2d.dtype)
+    k = _KERNEL if _KERNEL is not None else _kernel()
+    if torch.compiler.is_compiling():  # one opaque custom op (fake impl for shapes): no graph break
+        return k.int8_linear_op(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth)
+    return k.int8_linear(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth,
+                         out_dtype=x2d.dtype)
 
 
 def _comfy_kitchen_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
@@ -164,9 +177,12 @@ def _any_shape(N: int, K: int) -> str | None:
 
 def _fused_triton_device(device: torch.device) -> str | None:
     try:
-        ok, reason = kernel_module().triton_status(device)
+        k = _kernel()
+        ok, reason = k.triton_status(device)
     except ImportError as e:  # the kernel package itself failed to import
         return f"the pack's kernel package failed to import ({e})"
+    if ok:  # define torch.ops.int8_fused.linear now (no Triton import), never inside a compile trace
+        k.register_ops()
     return None if ok else reason
 
 

@@ -267,3 +267,15 @@ def test_blocks_preset_selects_block_linears_of_each_dit(arch):
     assert mods == set(take) | block_mod
     assert {n for n, _ in select_linears(tree, "all")} == set(take + leave)
     assert [n for n, _ in select_linears(tree, "blocks", include=leave[-1], exclude=take[0])] == take[1:] + [leave[-1]]
+
+
+@needs_triton
+def test_fused_triton_compiles_as_one_custom_op_without_graph_breaks():
+    """Under torch.compile the fused_triton backend goes through torch.ops.int8_fused.linear."""
+    layer = _layer(48, 64, bias=True, smooth=True)
+    layer.backend = "fused_triton"
+    assert backends.resolve("fused_triton", CPU, 48, 64)[0] == "fused_triton"  # registers the op
+    x = torch.randn(2, 5, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x))
