@@ -276,6 +276,13 @@ def test_fused_triton_compiles_as_one_custom_op_without_graph_breaks():
     layer.backend = "fused_triton"
     assert backends.resolve("fused_triton", CPU, 48, 64)[0] == "fused_triton"  # registers the op
     x = torch.randn(2, 5, 64)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
     torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    compiled = torch.compile(layer, backend=capture, fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x))
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("int8_fused.linear" in c for c in calls), calls
