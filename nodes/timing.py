@@ -30,7 +30,8 @@ boundaries, with the same ``group``. Each model call is timed once, by the outer
 wrapper around it.
 
 WebSocket events (``PromptServer.instance.send_sync``, to every connected page):
-  int8_fused.step     {run, node, backend, device, step (0-based), steps, seconds, branches, calls}
+  int8_fused.step     {run, group, node, backend, device, step (0-based), steps, seconds, branches,
+                       calls}
   int8_fused.summary  {run, group, node, backend, device, workload, prompt_id, status ("ok" |
                        "interrupted"), timer ("cuda_events" | "perf_counter"), steps, step_seconds [..],
                        mean, median, total, branches {branch: seconds}, calls, started (unix time)}
@@ -153,6 +154,7 @@ class Run:
 
     def __init__(self, *, node_id, backend, device, workload, steps_planned, prompt_id):
         self.id = f"{node_id}-{next(_RUN_IDS)}"
+        self.group = self.id  # the sampling it belongs to (the driving model's run id)
         self.node_id, self.backend, self.device = node_id, backend, device
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.workload, self.steps_planned, self.prompt_id = workload, steps_planned, prompt_id
@@ -228,7 +230,7 @@ class Run:
                 "started": self.started}
 
     def _tags(self) -> dict:
-        return {"run": self.id, "node": self.node_id, "backend": self.backend,
+        return {"run": self.id, "group": self.group, "node": self.node_id, "backend": self.backend,
                 "device": self.device_name}
 
 
@@ -245,6 +247,7 @@ class _Sampling:
         if run is None:
             run = self.children[id(recorder)] = Run(node_id=recorder.node_id, backend=recorder.backend,
                                                     **self.meta)
+            run.group = self.run.id
         return run
 
     def runs(self) -> list:
@@ -296,7 +299,7 @@ class _Recorder:
             _ACTIVE.remove(ctx)
             for r in ctx.runs():
                 try:
-                    summary = {**r.finish(status), "group": run.id}
+                    summary = r.finish(status)
                     with _RUNS_LOCK:
                         _RUNS.append(summary)
                     _send("int8_fused.summary", summary)

@@ -290,6 +290,7 @@ def test_second_model_of_a_dual_model_guider_gets_its_own_run(comfy, timing, tin
     assert sa["group"] == sb["group"] == sa["run"] != sb["run"]
     steps_b = [s for s in _events(sent, "int8_fused.step") if s["node"] == "21"]
     assert [s["seconds"] for s in steps_b] == sb["step_seconds"]
+    assert {s["group"] for s in steps_b} == {sa["run"]}
 
 
 def test_architectures_without_the_diffusion_model_hook_are_timed_at_apply_model(

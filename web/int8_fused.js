@@ -76,9 +76,12 @@ function backendWidgetValue(node) {
  *  the two models of a dual-model loader). */
 function runFor(node) {
   const id = String(node.id);
-  let live = null;
-  for (const r of state.live.values()) if (fmt.nodeKey(r.node) === id) live = r;
-  if (live) return { run: live, finished: false };
+  const lives = [...state.live.values()].filter((r) => fmt.nodeKey(r.node) === id);
+  if (lives.length) {
+    const group = lives.at(-1).group;
+    const run = fmt.mergeRuns(lives.filter((r) => r.group === group))[0];
+    return { run, finished: false };
+  }
   for (let i = state.views.length - 1; i >= 0; i--) {
     if (state.views[i].node === id) return { run: state.views[i], finished: true };
   }
@@ -258,11 +261,20 @@ function onStep({ detail: d }) {
   if (!d || !d.run) return;
   let r = state.live.get(d.run);
   if (!r) {
-    r = { run: d.run, node: d.node, backend: d.backend, device: d.device, steps_planned: d.steps, step_seconds: [] };
+    r = { run: d.run, group: d.group ?? d.run, node: d.node, backend: d.backend, device: d.device,
+          status: "ok", steps_planned: d.steps, step_seconds: [] };
     state.live.set(d.run, r);
   }
   r.step_seconds[d.step] = d.seconds;
   renderAll();
+}
+
+// Nothing left in the queue: a run that never got its summary (server restarted) is not live.
+function onStatus({ detail }) {
+  if (detail?.exec_info?.queue_remaining === 0 && state.live.size) {
+    state.live.clear();
+    renderAll();
+  }
 }
 
 function onSummary({ detail: d }) {
@@ -290,6 +302,7 @@ app.registerExtension({
   async setup() {
     api.addEventListener("int8_fused.step", onStep);
     api.addEventListener("int8_fused.summary", onSummary);
+    api.addEventListener("status", onStatus);
     await loadRuns();
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
