@@ -402,11 +402,16 @@ class CachedLinear(nn.Module):
         return None if t is None else (id(t), t._version, t.device)
 
     @staticmethod
-    def _fingerprint(x: torch.Tensor) -> torch.Tensor:
-        """Per-row sum and position-weighted sum, fp32 on x's device (deterministic for equal inputs)."""
-        v = x.reshape(-1, x.shape[-1]).float()
+    def _fingerprint(x: torch.Tensor, rows: int = 64) -> torch.Tensor:
+        """Per-row sum and position-weighted sum, fp32 on x's device (deterministic for equal inputs). In
+        chunks of ``rows`` rows: Ideogram 4's 512 x 53248 text features would need 2 x 109 MB of fp32 at once."""
+        v = x.reshape(-1, x.shape[-1])
         ramp = torch.arange(1, v.shape[-1] + 1, device=v.device, dtype=torch.float32).mul_(0.6180339887).frac_()
-        return torch.cat([v.sum(-1), (v * ramp).sum(-1)])
+        parts = []
+        for c in v.split(rows):
+            cf = c.float()
+            parts.append(torch.stack([cf.sum(-1), (cf * ramp).sum(-1)]))
+        return torch.cat(parts, dim=1) if parts else v.new_zeros((2, 0), dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         key = self._key
