@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import weakref
 
 import torch
@@ -553,7 +554,10 @@ def fuse_modules(diffusion_model: nn.Module, int8_layers: dict) -> dict[str, nn.
 
 def object_patches(diffusion_model: nn.Module, int8_layers: dict) -> dict[str, nn.Module]:
     """Every object patch for the model: fused modules plus the plain Int8Linear of each layer no fused
-    module covers. Keys are relative to the diffusion model (prefix them with ``diffusion_model.``)."""
+    module covers. Keys are relative to the diffusion model (prefix them with ``diffusion_model.``).
+    ``INT8_FUSED_FUSION=0`` in the environment turns fusion off (plain patches only: for A/B runs)."""
+    if os.environ.get("INT8_FUSED_FUSION", "1") == "0":
+        return dict(int8_layers)
     fused = fuse_modules(diffusion_model, int8_layers)
     covered = {n for m in fused.values() for n in getattr(m, "covers", ())}
     plain = {n: l for n, l in int8_layers.items() if n not in covered}

@@ -275,6 +275,15 @@ def test_other_backends_and_architectures_stay_plain():
     assert qf.object_patches(flux_like, layers) == layers
 
 
+def test_fusion_switch(monkeypatch):
+    ff = LuminaFeedForwardStandIn(32, 48)
+    layers = {f"ff.{k}": _int8(getattr(ff, k), k) for k in ("w1", "w2", "w3")}
+    tree = nn.ModuleDict({"ff": ff})
+    assert set(qf.object_patches(tree, layers)) == {"ff"}
+    monkeypatch.setenv("INT8_FUSED_FUSION", "0")
+    assert qf.object_patches(tree, layers) == layers
+
+
 # ----------------------------------------------------------------------------------- Ideogram 4 block
 # A miniature of comfy/ldm/ideogram4/model.py's block (current ComfyUI; not in the pinned runtime): the same
 # attribute names and forward bodies, with stand-ins for the ComfyUI functions its forward calls. The fused
