@@ -27,7 +27,6 @@ are far outside it, and the lower bound catches a backend that silently skips qu
 import pytest
 import torch
 
-from quant import backends
 from quant.linear import Int8Linear
 from quant.quantize import QMAX
 
