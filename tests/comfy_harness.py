@@ -51,6 +51,9 @@ def import_comfy(comfy_dir: Path = COMFY_DIR):
     comfy.cli_args.args.cpu = True
     import comfy.model_management  # noqa: F401
     import comfy.sd  # noqa: F401
+    # main.py imports ComfyUI's `utils` package before nodes.py puts comfy/ first on sys.path (after
+    # that, `utils` would resolve to comfy/utils.py and `import server` would fail).
+    import utils.extra_config  # noqa: F401
     import nodes  # noqa: F401  ComfyUI's own nodes.py, which node code may import
     return comfy
 
@@ -323,6 +326,7 @@ sys.path.insert(0, {cur!r})
 import comfy.cli_args
 comfy.cli_args.args.cpu = True
 import comfy.model_management, comfy.sd
+import utils.extra_config  # before nodes.py puts comfy/ first on sys.path, as main.py does
 import nodes as _comfy_nodes
 sys.path.insert(1, {root!r})
 
