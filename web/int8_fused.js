@@ -11,6 +11,7 @@ const PACK_MODULE = /int8[-_]fused/i;
 const WIDGET = "int8_timing";
 const CHART_H = 46;
 const MARGIN = 6;
+const MAX_RUNS = 256;  // summaries kept in the page (the server keeps its last 64)
 const COLORS = {
   fused_triton: "#4caf50", comfy_kitchen: "#26a69a", torch_int_mm: "#42a5f5",
   fp8_rowwise: "#ab47bc", dequant_bf16: "#ffa726", bf16: "#9e9e9e",
@@ -195,7 +196,7 @@ function latestWorkload(node) {
 function renderAll() {
   state.views = fmt.mergeRuns(state.runs);
   for (const w of state.widgets) {
-    if (!w.node.graph) { state.widgets.delete(w); continue; }
+    if (!w.node.graph) continue;  // not (yet) in a graph; removal is handled by onRemoved
     render(w);
   }
   app.graph?.setDirtyCanvas?.(true, true);
@@ -281,6 +282,7 @@ function onSummary({ detail: d }) {
   if (!d || !d.run) return;
   state.live.delete(d.run);
   if (!state.runs.some((r) => r.run === d.run)) state.runs.push(d);
+  if (state.runs.length > MAX_RUNS) state.runs.splice(0, state.runs.length - MAX_RUNS);
   renderAll();
 }
 
