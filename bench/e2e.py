@@ -85,21 +85,22 @@ def random_state_dict(layers: int, device, seed: int = 0) -> dict[str, torch.Ten
             t = 1.0 + 0.1 * torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         else:
             t = 0.02 * torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
-        sd[k] = t
+        sd[k] = t.to("cpu")
     return sd
 
 
-def core_int8_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """ComfyUI core ``int8_tensorwise`` layout of the block linears (per-channel scales)."""
+def core_int8_state_dict(sd: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """ComfyUI core ``int8_tensorwise`` layout of the block linears (per-channel scales), made on
+    ``device`` and returned on the CPU."""
     conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
     out = {}
     for k, v in sd.items():
         p = k[: -len(".weight")]
         if k.endswith(".weight") and any(p.endswith(n) for n in BLOCK_LINEARS):
-            w = v.float()
+            w = v.to(device).float()
             scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
-            out[k] = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
-            out[f"{p}.weight_scale"] = scale
+            out[k] = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).cpu()
+            out[f"{p}.weight_scale"] = scale.cpu()
             out[f"{p}.comfy_quant"] = conf.clone()
         else:
             out[k] = v
@@ -247,20 +248,25 @@ def main() -> int:
     resolutions = [int(r) for r in a.res.split(",")]
     paths = a.paths.split(",")
     rows, ref_out, profiles = [], {}, {}
-    base_sd = random_state_dict(a.layers, dev)
+    base_sd = random_state_dict(a.layers, dev)  # on the CPU, so it is not counted in GPU peaks
+    base = None  # the bf16 ModelPatcher, shared by the bf16 path and every pack: path (they clone it)
     for path in paths:
         log(f"building {path}")
         if path == "core_int8":
-            sd = core_int8_state_dict(base_sd)
-            patcher = comfy.sd.load_diffusion_model_state_dict(sd, disable_dynamic=True)
+            patcher = comfy.sd.load_diffusion_model_state_dict(core_int8_state_dict(base_sd, dev),
+                                                               disable_dynamic=True)
         elif path == "fp8_fast":
             patcher = comfy.sd.load_diffusion_model_state_dict(
                 dict(base_sd), model_options={"dtype": torch.float8_e4m3fn, "fp8_optimizations": True},
                 disable_dynamic=True)
         else:
-            patcher = comfy.sd.load_diffusion_model_state_dict(dict(base_sd), disable_dynamic=True)
+            if base is None:
+                base = comfy.sd.load_diffusion_model_state_dict(dict(base_sd), disable_dynamic=True)
+            patcher = base
         if path.startswith("pack:"):
-            patcher = pack_apply(pack, patcher, path.split(":", 1)[1])
+            t0 = time.perf_counter()
+            patcher = pack_apply(pack, base, path.split(":", 1)[1])
+            log(f"{path}: Apply node took {time.perf_counter() - t0:.1f} s")
         mm.load_models_gpu([patcher], force_full_load=True)
         dm = patcher.model.diffusion_model
         variants = [(path, dm)]
@@ -289,17 +295,17 @@ def main() -> int:
                 log(f"{name} @ {res}: step {s*1e3:.1f} ms (cond {c*1e3:.1f} + uncond {u*1e3:.1f}), "
                     f"peak {peak:.1f} GiB, max|diff| {diff}, rel {rel}")
         mm.unload_all_models()
-        del patcher, dm, variants
+        del patcher, dm, variants, fn
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    base = {r["resolution"]: r["s_per_step"] for r in rows if r["path"] == "bf16" and "s_per_step" in r}
+    ref_s = {r["resolution"]: r["s_per_step"] for r in rows if r["path"] == "bf16" and "s_per_step" in r}
     print(f"\n{'res':>5} {'path':<26} {'s/step':>8} {'x bf16':>7} {'peak GiB':>9} {'max|d|':>9} {'rel l2':>8}")
     for r in rows:
         if "s_per_step" not in r:
             print(f"{r['resolution']:>5} {r['path']:<26} {r['error']}")
             continue
-        sp = base.get(r["resolution"], float("nan")) / r["s_per_step"]
+        sp = ref_s.get(r["resolution"], float("nan")) / r["s_per_step"]
         d = r["max_abs_diff_vs_bf16"]
         print(f"{r['resolution']:>5} {r['path']:<26} {r['s_per_step']:8.4f} {sp:7.2f} {r['peak_gib']:9.1f} "
               f"{d if d is None else round(d, 4)!s:>9} {r['rel_l2_vs_bf16'] or 0:8.4f}")
