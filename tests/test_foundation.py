@@ -147,10 +147,7 @@ def test_setup_reuses_existing_runtime():
 def test_example_workflows_convert_against_installed_nodes(comfy_server):
     """Every UI-format workflow in example_workflows/ maps onto the nodes the server has installed
     (widget counts match the node definitions), so it loads in the template browser and queues."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("int8fused_workflow", H.ROOT / "scripts" / "workflow.py")
-    W = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(W)
+    W = _workflow_module()
     files = sorted((H.ROOT / "example_workflows").glob("*.json"))
     assert files, "no example workflow"
     info = comfy_server.object_info()
@@ -169,3 +166,49 @@ def test_example_workflows_convert_against_installed_nodes(comfy_server):
         checked.append(f.name)
     print(f"converted: {checked}; need a newer ComfyUI than 0.3.75: {newer}")
     assert "int8_fused_miniature_demo.json" in checked
+
+
+def _workflow_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("int8fused_workflow", H.ROOT / "scripts" / "workflow.py")
+    W = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(W)
+    return W
+
+
+_INFO = {
+    "Loader": {"input": {"required": {"name": [["a.safetensors", "b.safetensors"], {}]}}},
+    "Sampler": {"input": {"required": {"model": ["MODEL", {}], "seed": ["INT", {"control_after_generate": True}],
+                                       "steps": ["INT", {}], "cfg": ["FLOAT", {}]},
+                          "optional": {"note": ["STRING", {}]}}},
+}
+
+
+def _ui(widgets, steps_link=False):
+    sampler_inputs = [{"name": "model", "type": "MODEL", "link": 1}]
+    links = [[1, 1, 0, 2, 0, "MODEL"]]
+    if steps_link:
+        sampler_inputs.append({"name": "steps", "type": "INT", "widget": {"name": "steps"}, "link": 2})
+        links.append([2, 3, 0, 2, 1, "INT"])
+    nodes = [{"id": 1, "type": "Loader", "mode": 0, "inputs": [], "widgets_values": ["b.safetensors"]},
+             {"id": 2, "type": "Sampler", "mode": 0, "inputs": sampler_inputs, "widgets_values": widgets},
+             {"id": 3, "type": "Loader", "mode": 2, "inputs": [], "widgets_values": ["a.safetensors"]},
+             {"id": 4, "type": "Note", "mode": 0, "inputs": [], "widgets_values": ["text"]}]
+    return {"nodes": nodes, "links": links}
+
+
+def test_workflow_conversion_rules():
+    W = _workflow_module()
+    api = W.ui_to_api(_ui([5, "fixed", 3, 1.5, "hi"]), _INFO)
+    assert set(api) == {"1", "2"}  # muted node and note left out
+    assert api["1"]["inputs"] == {"name": "b.safetensors"}
+    assert api["2"]["inputs"] == {"seed": 5, "steps": 3, "cfg": 1.5, "note": "hi", "model": ["1", 0]}
+    # control value absent (older saves): still maps; a link from a muted node is dropped
+    api = W.ui_to_api(_ui([5, 3, 1.5, "hi"], steps_link=True), _INFO)
+    assert api["2"]["inputs"]["steps"] == 3 and api["2"]["inputs"]["cfg"] == 1.5
+    with pytest.raises(W.WorkflowError, match=r"node 2 \(Sampler\): 6 widget values but the installed node takes 5"):
+        W.ui_to_api(_ui([5, "fixed", 3, 1.5, "hi", 9]), _INFO)
+    bad = _ui([5, "fixed", 3, 1.5, "hi"])
+    bad["nodes"][1]["type"] = "Missing"
+    with pytest.raises(W.WorkflowError, match="'Missing' is not installed"):
+        W.ui_to_api(bad, _INFO)
