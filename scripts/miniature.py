@@ -8,7 +8,8 @@ Two sizes per architecture:
   3072), so the width is the real one and only the depth is cut: Lumina 2 with its 2 + 2 refiner
   blocks and 1 main layer (~420 M parameters), Flux.1 with 1 double and 1 single block (~520 M).
   Text/pooled widths are free (64), so conditioning stays tiny. These load through the core
-  ``UNETLoader`` of a real server; with a 32x32 image a sampling step takes well under a second.
+  ``UNETLoader`` of a real server; with a 32x32 image a float sampling step takes seconds on 2 CPU
+  cores (writing a file takes ~10 s once; it is kept and reused).
 * ``tiny_state_dict(arch, seed)`` + ``TINY_UNET_CONFIG[arch]`` — the same layouts at width 128 for
   in-process tests (``tests/comfy_harness.load_tiny``). Detection cannot size them (it would build the
   hard-coded width), so they are built from the explicit config with ComfyUI's own model classes.
