@@ -247,7 +247,7 @@ def test_server_calibrate_save_apply_workflow(comfy_server, miniature_models):
         "calib": {"class_type": "Int8Calibrate", "inputs": {
             "model": ["unet", 0], "positive": ["cond", 0], "latent_image": ["latent", 0], "seed": 1, "steps": 2,
             "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "alpha": 0.5, "alpha_search": False,
-            "protect_top_k": 2, "protect_threshold": 0.0, "preset": "blocks", "include": "", "exclude": "",
+            "protect_top_k": 1, "protect_threshold": 0.0, "preset": "blocks", "include": "", "exclude": "refiner",
             "activation_scales": "dynamic"}},
         "save": {"class_type": "SaveInt8Calibration", "inputs": {"calibration": ["calib", 0], "filename": name,
                                                                   "overwrite": False}},
@@ -263,10 +263,12 @@ def test_server_calibrate_save_apply_workflow(comfy_server, miniature_models):
     try:
         entry = comfy_server.run(wf, timeout=900)
         text = entry["outputs"]["calib"]["text"][0]
-        assert text.startswith("INT8 calibration: 25 layers, 2 kept in float") and "layers.0.feed_forward.w2" in text
+        assert text.startswith("INT8 calibration: 5 layers, 1 kept in float") and "layers.0.feed_forward.w2" in text
         assert str(path) in entry["outputs"]["save"]["text"][0]
         cal = Calibration.load(path)
-        assert len(cal.layers) == 25 and len(cal.protected_names()) == 2 and cal.meta["arch"] == "Lumina2"
+        assert list(cal.layers) == [f"layers.0.{n}" for n in ("attention.qkv", "attention.out", "feed_forward.w1",
+                                                               "feed_forward.w2", "feed_forward.w3")]
+        assert len(cal.protected_names()) == 1 and cal.meta["arch"] == "Lumina2"
         assert len(comfy_server.output_files(entry)) == 1
     finally:
         path.unlink(missing_ok=True)
