@@ -43,6 +43,7 @@ import collections
 import itertools
 import logging
 import statistics
+import sys
 import threading
 import time
 
@@ -59,11 +60,10 @@ _RUN_IDS = itertools.count(1)
 
 # --------------------------------------------------------------------------- messages
 def _server():
-    try:
-        from server import PromptServer
-    except Exception:  # not running inside ComfyUI's server (plain in-process use)
-        return None
-    return getattr(PromptServer, "instance", None)
+    """ComfyUI's running PromptServer, or None in-process without a server. ComfyUI's main.py imports
+    its ``server`` module before it loads custom nodes; importing it here would only add weight."""
+    cls = getattr(sys.modules.get("server"), "PromptServer", None)
+    return getattr(cls, "instance", None)
 
 
 def _send(event: str, data: dict) -> None:
