@@ -25,9 +25,11 @@ Only when sampling has ended does the summary ``synchronize()`` the last event, 
 is about to be consumed anyway. On the CPU, calls are synchronous and timed with ``time.perf_counter``.
 
 The MODEL whose guider runs OUTER_SAMPLE drives the sampling; another instrumented MODEL that the
-guider also calls (DualModelGuider's unconditional backbone) gets its own run on the same step
-boundaries, with the same ``group``. Each model call is timed once, by the outermost instrumented
-wrapper around it.
+guider also calls (DualModelGuider's unconditional backbone, which ComfyUI runs under the first
+model's wrappers: the call's model, ``executor.class_obj``, tells them apart) gets its own run on the
+same step boundaries, with the same ``group``. Each model call is timed once, by the outermost
+instrumented wrapper around it. ``branches`` are ComfyUI's ``cond_or_uncond`` tags, which are
+positional: DualModelGuider's negative-model pass is tagged "cond"; the run's node names the model.
 
 WebSocket events (``PromptServer.instance.send_sync``, to every connected page):
   int8_fused.step     {run, group, node, backend, device, step (0-based), steps, seconds, branches,
@@ -46,6 +48,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 
 import torch
 
@@ -254,14 +257,16 @@ class _Sampling:
         return [self.run, *self.children.values()]
 
 
+_BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BaseModel -> _Recorder
 _ACTIVE: list[_Sampling] = []  # ComfyUI samples one prompt at a time; a stack for nested samplings
 _TIMING = threading.local()  # .owner: the recorder timing the model call in progress on this thread
 
 class _Recorder:
     """The wrappers of one instrumented MODEL (shared by its clones, which copy the wrapper lists)."""
 
-    def __init__(self, node_id: str, backend: str):
+    def __init__(self, node_id: str, backend: str, model=None):
         self.node_id, self.backend = node_id, backend
+        self.model = weakref.ref(model) if model is not None else (lambda: None)  # its BaseModel
         self.run: Run | None = None
         self.in_call = None  # (run, branch, sigma, device) of the APPLY_MODEL call in progress
         self.inner_timed = False
@@ -315,9 +320,17 @@ class _Recorder:
             return None
         return _ACTIVE[-1].child(self)
 
+    def _owner(self, model) -> "_Recorder":
+        """The recorder of the model a call runs: this one, or, when a guider runs another
+        instrumented MODEL under this one's wrappers (ComfyUI's DualModelGuider runs the negative
+        model with the positive model's options), that model's recorder."""
+        if model is None or model is self.model():
+            return self
+        return _BY_MODEL.get(model) or self
+
     def apply_model(self, executor, x, t, c_concat=None, c_crossattn=None, control=None,
                     transformer_options={}, **kwargs):
-        run = self._current_run()
+        run = self._owner(getattr(executor, "class_obj", None))._current_run()
         if run is None or getattr(_TIMING, "owner", None) is not None:
             # Outside sampling (e.g. a calibration pass), or the call is already timed by the
             # wrapper of another instrumented MODEL around it: no second timer.
@@ -371,7 +384,10 @@ def instrument(model_patcher, *, node_id: str, backend: str) -> None:
     """
     import comfy.patcher_extension as pe
 
-    rec = _Recorder(str(node_id), str(backend))
+    model = getattr(model_patcher, "model", None)
+    rec = _Recorder(str(node_id), str(backend), model)
+    if model is not None:
+        _BY_MODEL[model] = rec  # clones share their BaseModel: the latest instrumented one owns it
     for kind, fn in ((pe.WrappersMP.OUTER_SAMPLE, rec.outer_sample),
                      (pe.WrappersMP.APPLY_MODEL, rec.apply_model),
                      (pe.WrappersMP.DIFFUSION_MODEL, rec.diffusion_model)):

@@ -303,3 +303,35 @@ def test_architectures_without_the_diffusion_model_hook_are_timed_at_apply_model
     _sample(comfy, m, steps=3, cfg=2.0)
     (summary,) = _events(sent, "int8_fused.summary")
     assert summary["step_seconds"] == [1.0, 2.0, 3.0] and summary["calls"] == 3
+
+
+def test_dual_model_guider_negative_model_run_under_the_first_models_wrappers(comfy, timing, tiny_flux, sent):
+    """ComfyUI's DualModelGuider runs the negative model with the positive model's model_options, so
+    only the first model's wrappers fire; the call's model tells the negative model's run apart."""
+    import comfy.samplers
+    import comfy_harness
+    a, b = tiny_flux.clone(), comfy_harness.load_tiny("flux", seed=1)  # two backbones
+    timing.instrument(a, node_id="30:conditional", backend="torch_int_mm")
+    timing.instrument(b, node_id="30:unconditional", backend="torch_int_mm")
+    g = torch.Generator().manual_seed(4)
+    ctx, pooled = torch.randn(1, 4, 64, generator=g), torch.randn(1, 64, generator=g)
+
+    class LikeDualModelGuider(comfy.samplers.CFGGuider):
+        def predict_noise(self, x, timestep, model_options={}, seed=None):
+            cond = comfy.samplers.calc_cond_batch(self.inner_model, [self.conds.get("positive")], x,
+                                                  timestep, model_options)[0]
+            opts = {**model_options["transformer_options"], "cond_or_uncond": [0], "sigmas": timestep}
+            uncond = b.model.apply_model(x, timestep, c_crossattn=ctx, y=pooled, transformer_options=opts)
+            return uncond + (cond - uncond) * 2.0
+
+    guider = LikeDualModelGuider(a)
+    guider.set_conds([[ctx, {"pooled_output": pooled}]], [])
+    sigmas = comfy.samplers.calculate_sigmas(a.get_model_object("model_sampling"), "simple", 2)
+    latent = torch.zeros(1, 16, 8, 8)
+    guider.sample(torch.randn(latent.shape, generator=g), latent, comfy.samplers.sampler_object("euler"),
+                  sigmas, disable_pbar=True, seed=0)
+    summaries = {s["node"]: s for s in _events(sent, "int8_fused.summary")}
+    assert set(summaries) == {"30:conditional", "30:unconditional"}
+    sa, sb = summaries["30:conditional"], summaries["30:unconditional"]
+    assert sa["calls"] == sb["calls"] == 2 and sa["steps"] == sb["steps"] == 2
+    assert sb["group"] == sa["run"]
