@@ -12,12 +12,18 @@ How it fits ComfyUI's ModelPatcher (comfy/model_patcher.py, 0.3.75):
   patches from the clone, so nothing later tries to patch the int8 tensor. Other layers keep theirs.
 * fp8 / scaled-fp8 / QuantizedTensor checkpoints are cast to fp32 through the layer's own
   ``convert_weight`` (as ``patch_weight_to_device`` does) or ``dequantize()`` before quantizing.
+* On ``fused_triton``, ``quant.fused.object_patches`` replaces whole modules it recognises (Ideogram 4
+  blocks, SwiGLU FeedForwards of Lumina 2 / Z-Image / Ideogram 4, a cached ``llm_cond_proj``) with fused
+  INT8 versions (``INT8_FUSED_FUSION=0`` turns that off); the clone then also carries its cache wrappers.
+  ``int8_layers(model)`` gives back the per-layer ``Int8Linear`` of every quantized name (fused w1+w3
+  split as row views), e.g. for Save INT8 Model.
 * The clone gets a fresh ``patches_uuid`` and its own size: switching between this clone and the float
   model makes ComfyUI unpatch and move the tree off the GPU, then load the INT8 tree (the replaced
   float weights are no longer in it, so they do not come back to the GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 
@@ -48,6 +54,71 @@ def backend_choices() -> list[str]:
     if forced in names:
         names = [forced] + [n for n in names if n != forced]
     return names if "bf16" in names else names + ["bf16"]
+
+
+@contextlib.contextmanager
+def _originals(model):
+    """The diffusion-model tree with its original modules for the duration: while another clone of the
+    same model is loaded, that clone's object patches sit in the (shared) tree."""
+    import comfy.utils
+    backup = dict(model.object_patches_backup)
+    current = {k: comfy.utils.get_attr(model.model, k) for k in backup}
+    for k, orig in backup.items():
+        comfy.utils.set_attr(model.model, k, orig)
+    try:
+        yield model.model.diffusion_model
+    finally:
+        for k, cur in current.items():
+            comfy.utils.set_attr(model.model, k, cur)
+
+
+def _fuse(model, layers: dict) -> tuple[dict, bool]:
+    """(object patches relative to the diffusion model, whether they need the cache wrappers)."""
+    if not any(layer.backend == "fused_triton" for layer in layers.values()):
+        return dict(layers), False
+    from ..quant import fused
+    with _originals(model) as root:
+        patches = fused.object_patches(root, layers)
+    n_fused = sum(1 for m in patches.values() if getattr(m, "covers", None) is not None)
+    if n_fused:
+        log.info("INT8 Apply: %d modules fused (norm/SwiGLU + quantize, w1+w3 as one GEMM)", n_fused)
+    return patches, any(isinstance(m, fused.CachedLinear) for m in patches.values())
+
+
+def int8_layers(model) -> dict:
+    """{name relative to the diffusion model: Int8Linear} of every INT8 layer among ``model``'s object
+    patches, fused or not (a fused w1+w3 GEMM comes back as two row-slice views named w1 and w3; a
+    cached layer by its own name). Built on demand, so nothing is held twice."""
+    from ..quant.linear import Int8Linear
+    out = {}
+    for key, mod in model.object_patches.items():
+        if not key.startswith(PREFIX):
+            continue
+        base = key[len(PREFIX):]
+        for sub, m in mod.named_modules():
+            if not isinstance(m, Int8Linear):
+                continue
+            name = ".".join(p for p in (base, sub) if p)
+            name = name[: -len(".inner")] if name.endswith(".inner") else name
+            if name.endswith(".w13"):
+                n1 = m.out_features // 2
+                out[name[:-3] + "w1"] = _rows(m, 0, n1, name[:-3] + "w1")
+                out[name[:-3] + "w3"] = _rows(m, n1, m.out_features, name[:-3] + "w3")
+            else:
+                out[name] = m
+    return out
+
+
+def _rows(layer, start: int, stop: int, name: str):
+    """Output rows [start, stop) of an Int8Linear as an Int8Linear of views (no copy)."""
+    from ..quant.linear import Int8Linear
+    r = Int8Linear(layer.in_features, stop - start, bias=layer.bias is not None,
+                   smooth=layer.smooth is not None, backend=layer.backend, name=name, device="meta")
+    r.qweight, r.weight_scale = layer.qweight[start:stop], layer.weight_scale[start:stop]
+    r.bias = None if layer.bias is None else layer.bias[start:stop]
+    r.smooth = layer.smooth
+    r._refresh_inv_smooth()
+    return r
 
 
 def _original_modules(model):
@@ -184,7 +255,7 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     from comfy.patcher_extension import CallbacksMP
     already = {k[len(PREFIX):] for k in model.object_patches if k.startswith(PREFIX)}
     pairs = [(n, m) for n, m in select.select_from(_original_modules(model), preset, include, exclude)
-             if n not in already]
+             if n not in already and not any(n.startswith(p + ".") for p in already)]
     if not pairs:
         arch = type(model.model.diffusion_model).__name__
         note = f" ({len(already)} are already INT8-patched)" if already else ""
@@ -199,9 +270,16 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
         weight_fn=lambda n, m: _float_tensor(model, n, m, "weight", compute_dev),
         bias_fn=lambda n, m: _float_tensor(model, n, m, "bias", compute_dev),
         device=load_dev, compute_device=compute_dev, store_device=store_dev)
+    patches, cached = _fuse(model, layers)
+    for name, module in patches.items():
+        out.add_object_patch(PREFIX + name, module)
+    if cached:
+        from comfy.patcher_extension import WrappersMP
+        from ..quant import fused
+        out.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, _CALLBACK_KEY, fused.diffusion_model_wrapper)
+        out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _CALLBACK_KEY, fused.outer_sample_wrapper)
     dropped = 0
-    for name, layer in layers.items():
-        out.add_object_patch(PREFIX + name, layer)
+    for name in layers:
         for attr in ("weight", "bias"):
             dropped += out.patches.pop(f"{PREFIX}{name}.{attr}", None) is not None
     out.patches_uuid = uuid.uuid4()  # forces ComfyUI to reload (not reuse) the tree when switching models

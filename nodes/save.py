@@ -54,7 +54,13 @@ def collect(model, fmt: str, preset: str = "blocks", calibration=None):
     dm = model.model.diffusion_model
     patched = {k[len("diffusion_model."):]: v for k, v in getattr(model, "object_patches", {}).items()
                if k.startswith("diffusion_model.")}
-    mods = {n: patched.get(n, m) for n, m in dm.named_modules()}
+    named = list(dm.named_modules())
+    if hasattr(model, "object_patches_backup"):  # Apply on fused_triton: fused modules hide their INT8
+        from .apply import _originals, int8_layers  # linears; name them on the unpatched tree
+        patched.update(int8_layers(model))
+        with _originals(model) as root:
+            named = list(root.named_modules())
+    mods = {n: patched.get(n, m) for n, m in named}
     has_int8 = any(isinstance(m, Int8Linear) for m in mods.values())
     chosen = set() if has_int8 else {n for n, _ in select.select_linears(dm, preset)}
     quant, floats, protected = {}, {}, []

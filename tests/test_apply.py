@@ -152,19 +152,38 @@ def test_unpatch_exact_and_input_model_untouched(comfy, node):
     assert now.keys() == sd.keys() and all(now[k].equal(sd[k]) for k in sd)
 
 
-def test_backends_agree_inside_the_model(comfy, node, pack):
-    """dequant_bf16 / torch_int_mm / fused_triton multiply the same int8 operands (see test_backends)."""
+def test_backends_agree_inside_the_model(comfy, node, pack, monkeypatch):
+    """dequant_bf16 / torch_int_mm / fused_triton multiply the same int8 operands (see test_backends);
+    with fusion on, fused_triton replaces Lumina 2's FeedForward by a fused module (w1+w3 one GEMM,
+    SwiGLU fused with w2's quantization) whose rounding differs: it must stay well inside the W8A8 error."""
     mp = tiny(comfy, "lumina2")
+    ref = run(comfy, mp, "lumina2")
     a = run(comfy, apply(node, mp, "torch_int_mm"), "lumina2")
     d = run(comfy, apply(node, mp, "dequant_bf16"), "lumina2")
     assert (a - d).abs().max() <= 1e-5 * a.abs().max()
     ok, why = pack.quant.kernel_module().triton_status(CPU)
     if not ok:
         pytest.skip(f"fused_triton: {why}")
-    only = r"^(?!layers\.1\.)"  # one block: the interpreter runs ~1 s per GEMM
-    f = run(comfy, apply(node, mp, "fused_triton", exclude=only), "lumina2")
-    t = run(comfy, apply(node, mp, "torch_int_mm", exclude=only), "lumina2")
-    assert (f - t).abs().max() <= 1e-5 * t.abs().max()
+    only = r"^(?!layers\.1\.)"  # one block: the interpreter runs ~1 s per kernel launch
+    t_mp = apply(node, mp, "torch_int_mm", exclude=only)
+    t = run(comfy, t_mp, "lumina2")
+    monkeypatch.setenv("INT8_FUSED_FUSION", "0")
+    plain = run(comfy, apply(node, mp, "fused_triton", exclude=only), "lumina2")
+    assert (plain - t).abs().max() <= 1e-5 * t.abs().max()
+    monkeypatch.delenv("INT8_FUSED_FUSION")
+    fq = apply(node, mp, "fused_triton", exclude=only)
+    assert type(fq.object_patches[PREFIX + "layers.1.feed_forward"]).__name__ == "FusedFeedForward"
+    fused = run(comfy, fq, "lumina2")
+    assert (fused - t).norm() <= 0.5 * (t - ref).norm()
+    # the per-layer view of a fused model: w1/w3 split back from the merged GEMM, equal to the plain layers
+    layers = pack.nodes.apply.int8_layers(fq)
+    assert set(layers) == set(int8_names(t_mp))
+    for n in ("layers.1.feed_forward.w1", "layers.1.feed_forward.w3", "layers.1.attention.qkv"):
+        plain_layer = t_mp.object_patches[PREFIX + n]
+        assert layers[n].qweight.equal(plain_layer.qweight) and layers[n].weight_scale.equal(plain_layer.weight_scale)
+    # ... which is what Save INT8 Model writes for a fused model (not the hidden float originals)
+    quant, floats, _ = pack.nodes.save.collect(fq, "int8_fused")
+    assert set(int8_names(t_mp)) == set(quant) and not any(k.startswith("layers.1.feed_forward.w") for k in floats)
 
 
 def _lora(targets, rank=4, seed=3):
