@@ -2,7 +2,10 @@
 
 ComfyUI imports this file from ``custom_nodes/``. Importing it compiles no kernel and touches no GPU.
 """
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+if __package__:  # imported as a package: ComfyUI's custom-node loader (and pytest walking up from tests/)
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+else:  # loaded as a plain module outside any package (pytest, when the folder's name is no identifier)
+    NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = {}, {}
 
 WEB_DIRECTORY = "./web"
 
