@@ -3,9 +3,9 @@
 INT8 Calibrate runs real sampling steps of the float MODEL it is given (``comfy.sample.sample``, the
 KSampler path) with forward pre-hooks on the selected linears, then computes per layer the
 SmoothQuant vector, the W8A8 error with and without it, and the layers to keep in float. Each MODEL
-gets its own statistics: the two Ideogram 4 backbones are calibrated by two nodes (give the
-unconditional backbone its own run, e.g. with its conditioning as ``positive`` and cfg 1, which makes
-ComfyUI skip the second CFG branch).
+gets its own statistics: the two Ideogram 4 backbones are calibrated by two nodes; the one for the
+unconditional backbone sets ``image_tokens_only`` (no text tokens, cfg 1: what that backbone sees
+under DualModelGuider with ``negative`` unconnected).
 
 Interrupt (Cancel in the UI) is honoured between steps and between layers; hooks are removed in every
 case and no CALIBRATION is produced, so nothing half-made reaches Save.
@@ -77,15 +77,20 @@ def _zero_out(cond):
         d = dict(d)
         if d.get("pooled_output") is not None:
             d["pooled_output"] = torch.zeros_like(d["pooled_output"])
-        out.append([torch.zeros_like(t), d])
+        out.append([None if t is None else torch.zeros_like(t), d])
     return out
 
 
 def run_calibration(model, positive, negative, latent, seed, steps, cfg, sampler_name, scheduler,
                     alpha=0.5, alpha_search=False, protect_top_k=0, protect_threshold=0.0,
                     preset="blocks", include="", exclude="", activation_scales="dynamic",
-                    static_buckets=4, rows_per_layer=DEFAULT_ROW_CAP, node_id=None) -> Calibration:
-    """Sample ``steps`` steps with capture hooks installed, then build the Calibration."""
+                    static_buckets=4, rows_per_layer=DEFAULT_ROW_CAP, image_tokens_only=False,
+                    node_id=None) -> Calibration:
+    """Sample ``steps`` steps with capture hooks installed, then build the Calibration.
+
+    ``image_tokens_only``: sample with an empty conditioning ``[[None, {}]]`` and cfg 1, the input
+    Ideogram 4's unconditional backbone gets under DualModelGuider with ``negative`` unconnected.
+    """
     import comfy.model_management as mm
     import comfy.sample
     import comfy.utils
@@ -97,6 +102,8 @@ def run_calibration(model, positive, negative, latent, seed, steps, cfg, sampler
     # INT8 copy) may still have its object patches applied to it from the last run.
     mm.load_models_gpu([model])
     targets = _targets(model, preset, include, exclude)
+    if image_tokens_only:
+        positive, negative, cfg = [[None, {}]], None, 1.0
     n_buckets = max(1, min(int(static_buckets), steps)) if activation_scales == "static" else 1
     capture = ActivationCapture(targets, n_buckets=n_buckets, row_cap=int(rows_per_layer), seed=seed)
     pbar = comfy.utils.ProgressBar(steps + len(targets), node_id=node_id)
@@ -123,7 +130,8 @@ def run_calibration(model, positive, negative, latent, seed, steps, cfg, sampler
     meta = {"arch": type(model.model).__name__, "model_class": type(model.model.diffusion_model).__name__,
             "steps": steps, "seed": seed, "cfg": cfg, "sampler": sampler_name, "scheduler": scheduler,
             "latent_shape": list(lat.shape), "preset": preset, "include": include, "exclude": exclude,
-            "bucket_rule": "bucket = step * buckets // steps (sampling step index)"}
+            "bucket_rule": "bucket = step * buckets // steps (sampling step index)",
+            "image_tokens_only": bool(image_tokens_only)}
     return build_calibration(capture, _weight_fn(model, dev), alpha=alpha, alpha_search=alpha_search,
                              protect_top_k=protect_top_k, protect_threshold=protect_threshold,
                              static_scales=activation_scales == "static", meta=meta, progress=on_layer)
@@ -181,6 +189,9 @@ class Int8Calibrate:
                     "Timestep buckets of the static activation scales (steps split evenly).")}),
                 "rows_per_layer": ("INT", {"default": DEFAULT_ROW_CAP, "min": 16, "max": 4096, "tooltip": (
                     "Activation rows kept per layer for the error measurement (memory cap).")}),
+                "image_tokens_only": ("BOOLEAN", {"default": False, "tooltip": (
+                    "Ideogram 4 unconditional backbone: sample with no text tokens (cfg 1), as it runs "
+                    "under DualModelGuider with negative unconnected. positive is then ignored.")}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -188,11 +199,11 @@ class Int8Calibrate:
     def calibrate(self, model, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, alpha,
                   alpha_search, protect_top_k, protect_threshold, preset, include, exclude,
                   activation_scales, negative=None, static_buckets=4, rows_per_layer=DEFAULT_ROW_CAP,
-                  unique_id=None):
+                  image_tokens_only=False, unique_id=None):
         cal = run_calibration(model, positive, negative, latent_image, seed, steps, cfg, sampler_name,
                               scheduler, alpha, alpha_search, protect_top_k, protect_threshold, preset,
                               include, exclude, activation_scales, static_buckets, rows_per_layer,
-                              node_id=unique_id)
+                              image_tokens_only, node_id=unique_id)
         text = cal.summary_text()
         log.info("INT8 Calibrate: %s", text.splitlines()[0])
         return {"ui": {"text": [text]}, "result": (cal, text)}

@@ -304,3 +304,57 @@ def test_browser_shows_summary_on_the_node(comfy_server):
     assert got["value"] == "INT8 calibration: 2 layers\nlayers.0.attention.qkv  0.5", got
     assert got["readOnly"] is True and got["after"] == got["before"] and not got["inPrompt"], got
     assert not [e for e in errors if "int8_calibrate" in e], errors
+
+
+# ---------------------------------------------------------------------- Ideogram 4 (current ComfyUI)
+_I4_SCRIPT = r'''
+import json, sys, importlib, torch
+pack = import_pack()
+import comfy.sd
+i4 = importlib.import_module("comfyui_int8_fused.quant.fmt_ideogram4")
+C, A = pack.nodes.calibrate, pack.nodes.apply
+w = i4.widths()
+models = {br: comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, w, seed=s), {"dtype": torch.bfloat16})
+          for br, s in (("cond", 0), ("uncond", 1))}
+g = torch.Generator().manual_seed(5)
+pos = [[torch.randn(1, 8, 53248, generator=g).to(torch.bfloat16), {}]]
+lat = {"samples": torch.zeros(1, 128, 4, 4)}
+cal = {"cond": C.run_calibration(models["cond"], pos, None, lat, 1, 2, 1.0, "euler", "simple", protect_top_k=1),
+       "uncond": C.run_calibration(models["uncond"], pos, None, lat, 1, 2, 4.0, "euler", "simple", protect_top_k=1,
+                                   image_tokens_only=True)}
+root = lambda br: dict((n, m) for n, m in models[br].model.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear))
+wf = lambda br: (lambda n, m: m.weight)
+(q,) = A.ApplyFusedInt8GEMM().apply(models["cond"], "dequant_bf16", "blocks", "", "", "", calibration=cal["cond"])
+res = {br: {"layers": list(c.layers), "arch": c.meta["arch"], "protected": c.protected_names(),
+            "tokens": c.meta["tokens"]["layers.0.attention.qkv"]["tokens"], "image_only": c.meta["image_tokens_only"],
+            "smooth_qkv": c.layers["layers.0.attention.qkv"].smooth[:4].tolist(),
+            "errs": {n: [l.err_plain, l.err_smoothed] for n, l in c.layers.items()},
+            "mismatch_own": c.weight_mismatches(wf(br), root(br)),
+            "mismatch_other": c.weight_mismatches(wf(br), root("uncond" if br == "cond" else "cond"))}
+       for br, c in cal.items()}
+res["apply_kept_float"] = q.int8_report.kept_float
+res["apply_smoothed"] = q.int8_report.smoothed
+print("RESULT " + json.dumps(res))
+'''
+
+
+def test_ideogram4_backbones_calibrated_separately(comfy_current):
+    """Both Ideogram 4 backbones (1 layer at the real widths, random weights) calibrated by the node
+    code in a current ComfyUI: the conditional one on [text, image] tokens, the unconditional one on
+    image tokens only; each gets its own statistics, and the Apply node takes the result."""
+    import json
+    cp = H.run_in_current_comfy(_I4_SCRIPT, timeout=3000)
+    assert cp.returncode == 0, f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}"
+    res = json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    print(json.dumps(res, indent=1))
+    block = [f"layers.0.{n}" for n in ("attention.qkv", "attention.o", "feed_forward.w1", "feed_forward.w2",
+                                       "feed_forward.w3")]
+    c, u = res["cond"], res["uncond"]
+    assert sorted(c["layers"]) == sorted(u["layers"]) == sorted(block)
+    assert c["arch"] == u["arch"] == "Ideogram4" and u["image_only"] and not c["image_only"]
+    assert u["tokens"] < c["tokens"]  # the unconditional backbone saw no text tokens
+    assert c["smooth_qkv"] != u["smooth_qkv"]
+    assert c["mismatch_own"] == [] and c["mismatch_other"] and u["mismatch_own"] == [] and u["mismatch_other"]
+    assert all(0 < e[0] < 0.1 and 0 < e[1] < 0.1 for e in list(c["errs"].values()) + list(u["errs"].values()))
+    assert list(res["apply_kept_float"]) == c["protected"] and len(c["protected"]) == 1
+    assert res["apply_smoothed"] == 4
