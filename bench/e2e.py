@@ -9,6 +9,8 @@ reference CFG of ``DualModelGuider`` with ``negative`` unconnected. Paths:
   fp8_fast      UNETLoader weight_dtype ``fp8_e4m3fn_fast`` (fp8 weights, ``torch._scaled_mm``)
   core_int8     ComfyUI core ``int8_tensorwise`` checkpoint layout (comfy-kitchen ``int8_linear``)
   pack:<name>   the bf16 model patched by this pack's "Apply Fused INT8 GEMM" node with backend <name>
+  nofuse:<name> the same with the block fusions off (INT8_FUSED_FUSION=0): the plain per-linear path
+  compile:<name> pack:<name> under torch.compile (default mode)
 
 Output: a table, and JSON rows {resolution, path, s_per_step, peak_gib, max_abs_diff_vs_bf16} written
 to --out. Needs a CUDA GPU and a ComfyUI checkout with ``comfy/ldm/ideogram4`` (--comfy or
@@ -216,6 +218,42 @@ def profile_step(dm, inputs, name: str) -> list[dict]:
     return rows
 
 
+def print_table(rows: list[dict]) -> None:
+    ref_s = {r["resolution"]: r["s_per_step"] for r in rows if r["path"] == "bf16" and "s_per_step" in r}
+    print(f"\n{'res':>5} {'path':<28} {'s/step':>8} {'x bf16':>7} {'peak GiB':>9} {'max|d|':>9} {'rel l2':>8}")
+    for r in rows:
+        if "s_per_step" not in r:
+            print(f"{r['resolution']:>5} {r['path']:<28} {r['error']}")
+            continue
+        sp = ref_s.get(r["resolution"], float("nan")) / r["s_per_step"]
+        d = r["max_abs_diff_vs_bf16"]
+        print(f"{r['resolution']:>5} {r['path']:<28} {r['s_per_step']:8.4f} {sp:7.2f} {r['peak_gib']:9.1f} "
+              f"{d if d is None else round(d, 4)!s:>9} {r['rel_l2_vs_bf16'] or 0:8.4f}")
+
+
+def write_results(a, dev, rows: list[dict], profiles: dict) -> None:
+    """Write the JSON document (called after every path, so a cut-short run keeps what it measured)."""
+    commit = os.environ.get("BENCH_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    doc = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke run)",
+           "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton_version,
+           "commit": commit, "command": " ".join([Path(sys.executable).name] + sys.argv), "rows": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    if profiles:
+        Path(a.out).with_name(Path(a.out).stem + "-profile.json").write_text(json.dumps(profiles, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy", default=os.environ.get("COMFYUI_CURRENT"), help="ComfyUI checkout with Ideogram 4")
@@ -226,7 +264,6 @@ def main() -> int:
                                         "pack:dequant_bf16,pack:fp8_rowwise")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd pack:fused_triton")
     ap.add_argument("--profile", default="", help="comma-separated paths to profile at the first --res")
     ap.add_argument("--device", default="cuda", help="cuda (benchmark) or cpu (smoke run, tiny --res)")
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e.json"))
@@ -245,6 +282,7 @@ def main() -> int:
     import comfy.model_management as mm
     import comfy.sd
     pack = load_pack()
+    pack_fused = importlib.import_module(pack.__name__ + ".quant.fused")
     resolutions = [int(r) for r in a.res.split(",")]
     paths = a.paths.split(",")
     rows, ref_out, profiles = [], {}, {}
@@ -263,22 +301,25 @@ def main() -> int:
             if base is None:
                 base = comfy.sd.load_diffusion_model_state_dict(dict(base_sd), disable_dynamic=True)
             patcher = base
-        if path.startswith("pack:"):
+        kind, _, backend = path.partition(":")
+        if kind in ("pack", "compile", "nofuse"):
             t0 = time.perf_counter()
-            patcher = pack_apply(pack, base, path.split(":", 1)[1])
+            os.environ["INT8_FUSED_FUSION"] = "0" if kind == "nofuse" else "1"
+            patcher = pack_apply(pack, base, backend)
+            os.environ.pop("INT8_FUSED_FUSION")
             log(f"{path}: Apply node took {time.perf_counter() - t0:.1f} s")
         mm.load_models_gpu([patcher], force_full_load=True)
         dm = patcher.model.diffusion_model
-        variants = [(path, dm)]
-        if a.compile and path == "pack:fused_triton":
-            variants.append((path + "+compile", torch.compile(dm)))
+        variants = [(path, torch.compile(dm) if kind == "compile" else dm)]
         for name, fn in variants:
             for res in resolutions:
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 inputs = step_inputs(res, a.text_tokens, dev, patcher.model.get_dtype_inference())
                 try:
-                    c, u, s, out = time_step(fn, inputs, a.warmup, a.iters)
+                    # the fused llm_cond_proj cache is keyed per prompt (ComfyUI's cond uuids when sampling)
+                    with pack_fused.bind_caches(dm, f"bench-{res}"):
+                        c, u, s, out = time_step(fn, inputs, a.warmup, a.iters)
                 except Exception as e:  # a path that cannot run here is reported, not hidden
                     log(f"{name} @ {res}: FAILED {type(e).__name__}: {e}")
                     rows.append({"resolution": res, "path": name, "error": f"{type(e).__name__}: {e}"})
@@ -299,33 +340,9 @@ def main() -> int:
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    ref_s = {r["resolution"]: r["s_per_step"] for r in rows if r["path"] == "bf16" and "s_per_step" in r}
-    print(f"\n{'res':>5} {'path':<26} {'s/step':>8} {'x bf16':>7} {'peak GiB':>9} {'max|d|':>9} {'rel l2':>8}")
-    for r in rows:
-        if "s_per_step" not in r:
-            print(f"{r['resolution']:>5} {r['path']:<26} {r['error']}")
-            continue
-        sp = ref_s.get(r["resolution"], float("nan")) / r["s_per_step"]
-        d = r["max_abs_diff_vs_bf16"]
-        print(f"{r['resolution']:>5} {r['path']:<26} {r['s_per_step']:8.4f} {sp:7.2f} {r['peak_gib']:9.1f} "
-              f"{d if d is None else round(d, 4)!s:>9} {r['rel_l2_vs_bf16'] or 0:8.4f}")
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or os.environ.get("BENCH_COMMIT", "")
-    except OSError:
-        commit = os.environ.get("BENCH_COMMIT", "")
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    doc = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke run)", "date": datetime.date.today().isoformat(),
-           "torch": torch.__version__, "triton": triton_version, "commit": commit or os.environ.get("BENCH_COMMIT", ""),
-           "command": " ".join([Path(sys.executable).name] + sys.argv), "rows": rows}
-    if profiles:
-        Path(a.out).with_name(Path(a.out).stem + "-profile.json").write_text(json.dumps(profiles, indent=1))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(doc, indent=1))
+        write_results(a, dev, rows, profiles)
+    write_results(a, dev, rows, profiles)
+    print_table(rows)
     log(f"wrote {a.out}")
     return 0
 
