@@ -122,13 +122,15 @@ class SaveInt8Model:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL",),
+            "model": ("MODEL", {"tooltip": "The model to save: the output of Apply Fused INT8 GEMM, or a float "
+                                           "model (quantized here with the chosen layers)"}),
             "filename": ("STRING", {"default": "int8/model_int8", "tooltip": "relative to models/diffusion_models"}),
             "format": (list(FORMATS), {"tooltip": "int8_fused keeps SmoothQuant; comfy_int8_tensorwise loads in "
                                                   "plain ComfyUI (smoothing folded into the weights)"}),
-            "overwrite": ("BOOLEAN", {"default": False}),
+            "overwrite": ("BOOLEAN", {"default": False, "tooltip": "replace an existing file of that name"}),
             "layers": (list(select.PRESETS), {"tooltip": "which linears to quantize when the model is float"}),
-        }, "optional": {"calibration": (CALIBRATION_TYPE,)}}
+        }, "optional": {"calibration": (CALIBRATION_TYPE, {"tooltip": "optional output of INT8 Calibrate: "
+                                                                       "SmoothQuant vectors and float-kept layers"})}}
 
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("path",)
