@@ -1,0 +1,55 @@
+"""Tile sweep for the two row kernels of kernel/fused.py at Ideogram 4 shapes (H200): each (BLOCK, one
+register-resident pass or chunked passes, num_warps) plan timed with do_bench, output checked bit-equal to
+the default plan's. ``python bench/fused_sweep.py [--m 4608]``; prints one line a plan."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=4608)
+    a = ap.parse_args()
+    import triton.testing
+    from kernel import fused as kf
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    m, k, f = a.m, 4608, 12288
+    x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(torch.bfloat16)
+    s = (1 + 0.1 * torch.randn(1, k, device=dev, generator=g)).to(torch.bfloat16)
+    h13 = (2 * torch.randn(m, 2 * f, device=dev, generator=g)).to(torch.bfloat16)
+    default_plan = kf._plan
+    cases = {
+        "rmsnorm_mod_quant K=4608": (lambda: kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, m), 2 * m * k + m * k,
+                                     [(8192, True, 16), (8192, True, 8), (8192, True, 32), (4096, False, 4),
+                                      (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
+        "swiglu_quant F=12288": (lambda: kf.swiglu_quantize(h13), 2 * m * 2 * f + m * f,
+                                 [(16384, True, 16), (16384, True, 32), (8192, False, 8), (4096, False, 4),
+                                  (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
+    }
+    for name, (fn, nbytes, plans) in cases.items():
+        kf._plan = default_plan
+        ref_q, ref_s = fn()
+        for plan in plans:
+            kf._plan = lambda n, max_single=None, _p=plan: _p
+            try:
+                q, sc = fn()
+                same = torch.equal(q, ref_q) and torch.equal(sc, ref_s)
+                us = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+                print(f"{name:26s} BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: {us:7.1f} us "
+                      f"{nbytes / us / 1e3:6.0f} GB/s  equal={same}", flush=True)
+            except Exception as e:  # a plan that does not compile (registers) is reported, not fatal
+                print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+    kf._plan = default_plan
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
