@@ -42,7 +42,8 @@ from .launch import launch  # re-launches the compiled kernel directly (host cos
 from .quantize import INTERPRET, _rint  # the quantizer's rint (and its interpreter compat shim)
 
 MAX_SINGLE = 8192   # row lengths up to this stay in registers (K = 4608 -> one 8192 tile, 16 warps)
-MAX_SINGLE_SWIGLU = 16384  # F = 12288 -> one 16384 tile, 16 warps (32 elements a thread): one pass, half the ALU
+MAX_SINGLE_SWIGLU = 2048   # longer SwiGLU rows (F = 12288): 2048-wide chunks, 8 warps (see _plan)
+MAX_SINGLE_RMS = 1024      # longer rmsnorm rows (K = 4608): 1024-wide chunks, 4 warps (see _plan)
 CHUNK = 4096        # longer rows: 4096-wide chunks, 2 (swiglu) / 3 (rmsnorm) passes, L2 re-reads
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -250,16 +251,18 @@ def _gated_residual_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, i
 
 
 # ----------------------------------------------------------------------------------------------- launchers
-def _plan(n: int, max_single: int | None = None) -> tuple[int, bool, int]:
+def _plan(n: int, max_single: int | None = None, chunk: int = CHUNK, chunk_warps: int = 8
+          ) -> tuple[int, bool, int]:
     """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers up to ``max_single`` (MAX_SINGLE),
-    else CHUNK-wide chunks. NOTE (prediction, not measured): SwiGLU with exp + IEEE division + two bf16
-    roundings is ~40 ALU/MUFU ops an element, so at F = 12288 it is near the ALU limit; the single pass
-    halves that against two passes. If it measures > 70 us at M = 4608, try fast exp/div (costs bit-equality
-    of the bf16 intermediates, ~1e-5 code flips)."""
+    else ``chunk``-wide chunks (a second pass re-reads the row from L2).
+    Measured on the H200 (bench/fused_sweep.py, 2026-11-29, M = 4608): swiglu F = 12288 one 16384-wide pass
+    with 16 warps 240 us, 2048-wide chunks with 8 warps 162 us (bit-equal: a max reduction); rmsnorm K = 4608
+    one 8192-wide pass with 16 warps 86 us, 1024-wide chunks with 4 warps 49 us (the sum of squares then adds
+    in another order: a last-bit change of rstd, i.e. rare +-1 code flips against torch)."""
     if n <= (MAX_SINGLE if max_single is None else max_single):
         block = triton.next_power_of_2(max(n, 16))
         return block, True, 4 if block <= 2048 else 8 if block <= 4096 else 16
-    return CHUNK, False, 8
+    return chunk, False, chunk_warps
 
 
 def _row_major(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -302,7 +305,7 @@ def rmsnorm_modulate_quantize(x: torch.Tensor, norm_weight: torch.Tensor, eps: f
         return q, qs.zero_()
     _check_usable(x, "rmsnorm_modulate_quantize")
     x, w, s2 = _row_major(x, "x"), _row_major(w, "norm_weight"), _row_major(s2, "scale")
-    block, single, warps = _plan(k)
+    block, single, warps = _plan(k, MAX_SINGLE_RMS, chunk=1024, chunk_warps=4)
     launch(_rmsnorm_modulate_quant_kernel, (m,),
            (x, w, s2, inv if inv is not None else qs, q, qs, k, max(int(tokens_per_batch), 1), float(eps),
             x.stride(0), 0 if nb == 1 else s2.stride(0), q.stride(0)),
@@ -338,7 +341,7 @@ def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: boo
         return q, qs.zero_()
     _check_usable(a, "swiglu_quantize")
     a, b = _row_major(a, "a"), _row_major(b, "b")
-    block, single, warps = _plan(f, MAX_SINGLE_SWIGLU)
+    block, single, warps = _plan(f, MAX_SINGLE_SWIGLU, chunk=2048, chunk_warps=8)
     launch(_swiglu_quant_kernel, (m,),
            (a, b, inv if inv is not None else qs, q, qs, f, a.stride(0), b.stride(0), q.stride(0)),
            dict(HAS_SMOOTH=inv is not None, DT=_DT_CODE[a.dtype],
