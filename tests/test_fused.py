@@ -624,7 +624,8 @@ def test_real_ideogram4_model_fused_vs_plain(tmp_path):
     import subprocess
     script = tmp_path / "real_ideogram4.py"
     script.write_text(_REAL_IDEOGRAM4)
-    r = subprocess.run([sys.executable, str(script), str(ROOT), cu], capture_output=True, text=True, timeout=600)
+    python = os.environ.get("COMFYUI_CURRENT_PYTHON") or sys.executable  # as conftest's run_in_current_comfy
+    r = subprocess.run([python, str(script), str(ROOT), cu], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
