@@ -84,9 +84,6 @@ def _int8_module(name: str, t: dict, backend: str, device: torch.device) -> Int8
     m.bias = t["bias"].float() if "bias" in t else None
     m.smooth = t["smooth"].float() if "smooth" in t else None
     m._refresh_inv_smooth()
-    # Current ComfyUI's ModelPatcher reads ``<module>.weight`` of every module carrying
-    # ``comfy_cast_weights`` (model_patcher.get_key_weight) and expects None when there is no float weight.
-    object.__setattr__(m, "weight", None)
     return m
 
 
