@@ -2,6 +2,10 @@
 defines ``NODE_CLASS_MAPPINGS`` and ``NODE_DISPLAY_NAME_MAPPINGS``; they are merged here."""
 import importlib
 
+from . import comfy_cast
+
+comfy_cast.install()  # Int8Linear fetches ComfyUI-managed weights through comfy.ops (nodes/comfy_cast.py)
+
 _MODULES = ["apply", "calibrate", "loader", "save", "conditioning"]  # e.g. "apply", "calibrate", "loader", "save", "timing"
 
 NODE_CLASS_MAPPINGS: dict = {}

@@ -33,10 +33,7 @@ from .common import CALIBRATION_TYPE, CATEGORY
 from ..quant import backends, select
 from ..quant.patch import build_int8_layers
 
-try:
-    from . import timing
-except ImportError:  # the timing module is optional
-    timing = None
+from . import timing
 
 log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
@@ -102,23 +99,11 @@ def int8_layers(model) -> dict:
             name = name[: -len(".inner")] if name.endswith(".inner") else name
             if name.endswith(".w13"):
                 n1 = m.out_features // 2
-                out[name[:-3] + "w1"] = _rows(m, 0, n1, name[:-3] + "w1")
-                out[name[:-3] + "w3"] = _rows(m, n1, m.out_features, name[:-3] + "w3")
+                out[name[:-3] + "w1"] = m.rows(0, n1, name[:-3] + "w1")
+                out[name[:-3] + "w3"] = m.rows(n1, m.out_features, name[:-3] + "w3")
             else:
                 out[name] = m
     return out
-
-
-def _rows(layer, start: int, stop: int, name: str):
-    """Output rows [start, stop) of an Int8Linear as an Int8Linear of views (no copy)."""
-    from ..quant.linear import Int8Linear
-    r = Int8Linear(layer.in_features, stop - start, bias=layer.bias is not None,
-                   smooth=layer.smooth is not None, backend=layer.backend, name=name, device="meta")
-    r.qweight, r.weight_scale = layer.qweight[start:stop], layer.weight_scale[start:stop]
-    r.bias = None if layer.bias is None else layer.bias[start:stop]
-    r.smooth = layer.smooth
-    r._refresh_inv_smooth()
-    return r
 
 
 def _original_modules(model):
@@ -150,6 +135,23 @@ def _float_tensor(model, name: str, module, attr: str, device: torch.device) -> 
     if key in model.patches:
         out = comfy.lora.calculate_weight(model.patches[key], out, key, intermediate_dtype=torch.float32)
     return out.float()
+
+
+def core_int8_weight(model, name: str, module):
+    """(int8 [N, K], fp32 scale) of a layer that holds ComfyUI core ``int8_tensorwise`` weights (a
+    ``QuantizedTensor`` with ``TensorWiseINT8Layout``, per-channel or per-tensor scale, no ConvRot rotation,
+    not transposed) and no LoRA patch to merge: Apply adopts them as stored. None otherwise (the layer is
+    then decoded to float and quantized by this pack, as any float layer)."""
+    w = getattr(module, "weight", None)
+    if type(w).__name__ != "QuantizedTensor" or getattr(w, "_layout_cls", None) != "TensorWiseINT8Layout":
+        return None
+    if f"{PREFIX}{name}.weight" in model.patches or getattr(module, "pre_quant_scale", None) is not None:
+        return None
+    p, q = w._params, w._qdata
+    if getattr(p, "convrot", False) or getattr(p, "transposed", False) or q.dtype != torch.int8 \
+            or tuple(q.shape) != tuple(w.shape) or p.scale.numel() not in (1, q.shape[0]):
+        return None
+    return q, p.scale.float().reshape(-1)
 
 
 def _lora_guard(patcher):
@@ -245,8 +247,7 @@ class ApplyFusedInt8GEMM:
             log.info("INT8 Apply: backend bf16 = the unquantized control; model passed through")
         else:
             _patch(out, model, backend, preset, include, exclude, keep_float, calibration)
-        if timing is not None:
-            timing.instrument(out, node_id=str(unique_id), backend=backend)
+        timing.instrument(out, node_id=str(unique_id), backend=backend)
         return (out,)
 
 
@@ -269,6 +270,7 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
         pairs, backend, calibration=calibration, keep_float=keep_float,
         weight_fn=lambda n, m: _float_tensor(model, n, m, "weight", compute_dev),
         bias_fn=lambda n, m: _float_tensor(model, n, m, "bias", compute_dev),
+        quantized_fn=lambda n, m: core_int8_weight(model, n, m),
         device=load_dev, compute_device=compute_dev, store_device=store_dev)
     patches, cached = _fuse(model, layers)
     for name, module in patches.items():

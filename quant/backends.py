@@ -122,7 +122,8 @@ def _comfy_kitchen_device(device: torch.device) -> str | None:
     try:
         import comfy_kitchen  # noqa: F401
     except Exception as e:  # ImportError, or a binary that fails to load
-        _KITCHEN_OK[key] = f"comfy_kitchen is not importable ({type(e).__name__}: {e}); pip install comfy-kitchen"
+        _KITCHEN_OK[key] = (f"comfy_kitchen is not importable ({type(e).__name__}: {e}); "
+                            "pip install comfy-kitchen with the Python that runs ComfyUI")
         return _KITCHEN_OK[key]
     try:
         from .linear import Int8Linear
@@ -143,13 +144,14 @@ def _comfy_kitchen_device(device: torch.device) -> str | None:
 
 def _fp8_weight(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 copy of the layer's (smoothed) weight with per-channel scales, made once and cached."""
-    cached = getattr(layer, "_fp8_cache", None)
+    owner = getattr(layer, "owner", layer)  # the Int8Linear itself, also when handed its fetched operands
+    cached = getattr(owner, "_fp8_cache", None)
     if cached is None or cached[0].device != layer.qweight.device:
         w = dequantize(layer.qweight, layer.weight_scale)
         s = (w.abs().amax(1).clamp(min=1e-12) / 448.0)
         w8 = (w / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
         cached = (w8, s.float())
-        object.__setattr__(layer, "_fp8_cache", cached)
+        object.__setattr__(owner, "_fp8_cache", cached)
     return cached
 
 

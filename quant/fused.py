@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernel_module
-from .linear import Int8Linear, _OnDevice
+from .linear import Int8Linear
 from .quantize import quantize_per_token_ref
 
 log = logging.getLogger("int8_fused")
@@ -92,9 +92,9 @@ def swiglu_quantize_ref(a, b, inv_smooth=None, clamp_fp16=False):
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _on(layer, device: torch.device):
-    """The layer's tensors on ``device`` (lowvram may keep them offloaded; then copy for this call)."""
-    return layer if layer.qweight.device == device else _OnDevice(layer, device)
+def _inv(layer, device: torch.device):
+    """The layer's 1/smooth on ``device`` (None without smoothing)."""
+    return layer.vector_on("inv_smooth", device)
 
 
 def _compiling() -> bool:
@@ -102,10 +102,10 @@ def _compiling() -> bool:
 
 
 def _gemm(a_q, a_s, layer, dtype):
-    layer = _on(layer, a_q.device)
-    if _compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
-        return torch.ops.int8_fused.gemm_dequant(a_q, a_s, layer.qweight, layer.weight_scale, layer.bias, dtype)
-    return kernel_module().int8_gemm(a_q, a_s, layer.qweight, layer.weight_scale, layer.bias, out_dtype=dtype)
+    with layer.operands(a_q.device) as t:  # through ComfyUI's cast when ComfyUI manages the weights
+        if _compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
+            return torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype)
+        return kernel_module().int8_gemm(a_q, a_s, t.qweight, t.weight_scale, t.bias, out_dtype=dtype)
 
 
 def _act_quant(x2, inv_smooth):
@@ -120,7 +120,7 @@ def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not _fusable(layer):
         return layer(x)
     lead, k = x.shape[:-1], x.shape[-1]
-    a_q, a_s = _act_quant(x.reshape(-1, k), _on(layer, x.device).inv_smooth)
+    a_q, a_s = _act_quant(x.reshape(-1, k), _inv(layer, x.device))
     return _gemm(a_q, a_s, layer, x.dtype).reshape(*lead, -1)
 
 
@@ -140,15 +140,37 @@ def _fusable(layer) -> bool:
     return isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND
 
 
+_SMALL: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def _norm_weight(norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The RMSNorm's weight on x's device in x's dtype (what ComfyUI's casting RMSNorm hands F.rms_norm), or
-    None when weight functions (lowvram LoRA) must run: then the caller uses the module itself."""
+    None when weight functions (lowvram LoRA) must run: then the caller uses the module itself.
+
+    ComfyUI keeps such tiny weights (< 16 KiB) outside DynamicVRAM's vbar and may leave them on the CPU
+    (restored backups); its own RMSNorm then copies them on every call. Here one device copy per norm is
+    kept and remade only when ComfyUI swaps the tensor (a few KiB per norm)."""
     if getattr(norm, "weight_function", None) or getattr(norm, "bias_function", None):
         return None
     w = norm.weight
     if w is None:
         return torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
-    return w if (w.device == x.device and w.dtype == x.dtype) else w.to(x.device, x.dtype)
+    if w.device == x.device and w.dtype == x.dtype:
+        return w
+    slot = _SMALL.setdefault(norm, {})
+    hit = slot.get((x.device, x.dtype))
+    if hit is None or hit[0] is not w or hit[1] != w.data_ptr():
+        hit = (w, w.data_ptr(), w.detach().to(x.device, x.dtype))
+        slot[(x.device, x.dtype)] = hit
+    return hit[2]
+
+
+def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for a ComfyUI RMSNorm, with its weight from :func:`_norm_weight` (same F.rms_norm call)."""
+    w = _norm_weight(norm, x) if getattr(norm, "weight", None) is not None else None
+    if w is None or not hasattr(norm, "normalized_shape"):
+        return norm(x)
+    return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
 
 
 def _norm_eps(norm: nn.Module, x: torch.Tensor) -> float:
@@ -204,16 +226,12 @@ def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Lin
                          "calibrate them with a shared vector to merge them")
     if (first.bias is None) != (second.bias is None):
         raise ValueError(f"{name}: one of the two layers has a bias and the other not")
-    n1, n2, k = first.out_features, second.out_features, first.in_features
-    m = Int8Linear(k, n1 + n2, bias=first.bias is not None, smooth=s1 is not None, backend=first.backend,
-                   name=name, device="meta")
     dev = first.qweight.device
-    m.qweight = torch.cat([first.qweight, second.qweight.to(dev)])
-    m.weight_scale = torch.cat([first.weight_scale.expand(n1), second.weight_scale.to(dev).expand(n2)]).contiguous()
-    m.bias = None if first.bias is None else torch.cat([first.bias, second.bias.to(dev)])
-    m.smooth = None if s1 is None else s1.clone()
-    m._refresh_inv_smooth()
-    return m
+    return Int8Linear.from_quantized(
+        torch.cat([first.qweight, second.qweight.to(dev)]),
+        torch.cat([first.weight_scale, second.weight_scale.to(dev)]),
+        None if first.bias is None else torch.cat([first.bias, second.bias.to(dev)]),
+        None if s1 is None else s1.clone(), backend=first.backend, name=name)
 
 
 # ------------------------------------------------------------------------------------ modules
@@ -242,14 +260,14 @@ class FusedFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        a_q, a_s = _act_quant(x2, _on(self.w13, x.device).inv_smooth)
+        a_q, a_s = _act_quant(x2, _inv(self.w13, x.device))
         return self.forward_quantized(a_q, a_s, x.dtype).reshape(*lead, -1)
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """From the already-quantized input (int8 [M, K], fp32 [M]) -> [M, dim] in ``dtype``."""
         h13 = _gemm(a_q, a_s, self.w13, dtype)
         if _fusable(self.w2):
-            q, s = _swiglu_quant(h13, _on(self.w2, a_q.device).inv_smooth, self.clamp_fp16)
+            q, s = _swiglu_quant(h13, _inv(self.w2, a_q.device), self.clamp_fp16)
             return _gemm(q, s, self.w2, dtype)
         a, b = h13.chunk(2, dim=-1)
         h = F.silu(a) * b
@@ -275,7 +293,7 @@ class FusedIdeogram4Attention(nn.Module):
     def forward(self, x, attn_mask, freqs_cis, transformer_options={}):
         """Drop-in for Ideogram4Attention.forward (normalised x [B, L, dim])."""
         b, l, k = x.shape
-        a_q, a_s = _act_quant(x.reshape(-1, k), _on(self.qkv, x.device).inv_smooth)
+        a_q, a_s = _act_quant(x.reshape(-1, k), _inv(self.qkv, x.device))
         return self.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
 
     def forward_quantized(self, a_q, a_s, b, l, dtype, attn_mask, freqs_cis, transformer_options={}):
@@ -286,11 +304,16 @@ class FusedIdeogram4Attention(nn.Module):
             rope = self._fn["_apply_rope_split_half1"]
             q, k = rope(self.norm_q(q), freqs_cis), rope(self.norm_k(k), freqs_cis)
         else:
-            q_scale, _, q_stream = comfy.ops.cast_bias_weight(self.norm_q, q, offloadable=True)
-            k_scale, _, k_stream = comfy.ops.cast_bias_weight(self.norm_k, k, offloadable=True)
+            q_scale, k_scale = _norm_weight(self.norm_q, q), _norm_weight(self.norm_k, k)
+            streams = None
+            if q_scale is None or k_scale is None:  # weight functions: ComfyUI's cast runs them
+                q_scale, _, qs = comfy.ops.cast_bias_weight(self.norm_q, q, offloadable=True)
+                k_scale, _, ks = comfy.ops.cast_bias_weight(self.norm_k, k, offloadable=True)
+                streams = (qs, ks)
             q, k = comfy.quant_ops.ck.rms_rope_split_half(q, k, freqs_cis, q_scale, k_scale, self.norm_q.eps)
-            comfy.ops.uncast_bias_weight(self.norm_q, q_scale, None, q_stream)
-            comfy.ops.uncast_bias_weight(self.norm_k, k_scale, None, k_stream)
+            if streams is not None:
+                comfy.ops.uncast_bias_weight(self.norm_q, q_scale, None, streams[0])
+                comfy.ops.uncast_bias_weight(self.norm_k, k_scale, None, streams[1])
         out = self._fn["optimized_attention_masked"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                      self.num_heads, attn_mask, skip_reshape=True,
                                                      transformer_options=transformer_options)
@@ -320,9 +343,9 @@ class FusedIdeogram4Block(nn.Module):
         b, l, k = x.shape
         attn, ff = self.attention, self.feed_forward
         a_q, a_s = norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), scale_msa, l,
-                                          _on(attn.qkv, x.device).inv_smooth)
+                                          _inv(attn.qkv, x.device))
         attn_out = attn.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
-        inv13 = _on(ff.w13, x.device).inv_smooth
+        inv13 = _inv(ff.w13, x.device)
         # residual tail + ffn_norm1 * (1 + s) + quantize in one kernel (torch when it cannot run)
         tail = _gated_residual(x.reshape(-1, k), attn_out.reshape(-1, k), self.attention_norm2, gate_msa, l,
                                self.ffn_norm1, scale_mlp, inv13)
@@ -330,13 +353,13 @@ class FusedIdeogram4Block(nn.Module):
             x2, a_q, a_s = tail
             x = x2.view(b, l, k)
         else:
-            x = x + gate_msa * self.attention_norm2(attn_out)
+            x = x + gate_msa * _rms(self.attention_norm2, attn_out)
             a_q, a_s = norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), scale_mlp, l, inv13)
         ff_out = ff.forward_quantized(a_q, a_s, x.dtype)
         tail = _gated_residual(x.reshape(-1, k), ff_out, self.ffn_norm2, gate_mlp, l)
         if tail is not None:
             return tail[0].view(b, l, k)
-        return x + gate_mlp * self.ffn_norm2(ff_out.view(b, l, -1))
+        return x + gate_mlp * _rms(self.ffn_norm2, ff_out.view(b, l, -1))
 
     def extra_repr(self) -> str:
         return f"covers={len(self.covers)} linears"

@@ -1,23 +1,31 @@
 """``Int8Linear``: the W8A8 replacement for ``nn.Linear``.
 
 Holds an int8 weight [N, K] quantized per output channel with fp32 scales [N], an optional fp32
-SmoothQuant vector ``smooth`` [K] and an optional bias [N]. The forward flattens leading dimensions,
+SmoothQuant vector ``smooth`` [K] and an optional fp32 bias [N]. The forward flattens leading dimensions,
 quantizes the activation per token (dividing by ``smooth`` first) and runs the selected backend:
 
     y = (Q(x / s) @ Q(W * s).T) * a_scale[m] * w_scale[n] + bias        [..., K] -> [..., N]
 
-Everything is a buffer, so ``.to()``, ComfyUI's offloading and ``state_dict()`` round trips carry it.
-The int8 tensor is called ``qweight`` (not ``weight``) on purpose: code that patches float weights
-(LoRA, weight casting) must never reach it by its usual name; ``.weight`` reads as None.
-
-ComfyUI's ModelPatcher only moves and counts modules that own parameters or carry a
-``comfy_cast_weights`` attribute (``model_patcher.ModelPatcher._load_list``). This module has buffers
-only, so it carries that attribute (plus empty ``weight_function``/``bias_function`` lists, which
-lowvram loading resets): full loads move it with ``.to()``, partial (lowvram) loads may leave it on the
-offload device, and then the forward copies its tensors to the activation's device for the call —
-the same contract as ``comfy.ops`` casting layers.
+How it lives in ComfyUI's memory manager (comfy/model_patcher.py of 0.33.0 and 0.3.75):
+* Every tensor is a Parameter (no grad): ``weight`` is the int8 tensor itself (``qweight`` is an alias),
+  so ComfyUI counts, moves, pins and offloads it like any weight. The module carries
+  ``comfy_cast_weights`` like ``comfy.ops`` layers: when ComfyUI sets it (DynamicVRAM always does, the
+  legacy patcher on a partial load), the forward fetches weight and bias through ComfyUI's own
+  ``cast_bias_weight`` (installed by the nodes package with :func:`set_comfy_cast`): under
+  ``ModelPatcherDynamic`` they are faulted once into its VRAM "vbar" and stay resident across steps until
+  ComfyUI evicts them; under the legacy patcher they stream from pinned memory on ComfyUI's offload
+  stream. No per-call pageable copy.
+* The small vectors (``weight_scale``, ``smooth``; 4 bytes per channel, ~0.1 % of the weight) are moved
+  by ComfyUI with the model; when it has left them on the CPU (a partial load, or after an eviction) the
+  layer keeps one device copy of each (:meth:`vector_on`), made once, not per call.
+* ``weight`` is int8: ComfyUI never casts it (the fetch asks for int8). Weight patches (a LoRA added
+  after quantization) cannot apply to int8 weights: :meth:`set_weight` and the forward refuse them with
+  a message saying to put LoRA loaders before the Apply node.
 """
 from __future__ import annotations
+
+import contextlib
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,11 +33,30 @@ from torch import nn
 from . import backends
 from .quantize import dequantize, quantize_weight_per_channel
 
+#: Input dtypes every backend takes (the compute dtypes of ComfyUI's diffusion models).
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# (layer, device) -> (weight, bias, release): ComfyUI's cast for a layer ComfyUI manages. Set by
+# nodes/comfy_cast.py when ComfyUI is there; None in plain torch (tests, benches without ComfyUI).
+_COMFY_CAST: Callable | None = None
+
+
+def set_comfy_cast(fn: Callable | None) -> None:
+    """Install the function that fetches a ComfyUI-managed layer's weight and bias (see module doc)."""
+    global _COMFY_CAST
+    _COMFY_CAST = fn
+
+
+_TENSORS = ("weight", "weight_scale", "bias", "smooth")
+LORA_AFTER_APPLY = ("weight patches (a LoRA loaded after this layer was quantized) target the INT8 layer "
+                    "{name}: int8 weights cannot take them. Put LoRA loaders BEFORE 'Apply Fused INT8 GEMM' "
+                    "(it merges them into the weights it quantizes), or apply the LoRA to the float model.")
+
 
 class Int8Linear(nn.Module):
     """W8A8 linear layer; see the module docstring. ``backend`` names an entry of ``backends.BACKENDS``."""
 
-    comfy_cast_weights = False  # ComfyUI's lowvram loader may set True: tensors then stay offloaded
+    comfy_cast_weights = False  # ComfyUI sets True when it manages the weights (DynamicVRAM, lowvram)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, smooth: bool = False,
                  backend: str = "dequant_bf16", name: str = "", device=None):
@@ -37,16 +64,65 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.name = name
         self.backend = backend
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("weight_scale", torch.zeros(out_features, dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
-        self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device) if smooth else None)
-        self.register_buffer("inv_smooth", None, persistent=False)
-        self.weight_function: list = []  # ComfyUI lowvram bookkeeping; never holds anything for us
+        self.weight = torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+        self.weight_scale = torch.zeros(out_features, dtype=torch.float32, device=device)
+        self.bias = torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None
+        self.smooth = torch.ones(in_features, dtype=torch.float32, device=device) if smooth else None
+        self.weight_function: list = []  # ComfyUI's per-layer weight/bias function lists (lowvram)
         self.bias_function: list = []
-        self._refresh_inv_smooth()
+        self._vectors: dict = {}  # name -> (source tensor, its copy on a device): see _vector
+
+    def __setattr__(self, name, value):
+        # The four tensors are always no-grad Parameters (ComfyUI assigns Parameters too).
+        if name in _TENSORS and isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=False)
+        super().__setattr__(name, value)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 weight [N, K] (the Parameter ``weight``)."""
+        return self.weight
+
+    @qweight.setter
+    def qweight(self, value: torch.Tensor) -> None:
+        self.weight = value
+
+    @property
+    def inv_smooth(self) -> torch.Tensor | None:
+        """1 / smooth (fp32 [K]) on the smoothing vector's device, or None without smoothing."""
+        s = self.smooth
+        if s is None:
+            return None
+        hit = self._vectors.get("inv_smooth")
+        if hit is None or hit[0] is not s or hit[1] != (s.device, s.data_ptr()):
+            hit = (s, (s.device, s.data_ptr()), 1.0 / s.detach().float())
+            self._vectors["inv_smooth"] = hit
+        return hit[2]
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_quantized(cls, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                       smooth: torch.Tensor | None = None, backend: str = "dequant_bf16",
+                       name: str = "") -> "Int8Linear":
+        """A layer holding already-quantized tensors as they are (no copy where dtypes match): int8
+        [N, K], a per-channel (or scalar) fp32 scale, optional bias and SmoothQuant divisor [K]."""
+        if qweight.dtype != torch.int8 or qweight.dim() != 2:
+            raise ValueError(f"{name or 'layer'}: INT8 weight must be int8 [N, K], got {qweight.dtype} "
+                             f"{tuple(qweight.shape)}")
+        N, K = qweight.shape
+        ws = weight_scale.detach().float().reshape(-1)
+        if ws.numel() == 1:
+            ws = ws.expand(N).contiguous()
+        if ws.numel() != N:
+            raise ValueError(f"{name or 'layer'}: weight scale has {ws.numel()} entries, the weight {N} rows")
+        m = cls(K, N, bias=bias is not None, smooth=smooth is not None, backend=backend, name=name,
+                device="meta")
+        dev = qweight.device
+        m.weight, m.weight_scale = qweight.detach(), ws.to(dev)
+        m.bias = None if bias is None else bias.detach().float().reshape(-1).to(dev)
+        m.smooth = None if smooth is None else _check_smooth(smooth, K, name).to(dev)
+        return m
+
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    smooth: torch.Tensor | None = None, backend: str = "dequant_bf16",
@@ -62,54 +138,94 @@ class Int8Linear(nn.Module):
             smooth = _check_smooth(smooth, K, name)
             w = w * smooth.to(w.device)[None, :]
         qw, ws = quantize_weight_per_channel(w)
-        m = cls(K, N, bias=bias is not None, smooth=smooth is not None, backend=backend, name=name,
-                device="meta")
-        m.qweight, m.weight_scale = qw, ws
-        m.bias = None if bias is None else bias.detach().float().to(qw.device)
-        m.smooth = None if smooth is None else smooth.to(qw.device)
-        m._refresh_inv_smooth()
-        return m
+        return cls.from_quantized(qw, ws, bias, smooth, backend=backend, name=name)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, **kw) -> "Int8Linear":
         return cls.from_float(linear.weight, getattr(linear, "bias", None), **kw)
 
-    def _refresh_inv_smooth(self) -> None:
-        self.inv_smooth = None if self.smooth is None else (1.0 / self.smooth.float())
+    def rows(self, start: int, stop: int, name: str = "") -> "Int8Linear":
+        """Output rows [start, stop) as an Int8Linear of views (no copy), e.g. w1 and w3 of a merged w1+w3."""
+        return Int8Linear.from_quantized(
+            self.weight[start:stop], self.weight_scale[start:stop],
+            None if self.bias is None else self.bias[start:stop], self.smooth, backend=self.backend,
+            name=name)
+
+    def _apply(self, fn, *args, **kw):
+        self._vectors.clear()  # tensors change device or dtype in place: drop derived copies
+        return super()._apply(fn, *args, **kw)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kw):
+        self._vectors.clear()
+        if prefix + "qweight" in state_dict and prefix + "weight" not in state_dict:  # pre-0.2 name
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "qweight")
         super()._load_from_state_dict(state_dict, prefix, *args, **kw)
-        self._refresh_inv_smooth()
+
+    def set_weight(self, value: torch.Tensor, inplace_update: bool = False, seed=None, return_weight: bool = False):
+        """ComfyUI writes a weight through ``set_<param>`` (``ModelPatcher.patch_weight_to_device``). An
+        int8 tensor (a plain move) is taken as it is; a float one is a LoRA-merged weight: refused, loudly."""
+        if value.dtype != torch.int8 or tuple(value.shape) != tuple(self.weight.shape):
+            raise RuntimeError(LORA_AFTER_APPLY.format(name=self.name or "?"))
+        if return_weight:
+            return value
+        if inplace_update:
+            self.weight.data.copy_(value)
+        else:
+            self.weight = value
 
     # ------------------------------------------------------------------ use
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 [N, K] weight this layer effectively applies to the unsmoothed input."""
-        w = dequantize(self.qweight, self.weight_scale)
-        return w if self.inv_smooth is None else w * self.inv_smooth[None, :]
+        w = dequantize(self.weight, self.weight_scale)
+        return w if self.smooth is None else w * self.inv_smooth[None, :]
+
+    def vector_on(self, key: str, device: torch.device) -> torch.Tensor | None:
+        """A small fp32 vector (weight_scale, inv_smooth) on ``device``: the tensor itself when ComfyUI
+        put it there, else one cached copy, remade only when ComfyUI swaps the source tensor."""
+        src = self.inv_smooth if key == "inv_smooth" else getattr(self, key)
+        if src is None or src.device == device:
+            return src
+        ck = (key, device)
+        hit = self._vectors.get(ck)
+        if hit is None or hit[0] is not src or hit[1] != src.data_ptr():
+            hit = (src, src.data_ptr(), src.detach().to(device, non_blocking=src.is_pinned()))
+            self._vectors[ck] = hit
+        return hit[2]
+
+    @contextlib.contextmanager
+    def operands(self, device: torch.device):
+        """The tensors a backend needs, on ``device``, for one call: an object with ``qweight``,
+        ``weight_scale``, ``bias``, ``inv_smooth``, ``name``, ``backend``, ``in_features``,
+        ``out_features``. Through ComfyUI's cast when ComfyUI manages the layer (see module doc)."""
+        if self.weight_function or self.bias_function or getattr(self, "weight_lowvram_function", None) \
+                or getattr(self, "bias_lowvram_function", None):
+            raise RuntimeError(LORA_AFTER_APPLY.format(name=self.name or "?"))
+        w = self.weight
+        if w.device == device and (self.bias is None or self.bias.device == device) and \
+                self.weight_scale.device == device and (self.smooth is None or self.smooth.device == device):
+            yield self
+            return
+        release = None
+        if self.comfy_cast_weights and _COMFY_CAST is not None:
+            w, b, release = _COMFY_CAST(self, device)
+        else:  # plain torch use (no ComfyUI managing the layer): copy for this call
+            w = w.to(device, non_blocking=w.is_pinned())
+            b = None if self.bias is None else self.bias.to(device, non_blocking=self.bias.is_pinned())
+        try:
+            yield _Operands(self, w, b, self.vector_on("weight_scale", device), self.vector_on("inv_smooth", device))
+        finally:
+            if release is not None:
+                release()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"INT8 layer {self.name or '?'} expects inputs [..., {self.in_features}], "
-                             f"got {tuple(x.shape)}")
+        check_input(x, self)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        layer = self if self.qweight.device == x.device else _OnDevice(self, x.device)
-        y = backends.get(self.backend).linear(x2, layer)
+        with self.operands(x.device) as layer:
+            y = backends.get(self.backend).linear(x2, layer)
         return y.reshape(*lead, self.out_features)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "weight":
-                # No float weight here. Current ComfyUI probes `<module>.weight` of every module that
-                # carries `comfy_cast_weights` while planning a load (ModelPatcher._load_list) and treats
-                # None as "nothing to count", so None, not an error. LoRA patches never reach this layer:
-                # ComfyUI maps LoRA keys through the model's state dict, which holds `qweight`.
-                return None
-            raise
 
     def nbytes(self) -> int:
         """Bytes of the persistent tensors (what ComfyUI counts for this module)."""
@@ -120,17 +236,25 @@ class Int8Linear(nn.Module):
                 f"bias={self.bias is not None}, smooth={self.smooth is not None}, backend={self.backend}")
 
 
-class _OnDevice:
-    """The layer's tensors copied to ``device`` for one call (lowvram: the module stays offloaded)."""
+class _Operands:
+    """A layer's tensors on the call's device (what ``Int8Linear.operands`` yields when it had to fetch)."""
+    __slots__ = ("owner", "name", "backend", "in_features", "out_features", "qweight", "weight_scale", "bias",
+                 "inv_smooth")
 
-    def __init__(self, layer: Int8Linear, device: torch.device):
-        nb = device.type == "cuda"
-        self.name, self.backend = layer.name, layer.backend
+    def __init__(self, layer: Int8Linear, w, b, scale, inv_smooth):
+        self.owner, self.name, self.backend = layer, layer.name, layer.backend
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.qweight = layer.qweight.to(device, non_blocking=nb)
-        self.weight_scale = layer.weight_scale.to(device, non_blocking=nb)
-        self.bias = None if layer.bias is None else layer.bias.to(device, non_blocking=nb)
-        self.inv_smooth = None if layer.inv_smooth is None else layer.inv_smooth.to(device, non_blocking=nb)
+        self.qweight, self.weight_scale, self.bias, self.inv_smooth = w, scale, b, inv_smooth
+
+
+def check_input(x: torch.Tensor, layer) -> None:
+    """The one input check every backend shares: float activations of the layer's width."""
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"INT8 layer {layer.name or '?'} takes {', '.join(str(d) for d in INPUT_DTYPES)} "
+                        f"activations, got {x.dtype} (backend {layer.backend})")
+    if x.shape[-1] != layer.in_features:
+        raise ValueError(f"INT8 layer {layer.name or '?'} expects inputs [..., {layer.in_features}], "
+                         f"got {tuple(x.shape)}")
 
 
 def _check_smooth(smooth: torch.Tensor, K: int, name: str) -> torch.Tensor:

@@ -40,6 +40,7 @@ class PatchReport:
     fallbacks: dict = dataclasses.field(default_factory=dict)    # name -> (backend used, why)
     backends_used: Counter = dataclasses.field(default_factory=Counter)
     smoothed: int = 0
+    adopted: int = 0       # already-int8 layers (core int8_tensorwise) taken as they are: no second rounding
     float_bytes: int = 0   # bytes of the float modules replaced
     int8_bytes: int = 0    # bytes of their Int8Linear replacements
     # filled in by the node: the whole model's weight bytes and (CUDA) allocated VRAM before/after
@@ -53,6 +54,8 @@ class PatchReport:
         used = ", ".join(f"{n}: {c}" for n, c in self.backends_used.most_common()) or "none"
         s = (f"{self.quantized} linears -> INT8 ({used}); {self.float_bytes / 2**20:.1f} MiB float -> "
              f"{self.int8_bytes / 2**20:.1f} MiB int8")
+        if self.adopted:
+            s += f"; {self.adopted} already int8 (core int8_tensorwise) adopted as stored, not re-rounded"
         if self.smoothed:
             s += f"; {self.smoothed} SmoothQuant-calibrated"
         if self.kept_float:
@@ -91,7 +94,8 @@ def _shape(module) -> tuple[int, int]:
 
 def build_int8_layers(named_linears: Iterable[tuple[str, object]], backend: str, calibration=None,
                       keep_float=(), weight_fn: Callable | None = None, *,
-                      bias_fn: Callable | None = None, device: torch.device | None = None,
+                      bias_fn: Callable | None = None, quantized_fn: Callable | None = None,
+                      device: torch.device | None = None,
                       compute_device: torch.device | None = None,
                       store_device: torch.device | None = None) -> tuple[dict[str, Int8Linear], PatchReport]:
     """Quantize each named linear for ``backend``; returns ({name: Int8Linear}, PatchReport).
@@ -101,7 +105,9 @@ def build_int8_layers(named_linears: Iterable[tuple[str, object]], backend: str,
     None or an object with ``.smooth`` (fp32 [K] or None) and ``.protected`` (bool); it raises
     ValueError naming the layer on a shape mismatch. ``device``: where the model will run (decides
     which backend takes each layer; default: the weight's device). ``bias_fn(name, module)``: like
-    ``weight_fn`` for the bias. Raises ValueError for an unknown backend.
+    ``weight_fn`` for the bias. ``quantized_fn(name, module)`` returns (int8 [N, K], fp32 scale [N] or
+    scalar) for a layer that is already int8 per output channel (adopted as it is, unless calibration
+    smooths it: smoothing needs the float weight), else None. Raises ValueError for an unknown backend.
     """
     b = backends.get(backend)
     report = PatchReport(backend=backend)
@@ -125,14 +131,20 @@ def build_int8_layers(named_linears: Iterable[tuple[str, object]], backend: str,
         chosen, why = backends.resolve(backend, run_dev, N, K)
         if why is not None:
             report.fallbacks[name] = (chosen, why)
-        if weight_fn is not None:
-            w = weight_fn(name, module)
+        pre = quantized_fn(name, module) if quantized_fn is not None and smooth is None else None
         if bias_fn is not None:
             bias = bias_fn(name, module)
-        if compute_device is not None:
-            w = w.to(compute_device)
-            smooth = None if smooth is None else smooth.to(compute_device)
-        layer = Int8Linear.from_float(w, bias, smooth=smooth, backend=chosen, name=name)
+        if pre is not None:
+            qw, ws = (t.to(compute_device) if compute_device is not None else t for t in pre)
+            layer = Int8Linear.from_quantized(qw, ws, bias, backend=chosen, name=name)
+            report.adopted += 1
+        else:
+            if weight_fn is not None:
+                w = weight_fn(name, module)
+            if compute_device is not None:
+                w = w.to(compute_device)
+                smooth = None if smooth is None else smooth.to(compute_device)
+            layer = Int8Linear.from_float(w, bias, smooth=smooth, backend=chosen, name=name)
         if store_device is not None:
             layer = layer.to(store_device)
         out[name] = layer

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 # Repeated-block containers across the DiTs ComfyUI loads (Ideogram 4 / Lumina2 / Z-Image `layers`,
@@ -45,8 +46,17 @@ def _patterns(text: str | None) -> list[re.Pattern]:
 
 
 def is_linear(m: nn.Module) -> bool:
-    """nn.Linear and ComfyUI's casting subclasses of it (``comfy.ops.*.Linear``)."""
-    return isinstance(m, nn.Linear)
+    """A float linear to quantize: nn.Linear, ComfyUI's casting subclasses of it (``comfy.ops.*.Linear``)
+    and linears that only look like one (ComfyUI's mixed-precision ``Linear`` holding a core
+    ``QuantizedTensor`` weight, e.g. ``int8_tensorwise``). Never an ``Int8Linear`` (already INT8)."""
+    from .linear import Int8Linear
+    if isinstance(m, Int8Linear):
+        return False
+    if isinstance(m, nn.Linear):
+        return True
+    w = getattr(m, "weight", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and isinstance(getattr(m, "in_features", None), int)
+            and isinstance(getattr(m, "out_features", None), int))
 
 
 def compile_patterns(text: str | None) -> list[re.Pattern]:

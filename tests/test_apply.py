@@ -260,7 +260,7 @@ def test_model_management_load_lowvram_unload(comfy, node, pack, caplog):
     assert q.model_size() == mm.module_size(q.model) < mp.model_size()  # counted as the INT8 tree
     listed = {n: m for _, _, n, m, _ in q._load_list()}
     int8 = {n: m for n, m in listed.items() if isinstance(m, Int8Linear)}
-    assert len(int8) == 20  # ComfyUI's loader sees every INT8 layer (buffers only, no parameters)
+    assert len(int8) == 20  # ComfyUI's loader sees every INT8 layer (no-grad Parameters)
     assert q.model.model_loaded_weight_memory == q.model_size()
     # partial load: a budget far below the model size offloads (casts per call) most layers
     q.unpatch_model(CPU)

@@ -86,7 +86,7 @@ def test_state_dict_round_trip_and_inv_smooth_refresh():
     s = torch.rand(w.shape[1]) + 0.5
     a = Int8Linear.from_float(w, b, smooth=s, backend="torch_int_mm", name="blk.0.qkv")
     sd = a.state_dict()
-    assert set(sd) == {"qweight", "weight_scale", "bias", "smooth"}  # inv_smooth is derived, not saved
+    assert set(sd) == {"weight", "weight_scale", "bias", "smooth"}  # inv_smooth is derived, not saved
     fresh = Int8Linear(w.shape[1], w.shape[0], bias=True, smooth=True, backend="torch_int_mm")
     fresh.load_state_dict(sd)
     torch.testing.assert_close(fresh.inv_smooth, 1 / s)
@@ -102,13 +102,46 @@ def test_to_moves_every_tensor_and_nbytes_counts_them():
                                      moved.inv_smooth]} == {"meta"}
 
 
-def test_weight_reads_none_and_other_attributes_still_raise():
-    """No float weight: ``.weight`` is None (current ComfyUI's load planner probes it on every module
-    with ``comfy_cast_weights``); the int8 tensor is ``qweight``; unknown names still raise."""
-    layer = Int8Linear.from_float(torch.randn(32, 32), name="layers.3.attention.qkv")
-    assert layer.weight is None and "weight" not in layer.state_dict()
+def test_weight_is_the_int8_parameter_and_old_qweight_files_load():
+    """``weight`` is the int8 tensor (a no-grad Parameter ComfyUI can count, move and stage); ``qweight`` is
+    an alias; state dicts saved under the old name ``qweight`` still load; unknown names still raise."""
+    w = torch.randn(32, 32)
+    layer = Int8Linear.from_float(w, torch.randn(32), name="layers.3.attention.qkv")
+    assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.dtype == torch.int8
+    assert layer.qweight is layer.weight and not layer.weight.requires_grad
+    # per-channel symmetric: row n's scale is max|W[n]| / 127, by hand
+    torch.testing.assert_close(layer.weight_scale, w.abs().amax(1) / 127)
+    old = {("qweight" if k == "weight" else k): v.clone() for k, v in layer.state_dict().items()}
+    fresh = Int8Linear(32, 32, bias=True)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.weight, layer.weight)
     with pytest.raises(AttributeError, match="no_such"):
         layer.no_such
+
+
+def test_weight_patches_after_quantization_are_refused():
+    """A LoRA added after quantization reaches the layer through ComfyUI's ``set_weight`` (a float, merged
+    weight) or its weight-function lists: both refuse with the fix; a plain int8 move is accepted."""
+    layer = Int8Linear.from_float(torch.randn(16, 32), name="blk.0.o")
+    moved = layer.weight.detach().clone()
+    layer.set_weight(moved)
+    assert layer.weight.data_ptr() == moved.data_ptr()
+    with pytest.raises(RuntimeError, match="BEFORE 'Apply Fused INT8 GEMM'"):
+        layer.set_weight(torch.randn(16, 32))
+    layer.weight_function = [lambda t: t]
+    with pytest.raises(RuntimeError, match="blk.0.o"):
+        layer(torch.randn(2, 32))
+
+
+def test_every_backend_refuses_non_float_inputs_alike():
+    """int32 / int8 activations are refused with one message on every backend (no silent int32 output)."""
+    w = torch.randn(16, 32)
+    for backend in ("dequant_bf16", "torch_int_mm", "fused_triton", "comfy_kitchen", "fp8_rowwise"):
+        layer = Int8Linear.from_float(w, backend=backend, name="blk.9")
+        for dt in (torch.int32, torch.int8, torch.float64):
+            with pytest.raises(TypeError, match=r"blk.9 takes torch.bfloat16, torch.float16, torch.float32 "
+                                                 rf"activations, got {dt}"):
+                layer(torch.ones(3, 32, dtype=dt))
 
 
 def test_bad_inputs_name_the_layer():
@@ -122,11 +155,50 @@ def test_bad_inputs_name_the_layer():
     assert layer(torch.randn(0, 48)).shape == (0, 32)
 
 
-def test_comfy_lowvram_contract_attributes():
-    """ComfyUI's ModelPatcher moves/counts only modules with parameters or ``comfy_cast_weights``."""
-    layer = Int8Linear.from_float(torch.randn(32, 48))
+def test_comfy_memory_manager_contract_attributes():
+    """ComfyUI's ModelPatcher counts, moves and pins Parameters, and hands ``comfy_cast_weights`` modules
+    their weights through cast_bias_weight: every tensor is a no-grad Parameter, nothing is a buffer."""
+    layer = Int8Linear.from_float(torch.randn(32, 48), torch.randn(32), smooth=torch.ones(48) * 2)
     assert hasattr(layer, "comfy_cast_weights") and layer.weight_function == [] and layer.bias_function == []
-    assert list(layer.parameters()) == []
+    params = dict(layer.named_parameters())
+    assert set(params) == {"weight", "weight_scale", "bias", "smooth"}
+    assert not any(p.requires_grad for p in params.values()) and list(layer.buffers()) == []
+
+
+def test_managed_layer_fetches_through_the_installed_cast_once_per_call():
+    """With ``comfy_cast_weights`` set (ComfyUI manages the weights), weight and bias come from the
+    installed cast (ComfyUI's cast_bias_weight in the nodes package), released after the call; the small
+    vectors are copied to the device once and reused, not per call. 'meta' stands in for the GPU."""
+    import quant.linear as L
+    w, b = torch.randn(32, 48), torch.randn(32)
+    layer = Int8Linear.from_float(w, b, smooth=torch.ones(48) * 2, name="blk.0.qkv")
+    calls, released = [], []
+
+    def cast(lay, device):
+        calls.append((lay.name, device.type))
+        return lay.weight.to(device), lay.bias.to(device), lambda: released.append(lay.name)
+
+    layer.comfy_cast_weights = True
+    L.set_comfy_cast(cast)
+    try:
+        for _ in range(3):
+            y = layer(torch.empty(2, 48, device="meta"))
+        assert y.shape == (2, 32) and y.device.type == "meta"
+        assert calls == [("blk.0.qkv", "meta")] * 3 and released == ["blk.0.qkv"] * 3
+        with layer.operands(torch.device("meta")) as t1:
+            s1, i1 = t1.weight_scale, t1.inv_smooth
+        with layer.operands(torch.device("meta")) as t2:
+            assert t2.weight_scale is s1 and t2.inv_smooth is i1  # one copy, reused
+        layer.weight_scale = layer.weight_scale.detach() * 1  # ComfyUI swaps the tensor: copy remade
+        with layer.operands(torch.device("meta")) as t3:
+            assert t3.weight_scale is not s1
+    finally:
+        L.set_comfy_cast(None)
+    # on the layer's own device nothing is fetched: the layer's own tensors
+    calls.clear()
+    x = torch.randn(3, 48)
+    ref = (x / 2) @ (w * 2).T + b  # smoothing is exact in exact arithmetic
+    assert ((layer(x) - ref).norm() / ref.norm()).item() < 2e-2 and calls == []
 
 
 def test_offloaded_layer_runs_on_the_activation_device():
