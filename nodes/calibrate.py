@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from .apply import _float_tensor
 from .common import CALIBRATION_TYPE, CATEGORY
 from ..quant import select
 from ..quant.calib_capture import DEFAULT_ROW_CAP, ActivationCapture
@@ -42,12 +43,7 @@ def register_folder() -> str:
 
 
 def _weight_fn(model, device):
-    """Float weight as the model applies it (LoRA patches merged, fp8 decoded): the Apply node's
-    decoder when present, else the module's own weight."""
-    try:
-        from .apply import _float_tensor
-    except ImportError:
-        return lambda n, m: m.weight.detach().to(device, torch.float32)
+    """Float weight as the model applies it (LoRA patches merged, fp8 decoded): the Apply node's decoder."""
     return lambda n, m: _float_tensor(model, n, m, "weight", device)
 
 

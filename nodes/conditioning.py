@@ -12,6 +12,10 @@ import torch
 from .common import CATEGORY
 
 
+# Widest text feature of a supported model: Ideogram 4 takes 53248 (quant.fmt_ideogram4.REAL["text"]).
+MAX_WIDTH = 65536
+
+
 class Int8TestConditioning:
     CATEGORY = CATEGORY + "/testing"
     RETURN_TYPES = ("CONDITIONING",)
@@ -25,9 +29,11 @@ class Int8TestConditioning:
         return {"required": {
             "tokens": ("INT", {"default": 8, "min": 1, "max": 4096, "tooltip":
                                "Number of text tokens (sequence length of the conditioning)."}),
-            "width": ("INT", {"default": 64, "min": 1, "max": 16384, "tooltip":
-                              "Feature width of each token: the text-encoder width the model expects "
-                              "(64 for the pack's miniatures; 2304 Lumina 2 Gemma, 4096 Flux T5)."}),
+            "width": ("INT", {"default": 64, "min": 1, "max": MAX_WIDTH, "tooltip":
+                              "Feature width of each token: the text-encoder width the model expects. 64 "
+                              "the pack's miniatures; 2304 Lumina 2 (Gemma 2); 2560 Z-Image (Qwen3 4B); "
+                              "3584 Qwen-Image; 4096 Flux.1 / SD3 / Wan (T5); 15360 Flux.2 dev; "
+                              "53248 Ideogram 4."}),
             "pooled_width": ("INT", {"default": 0, "min": 0, "max": 16384, "tooltip":
                                      "Width of the pooled vector Flux-style models need (64 for the flux "
                                      "miniature, 768 for Flux.1); 0 = none."}),

@@ -15,10 +15,10 @@ and the conditional and unconditional backbones are never both in float.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import os
-
-import functools
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from ..quant import backends
 from ..quant import fmt_ideogram4 as i4
 from ..quant.formats import CheckpointError, open_checkpoint, read_header
 from ..quant.linear import Int8Linear
+from .apply import backend_choices
 from .common import CATEGORY
 
 log = logging.getLogger("int8_fused")
@@ -75,16 +76,12 @@ def slot_ops():
     return Int8SlotOps
 
 
-def _int8_module(name: str, t: dict, backend: str, device: torch.device) -> Int8Linear:
+def _int8_module(name: str, t: dict, backend: str, device: torch.device) -> tuple[Int8Linear, str | None]:
+    """(the layer on the backend that runs it here, why ``backend`` was passed over or None)."""
     q, s = t["qweight"], t["weight_scale"].float().reshape(-1)
     N, K = q.shape
     chosen, note = backends.resolve(backend, device, N, K)
-    m = Int8Linear(K, N, bias="bias" in t, smooth="smooth" in t, backend=chosen, name=name, device="meta")
-    m.qweight, m.weight_scale = q, s
-    m.bias = t["bias"].float() if "bias" in t else None
-    m.smooth = t["smooth"].float() if "smooth" in t else None
-    m._refresh_inv_smooth()
-    return m
+    return Int8Linear.from_quantized(q, s, t.get("bias"), t.get("smooth"), backend=chosen, name=name), note
 
 
 def _base_tensor(base_path: str, branch: str, name: str, f, keys: set) -> torch.Tensor | None:
@@ -140,7 +137,8 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
                               f"{branch or 'model'} branch; is it a diffusion model this ComfyUI supports?")
     dm = patcher.model.diffusion_model
     device = mm.get_torch_device()
-    n_q, empty, bad, notes = 0, [], [], set()
+    n_q, empty, bad, notes = 0, [], [], {}
+    ran = collections.Counter()
     for name, mod in list(dm.named_modules()):
         if not isinstance(mod, ops.Linear):
             continue
@@ -152,9 +150,10 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
         if tuple(q.shape) != (mod.out_features, mod.in_features):
             bad.append(f"{name}: file [{q.shape[0]}, {q.shape[1]}], model [{mod.out_features}, {mod.in_features}]")
             continue
-        new = _int8_module(name, mod.int8_tensors, backend, device)
-        if new.backend != backend:
-            notes.add(f"{backend}->{new.backend}")
+        new, note = _int8_module(name, mod.int8_tensors, backend, device)
+        ran[new.backend] += 1
+        if note:
+            notes.setdefault(new.backend, note)
         parent, _, leaf = name.rpartition(".")
         setattr(dm.get_submodule(parent) if parent else dm, leaf, new)
         n_q += 1
@@ -164,8 +163,10 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
     if empty:
         raise CheckpointError(f"{ck.name}: the {branch or 'model'} branch has no weights for {empty[:8]}"
                               f"{' ...' if len(empty) > 8 else ''}; the file is incomplete")
-    log.info("[int8_fused] %s %s: %d INT8 linears (%s)%s", ck.name, branch or "model", n_q, backend,
-             f", fallbacks {sorted(notes)}" if notes else "")
+    patcher.int8_backends = dict(ran.most_common())
+    log.info("[int8_fused] %s %s: %d INT8 linears on %s (asked %s)%s", ck.name, branch or "model", n_q,
+             ", ".join(f"{b}: {n}" for b, n in ran.most_common()) or "none", backend,
+             "".join(f"; {b} because {why}" for b, why in notes.items()))
     return patcher
 
 
@@ -182,24 +183,43 @@ def _require_ideogram4() -> None:
                            "Update ComfyUI") from None
 
 
-def _empty_branch(patcher, file_name: str):
-    """A MODEL that raises a clear error when sampled: the file had no unconditional branch."""
-    m = patcher.clone()
+class NoBackbone(nn.Module):
+    """The diffusion model of a MODEL output whose backbone the file does not hold: raises when called."""
 
-    def refuse(apply_model, args):
-        raise RuntimeError(f"Load Ideogram 4.0 INT8: {file_name} holds a single backbone, so its "
-                           "model_unconditional output is empty. Load the unconditional INT8 file with a second "
-                           "loader, or use ordinary CFG with model_conditional only")
-    m.set_model_unet_function_wrapper(refuse)
-    return m
+    def __init__(self, message: str, dtype: torch.dtype):
+        super().__init__()
+        self.message, self.dtype = message, dtype
+
+    def forward(self, *args, **kwargs):
+        raise CheckpointError(self.message)
+
+
+def _empty_branch(patcher, message: str):
+    """A MODEL of ``patcher``'s architecture whose diffusion model is a :class:`NoBackbone`: it fails with
+    ``message`` wherever it is sampled (a guider's main model, DualModelGuider's ``model_negative``, ...),
+    since every path to the backbone calls that module. Its own BaseModel: no weights, no shared state."""
+    base = patcher.model
+    src = base.model_config  # copied by hand: its __getattr__ answers None for anything, which copy.copy trips on
+    cfg = object.__new__(type(src))
+    cfg.__dict__.update(vars(src))
+    cfg.unet_config = dict(src.unet_config, disable_unet_model_creation=True)
+    model = type(base)(cfg, base.model_type, device=None)
+    model.diffusion_model = NoBackbone(message, base.get_dtype())
+    return type(patcher)(model, load_device=patcher.load_device, offload_device=patcher.offload_device)
+
+
+def _missing_message(file_name: str, has: str) -> str:
+    other = "unconditional" if has == "conditional" else "conditional"
+    what = "a single backbone" if has == "conditional" else "only the unconditional backbone"
+    return (f"Load Ideogram 4.0 INT8: {file_name} holds {what}, so this loader's model_{other} output is "
+            f"empty. Take model_{other} from a second 'Load Ideogram 4.0 INT8' with the {other} INT8 file"
+            + (", or use ordinary CFG with model_conditional only" if has == "conditional" else ""))
 
 
 def _instrument(patcher, node_id, backend) -> None:
-    try:
-        from . import timing
-    except ImportError:
-        return
-    timing.instrument(patcher, node_id=str(node_id), backend=backend)
+    from . import timing  # the pack's own module: imported unconditionally (a broken one must show)
+    timing.instrument(patcher, node_id=str(node_id), backend=backend,
+                      backends_used=getattr(patcher, "int8_backends", None))
 
 
 def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: str | None,
@@ -218,10 +238,15 @@ def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: 
             base = base_uncond if br == "unconditional" else base_cond
             out[br] = build_branch(ck, br, backend, base, missing, dtype=torch.bfloat16)
             _instrument(out[br], f"{node_id}:{br or 'model'}", backend)
+    name = os.path.basename(path)
     cond = out.get("conditional", out.get(""))
     uncond = out.get("unconditional")
-    if uncond is None:
-        uncond = _empty_branch(cond, os.path.basename(path))
+    # A file with one backbone fills one output; the other is a MODEL that errors when sampled.
+    if cond is None:
+        log.warning("[int8_fused] %s", _missing_message(name, "unconditional"))
+        cond = _empty_branch(uncond, _missing_message(name, "unconditional"))
+    elif uncond is None:
+        uncond = _empty_branch(cond, _missing_message(name, "conditional"))
     return cond, uncond
 
 
@@ -237,8 +262,9 @@ class LoadIdeogram4Int8:
         return {"required": {
             "unet_name": (files, {"tooltip": "INT8 file in models/diffusion_models: transformerlab W8A8 (both "
                                              "branches), ComfyUI int8_tensorwise or this pack's int8_fused"}),
-            "backend": (["auto"] + [b for b in backends.BACKENDS if b != "bf16"],
-                        {"tooltip": "INT8 GEMM backend; auto = fastest available on this device"}),
+            "backend": (["auto"] + [b for b in backend_choices() if b != "bf16"],
+                        {"tooltip": "INT8 GEMM backend; only those this machine can run are listed; auto = "
+                                    "the fastest of them. The log names the backend each layer runs on"}),
             "base_checkpoint": (bases, {"tooltip": "float/FP8 Ideogram 4 (conditional) supplying norms and "
                                                    "embeddings the INT8 file lacks"}),
             "base_checkpoint_unconditional": (bases, {"tooltip": "the same for the unconditional backbone"}),
@@ -249,7 +275,8 @@ class LoadIdeogram4Int8:
     FUNCTION = "load"
     CATEGORY = CATEGORY
     DESCRIPTION = ("Loads an INT8 W8A8 Ideogram 4.0 checkpoint as two fast MODELs for DualModelGuider. "
-                   "model_unconditional errors when used if the file holds one backbone.")
+                   "A file with one backbone fills one output; the other errors wherever it is sampled (a "
+                   "file of the unconditional backbone alone gives model_unconditional).")
 
     def load(self, unet_name, backend, base_checkpoint, base_checkpoint_unconditional, unique_id=None):
         import folder_paths

@@ -13,8 +13,10 @@ What is quantized: every ``Int8Linear`` of the MODEL (loaded by "Load Ideogram 4
 "Apply Fused INT8 GEMM") is written as it is. A float MODEL is quantized here: the layers of the ``layers``
 preset (``quant.select``), with a calibration's smoothing and protection when one is connected. LoRA
 patches on the MODEL are merged into float weights first.
-Files go under models/diffusion_models; an existing file is an error unless ``overwrite`` is on; writes are
-atomic (temporary file + rename).
+Files go under ComfyUI's first ``diffusion_models`` folder (``models/unet`` in a default install, which
+ComfyUI lists before ``models/diffusion_models``; both are read by the loaders), and the node shows the
+path it wrote. An existing file is an error unless ``overwrite`` is on; writes are atomic (temporary file
++ rename; temporaries left by a killed server are removed by the next save in that folder).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import os
 
 from ..quant import select
 from ..quant.fmt_write import write_core_int8, write_pack
+from ..quant.formats import OutputExistsError
 from ..quant.linear import Int8Linear
 from ..quant.quantize import quantize_weight_per_channel
 from .common import CALIBRATION_TYPE, CATEGORY
@@ -94,9 +97,9 @@ def output_path(filename: str) -> str:
     import folder_paths
 
     rel = filename.strip().replace("\\", "/")
-    if not rel or rel.startswith("/") or ".." in rel.split("/"):
-        raise ValueError(f"Save INT8 Model: invalid file name {filename!r}; give a name relative to "
-                         "models/diffusion_models, without '..'")
+    if not rel or rel.startswith("/") or ".." in rel.split("/") or "\x00" in rel:
+        raise ValueError(f"Save INT8 Model: invalid file name {filename!r}; give a name relative to the "
+                         "diffusion_models folder, without '..' or NUL characters")
     if not rel.endswith(".safetensors"):
         rel += ".safetensors"
     return os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], rel)
@@ -106,7 +109,7 @@ def save_model(model, path: str, fmt: str, overwrite: bool = False, preset: str 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose {FORMATS}")
     if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"Save INT8 Model: {path} already exists; choose another name or turn overwrite on")
+        raise OutputExistsError(f"Save INT8 Model: {path} already exists; choose another name or turn overwrite on")
     quant, floats, protected = collect(model, fmt, preset, calibration)
     if fmt == "comfy_int8_tensorwise":
         write_core_int8(path, quant, floats, overwrite=overwrite)
@@ -124,7 +127,8 @@ class SaveInt8Model:
         return {"required": {
             "model": ("MODEL", {"tooltip": "The model to save: the output of Apply Fused INT8 GEMM, or a float "
                                            "model (quantized here with the chosen layers)"}),
-            "filename": ("STRING", {"default": "int8/model_int8", "tooltip": "relative to models/diffusion_models"}),
+            "filename": ("STRING", {"default": "int8/model_int8", "tooltip": (
+                "relative to ComfyUI's first diffusion_models folder (models/unet in a default install)")}),
             "format": (list(FORMATS), {"tooltip": "int8_fused keeps SmoothQuant; comfy_int8_tensorwise loads in "
                                                   "plain ComfyUI (smoothing folded into the weights)"}),
             "overwrite": ("BOOLEAN", {"default": False, "tooltip": "replace an existing file of that name"}),
@@ -137,9 +141,12 @@ class SaveInt8Model:
     OUTPUT_NODE = True
     FUNCTION = "save"
     CATEGORY = CATEGORY
+    DESCRIPTION = ("Saves the model as an INT8 checkpoint in ComfyUI's first diffusion_models folder "
+                   "(models/unet in a default install) and shows the path it wrote.")
 
     def save(self, model, filename, format, overwrite, layers, calibration=None):
-        return (save_model(model, output_path(filename), format, overwrite, layers, calibration),)
+        path = save_model(model, output_path(filename), format, overwrite, layers, calibration)
+        return {"ui": {"text": [f"saved to {path}"]}, "result": (path,)}
 
 
 NODE_CLASS_MAPPINGS = {"SaveInt8Model": SaveInt8Model}

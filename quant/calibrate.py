@@ -22,12 +22,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 
 import torch
 
 from .calib_capture import ActivationCapture
 from .calib_smooth import ALPHA_GRID, search_alpha, smooth_factors, w8a8_error, weight_col_absmax
+from .fmt_write import atomic_save
+from .formats import CheckpointError, json_metadata
 from .quantize import QMAX
 
 FORMAT = "int8_fused_calibration"
@@ -144,13 +145,10 @@ class Calibration:
 
     # ------------------------------------------------------------------ files
     def save(self, path: str, overwrite: bool = False) -> str:
-        """Write safetensors (tensors + JSON header) atomically: a temp file beside ``path``, renamed."""
-        from safetensors.torch import save_file
+        """Write safetensors (tensors + JSON header) atomically (``fmt_write.atomic_save``: a temp file
+        beside ``path``, renamed); an existing file raises ``OutputExistsError`` unless ``overwrite``."""
         if not self.layers:
             raise ValueError("refusing to save an empty calibration (no layer was calibrated)")
-        path = os.fspath(path)
-        if os.path.exists(path) and not overwrite:
-            raise FileExistsError(f"calibration file {path} exists; choose another name or allow overwrite")
         tensors, layers = {}, {}
         for n, l in self.layers.items():
             if l.smooth is not None:
@@ -161,19 +159,7 @@ class Calibration:
                          "protected": l.protected, "err_plain": l.err_plain, "err_smoothed": l.err_smoothed}
         header = {"format": FORMAT, "version": str(VERSION), "meta": json.dumps(self.meta),
                   "layers": json.dumps(layers)}
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=d)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=header)
-            if not overwrite and os.path.exists(path):
-                raise FileExistsError(f"calibration file {path} appeared while saving; not overwritten")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return path
+        return atomic_save(tensors, os.fspath(path), header, overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
@@ -186,24 +172,52 @@ class Calibration:
         except FileNotFoundError:
             raise
         except Exception as e:
-            raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); the file is damaged: "
+                                  "calibrate again") from None
         if header.get("format") != FORMAT:
             raise ValueError(f"{path} is not an INT8 calibration file (format {header.get('format')!r}, "
                              f"expected {FORMAT!r}); make one with the INT8 Calibrate node")
-        if int(header.get("version", 0)) > VERSION:
+        try:
+            version = int(header.get("version", 0))
+        except ValueError:
+            raise CheckpointError(f"{path}: invalid calibration format version {header.get('version')!r}; "
+                                  "the file is damaged: calibrate again") from None
+        if version > VERSION:
             raise ValueError(f"{path} has calibration format version {header['version']}; this pack reads "
                              f"up to {VERSION}: update the pack")
-        meta, layers = json.loads(header["meta"]), json.loads(header["layers"])
+        meta = json_metadata(path, header, "meta", dict, required=True)
+        layers = json_metadata(path, header, "layers", dict, required=True)
         if not layers:
             raise ValueError(f"{path} holds an empty calibration (no layers)")
         out = {}
         for n, d in layers.items():
-            s, sa = tensors.get(f"{n}.smooth"), tensors.get(f"{n}.static_act_scale")
-            if s is not None and s.shape != (d["in_features"],):
-                raise ValueError(f"{path}: {n}.smooth has shape {tuple(s.shape)}, expected ({d['in_features']},)")
-            out[n] = LayerCalibration(n, d["in_features"], d["out_features"], s, d["alpha"], d["protected"],
-                                      d["err_plain"], d["err_smoothed"], sa)
+            out[n] = _layer_from_header(path, n, d, tensors)
         return cls(out, meta)
+
+
+_LAYER_FIELDS = {"in_features": int, "out_features": int, "alpha": (float, int, type(None)), "protected": bool,
+                 "err_plain": (float, int), "err_smoothed": (float, int)}
+
+
+def _layer_from_header(path: str, n: str, d, tensors: dict) -> LayerCalibration:
+    """One layer of a calibration file, checked: a damaged entry raises CheckpointError naming it."""
+    where = f"{path}: calibration layer {n!r}"
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{where} is {type(d).__name__}, not an object; the file is damaged: calibrate again")
+    for k, t in _LAYER_FIELDS.items():
+        if k not in d:
+            raise CheckpointError(f"{where} lacks {k!r}; the file is damaged: calibrate again")
+        if not isinstance(d[k], t) or (t is int and isinstance(d[k], bool)):
+            raise CheckpointError(f"{where}: {k!r} is {d[k]!r}; the file is damaged: calibrate again")
+    s, sa = tensors.get(f"{n}.smooth"), tensors.get(f"{n}.static_act_scale")
+    if s is not None:
+        if s.shape != (d["in_features"],):
+            raise CheckpointError(f"{where}: {n}.smooth has shape {tuple(s.shape)}, expected ({d['in_features']},)")
+        if not (torch.isfinite(s).all() and (s > 0).all()):
+            raise CheckpointError(f"{where}: {n}.smooth holds non-positive or non-finite values; the file is "
+                                  "damaged: calibrate again")
+    return LayerCalibration(n, d["in_features"], d["out_features"], s, d["alpha"], d["protected"],
+                            d["err_plain"], d["err_smoothed"], sa)
 
 
 # ---------------------------------------------------------------------- building

@@ -2,7 +2,9 @@
 deterministic random-weight generator at any width (tiny for format tests, real for the 1-layer test).
 
 Widths of the real model (ComfyUI fixes them): hidden 4608 (18 heads x 256), FFN 12288, adaLN 512,
-text features 53248, in/out channels 128. ``layers.N`` blocks; see shared/reference/ideogram4.md.
+text features 53248, in/out channels 128; ``layers.N`` blocks. Source: the defaults of
+``Ideogram4Transformer2DModel.__init__`` in ComfyUI's ``comfy/ldm/ideogram4/model.py`` (ComfyUI 0.33.0;
+its detection in ``comfy/model_detection.py`` reads only the depth and in_channels from the file).
 """
 from __future__ import annotations
 

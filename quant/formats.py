@@ -52,8 +52,44 @@ _SAFETENSORS_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "
                        "F8_E4M3", "F8_E5M2", "U16", "U32", "U64", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}
 
 
+ERROR_MODULE = "int8_fused"  # shown by ComfyUI as the exceptions' module (not "<pack folder>.quant.formats")
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file, what is wrong and the fix."""
+
+
+class OutputExistsError(CheckpointError, FileExistsError):
+    """A writer's target file exists and overwrite is off (both ``except FileExistsError`` and
+    ``except CheckpointError`` catch it)."""
+
+
+for _cls in (CheckpointError, OutputExistsError):
+    _cls.__module__ = ERROR_MODULE
+
+
+def json_metadata(name: str, meta: dict, key: str, kind: type, default=None, required: bool = False):
+    """``json.loads(meta[key])`` checked to be a ``kind`` (dict or list); ``default`` when absent.
+
+    Raises CheckpointError naming the file and the entry when it is missing (``required``), not JSON or
+    of another type: the file is damaged."""
+    raw = meta.get(key)
+    if raw is None:
+        if required:
+            raise CheckpointError(f"{name}: metadata entry {key!r} is missing from its header; the file is "
+                                  "damaged or was not written by this pack. Make or download it again")
+        return default
+    try:
+        value = json.loads(raw)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{name}: metadata entry {key!r} is not valid JSON ({e}); the file is damaged. "
+                              "Make or download it again") from None
+    if not isinstance(value, kind):
+        want = {dict: "an object", list: "a list"}.get(kind, kind.__name__)
+        raise CheckpointError(f"{name}: metadata entry {key!r} should be {want} but is "
+                              f"{type(value).__name__} {str(value)[:60]!r}; the file is damaged. Make or "
+                              "download it again")
+    return value
 
 
 @dataclasses.dataclass
@@ -238,25 +274,27 @@ class Int8Checkpoint:
                                   f"{ver}, this one reads up to {PACK_FORMAT_VERSION}); update the node pack")
         for br, pairs in _split_branches(self.header.keys(), self.name, allow_single=True).items():
             self.branches[br] = self._collect(br, pairs, "qweight", "weight_scale")
-        declared = json.loads(m.get("branches", "null") or "null")
-        if declared is not None and sorted(declared) != sorted(self.branches):
+        declared = json_metadata(self.name, m, "branches", list) if m.get("branches") else None
+        if declared is not None and sorted(map(str, declared)) != sorted(self.branches):
             raise CheckpointError(f"{self.name}: metadata declares branches {declared} but the tensors hold "
                                   f"{sorted(self.branches)}; the file is inconsistent")
-        layers = json.loads(m.get("layers", "{}"))
+        layers = json_metadata(self.name, m, "layers", dict, default={})
         for br, b in self.branches.items():
             for n, e in b.quant.items():
-                want = layers.get(f"{br}.{n}" if br else n, {}).get("smooth")
+                entry = layers.get(f"{br}.{n}" if br else n, {})
+                if not isinstance(entry, dict):
+                    raise CheckpointError(f"{self.name}: metadata 'layers' entry of {n!r} is "
+                                          f"{type(entry).__name__}, not an object; the file is damaged")
+                want = entry.get("smooth")
                 if want is not None and bool(want) != (e.smooth is not None):
                     raise CheckpointError(f"{self.name}: layer {n!r} metadata says smooth={want} but the "
                                           f"file {'lacks' if want else 'has'} '{n}.smooth'; inconsistent file")
 
     def _read_core(self) -> None:
-        qm = {}
-        if "_quantization_metadata" in self.metadata:
-            try:
-                qm = json.loads(self.metadata["_quantization_metadata"]).get("layers", {})
-            except (ValueError, AttributeError):
-                raise CheckpointError(f"{self.name}: unreadable _quantization_metadata in its header") from None
+        qm = json_metadata(self.name, self.metadata, "_quantization_metadata", dict, default={}).get("layers", {})
+        if not isinstance(qm, dict):
+            raise CheckpointError(f"{self.name}: '_quantization_metadata' holds 'layers' of type "
+                                  f"{type(qm).__name__}, not an object; the file is damaged")
         pairs = _strip_model_prefix(_split_branches(self.header.keys(), self.name, allow_single=True).get("", []))
         if not pairs:
             raise CheckpointError(f"{self.name}: a ComfyUI int8_tensorwise file has one model; this one has "
@@ -273,6 +311,10 @@ class Int8Checkpoint:
         quant, floats = {}, {}
         used = set()
         for p, conf in confs.items():
+            if not isinstance(conf, dict):
+                raise CheckpointError(f"{self.name}: the quantization config of layer {p!r} is "
+                                      f"{type(conf).__name__} {str(conf)[:60]!r}, not a JSON object; the file "
+                                      "is damaged")
             fmt = conf.get("format")
             params = conf.get("params", {}) if isinstance(conf.get("params"), dict) else {}
             if fmt != "int8_tensorwise":
@@ -369,8 +411,14 @@ class Int8Checkpoint:
             if self.smooth_inverted:
                 sm = 1.0 / sm
         if not torch.isfinite(s).all():
-            raise CheckpointError(f"{self.name}: {_bn(branch)}layer {name!r}: weight scale holds NaN/Inf; "
-                                  "the file is damaged")
+            raise CheckpointError(f"{self.name}: {_bn(branch)}layer {name!r}: weight scale {e.scale!r} holds "
+                                  "NaN/Inf; the file is damaged")
+        if (s < 0).any():  # zero is legal: an all-zero weight row quantizes to scale 0
+            neg = (s < 0).nonzero().flatten()
+            raise CheckpointError(f"{self.name}: {_bn(branch)}layer {name!r}: weight scale {e.scale!r} holds "
+                                  f"{neg.numel()} negative values (e.g. channel {int(neg[0])}: "
+                                  f"{float(s[neg[0]]):.4g}); scales are max|row| / 127 >= 0, so the file is "
+                                  "damaged. Download or save it again")
         return q, s, b, sm
 
     def branch_state_dict(self, branch: str) -> dict[str, torch.Tensor]:

@@ -164,15 +164,22 @@ def test_nonfinite_activations_name_the_layer():
 
 
 # ---------------------------------------------------------------------- building
-def calibrate_toy(**kw):
+def calibrate_toy(record=None, **kw):
+    """Calibrate the toy on 3 steps (bucket = step % n_buckets). ``record``: a dict that receives
+    {layer: [(bucket, input rows)]}, seen by hooks of the test's own, independent of the capture."""
     torch.manual_seed(1)
     model = Toy()
     named = [(f"layers.{i}.{p}", getattr(b, p)) for i, b in enumerate(model.layers) for p in ("up", "down")]
     cap = ActivationCapture(named, n_buckets=kw.pop("n_buckets", 1), row_cap=64)
+    handles = [] if record is None else [
+        m.register_forward_pre_hook(lambda mod, a, n=n: record.setdefault(n, []).append(
+            (cap.bucket, a[0].detach().reshape(-1, a[0].shape[-1]).clone()))) for n, m in named]
     with cap:
         for step in range(3):
             cap.set_bucket(step % cap.n_buckets)
             model(torch.randn(2, 32, 64))
+    for h in handles:
+        h.remove()
     return build_calibration(cap, lambda n, m: m.weight, meta={"arch": "toy"}, **kw), cap, model
 
 
@@ -190,14 +197,17 @@ def test_build_calibration_smoothing_and_protection():
 
 
 def test_build_calibration_search_and_static_scales():
-    cal, cap, _ = calibrate_toy(alpha_search=True, static_scales=True, n_buckets=3)
+    seen = {}
+    cal, cap, _ = calibrate_toy(record=seen, alpha_search=True, static_scales=True, n_buckets=3)
     fixed, _, _ = calibrate_toy(alpha=0.5)
     for n, l in cal.layers.items():
         assert l.err <= fixed.layers[n].err + 1e-12
         assert l.static_act_scale.shape == (3,)
-        s = l.smooth if l.smooth is not None else torch.ones(l.in_features)
-        want = (cap.stats[n].bucket_absmax() / s).amax(1) / 127
-        assert torch.equal(l.static_act_scale, want)
+        s = l.smooth.double() if l.smooth is not None else torch.ones(l.in_features, dtype=torch.float64)
+        # reference from the raw inputs the test's own hooks saw: per bucket max_{t,j} |x[t, j] / s_j| / 127
+        want = [max(float((x.double() / s).abs().max()) for b, x in seen[n] if b == k) / 127 for k in range(3)]
+        torch.testing.assert_close(l.static_act_scale.double(), torch.tensor(want, dtype=torch.float64),
+                                   rtol=1e-6, atol=0)
     assert cal.meta["alpha_mode"] == "search" and cal.meta["activation_scales"] == "static"
 
 
@@ -298,3 +308,46 @@ def test_weight_mismatches_tell_same_shaped_models_apart():
     assert cal.weight_mismatches(get, named2) == list(named2)
     back = Calibration.load(cal.save(os.path.join(__import__("tempfile").mkdtemp(), "w.safetensors")))
     assert back.weight_mismatches(get, named) == [] and back.weight_mismatches(get, named2)
+
+
+# ---------------------------------------------------------------------- damaged files, one "exists" type
+def _damaged(path, smooth=(1.0, 1.0, 1.0, 1.0), **header):
+    from safetensors.torch import save_file
+    meta = {"format": "int8_fused_calibration", "version": "1", "meta": "{}",
+            "layers": json.dumps({"a.b": {"in_features": 4, "out_features": 2, "alpha": 0.5, "protected": False,
+                                          "err_plain": 0.1, "err_smoothed": 0.05}})}
+    meta.update(header)
+    save_file({"a.b.smooth": torch.tensor(smooth)}, str(path),
+              metadata={k: v for k, v in meta.items() if v is not None})
+    return path
+
+
+@pytest.mark.parametrize("header,msg", [
+    ({"layers": "{not json"}, "metadata entry 'layers' is not valid JSON"),
+    ({"meta": None}, "metadata entry 'meta' is missing"),
+    ({"meta": "[1]"}, "metadata entry 'meta' should be an object but is list"),
+    ({"layers": '{"a.b": {"out_features": 2}}'}, "calibration layer 'a.b' lacks 'in_features'"),
+    ({"layers": '{"a.b": [4, 2]}'}, "calibration layer 'a.b' is list, not an object"),
+    ({"version": "one"}, "invalid calibration format version 'one'"),
+])
+def test_damaged_calibration_file_named(tmp_path, header, msg):
+    from quant.formats import CheckpointError
+    p = _damaged(tmp_path / "dmg.safetensors", **header)
+    with pytest.raises(CheckpointError, match=r"dmg\.safetensors.*" + msg.replace("[", r"\[")):
+        Calibration.load(p)
+
+
+def test_nonpositive_smooth_in_calibration_refused(tmp_path):
+    from quant.formats import CheckpointError
+    p = _damaged(tmp_path / "s.safetensors", smooth=(1.0, -2.0, 1.0, 1.0))
+    with pytest.raises(CheckpointError, match=r"s\.safetensors.*a\.b\.smooth holds non-positive"):
+        Calibration.load(p)
+
+
+def test_exists_error_is_one_type(tmp_path):
+    from quant.formats import CheckpointError
+    cal, _, _ = calibrate_toy()
+    p = cal.save(tmp_path / "c.safetensors")
+    with pytest.raises(FileExistsError, match=r"c\.safetensors already exists") as e:
+        cal.save(p)
+    assert isinstance(e.value, CheckpointError)  # the same type Save INT8 Model and the writers raise

@@ -68,7 +68,6 @@ def test_transformerlab_gguf_prefixes_and_missing_norms(tmp_path, branches):
 def test_transformerlab_per_tensor_scale_and_smooth_direction(tmp_path, branches):
     q, f = branches["conditional"]
     L = dict(q[SMOOTHED])
-    q2 = {SMOOTHED: L}
     tensors = {f"conditional.{SMOOTHED}.wq": L["qweight"], f"conditional.{SMOOTHED}.ws": torch.tensor(0.01),
                f"conditional.{SMOOTHED}.smooth": 1.0 / L["smooth"]}
     p = W.atomic_save(tensors, str(tmp_path / "s.safetensors"), {"smooth_direction": "multiply_activation"})
@@ -79,7 +78,6 @@ def test_transformerlab_per_tensor_scale_and_smooth_direction(tmp_path, branches
     W.atomic_save(tensors, str(tmp_path / "bad.safetensors"), {"smooth_direction": "sideways"})
     with pytest.raises(F.CheckpointError, match="smooth_direction"):
         F.open_checkpoint(str(tmp_path / "bad.safetensors"))
-    del q2
 
 
 def test_pack_round_trip_and_metadata(tmp_path, branches):
@@ -163,17 +161,21 @@ def test_pickle_and_non_safetensors_rejected(tmp_path):
 def test_truncated_and_corrupt(tmp_path, branches):
     p = W.write_transformerlab(str(tmp_path / "t.safetensors"), branches)
     data = open(p, "rb").read()
-    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 1000])
-    with pytest.raises(F.CheckpointError, match="truncated.*download it again"):
-        F.open_checkpoint(str(tmp_path / "cut.safetensors"))
     n = struct.unpack("<Q", data[:8])[0]
+    # the cases below hit the regions they claim: the last 1000 bytes are tensor data, bytes 8..16 header
+    assert 8 + n <= len(data) - 1000 and n >= 8
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(F.CheckpointError, match=r"truncated: its header needs \d+ bytes.*download it again"):
+        F.open_checkpoint(str(tmp_path / "cut.safetensors"))
+    (tmp_path / "cuthdr.safetensors").write_bytes(data[: 8 + n // 2])  # cut inside the JSON header
+    with pytest.raises(F.CheckpointError, match=f"header claims {n} bytes but the file has {8 + n // 2}"):
+        F.open_checkpoint(str(tmp_path / "cuthdr.safetensors"))
     (tmp_path / "hdr.safetensors").write_bytes(data[:8] + b"{garbage" + data[16:])
     with pytest.raises(F.CheckpointError, match="corrupt safetensors header"):
         F.open_checkpoint(str(tmp_path / "hdr.safetensors"))
     (tmp_path / "tiny.safetensors").write_bytes(data[:5])
     with pytest.raises(F.CheckpointError, match="too short"):
         F.open_checkpoint(str(tmp_path / "tiny.safetensors"))
-    assert n < len(data)
 
 
 def test_inconsistent_files_named_precisely(tmp_path, branches):
@@ -229,3 +231,172 @@ def test_not_int8_and_overwrite_guard(tmp_path, branches):
         W.atomic_save(f, p)
     W.atomic_save({"a": torch.ones(2)}, p, overwrite=True)
     assert list(tmp_path.glob(".*.tmp")) == []
+
+
+# --------------------------------------------------------------------------- a file built by hand
+# The transformerlab layout as documented (quant/formats.py), written with plain safetensors, no pack
+# writer. Expected values are worked out by hand in the comments.
+O_WQ = [[127, -64, 0, 1], [-127, 5, 10, -3], [0, 0, 0, 0]]   # conditional layers.0.attention.o, [N=3, K=4]
+O_WS = [0.5, 0.25, 0.0]                                       # [N]; row 2 is all zero: scale 0 is legal
+O_B = [1.0, -2.0, 0.5]
+# W = wq * ws[:, None] = [[63.5, -32, 0, 0.5], [-31.75, 1.25, 2.5, -0.75], [0, 0, 0, 0]]
+# x = [1, 2, 3, 4]: y = W @ x + b = [63.5 - 64 + 2 + 1, -31.75 + 2.5 + 7.5 - 3 - 2, 0.5] = [2.5, -26.75, 0.5]
+O_Y = [2.5, -26.75, 0.5]
+QKV_WQ = [[10, -20, 30, 127], [1, 2, 3, 4]]                   # unconditional layers.0.attention.qkv, [2, 4]
+QKV_WS = [[0.125], [2.0]]                                     # [N, 1] in bf16 (exact)
+QKV_SMOOTH = [2.0, 4.0, 0.5, 1.0]                             # divisor s: stored wq = Q(W * s)
+# float W = dequant / s = [[0.625, -0.625, 7.5, 15.875], [1, 1, 12, 8]];
+# x = [2, 4, 1, -1]: y = W @ x = [1.25 - 2.5 + 7.5 - 15.875, 2 + 4 + 12 - 8] = [-9.625, 10]
+QKV_Y = [-9.625, 10.0]
+
+
+def _hand_file(path, o_ws=O_WS, metadata=None, smooth=QKV_SMOOTH):
+    from safetensors.torch import save_file
+    t = {
+        "conditional.layers.0.attention.o.wq": torch.tensor(O_WQ, dtype=torch.int8),
+        "conditional.layers.0.attention.o.ws": torch.tensor(o_ws, dtype=torch.float32),
+        "conditional.layers.0.attention.o.bias": torch.tensor(O_B, dtype=torch.float32),
+        "conditional.layers.0.feed_forward.w1.wq": torch.tensor([[1, -1], [2, 3]], dtype=torch.int8),
+        "conditional.layers.0.feed_forward.w1.ws": torch.tensor(0.5, dtype=torch.float16),  # per tensor
+        "conditional.layers.0.feed_forward.w2.weight": torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16),
+        "unconditional.layers.0.attention.qkv.wq": torch.tensor(QKV_WQ, dtype=torch.int8),
+        "unconditional.layers.0.attention.qkv.ws": torch.tensor(QKV_WS, dtype=torch.bfloat16),
+        "unconditional.layers.0.attention.qkv.smooth": torch.tensor(smooth, dtype=torch.float32),
+        "unconditional.layers.0.attention_norm1.weight": torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16),
+    }
+    save_file(t, str(path), metadata=metadata)
+    return str(path)
+
+
+def _y(q, s, b, sm, x):
+    """Float product the reader's tensors define: (x / smooth) @ (q * s[:, None]).T + b, in float64."""
+    x = torch.tensor(x, dtype=torch.float64)
+    if sm is not None:
+        x = x / sm.double()
+    y = (q.double() * s.double()[:, None]) @ x
+    return y + b.double() if b is not None else y
+
+
+def test_transformerlab_hand_built_file(tmp_path):
+    p = _hand_file(tmp_path / "hand.safetensors")
+    with F.open_checkpoint(p) as ck:
+        assert ck.format == F.FMT_TRANSFORMERLAB and sorted(ck.branches) == ["conditional", "unconditional"]
+        c, u = ck.branches["conditional"], ck.branches["unconditional"]
+        assert sorted(c.quant) == ["layers.0.attention.o", "layers.0.feed_forward.w1"]
+        assert c.floats == {"layers.0.feed_forward.w2.weight": "conditional.layers.0.feed_forward.w2.weight"}
+        assert sorted(u.quant) == ["layers.0.attention.qkv"]
+        assert u.floats == {"layers.0.attention_norm1.weight": "unconditional.layers.0.attention_norm1.weight"}
+        e = c.quant["layers.0.attention.o"]
+        assert (e.out_features, e.in_features, e.smooth) == (3, 4, None)
+        q, s, b, sm = ck.quant_tensors("conditional", "layers.0.attention.o")
+        assert q.dtype == torch.int8 and q.tolist() == O_WQ
+        assert s.dtype == torch.float32 and s.tolist() == O_WS
+        assert b.dtype == torch.float32 and b.tolist() == O_B and sm is None
+        assert _y(q, s, b, sm, [1, 2, 3, 4]).tolist() == O_Y
+        q, s, b, sm = ck.quant_tensors("conditional", "layers.0.feed_forward.w1")
+        assert s.dtype == torch.float32 and s.tolist() == [0.5, 0.5] and b is None and sm is None
+        q, s, b, sm = ck.quant_tensors("unconditional", "layers.0.attention.qkv")
+        assert q.tolist() == QKV_WQ and s.shape == (2,) and s.tolist() == [0.125, 2.0]
+        assert sm.dtype == torch.float32 and sm.tolist() == QKV_SMOOTH and b is None
+        assert _y(q, s, b, sm, [2, 4, 1, -1]).tolist() == QKV_Y
+        sd = ck.branch_state_dict("conditional")
+        assert sorted(sd) == ["layers.0.attention.o.bias", "layers.0.attention.o.qweight",
+                              "layers.0.attention.o.weight_scale", "layers.0.feed_forward.w1.qweight",
+                              "layers.0.feed_forward.w1.weight_scale", "layers.0.feed_forward.w2.weight"]
+        assert sd["layers.0.feed_forward.w2.weight"].dtype == torch.bfloat16
+        assert sd["layers.0.feed_forward.w2.weight"].tolist() == [[1.5, -2.0]]
+    # the other smoothing convention: the file stores v = 1 / s and says so; the reader returns s
+    p = _hand_file(tmp_path / "mul.safetensors", metadata={"smooth_direction": "multiply_activation"},
+                   smooth=[0.5, 0.25, 2.0, 1.0])
+    with F.open_checkpoint(p) as ck:
+        q, s, b, sm = ck.quant_tensors("unconditional", "layers.0.attention.qkv")
+        assert sm.tolist() == QKV_SMOOTH and _y(q, s, b, sm, [2, 4, 1, -1]).tolist() == QKV_Y
+
+
+def test_negative_weight_scale_refused_naming_file_and_tensor(tmp_path):
+    p = _hand_file(tmp_path / "neg.safetensors", o_ws=[0.5, -0.25, 0.0])
+    with F.open_checkpoint(p) as ck:
+        ck.quant_tensors("unconditional", "layers.0.attention.qkv")  # the other layers still read
+        with pytest.raises(F.CheckpointError, match=r"neg\.safetensors.*'conditional\.layers\.0\.attention\.o\.ws'"
+                                                    r".*1 negative.*channel 1"):
+            ck.quant_tensors("conditional", "layers.0.attention.o")
+        with pytest.raises(F.CheckpointError, match="negative"):
+            ck.branch_state_dict("conditional")
+
+
+# --------------------------------------------------------------------------- damaged metadata
+@pytest.mark.parametrize("key,value,msg", [
+    ("layers", "{not json", "'layers' is not valid JSON"),
+    ("layers", '["layers.0.attention.qkv"]', "'layers' should be an object but is list"),
+    ("layers", '{"layers.0.attention.qkv": 5}', "'layers' entry of 'layers.0.attention.qkv' is int"),
+    ("branches", "[conditional", "'branches' is not valid JSON"),
+    ("branches", '{"a": 1}', "'branches' should be a list but is dict"),
+])
+def test_pack_damaged_metadata_named(tmp_path, branches, key, value, msg):
+    p = W.write_pack(str(tmp_path / "dmg.safetensors"), {"": branches["conditional"]}, extra_meta={key: value})
+    with pytest.raises(F.CheckpointError, match=r"dmg\.safetensors: .*" + msg.replace("[", r"\[")):
+        F.open_checkpoint(p)
+
+
+@pytest.mark.parametrize("conf,meta,msg", [
+    (b"[1, 2]", None, "quantization config of layer 'layers.0.attention.o' is list"),
+    (b'"int8_tensorwise"', None, "quantization config of layer 'layers.0.attention.o' is str"),
+    (None, '{"layers": ["layers.0.attention.o"]}', "holds 'layers' of type list"),
+    (None, '{"layers": {"layers.0.attention.o": 3}}', "quantization config of layer 'layers.0.attention.o' is int"),
+    (None, "{bad", "'_quantization_metadata' is not valid JSON"),
+])
+def test_core_damaged_metadata_named(tmp_path, branches, conf, meta, msg):
+    L = branches["conditional"][0]["layers.0.attention.o"]
+    t = {"layers.0.attention.o.weight": L["qweight"], "layers.0.attention.o.weight_scale": L["weight_scale"]}
+    if conf is not None:
+        t["layers.0.attention.o.comfy_quant"] = torch.tensor(list(conf), dtype=torch.uint8)
+    W.atomic_save(t, str(tmp_path / "core.safetensors"), {"_quantization_metadata": meta} if meta else None)
+    with pytest.raises(F.CheckpointError, match=r"core\.safetensors: .*" + msg.replace("[", r"\[")):
+        F.open_checkpoint(str(tmp_path / "core.safetensors"))
+
+
+# --------------------------------------------------------------------------- errors and writer hygiene
+def test_exceptions_have_a_stable_module_and_one_exists_type(tmp_path):
+    # ComfyUI shows an exception's type as f"{cls.__module__}.{cls.__qualname__}" (execution.full_type_name)
+    for cls in (F.CheckpointError, F.OutputExistsError):
+        assert f"{cls.__module__}.{cls.__qualname__}" == f"int8_fused.{cls.__name__}"
+    p = W.atomic_save({"a": torch.ones(2)}, str(tmp_path / "e.safetensors"))
+    with pytest.raises(FileExistsError, match=r"e\.safetensors already exists.*overwrite") as e:
+        W.atomic_save({"a": torch.ones(2)}, p)
+    assert isinstance(e.value, F.CheckpointError) and isinstance(e.value, ValueError)
+
+
+def test_nul_in_file_name_refused(tmp_path):
+    with pytest.raises(ValueError, match="invalid file name.*NUL"):
+        W.atomic_save({"a": torch.ones(2)}, str(tmp_path / "a\x00b.safetensors"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temporary_of_a_killed_writer_is_removed_by_the_next_save(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parents[1])
+    script = ("import sys, time\nsys.path.insert(0, sys.argv[1])\nimport torch, safetensors.torch\n"
+              "def hang(tensors, path, metadata=None):\n"
+              "    open(path, 'wb').write(b'partial'); print('writing', flush=True); time.sleep(600)\n"
+              "safetensors.torch.save_file = hang\nfrom quant import fmt_write\n"
+              "fmt_write.atomic_save({'a': torch.ones(2)}, sys.argv[2])\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, root, str(tmp_path / "m.safetensors")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the server is killed while saving
+        proc.wait()
+    stale = tmp_path / f".m.safetensors.{proc.pid}.tmp"
+    assert stale.read_bytes() == b"partial"
+    live = tmp_path / f".busy.safetensors.{os.getpid()}.tmp"  # a save in progress in a live process
+    other = tmp_path / ".notes.tmp"                            # not this pack's naming
+    live.write_bytes(b"x")
+    other.write_bytes(b"x")
+    W.atomic_save({"a": torch.ones(2)}, str(tmp_path / "next.safetensors"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".busy.safetensors.%d.tmp" % os.getpid(), ".notes.tmp",
+                                                          "next.safetensors"]

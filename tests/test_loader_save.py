@@ -10,6 +10,8 @@ W8A8 bound: relative L2 error of the model output vs float <= 5 % (see test_ideo
 measured ~1.3 % here with SmoothQuant-like vectors spanning ~20x, and ~80 % with the smoothing convention
 inverted (the negative control below).
 """
+import importlib.util
+import logging
 import os
 import sys
 
@@ -124,8 +126,11 @@ def test_save_round_trip_bit_exact_and_guards(env, wan):
     q["fmt_write"].write_pack(path, {"": (quant, floats)}, overwrite=True)
     model = _load(pack, q, path)
     node = pack.nodes.save.SaveInt8Model()
-    (out,) = node.save(model, "sub/wan_copy", "int8_fused", False, "blocks")
-    assert out.endswith(os.path.join("sub", "wan_copy.safetensors")) and os.path.isfile(out)
+    ret = node.save(model, "sub/wan_copy", "int8_fused", False, "blocks")
+    (out,) = ret["result"]
+    # the node shows where it wrote: ComfyUI's first diffusion_models folder (here the test's)
+    assert out == str(models / "sub" / "wan_copy.safetensors") and os.path.isfile(out)
+    assert ret["ui"] == {"text": [f"saved to {out}"]}
     with pytest.raises(FileExistsError, match="overwrite"):
         node.save(model, "sub/wan_copy", "int8_fused", False, "blocks")
     node.save(model, "sub/wan_copy", "int8_fused", True, "blocks")
@@ -161,8 +166,9 @@ def test_save_float_model_with_calibration_both_formats(env, wan):
     names = block_linears(sd, q["select"])
     prot = names[0]
     node = pack.nodes.save.SaveInt8Model()
-    (p1,) = node.save(float_model, "wan_cal_pack", "int8_fused", True, "blocks", calibration=_Cal({prot}))
-    (p2,) = node.save(float_model, "wan_cal_core", "comfy_int8_tensorwise", True, "blocks", calibration=_Cal({prot}))
+    (p1,) = node.save(float_model, "wan_cal_pack", "int8_fused", True, "blocks", calibration=_Cal({prot}))["result"]
+    (p2,) = node.save(float_model, "wan_cal_core", "comfy_int8_tensorwise", True, "blocks",
+                      calibration=_Cal({prot}))["result"]
     import json
     with q["formats"].open_checkpoint(p1) as a:
         assert json.loads(a.metadata["protected"]) == [prot]
@@ -230,3 +236,92 @@ def test_transformerlab_layout_and_wrong_smoothing_is_caught(env, wan):
             errs[direction] = rel(_load(pack, q, path).model.diffusion_model(*inputs()), ref)
     print(errs)
     assert errs["divide_activation"] <= BOUND < errs["multiply_activation"]
+
+
+# ---------------------------------------------------------------------- issue 12 defects (pinned ComfyUI)
+def test_save_refuses_nul_like_other_invalid_names_and_raises_one_exists_type(env, wan):
+    pack, models, q = env
+    sd, quant, floats, _ = wan
+    src = str(models / "wan_nul_src.safetensors")
+    q["fmt_write"].write_pack(src, {"": (quant, floats)}, overwrite=True)
+    model = _load(pack, q, src)
+    node = pack.nodes.save.SaveInt8Model()
+    msgs = []
+    for bad in ("../escape", "a\x00b", "int8/x\x00.safetensors"):
+        with pytest.raises(ValueError, match="invalid file name") as e:
+            node.save(model, bad, "int8_fused", False, "blocks")
+        msgs.append(str(e.value).replace(repr(bad), "NAME"))
+    assert len(set(msgs)) == 1, msgs  # the same message for every invalid name
+    (out,) = node.save(model, "wan_exists", "int8_fused", True, "blocks")["result"]
+    with pytest.raises(FileExistsError, match="wan_exists.safetensors already exists.*overwrite") as e:
+        node.save(model, "wan_exists", "int8_fused", False, "blocks")
+    assert isinstance(e.value, q["formats"].CheckpointError)
+    # ComfyUI reports f"{cls.__module__}.{cls.__qualname__}": not the pack folder's file path
+    for cls in (q["formats"].CheckpointError, type(e.value)):
+        assert f"{cls.__module__}.{cls.__qualname__}" == f"int8_fused.{cls.__name__}"
+
+
+def test_test_conditioning_takes_ideogram4_width(env):
+    pack = env[0]
+    cls = pack.NODE_CLASS_MAPPINGS["Int8TestConditioning"]
+    spec = cls.INPUT_TYPES()["required"]["width"][1]
+    assert spec["max"] >= 53248 and "53248 Ideogram 4" in spec["tooltip"]
+    ((cond, extra),) = cls().make(tokens=2, width=53248, pooled_width=0, seed=1)[0]
+    assert cond.shape == (1, 2, 53248) and extra == {}
+
+
+def test_loader_offers_only_backends_that_run_here(env, monkeypatch):
+    import dataclasses
+    pack = env[0]
+    B = pack.quant.backends
+    node = pack.NODE_CLASS_MAPPINGS["LoadIdeogram4Int8"]
+    offered = node.INPUT_TYPES()["required"]["backend"][0]
+    assert not torch.cuda.is_available()  # this test machine: CPU only
+    assert offered[0] == "auto" and "bf16" not in offered
+    assert "fp8_rowwise" not in offered  # needs a CUDA GPU with sm_89+
+    assert "dequant_bf16" in offered and "torch_int_mm" in offered
+    if importlib.util.find_spec("comfy_kitchen") is None:
+        assert "comfy_kitchen" not in offered
+    # a CPU without the Triton interpreter: the fused kernel cannot run, so it is not offered
+    fused = B.BACKENDS["fused_triton"]
+    monkeypatch.setitem(B.BACKENDS, "fused_triton",
+                        dataclasses.replace(fused, device_reason=lambda d: "no CUDA GPU"))
+    assert "fused_triton" not in node.INPUT_TYPES()["required"]["backend"][0]
+
+
+def test_loader_logs_the_backend_that_ran(env, wan, caplog):
+    pack, models, q = env
+    sd, quant, floats, _ = wan
+    path = str(models / "wan_log.safetensors")
+    q["fmt_write"].write_pack(path, {"": (quant, floats)}, overwrite=True)
+    with caplog.at_level(logging.INFO, logger="int8_fused"):
+        with q["formats"].open_checkpoint(path) as ck:
+            patcher = pack.nodes.loader.build_branch(ck, "", "fp8_rowwise", dtype=torch.float32)
+    kinds = {m.backend for m in patcher.model.diffusion_model.modules() if isinstance(m, q["linear"].Int8Linear)}
+    assert kinds == {"dequant_bf16"}  # fp8_rowwise needs a CUDA GPU; its fallback ran
+    line = next(r.getMessage() for r in caplog.records if "wan_log.safetensors" in r.getMessage())
+    assert f"{len(quant)} INT8 linears on dequant_bf16: {len(quant)}" in line, line
+    assert "asked fp8_rowwise" in line and "CUDA" in line, line
+
+
+def test_calibrate_decodes_weights_with_the_apply_code_even_if_apply_cannot_be_imported_again(env, monkeypatch):
+    """nodes/calibrate.py used to fall back to the raw ``m.weight`` (no LoRA merge, no fp8 decoding) when
+    importing the Apply node's decoder failed; it now imports it unconditionally."""
+    import comfy.model_patcher
+    pack = env[0]
+    lin = torch.nn.Linear(4, 3, bias=False)
+    lin.weight.data = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0]])
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.diffusion_model = torch.nn.Module()
+            self.diffusion_model.proj = lin
+    cpu = torch.device("cpu")
+    patcher = comfy.model_patcher.ModelPatcher(Root(), load_device=cpu, offload_device=cpu)
+    delta = torch.full((3, 4), 0.5)
+    patcher.add_patches({"diffusion_model.proj.weight": (delta,)}, strength_patch=1.0)  # a LoRA-like "diff" patch
+    monkeypatch.setitem(sys.modules, f"{pack.__name__}.nodes.apply", None)  # a re-import would fail now
+    got = pack.nodes.calibrate._weight_fn(patcher, cpu)("proj", lin)
+    want = torch.tensor([[1.5, 0.5, 0.5, 0.5], [0.5, 2.5, 0.5, 0.5], [0.5, 0.5, 0.5, 4.5]])  # W + delta
+    assert torch.equal(got, want)
