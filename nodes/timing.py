@@ -1,11 +1,12 @@
 """Per-step timing of the MODELs this pack patches, sent to the frontend widget (web/int8_fused.js).
 
-``instrument(model_patcher, node_id=..., backend=...)`` adds three wrappers to a cloned ModelPatcher
+``instrument(model_patcher, node_id=..., backend=..., backends_used=None)`` adds three wrappers to a cloned ModelPatcher
 (``add_wrapper_with_key``, so other packs' wrappers and ``set_model_unet_function_wrapper`` keep working):
 
   OUTER_SAMPLE     brackets one sampling run: opens a :class:`Run`, wraps the sampler's per-step callback
-                   to mark step boundaries, and in ``finally`` closes the run (also when interrupted),
-                   sends ``int8_fused.summary`` and keeps it in a bounded ring buffer.
+                   to mark step boundaries, and in ``finally`` closes the run (also when interrupted or
+                   failed), sends ``int8_fused.summary``, keeps it in a bounded ring buffer and logs one
+                   line (INFO; WARNING for an error).
   APPLY_MODEL      one model call: reads the CFG branch from ``transformer_options["cond_or_uncond"]``
                    (0 cond, 1 uncond; [1, 0] is both batched together) and times the call unless ...
   DIFFUSION_MODEL  ... the architecture also runs this one (Flux, Lumina2/Z-Image, Qwen, Wan, ...): then
@@ -31,12 +32,35 @@ same step boundaries, with the same ``group``. Each model call is timed once, by
 instrumented wrapper around it. ``branches`` are ComfyUI's ``cond_or_uncond`` tags, which are
 positional: DualModelGuider's negative-model pass is tagged "cond"; the run's node names the model.
 
+Backend: what ran, not what the node asked for. A layer that cannot run the requested backend runs
+its fallback (``quant.backends.resolve``: fused_triton -> torch_int_mm -> dequant_bf16), and each
+``Int8Linear`` names the one it runs in ``.backend``. A run reports
+  backends           {backend: number of Int8Linear layers running it}, counted in the model the run's
+                     first model call runs (object patches applied); before that call (or for a run
+                     that fails before it), the count ``instrument`` took: the caller's
+                     ``backends_used`` or, without it, the patcher's Int8Linear object patches and modules.
+  backend            the backend that ran: the one most layers run (ties: the first name in alphabetical
+                     order); "bf16" when the model has no Int8Linear layer (the float model ran).
+  backend_requested  the backend the node asked for (``instrument``'s ``backend``).
+Log line and widget show them as one label (``backend_label``; web/int8_format.js ``backendLabel``):
+  "fused_triton"                                                   all layers ran what was asked
+  "torch_int_mm (fallback from fused_triton)"                      all layers fell back
+  "fused_triton (4 of 124 layers on torch_int_mm)"                 a mix: the majority, then the others
+  "torch_int_mm (fallback from fused_triton; 1 of 4 layers on dequant_bf16)"
+  "fused_triton (requested bf16)"                                  a bf16 node on an INT8 model upstream
+The widget's side-by-side comparison groups runs by ``backend`` (what ran).
+
+Status: "ok"; "interrupted" (ComfyUI's InterruptProcessingException, i.e. the cancel button, or a
+KeyboardInterrupt); "error" for any other exception, with ``error`` = "<type>: <message>" (at most
+ERROR_CHARS characters; None otherwise). The exception still propagates to ComfyUI.
+
 WebSocket events (``PromptServer.instance.send_sync``, to every connected page):
-  int8_fused.step     {run, group, node, backend, device, step (0-based), steps, seconds, branches,
-                       calls}
-  int8_fused.summary  {run, group, node, backend, device, workload, prompt_id, status ("ok" |
-                       "interrupted"), timer ("cuda_events" | "perf_counter"), steps, step_seconds [..],
-                       mean, median, total, branches {branch: seconds}, calls, started (unix time)}
+  int8_fused.step     {run, group, node, backend, backend_requested, backends, device, step (0-based),
+                       steps, seconds, branches, calls}
+  int8_fused.summary  {run, group, node, backend, backend_requested, backends, device, workload,
+                       prompt_id, status ("ok" | "interrupted" | "error"), error, timer ("cuda_events" |
+                       "perf_counter"), steps, step_seconds [..], mean, median, total,
+                       branches {branch: seconds}, calls, started (unix time)}
 HTTP: GET /int8_fused/runs -> {"runs": [summary, ...] (oldest first, at most RING_SIZE), "ring_size"}
 """
 from __future__ import annotations
@@ -56,6 +80,8 @@ log = logging.getLogger("int8_fused")
 
 WRAPPER_KEY = "int8_fused.timing"
 RING_SIZE = 64
+ERROR_CHARS = 500
+FLOAT = "bf16"  # the pack's name for the unquantized model (quant.backends.BACKENDS["bf16"])
 _RUNS: collections.deque = collections.deque(maxlen=RING_SIZE)
 _RUNS_LOCK = threading.Lock()
 _RUN_IDS = itertools.count(1)
@@ -151,14 +177,80 @@ def _branch(cond_or_uncond) -> str:
     return "+".join(tags) if tags else "unknown"
 
 
+# --------------------------------------------------------------------------- which backend ran
+def _int8_linear_class():
+    from ..quant.linear import Int8Linear
+    return Int8Linear
+
+
+def _int8_backends(model) -> dict[str, int]:
+    """{backend: layer count} of the Int8Linear modules in ``model`` (an nn.Module) as it is now."""
+    cls = _int8_linear_class()
+    return dict(collections.Counter(m.backend for m in model.modules() if isinstance(m, cls)))
+
+
+def _patcher_backends(model_patcher) -> dict[str, int]:
+    """{backend: layer count} the patcher will run: its model's Int8Linear modules (the loader's), with
+    the patcher's own object patches (Apply's) in place of the modules they replace. A module another
+    clone has patched in at the moment is read from ComfyUI's backup of the original."""
+    cls = _int8_linear_class()
+    layers: dict[str, str] = {}
+    model = getattr(model_patcher, "model", None)
+    if isinstance(model, torch.nn.Module):
+        backup = getattr(model_patcher, "object_patches_backup", None) or {}
+        for name, m in model.named_modules():
+            m = backup.get(name, m)
+            if isinstance(m, cls):
+                layers[name] = m.backend
+    for name, obj in (getattr(model_patcher, "object_patches", None) or {}).items():
+        if isinstance(obj, cls):
+            layers[name] = obj.backend
+        else:
+            layers.pop(name, None)
+    return dict(collections.Counter(layers.values()))
+
+
+def ran_backend(backends: dict) -> str:
+    """The backend most INT8 layers ran (ties: alphabetical); FLOAT when there is none."""
+    if not backends:
+        return FLOAT
+    return min(backends.items(), key=lambda kv: (-kv[1], kv[0]))[0]
+
+
+def backend_label(backend: str, requested: str | None, backends: dict) -> str:
+    """"torch_int_mm (fallback from fused_triton; 1 of 4 layers on dequant_bf16)": see the module doc."""
+    notes = []
+    if requested and requested != backend:
+        notes.append(f"requested {requested}" if requested == FLOAT else f"fallback from {requested}")
+    n = sum(backends.values())
+    for name, c in sorted(backends.items(), key=lambda kv: (-kv[1], kv[0])):
+        if name != backend:
+            notes.append(f"{c} of {n} layers on {name}")
+    return f"{backend} ({'; '.join(notes)})" if notes else backend
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    """ComfyUI's cancel (InterruptProcessingException) or a KeyboardInterrupt-like BaseException."""
+    mm = sys.modules.get("comfy.model_management")
+    cls = getattr(mm, "InterruptProcessingException", None)
+    return not isinstance(e, Exception) or (cls is not None and isinstance(e, cls))
+
+
+def _error_text(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 1] + "\u2026"
+
+
 # --------------------------------------------------------------------------- one sampling run
 class Run:
     """Timers of one sampling run, grouped into steps; resolves them without blocking."""
 
-    def __init__(self, *, node_id, backend, device, workload, steps_planned, prompt_id):
+    def __init__(self, *, node_id, backend, device, workload, steps_planned, prompt_id, backends=None):
         self.id = f"{node_id}-{next(_RUN_IDS)}"
         self.group = self.id  # the sampling it belongs to (the driving model's run id)
-        self.node_id, self.backend, self.device = node_id, backend, device
+        self.node_id, self.requested, self.device = node_id, backend, device
+        self.backends = dict(backends or {})  # {backend: INT8 layers}; recounted by see_layers
+        self.layers_seen = False
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.workload, self.steps_planned, self.prompt_id = workload, steps_planned, prompt_id
         self.started = time.time()
@@ -169,6 +261,16 @@ class Run:
         self.callbacks_seen = False
         self.after_last = False
         self.timer_kind = "cuda_events" if device.type == "cuda" else "perf_counter"
+
+    @property
+    def backend(self) -> str:
+        return ran_backend(self.backends)
+
+    def see_layers(self, model) -> None:
+        """Count the INT8 layers of the model the run's first call runs (object patches applied)."""
+        self.layers_seen = True
+        if isinstance(model, torch.nn.Module):
+            self.backends = _int8_backends(model)
 
     def call_started(self, branch: str, sigma, device):
         t = _timer(device)
@@ -205,7 +307,7 @@ class Run:
             _send("int8_fused.step", {**self._tags(), "step": len(self.resolved) - 1,
                                       "steps": self.steps_planned, **step})
 
-    def finish(self, status: str) -> dict:
+    def finish(self, status: str, error: str | None = None) -> dict:
         if not self.callbacks_seen:  # a sampler that never called back: one step per sigma tensor
             groups, prev = [], object()
             for call, sigma in zip(self.open, self.open_sigmas):
@@ -226,7 +328,7 @@ class Run:
                 branches[br] = branches.get(br, 0.0) + v
         total = sum(secs)
         return {**self._tags(), "workload": self.workload, "prompt_id": self.prompt_id,
-                "status": status, "timer": self.timer_kind, "steps": len(secs),
+                "status": status, "error": error, "timer": self.timer_kind, "steps": len(secs),
                 "step_seconds": secs, "mean": total / len(secs) if secs else None,
                 "median": statistics.median(secs) if secs else None, "total": total,
                 "branches": branches, "calls": sum(s["calls"] for s in self.resolved),
@@ -234,6 +336,7 @@ class Run:
 
     def _tags(self) -> dict:
         return {"run": self.id, "group": self.group, "node": self.node_id, "backend": self.backend,
+                "backend_requested": self.requested, "backends": dict(self.backends),
                 "device": self.device_name}
 
 
@@ -248,8 +351,8 @@ class _Sampling:
     def child(self, recorder) -> Run:
         run = self.children.get(id(recorder))
         if run is None:
-            run = self.children[id(recorder)] = Run(node_id=recorder.node_id, backend=recorder.backend,
-                                                    **self.meta)
+            run = self.children[id(recorder)] = Run(node_id=recorder.node_id, backend=recorder.requested,
+                                                    backends=recorder.backends, **self.meta)
             run.group = self.run.id
         return run
 
@@ -264,8 +367,9 @@ _TIMING = threading.local()  # .owner: the recorder timing the model call in pro
 class _Recorder:
     """The wrappers of one instrumented MODEL (shared by its clones, which copy the wrapper lists)."""
 
-    def __init__(self, node_id: str, backend: str, model=None):
-        self.node_id, self.backend = node_id, backend
+    def __init__(self, node_id: str, backend: str, model=None, backends: dict | None = None):
+        self.node_id, self.requested = node_id, backend
+        self.backends = dict(backends or {})  # {backend: INT8 layers} counted by instrument()
         self.model = weakref.ref(model) if model is not None else (lambda: None)  # its BaseModel
         self.run: Run | None = None
         self.in_call = None  # (run, branch, sigma, device) of the APPLY_MODEL call in progress
@@ -280,7 +384,7 @@ class _Recorder:
         model_name = type(getattr(patcher, "model", None)).__name__
         meta = dict(device=device, workload=f"{model_name} {'x'.join(str(d) for d in noise.shape)}",
                     steps_planned=max(int(sigmas.shape[-1]) - 1, 0), prompt_id=_prompt_id())
-        run = Run(node_id=self.node_id, backend=self.backend, **meta)
+        run = Run(node_id=self.node_id, backend=self.requested, backends=self.backends, **meta)
         ctx = _Sampling(run, meta)
         outer_run, self.run = self.run, run
         _ACTIVE.append(ctx)
@@ -293,21 +397,26 @@ class _Recorder:
             if callback is not None:
                 return callback(*cb_args, **cb_kwargs)
 
-        status = "interrupted"
+        status, error = "interrupted", None
         try:
             out = executor(noise, latent_image, sampler, sigmas, denoise_mask, step_callback,
                            *args, **kwargs)
             status = "ok"
             return out
+        except BaseException as e:
+            if not _is_interrupt(e):
+                status, error = "error", _error_text(e)
+            raise
         finally:
             self.run = outer_run
             _ACTIVE.remove(ctx)
             for r in ctx.runs():
                 try:
-                    summary = r.finish(status)
+                    summary = r.finish(status, error)
                     with _RUNS_LOCK:
                         _RUNS.append(summary)
                     _send("int8_fused.summary", summary)
+                    _log_summary(summary)
                 except Exception as e:  # timing must never turn a finished sampling into an error
                     log.warning("int8_fused: timing summary failed: %s", e)
 
@@ -330,11 +439,14 @@ class _Recorder:
 
     def apply_model(self, executor, x, t, c_concat=None, c_crossattn=None, control=None,
                     transformer_options={}, **kwargs):
-        run = self._owner(getattr(executor, "class_obj", None))._current_run()
+        model = getattr(executor, "class_obj", None)
+        run = self._owner(model)._current_run()
         if run is None or getattr(_TIMING, "owner", None) is not None:
             # Outside sampling (e.g. a calibration pass), or the call is already timed by the
             # wrapper of another instrumented MODEL around it: no second timer.
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        if not run.layers_seen and model is not None:
+            run.see_layers(model)
         branch = _branch(transformer_options.get("cond_or_uncond"))
         sigma = transformer_options.get("sigmas")  # compared by identity: reading it could sync
         prev = self.in_call, self.inner_timed
@@ -372,20 +484,37 @@ def _is_last_step(cb_args) -> bool:
         return False
 
 
+def _log_summary(s: dict) -> None:
+    label = backend_label(s["backend"], s["backend_requested"], s["backends"])
+    head = f"int8_fused: node {s['node']} ran {label} on {s['device']}"
+    if s["status"] == "error":
+        log.warning("%s: error after %d steps: %s", head, s["steps"], s["error"])
+    elif s["status"] != "ok":
+        log.info("%s: %s after %d steps", head, s["status"], s["steps"])
+    elif s["steps"]:
+        log.info("%s: %d steps, mean %.4g s/step, total %.4g s", head, s["steps"], s["mean"], s["total"])
+
+
 def _prompt_id():
     srv = _server()
     return getattr(srv, "last_prompt_id", None) if srv is not None else None
 
 
-def instrument(model_patcher, *, node_id: str, backend: str) -> None:
+def instrument(model_patcher, *, node_id: str, backend: str, backends_used=None) -> None:
     """Record per-step model-call times of ``model_patcher`` (a clone the caller owns) for the widget.
 
+    ``backend``: the backend the node asked for (reported as ``backend_requested``). ``backends_used``:
+    optional {backend: number of INT8 layers running it} as built, e.g. ``PatchReport.backends_used``;
+    without it the patcher's Int8Linear object patches and modules are counted. Either way each run
+    recounts the layers of the model it actually runs (module docstring, "Backend").
     Calling it again on the same patcher replaces the earlier timing wrappers (the latest node wins).
     """
     import comfy.patcher_extension as pe
 
     model = getattr(model_patcher, "model", None)
-    rec = _Recorder(str(node_id), str(backend), model)
+    used = ({str(k): int(v) for k, v in dict(backends_used).items() if v} if backends_used is not None
+            else _patcher_backends(model_patcher))
+    rec = _Recorder(str(node_id), str(backend), model, used)
     if model is not None:
         _BY_MODEL[model] = rec  # clones share their BaseModel: the latest instrumented one owns it
     for kind, fn in ((pe.WrappersMP.OUTER_SAMPLE, rec.outer_sample),

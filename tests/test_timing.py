@@ -11,7 +11,9 @@ import torch
 
 @pytest.fixture(scope="module")
 def comfy(comfy_inprocess):
+    import comfy.model_management
     import comfy.model_patcher
+    import comfy.patcher_extension
     import comfy.sample
     import comfy.supported_models
     return comfy
@@ -56,8 +58,11 @@ def test_one_time_per_step_and_summary_matches_steps(comfy, timing, tiny_flux, s
     steps = _events(sent, "int8_fused.step")
     (summary,) = _events(sent, "int8_fused.summary")
     assert [s["step"] for s in steps] == [0, 1, 2]
-    assert all(s["steps"] == 3 and s["node"] == "12" and s["backend"] == "fused_triton"
+    # No INT8 layer in this float model: what ran is the float control, whatever the node asked for.
+    assert all(s["steps"] == 3 and s["node"] == "12" and s["backend"] == "bf16"
+               and s["backend_requested"] == "fused_triton" and s["backends"] == {}
                and s["device"] == "cpu" and s["run"] == summary["run"] for s in steps)
+    assert (summary["backend"], summary["backend_requested"], summary["error"]) == ("bf16", "fused_triton", None)
     secs = [s["seconds"] for s in steps]
     assert all(x > 0 for x in secs)
     assert summary["step_seconds"] == secs
@@ -126,21 +131,143 @@ def test_step_is_sum_of_its_diffusion_model_calls(comfy, timing, tiny_flux, sent
 
 
 def test_interrupted_sampling_still_reports(comfy, timing, tiny_flux, sent):
+    """ComfyUI's cancel button raises InterruptProcessingException from the sampler's callback."""
     m = tiny_flux.clone()
     timing.instrument(m, node_id="9", backend="dequant_bf16")
 
-    class Stop(Exception):
-        pass
+    def cb(step, x0, x, total):
+        if step == 1:
+            raise comfy.model_management.InterruptProcessingException()
+
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        _sample(comfy, m, steps=4, cfg=2.0, callback=cb)
+    (summary,) = _events(sent, "int8_fused.summary")
+    assert summary["status"] == "interrupted" and summary["steps"] == 2 and summary["error"] is None
+    assert len(_events(sent, "int8_fused.step")) == 2
+
+
+def test_sampling_that_fails_before_the_first_step_is_an_error_with_its_message(comfy, timing, tiny_flux, sent):
+    """An exception while the model loads (here: a pre-run callback, where ComfyUI's OOMs surface) is
+    recorded as an error with its type and text, not as an interruption; it still reaches ComfyUI."""
+    m = tiny_flux.clone()
+    timing.instrument(m, node_id="10", backend="dequant_bf16")
+
+    def fail(patcher):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    m.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, "test.fail", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _sample(comfy, m, steps=3, cfg=2.0)
+    (summary,) = _events(sent, "int8_fused.summary")
+    assert summary["status"] == "error"
+    assert summary["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert summary["steps"] == 0 and summary["mean"] is None and summary["step_seconds"] == []
+    assert timing.recent_runs()[-1]["error"] == summary["error"]
+
+
+def test_sampling_that_fails_midway_keeps_its_steps_and_the_error(comfy, timing, tiny_flux, sent):
+    m = tiny_flux.clone()
+    timing.instrument(m, node_id="11", backend="dequant_bf16")
 
     def cb(step, x0, x, total):
         if step == 1:
-            raise Stop()
+            raise ValueError("latent has NaNs")
 
-    with pytest.raises(Stop):
+    with pytest.raises(ValueError):
         _sample(comfy, m, steps=4, cfg=2.0, callback=cb)
     (summary,) = _events(sent, "int8_fused.summary")
-    assert summary["status"] == "interrupted" and summary["steps"] == 2
-    assert len(_events(sent, "int8_fused.step")) == 2
+    assert (summary["status"], summary["error"], summary["steps"]) == ("error", "ValueError: latent has NaNs", 2)
+    assert summary["mean"] == pytest.approx(sum(summary["step_seconds"]) / 2, rel=1e-12)
+
+
+def _int8_patch(comfy, patcher, pack, layers):
+    """Object patches that make ``patcher`` run the named linears as Int8Linear on the given backends."""
+    dm = patcher.model.diffusion_model
+    for name, backend in layers.items():
+        lin = dm.get_submodule(name)
+        q = pack.quant.linear.Int8Linear.from_float(lin.weight.detach(), lin.bias.detach(), backend=backend,
+                                                    name=name)
+        patcher.add_object_patch("diffusion_model." + name, q)
+
+
+MIXED = {"double_blocks.0.img_attn.qkv": "torch_int_mm", "double_blocks.0.img_mlp.0": "torch_int_mm",
+         "single_blocks.1.linear1": "torch_int_mm", "final_layer.linear": "dequant_bf16"}
+
+
+def test_reports_the_backend_the_int8_layers_ran_not_the_requested_one(comfy, timing, pack, sent, caplog):
+    """The node asked for fused_triton, but the layers (patched in after instrument(), so only the
+    model that actually runs can tell) run 3 x torch_int_mm and 1 x dequant_bf16."""
+    import comfy_harness
+    m = comfy_harness.load_tiny("flux", seed=2)  # its own BaseModel: the patches never leak to tiny_flux
+    timing.instrument(m, node_id="40", backend="fused_triton")
+    _int8_patch(comfy, m, pack, MIXED)
+    with caplog.at_level("INFO", logger="int8_fused"):
+        _sample(comfy, m, steps=2, cfg=2.0)
+    (summary,) = _events(sent, "int8_fused.summary")
+    steps = _events(sent, "int8_fused.step")
+    for d in [summary, *steps, timing.recent_runs()[-1]]:
+        assert d["backend"] == "torch_int_mm" and d["backend_requested"] == "fused_triton"
+        assert d["backends"] == {"torch_int_mm": 3, "dequant_bf16": 1}
+    assert len(steps) == 2
+    assert any("torch_int_mm (fallback from fused_triton; 1 of 4 layers on dequant_bf16)" in r.getMessage()
+               and "40" in r.getMessage() for r in caplog.records)
+
+
+def test_backends_used_given_to_instrument_names_a_run_that_never_reached_the_model(comfy, timing, tiny_flux, sent):
+    m = tiny_flux.clone()
+    timing.instrument(m, node_id="41", backend="fused_triton", backends_used={"torch_int_mm": 5})
+
+    def fail(patcher):
+        raise RuntimeError("no")
+
+    m.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, "test.fail", fail)
+    with pytest.raises(RuntimeError):
+        _sample(comfy, m, steps=2, cfg=2.0)
+    (summary,) = _events(sent, "int8_fused.summary")
+    assert (summary["backend"], summary["backend_requested"], summary["backends"]) == (
+        "torch_int_mm", "fused_triton", {"torch_int_mm": 5})
+
+
+def test_instrument_reads_the_int8_layers_of_the_patcher(comfy, timing, pack, sent):
+    """Without backends_used, instrument() counts the patcher's Int8Linear object patches (what Apply
+    adds) and the Int8Linear modules of its model (what the loader builds); a run that never reaches
+    the model reports those."""
+    import comfy_harness
+    m = comfy_harness.load_tiny("flux", seed=4)
+    _int8_patch(comfy, m, pack, {"txt_in": "dequant_bf16", "img_in": "dequant_bf16"})
+    dm = m.model.diffusion_model
+    lin = dm.single_blocks[0].linear2
+    dm.single_blocks[0].linear2 = pack.quant.linear.Int8Linear.from_float(
+        lin.weight.detach(), lin.bias.detach(), backend="torch_int_mm")
+    timing.instrument(m, node_id="42", backend="fused_triton")
+
+    def fail(patcher):
+        raise RuntimeError("no")
+
+    m.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, "test.fail", fail)
+    with pytest.raises(RuntimeError):
+        _sample(comfy, m, steps=2, cfg=2.0)
+    (summary,) = _events(sent, "int8_fused.summary")
+    assert (summary["backend"], summary["backend_requested"], summary["backends"]) == (
+        "dequant_bf16", "fused_triton", {"dequant_bf16": 2, "torch_int_mm": 1})
+
+
+def test_the_apply_node_falling_back_reports_the_fallback(comfy, timing, pack, sent, monkeypatch):
+    """End to end through "Apply Fused INT8 GEMM" (nodes/apply.py, unchanged): fused_triton cannot run
+    here, so every quantized layer falls back to torch_int_mm (the tiny Flux's N and K are multiples of 8)."""
+    import dataclasses
+    import comfy_harness
+    b = pack.quant.backends
+    monkeypatch.setitem(b.BACKENDS, "fused_triton", dataclasses.replace(
+        b.BACKENDS["fused_triton"], device_reason=lambda device: "no GPU in this test"))
+    m = comfy_harness.load_tiny("flux", seed=3)
+    q = pack.nodes.apply.ApplyFusedInt8GEMM().apply(m, "fused_triton", unique_id="44")[0]
+    n = q.int8_report.quantized
+    assert n > 0
+    _sample(comfy, q, steps=2, cfg=2.0)
+    (summary,) = _events(sent, "int8_fused.summary")
+    assert (summary["backend"], summary["backend_requested"], summary["backends"]) == (
+        "torch_int_mm", "fused_triton", {"torch_int_mm": n})
 
 
 def test_instrument_again_replaces_the_wrappers(comfy, timing, tiny_flux):
@@ -335,3 +462,18 @@ def test_dual_model_guider_negative_model_run_under_the_first_models_wrappers(co
     sa, sb = summaries["30:conditional"], summaries["30:unconditional"]
     assert sa["calls"] == sb["calls"] == 2 and sa["steps"] == sb["steps"] == 2
     assert sb["group"] == sa["run"]
+
+
+def test_backend_labels_and_error_text(timing):
+    """The log line's texts, written out by hand (the widget's are checked in tests/test_web_format.mjs)."""
+    label, ran = timing.backend_label, timing.ran_backend
+    assert label("fused_triton", "fused_triton", {"fused_triton": 12}) == "fused_triton"
+    assert label("torch_int_mm", "fused_triton", {"torch_int_mm": 12}) == "torch_int_mm (fallback from fused_triton)"
+    assert label("fused_triton", "fused_triton", {"torch_int_mm": 4, "fused_triton": 120}) == (
+        "fused_triton (4 of 124 layers on torch_int_mm)")
+    assert label("fused_triton", "bf16", {"fused_triton": 7}) == "fused_triton (requested bf16)"
+    assert label("bf16", "bf16", {}) == "bf16"
+    assert ran({"torch_int_mm": 2, "dequant_bf16": 2}) == "dequant_bf16" and ran({}) == "bf16"
+    long = timing._error_text(RuntimeError("x" * 1000))
+    assert long == "RuntimeError: " + "x" * 485 + "\u2026" and len(long) == timing.ERROR_CHARS
+    assert timing._error_text(KeyError()) == "KeyError"

@@ -102,3 +102,46 @@ test("runs of one sampling by one node's two models are summed per step", () => 
   assert.equal(f.nodeKey("12:conditional"), "12");
   assert.equal(f.nodeKey(7), "7");
 });
+
+test("the badge names the backend that ran, with the requested one when it fell back", () => {
+  const r = (backend, backend_requested, backends) => ({ backend, backend_requested, backends });
+  assert.equal(f.backendLabel(r("fused_triton", "fused_triton", { fused_triton: 12 })), "fused_triton");
+  assert.equal(f.backendLabel(r("torch_int_mm", "fused_triton", { torch_int_mm: 12 })),
+    "torch_int_mm (fallback from fused_triton)");
+  assert.equal(f.backendLabel(r("fused_triton", "fused_triton", { torch_int_mm: 4, fused_triton: 120 })),
+    "fused_triton (4 of 124 layers on torch_int_mm)");
+  assert.equal(f.backendLabel(r("torch_int_mm", "fused_triton", { torch_int_mm: 3, dequant_bf16: 1 })),
+    "torch_int_mm (fallback from fused_triton; 1 of 4 layers on dequant_bf16)");
+  assert.equal(f.backendLabel(r("fused_triton", "bf16", { fused_triton: 7 })), "fused_triton (requested bf16)");
+  assert.equal(f.backendLabel(r("bf16", "bf16", {})), "bf16");
+  assert.equal(f.backendLabel({ backend: "dequant_bf16" }), "dequant_bf16");  // a run from an older server
+  assert.equal(f.backendLabel(null), null);
+  assert.equal(f.ranBackend({ torch_int_mm: 3, dequant_bf16: 1 }), "torch_int_mm");
+  assert.equal(f.ranBackend({ torch_int_mm: 2, dequant_bf16: 2 }), "dequant_bf16");  // a tie: by name
+  assert.equal(f.ranBackend({}), null);
+});
+
+test("a failed run shows its error; ok and interrupted runs have none", () => {
+  assert.equal(f.errorText({ status: "error", error: "RuntimeError: CUDA out of memory" }),
+    "error: RuntimeError: CUDA out of memory");
+  assert.equal(f.errorText({ status: "error", error: null }), "error: unknown error");
+  assert.equal(f.errorText({ status: "interrupted", error: null }), null);
+  assert.equal(f.errorText({ status: "ok" }), null);
+  assert.equal(f.errorText(null), null);
+});
+
+test("merging a dual-model run sums its backends and keeps an error", () => {
+  const a = { run: "5:conditional-1", group: "5:conditional-1", node: "5:conditional", backend: "torch_int_mm",
+    backend_requested: "fused_triton", backends: { torch_int_mm: 3 }, status: "ok", error: null,
+    steps: 1, step_seconds: [0.5], mean: 0.5, median: 0.5, total: 0.5, calls: 1 };
+  const b = { ...a, run: "5:unconditional-2", node: "5:unconditional", backend: "dequant_bf16",
+    backends: { dequant_bf16: 2, torch_int_mm: 2 }, status: "error", error: "ValueError: bad" };
+  const [m] = f.mergeRuns([a, b]);
+  assert.deepEqual(m.backends, { torch_int_mm: 5, dequant_bf16: 2 });
+  assert.equal(m.backend, "torch_int_mm");
+  assert.equal(f.backendLabel(m), "torch_int_mm (fallback from fused_triton; 2 of 7 layers on dequant_bf16)");
+  assert.equal(m.status, "error");
+  assert.equal(m.error, "ValueError: bad");
+  const [i] = f.mergeRuns([a, { ...b, status: "interrupted", error: null }]);
+  assert.deepEqual([i.status, i.error], ["interrupted", null]);
+});

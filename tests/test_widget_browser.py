@@ -6,8 +6,14 @@ backend, switching the Apply node's backend in between, the way a user compares 
 widget must show the backend and device, one time per step, exactly the numbers the server reported
 (GET /int8_fused/runs and the int8_fused.step WebSocket events) and the side-by-side comparison;
 after a page reload the runs come back from the route. Screenshot: tests/artifacts/timing_widget.png.
+The printed texts of those (measured) runs are read back to numbers and checked against the server's
+to their 3 significant digits; the exact texts are checked, written out by hand, on runs with known
+numbers sent through the widget's event listeners (a fallback backend, a failed run; screenshot
+tests/artifacts/timing_widget_error.png).
 """
 import json
+import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -47,12 +53,41 @@ READ = """() => [...document.querySelectorAll(".int8-timing")].map((e) => ({
   visible: e.getBoundingClientRect().height > 0,
 }))"""
 
-# The same texts computed by the page's formatting module from the server's numbers.
-EXPECT = """([run, all]) => {
-  const f = window.__int8Fused.fmt;
-  const rows = f.compareRows(f.mergeRuns(all), run.workload);
-  return { badge: f.badgeText(run.backend, run.device), stats: f.statsText(run),
-           steps: run.step_seconds.map(f.fmtSeconds), compare: rows.map((r) => r.label) };
+# Known runs sent through the widget's WebSocket listeners (int8_fused.step / int8_fused.summary,
+# dispatched on the page's api object), read back after each event.
+KNOWN = """([id, other]) => {
+  const api = window.comfyAPI.api.api;
+  const send = (type, detail) => api.dispatchEvent(new CustomEvent(type, { detail }));
+  const read = () => {
+    const e = document.querySelector(`.int8-timing[data-node="${id}"]`);
+    return { backend: e.dataset.backend, requested: e.dataset.backendRequested,
+             badge: e.querySelector(".int8-badge").textContent,
+             progress: e.querySelector(".int8-progress").textContent,
+             stats: e.querySelector(".int8-stats").textContent,
+             steps: [...e.querySelectorAll("li.int8-step")].map((li) => li.textContent),
+             compare: [...e.querySelectorAll(".int8-compare li")].map((li) => li.textContent),
+             chart: e.querySelector(".int8-chart").style.display };
+  };
+  const fell = { node: id, backend: "torch_int_mm", backend_requested: "fused_triton",
+                 backends: { torch_int_mm: 3, dequant_bf16: 1 }, device: "cpu" };
+  const out = {};
+  send("int8_fused.step", { run: "known-1", group: "known-1", ...fell, step: 0, steps: 3, seconds: 0.05,
+                            branches: { "cond+uncond": 0.05 }, calls: 1 });
+  out.live = read();
+  send("int8_fused.summary", { run: "known-0", group: "known-0", node: other, backend: "bf16",
+    backend_requested: "bf16", backends: {}, device: "cpu", workload: "known 1x16x4x4", status: "ok",
+    error: null, timer: "perf_counter", steps: 3, step_seconds: [1.5, 1.5, 1.5], mean: 1.5, median: 1.5,
+    total: 4.5, calls: 3, started: 1 });
+  send("int8_fused.summary", { run: "known-1", group: "known-1", ...fell, workload: "known 1x16x4x4",
+    status: "ok", error: null, timer: "perf_counter", steps: 3, step_seconds: [0.05, 0.25, 1.5], mean: 0.6,
+    median: 0.25, total: 1.8, calls: 3, started: 2 });
+  out.done = read();
+  send("int8_fused.summary", { run: "known-2", group: "known-2", node: id, backend: "fused_triton",
+    backend_requested: "fused_triton", backends: { fused_triton: 120, torch_int_mm: 4 }, device: "NVIDIA H200",
+    workload: "known 1x16x4x4", status: "error", error: "RuntimeError: CUDA out of memory", timer: "cuda_events",
+    steps: 0, step_seconds: [], mean: null, median: null, total: 0, calls: 0, started: 3 });
+  out.failed = read();
+  return out;
 }"""
 
 
@@ -123,6 +158,74 @@ def test_widget_shows_a_clean_empty_state(browser_page):
     assert info["chart"] == "none"
 
 
+def test_widget_shows_known_runs_as_hand_written_text(browser_page):
+    """Runs with known numbers, sent as the server sends them: the widget's texts are written out here
+    by hand (fmt's rules: 3 significant digits, ms below 0.1 s; ratio = baseline mean / mean)."""
+    page = browser_page
+    node_id = page.evaluate(f"""() => {{
+      const n = LiteGraph.createNode("{APPLY}"); n.pos = [100, 700]; app.graph.add(n); return String(n.id); }}""")
+    try:
+        got = page.evaluate(KNOWN, [node_id, "known-other"])
+        page.evaluate("""(id) => { const [x, y] = app.graph.getNodeById(Number(id)).pos;
+          app.canvas.ds.scale = 1; app.canvas.ds.offset = [-x + 520, -y + 140];
+          app.graph.setDirtyCanvas(true, true); }""", node_id)
+        page.wait_for_timeout(500)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "timing_widget_error.png"))
+    finally:
+        page.evaluate("""(id) => {
+          const s = window.__int8Fused.state;
+          s.runs = s.runs.filter((r) => !String(r.run).startsWith("known-"));
+          s.live.delete("known-1");
+          app.graph.remove(app.graph.getNodeById(Number(id)));
+          window.__int8Fused.renderAll(); }""", node_id)
+    fell = "torch_int_mm (fallback from fused_triton; 1 of 4 layers on dequant_bf16) \u00b7 cpu"
+    live, done, failed = got["live"], got["done"], got["failed"]
+    assert (live["backend"], live["requested"], live["badge"]) == ("torch_int_mm", "fused_triton", fell)
+    assert live["progress"] == "step 1/3"
+    assert live["stats"] == "mean 50 ms/step \u00b7 median 50 ms/step \u00b7 total 50 ms"
+    assert live["steps"] == ["50 ms"]
+    assert (done["backend"], done["badge"], done["progress"]) == ("torch_int_mm", fell, "3 steps")
+    assert done["stats"] == "mean 0.6 s/step \u00b7 median 0.25 s/step \u00b7 total 1.8 s"
+    assert done["steps"] == ["50 ms", "0.25 s", "1.5 s"]
+    # Compared under the backend that ran (1.5 / 0.6 = 2.5), never under the requested fused_triton.
+    assert done["compare"] == ["torch_int_mm 0.6 s/step, 2.5\u00d7 bf16", "bf16 1.5 s/step (baseline)"]
+    assert failed["badge"] == "fused_triton (4 of 124 layers on torch_int_mm) \u00b7 NVIDIA H200"
+    assert failed["stats"] == "error: RuntimeError: CUDA out of memory"
+    assert failed["progress"] == "0 steps" and failed["steps"] == []
+    assert (done["chart"], failed["chart"]) == ("", "none")  # no empty chart for a run without steps
+    assert failed["compare"] == done["compare"]  # a failed run is not a timing to compare
+
+
+_SECONDS = re.compile(r"^(\d+(?:\.\d+)?) (ms|s)$")
+
+
+def _seconds(text):
+    """A time the widget printed ("42.9 ms", "0.213 s") back to seconds."""
+    m = _SECONDS.match(text)
+    assert m, text
+    return float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+
+
+def _shown(text, value):
+    """``text`` prints ``value`` seconds to 3 significant digits (so within half a unit of the 3rd)."""
+    return _seconds(text) == pytest.approx(value, rel=5.01e-3)
+
+
+_STATS = re.compile(r"^mean (.+)/step \u00b7 median (.+)/step \u00b7 total (.+)$")
+_ROW = re.compile(r"^(\S+) (.+)/step(?:, (\d+(?:\.\d+)?)\u00d7 (\S+)| \(baseline\))?$")
+
+
+def _expected_rows(runs, workload):
+    """The comparison from the server's runs: the latest ok run of each backend, fastest first."""
+    latest = {}
+    for r in runs:
+        if r["status"] == "ok" and r["steps"] and r["workload"] == workload:
+            if r["backend"] not in latest or r["started"] >= latest[r["backend"]]["started"]:
+                latest[r["backend"]] = r
+    return sorted(latest.values(), key=lambda r: r["mean"])
+
+
 def _queue_and_wait(page, comfy_server, ids, before, watch_live=False):
     page.evaluate("() => { window.__pids = []; return app.queuePrompt(0, 1); }")
     page.wait_for_function("() => window.__pids.length > 0", timeout=120_000)
@@ -170,13 +273,25 @@ def test_widget_shows_backend_and_the_servers_per_step_times(browser_page, comfy
         assert w["visible"] and w["finished"] == "true" and w["run"] == run["run"]
         assert w["backend"] == a["backend"] == run["backend"] and w["device"] == "cpu"
         assert w["stepSeconds"] == run["step_seconds"]  # one time per step: the server's numbers
-        expect = page.evaluate(EXPECT, [run, runs])
-        assert w["badge"] == expect["badge"] == f"{a['backend']} \u00b7 cpu"
-        assert w["stats"] == expect["stats"] and w["steps"] == expect["steps"]
-        # Side by side: the latest run of each backend, the quantized one as a ratio to bf16.
-        assert w["compare"] == expect["compare"] and w["compareShown"]
+        assert w["badge"] == f"{a['backend']} \u00b7 cpu"
+        # The texts print the server's numbers (3 significant digits), recomputed here from its steps.
+        secs = run["step_seconds"]
+        mean_, median_, total_ = _STATS.match(w["stats"]).groups()
+        assert _shown(mean_, sum(secs) / len(secs)) and _shown(median_, statistics.median(secs))
+        assert _shown(total_, sum(secs))
+        assert len(w["steps"]) == len(secs) and all(_shown(t, x) for t, x in zip(w["steps"], secs))
+        # Side by side: the latest run of each backend, fastest first, each a ratio to bf16's mean.
+        rows = _expected_rows(runs, run["workload"])
+        base = next(r for r in rows if r["backend"] == "bf16")
+        assert w["compareShown"] and len(w["compare"]) == len(rows)
+        for text, r in zip(w["compare"], rows):
+            name, mean_, ratio, vs = _ROW.match(text).groups()
+            assert name == r["backend"] and _shown(mean_, r["mean"])
+            if r is base:
+                assert text.endswith(" (baseline)")
+            else:
+                assert vs == "bf16" and float(ratio) == pytest.approx(base["mean"] / r["mean"], rel=5.01e-3)
         assert {c.split(" ")[0] for c in w["compare"]} >= set(CPU_BACKENDS)
-        assert any(c.startswith(f"{a['backend']} ") and c.endswith("\u00d7 bf16") for c in w["compare"])
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.evaluate(SHOWCASE, ids[0])

@@ -1,10 +1,10 @@
 // Shows the per-layer summary of "INT8 Calibrate" / "Load INT8 Calibration" and the path written by
-// "Save INT8 Calibration" on the node itself: the nodes return {"ui": {"text": [summary]}}, which the
+// "Save INT8 Calibration" / "Save INT8 Model" on the node itself: the nodes return {"ui": {"text": [summary]}}, which the
 // frontend does not display on its own (core does the same for PreviewAny with a read-only widget).
 import { app } from "../../scripts/app.js";
 import { ComfyWidgets } from "../../scripts/widgets.js";
 
-const NODE_TYPES = new Set(["Int8Calibrate", "LoadInt8Calibration", "SaveInt8Calibration"]);
+const NODE_TYPES = new Set(["Int8Calibrate", "LoadInt8Calibration", "SaveInt8Calibration", "SaveInt8Model"]);
 const WIDGET = "int8_calibration_summary";
 
 function summaryWidget(node) {

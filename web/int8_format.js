@@ -1,6 +1,7 @@
 // Pure formatting and comparison logic of the timing widget (no DOM, no ComfyUI imports), so that
 // node's test runner can check it (tests/test_web_format.mjs). Run summaries have the shape sent by
-// nodes/timing.py: {run, node, backend, device, workload, status, steps, step_seconds, mean, median,
+// nodes/timing.py: {run, node, backend (what ran), backend_requested, backends {name: INT8 layers},
+// device, workload, status ("ok" | "interrupted" | "error"), error, steps, step_seconds, mean, median,
 // total, started}.
 
 // Backends whose latest run serves as "1.00x", most preferred first: the unquantized control, then
@@ -53,6 +54,33 @@ export function median(xs) {
 export function badgeText(backend, device) {
   const b = backend || "no backend";
   return device ? `${b} \u00b7 ${device}` : b;
+}
+
+/** The backend most INT8 layers ran, from {name: layer count} (ties: alphabetical); null if none. */
+export function ranBackend(backends) {
+  const entries = Object.entries(backends || {}).filter(([, c]) => c > 0);
+  if (!entries.length) return null;
+  entries.sort(([a, x], [b, y]) => y - x || (a < b ? -1 : a > b ? 1 : 0));
+  return entries[0][0];
+}
+
+/** What ran, as nodes/timing.py's backend_label: "torch_int_mm (fallback from fused_triton)",
+ *  "fused_triton (4 of 124 layers on torch_int_mm)", "fused_triton (requested bf16)"; null without a run. */
+export function backendLabel(run) {
+  if (!run || !run.backend) return null;
+  const { backend, backend_requested: req } = run;
+  const notes = [];
+  if (req && req !== backend) notes.push(req === "bf16" ? `requested ${req}` : `fallback from ${req}`);
+  const entries = Object.entries(run.backends || {}).filter(([, c]) => c > 0);
+  const n = entries.reduce((a, [, c]) => a + c, 0);
+  entries.sort(([a, x], [b, y]) => y - x || (a < b ? -1 : a > b ? 1 : 0));
+  for (const [name, c] of entries) if (name !== backend) notes.push(`${c} of ${n} layers on ${name}`);
+  return notes.length ? `${backend} (${notes.join("; ")})` : backend;
+}
+
+/** "error: RuntimeError: CUDA out of memory" for a run that failed, else null. */
+export function errorText(run) {
+  return run?.status === "error" ? `error: ${run.error || "unknown error"}` : null;
 }
 
 /** "mean 0.213 s/step · median 0.21 s/step · total 4.26 s". */
@@ -135,7 +163,13 @@ export function mergeRuns(runs) {
     m.mean = n ? m.total / n : null;
     m.median = median(m.step_seconds);
     m.calls = (m.calls ?? 0) + (r.calls ?? 0);
-    m.status = m.status === "ok" && r.status === "ok" ? "ok" : "interrupted";
+    const used = { ...(m.backends || {}) };
+    for (const [name, c] of Object.entries(r.backends || {})) used[name] = (used[name] ?? 0) + c;
+    m.backends = used;
+    m.backend = ranBackend(used) ?? m.backend;
+    if (m.status !== "error" && r.status === "error") m.error = r.error;
+    m.status = [m.status, r.status].includes("error") ? "error"
+      : m.status === "ok" && r.status === "ok" ? "ok" : "interrupted";
     m.parts.push(r.node);
   }
   return out;

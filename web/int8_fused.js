@@ -1,7 +1,9 @@
-// Timing widget of the INT8 Fused pack: on the pack's model nodes, a badge with the backend and device,
-// a live per-step time chart, mean / median s/step and total, and the latest run of every backend side
-// by side ("fused_triton 0.21 s/step, 1.58x bf16"). Data: WebSocket events int8_fused.step and
-// int8_fused.summary, and GET /int8_fused/runs on setup (nodes/timing.py documents the schema).
+// Timing widget of the INT8 Fused pack: on the pack's model nodes, a badge with the backend that ran (and
+// the requested one when layers fell back: "torch_int_mm (fallback from fused_triton)") and the device,
+// a live per-step time chart, mean / median s/step and total (or the error a failed run ended with), and
+// the latest run of every backend side by side ("fused_triton 0.21 s/step, 1.58x bf16"). Data: WebSocket
+// events int8_fused.step and int8_fused.summary, and GET /int8_fused/runs on setup (nodes/timing.py
+// documents the schema).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import * as fmt from "./int8_format.js";
@@ -20,7 +22,8 @@ const COLORS = {
 const state = {
   runs: [],          // finished summaries, oldest first (server ring buffer + live ones)
   views: [],         // state.runs merged per (sampling, UI node): fmt.mergeRuns
-  live: new Map(),   // run id -> {run, node, backend, device, steps, step_seconds[]} while sampling
+  live: new Map(),   // run id -> {run, node, backend, backend_requested, backends, device, steps,
+                     //            step_seconds[]} while sampling
   widgets: new Set(),
 };
 
@@ -50,6 +53,7 @@ function injectStyle() {
 .int8-timing canvas{width:100%;height:${CHART_H}px;display:block}
 .int8-timing .int8-stats{height:16px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 .int8-timing .int8-stats.int8-empty{height:32px;white-space:normal;color:var(--descrip-text, #999);font-style:italic}
+.int8-timing .int8-stats.int8-error{height:32px;white-space:normal;color:#ef5350;word-break:break-word}
 .int8-timing .int8-chart{position:relative}
 .int8-timing .int8-max{position:absolute;top:0;right:2px;font-size:9px;color:var(--descrip-text, #999)}
 .int8-timing .int8-compare{margin:0;padding:0;list-style:none;border-top:1px solid var(--border-color, #444);
@@ -119,11 +123,14 @@ function render(w) {
   const { node, root, badge, progress, chart, canvas, maxLabel, stats, steps, compare } = w;
   const { run, finished } = runFor(node);
   const backend = run?.backend ?? backendWidgetValue(node);
-  badge.textContent = fmt.badgeText(backend, run?.device ?? null);
+  badge.textContent = fmt.badgeText(fmt.backendLabel(run) ?? backend, run?.device ?? null);
+  badge.title = run ? `${badge.textContent}\nINT8 backend that ran \u00b7 device of the latest run`
+    : "INT8 backend picked on the node (no run yet)";
   badge.style.background = color(backend);
   root.dataset.node = String(node.id);
   root.dataset.run = run?.run ?? "";
   root.dataset.backend = backend ?? "";
+  root.dataset.backendRequested = run?.backend_requested ?? "";
   root.dataset.device = run?.device ?? "";
   root.dataset.finished = String(finished);
   const secs = run?.step_seconds ?? [];
@@ -137,14 +144,15 @@ function render(w) {
     stats.textContent = "No run yet \u2014 queue the workflow to time each sampling step here.";
   } else {
     progress.textContent = fmt.progressText(secs.length, run.steps_planned ?? run.steps, finished);
-    chart.style.display = "";
+    chart.style.display = chartShown(run, finished) ? "" : "none";
     drawChart(canvas, secs, finished ? secs.length : run.steps_planned, backend);
     maxLabel.textContent = secs.length ? `max ${fmt.fmtSeconds(Math.max(...secs))}` : "";
-    stats.className = "int8-stats";
     const shown = finished ? run
       : { steps: secs.length, mean: fmt.mean(secs), median: fmt.median(secs), total: secs.reduce((a, b) => a + b, 0) };
-    stats.textContent = secs.length ? fmt.statsText(shown) : "waiting for the first step\u2026";
-    stats.title = run.workload ? `${run.workload} \u00b7 timer: ${run.timer ?? "live"}` : "";
+    const error = finished ? fmt.errorText(run) : null;
+    stats.className = error ? "int8-stats int8-error" : "int8-stats";
+    stats.textContent = error ?? (secs.length ? fmt.statsText(shown) : "waiting for the first step\u2026");
+    stats.title = error ?? (run.workload ? `${run.workload} \u00b7 timer: ${run.timer ?? "live"}` : "");
     steps.style.display = secs.length ? "" : "none";
     const list = steps.querySelector("ol");
     list.style.height = `${listHeight(run)}px`;
@@ -166,6 +174,11 @@ function render(w) {
   relayout(w, rows.length > 1 ? rows.length : 0);
 }
 
+/** No chart for a run that ended before its first step (it failed or was cancelled while loading). */
+function chartShown(run, finished) {
+  return !finished || (run.step_seconds?.length ?? 0) > 0;
+}
+
 /** Height of the open per-step list: two columns of 14 px rows, scrolling past 5 rows. */
 function listHeight(run) {
   return Math.min(5, Math.ceil((run.step_seconds?.length ?? 0) / 2)) * 14;
@@ -173,10 +186,13 @@ function listHeight(run) {
 
 /** The widget's height from what it shows; grows the node when it needs more room. */
 function relayout(w, compareRows) {
-  const { run } = runFor(w.node);
+  const { run, finished } = runFor(w.node);
   let h = 10 + 18 + 3;  // padding + head
   if (!run) h += 32;
-  else h += CHART_H + 3 + 16 + 3 + 16 + 3 + (w.steps.open ? listHeight(run) : 0);
+  else {
+    h += (chartShown(run, finished) ? CHART_H + 3 : 0) + 16 + 3 + 16 + 3 + (w.steps.open ? listHeight(run) : 0);
+    if (fmt.errorText(run)) h += 16;  // the error takes two lines
+  }
   if (compareRows) h += 3 + 3 + compareRows * 16;
   if (h === w.height) return;
   const prev = w.height;
@@ -208,7 +224,6 @@ function attach(node) {
   const root = el("div", "int8-timing");
   const head = el("div", "int8-head");
   const badge = el("span", "int8-badge");
-  badge.title = "INT8 backend \u00b7 device of the latest run";
   const progress = el("span", "int8-progress");
   head.append(badge, progress);
   const chart = el("div", "int8-chart");
@@ -262,7 +277,8 @@ function onStep({ detail: d }) {
   if (!d || !d.run) return;
   let r = state.live.get(d.run);
   if (!r) {
-    r = { run: d.run, group: d.group ?? d.run, node: d.node, backend: d.backend, device: d.device,
+    r = { run: d.run, group: d.group ?? d.run, node: d.node, backend: d.backend,
+          backend_requested: d.backend_requested, backends: d.backends, device: d.device,
           status: "ok", steps_planned: d.steps, step_seconds: [] };
     state.live.set(d.run, r);
   }
