@@ -25,12 +25,16 @@ definition in torch. The kernels agree with them exactly except where the fp32 `
 or ``exp`` differ by an ulp and that moves a dt rounding: rare ±1 code flips (tests/test_fused.py bounds them).
 
 Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton specialises the unit stride
-away); when the row fits ``MAX_SINGLE`` elements it stays in registers (one DRAM read, one int8 write);
-longer rows run in chunks and the later passes re-read the row from L2. fp32 division and exp use the IEEE /
-libdevice versions torch's CUDA kernels use, so compiled results match torch's bit for bit more often.
+away). Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``): a row of up to ``max_single`` elements
+stays in registers (one DRAM read, one int8 write); longer rows run in ``chunk``-wide tiles and the later
+passes re-read the row from L2. ``gated_residual_rmsnorm`` has only the one-pass form, for rows up to
+``MAX_SINGLE``. fp32 division and exp use the IEEE / libdevice versions torch's CUDA kernels use, so compiled
+results match torch's bit for bit more often.
 Importing this module imports triton.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,10 +45,20 @@ from . import _check_2d, _check_usable, _vector
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
 from .quantize import INTERPRET, _rint  # the quantizer's rint (and its interpreter compat shim)
 
-MAX_SINGLE = 8192   # row lengths up to this stay in registers (K = 4608 -> one 8192 tile, 16 warps)
-MAX_SINGLE_SWIGLU = 2048   # longer SwiGLU rows (F = 12288): 2048-wide chunks, 8 warps (see _plan)
-MAX_SINGLE_RMS = 1024      # longer rmsnorm rows (K = 4608): 1024-wide chunks, 4 warps (see _plan)
-CHUNK = 4096        # longer rows: 4096-wide chunks, 2 (swiglu) / 3 (rmsnorm) passes, L2 re-reads
+
+@dataclass(frozen=True)
+class TilePlan:
+    """How a row kernel tiles a row of n elements (see ``_plan``): up to ``max_single`` elements in registers,
+    one pass; longer rows in ``chunk``-wide tiles (a power of 2) with ``chunk_warps`` warps."""
+    max_single: int
+    chunk: int
+    chunk_warps: int
+
+
+# Module data, read at each call (tests set smaller plans). Measured on the H200, see _plan.
+RMS_PLAN = TilePlan(max_single=1024, chunk=1024, chunk_warps=4)     # K = 4608: 1024-wide chunks, 3 passes
+SWIGLU_PLAN = TilePlan(max_single=2048, chunk=2048, chunk_warps=8)  # F = 12288: 2048-wide chunks, 2 passes
+MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K = 4608 -> one 8192 tile)
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT = tuple(_DT_CODE)
@@ -251,18 +265,18 @@ def _gated_residual_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, i
 
 
 # ----------------------------------------------------------------------------------------------- launchers
-def _plan(n: int, max_single: int | None = None, chunk: int = CHUNK, chunk_warps: int = 8
-          ) -> tuple[int, bool, int]:
-    """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers up to ``max_single`` (MAX_SINGLE),
-    else ``chunk``-wide chunks (a second pass re-reads the row from L2).
+def _plan(n: int, plan: TilePlan | None = None) -> tuple[int, bool, int]:
+    """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers (BLOCK = next power of 2, 4 / 8 / 16
+    warps by size) up to ``plan.max_single`` (no plan: MAX_SINGLE, one pass only), else ``plan.chunk``-wide
+    chunks with ``plan.chunk_warps`` warps (the later passes re-read the row from L2).
     Measured on the H200 (bench/fused_sweep.py, 2026-11-29, M = 4608): swiglu F = 12288 one 16384-wide pass
     with 16 warps 240 us, 2048-wide chunks with 8 warps 162 us (bit-equal: a max reduction); rmsnorm K = 4608
     one 8192-wide pass with 16 warps 86 us, 1024-wide chunks with 4 warps 49 us (the sum of squares then adds
     in another order: a last-bit change of rstd, i.e. rare +-1 code flips against torch)."""
-    if n <= (MAX_SINGLE if max_single is None else max_single):
+    if n <= (MAX_SINGLE if plan is None else plan.max_single):
         block = triton.next_power_of_2(max(n, 16))
         return block, True, 4 if block <= 2048 else 8 if block <= 4096 else 16
-    return chunk, False, chunk_warps
+    return plan.chunk, False, plan.chunk_warps
 
 
 def _row_major(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -305,7 +319,7 @@ def rmsnorm_modulate_quantize(x: torch.Tensor, norm_weight: torch.Tensor, eps: f
         return q, qs.zero_()
     _check_usable(x, "rmsnorm_modulate_quantize")
     x, w, s2 = _row_major(x, "x"), _row_major(w, "norm_weight"), _row_major(s2, "scale")
-    block, single, warps = _plan(k, MAX_SINGLE_RMS, chunk=1024, chunk_warps=4)
+    block, single, warps = _plan(k, RMS_PLAN)
     launch(_rmsnorm_modulate_quant_kernel, (m,),
            (x, w, s2, inv if inv is not None else qs, q, qs, k, max(int(tokens_per_batch), 1), float(eps),
             x.stride(0), 0 if nb == 1 else s2.stride(0), q.stride(0)),
@@ -341,7 +355,7 @@ def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: boo
         return q, qs.zero_()
     _check_usable(a, "swiglu_quantize")
     a, b = _row_major(a, "a"), _row_major(b, "b")
-    block, single, warps = _plan(f, MAX_SINGLE_SWIGLU, chunk=2048, chunk_warps=8)
+    block, single, warps = _plan(f, SWIGLU_PLAN)
     launch(_swiglu_quant_kernel, (m,),
            (a, b, inv if inv is not None else qs, q, qs, f, a.stride(0), b.stride(0), q.stride(0)),
            dict(HAS_SMOOTH=inv is not None, DT=_DT_CODE[a.dtype],

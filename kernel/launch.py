@@ -9,6 +9,10 @@ Safety: the cache key holds everything Triton specializes on — every constexpr
 dtypes and 16-byte pointer alignment, integers equal to 1, divisible by 16, or beyond int32 — so a kernel is
 only reused for arguments it was compiled for. Anything unusual (a profiler's launch hook, the interpreter,
 ``INT8_FUSED_JIT_LAUNCH=1``) takes the normal Triton path.
+
+Launch hooks live in ``triton.knobs.runtime`` (Triton >= 3.4): ``None`` when unset in 3.4, an always-present
+``HookChain`` whose ``calls`` list is empty when unset since 3.5 (through 3.9 at least); ``launch_hooked``
+reads both forms.
 """
 from __future__ import annotations
 
@@ -28,6 +32,23 @@ def _arg_key(v):
     return v
 
 
+def _hook_set(hook) -> bool:
+    """Whether a launch-hook knob holds a hook: None and an empty chain do not; a bare callable does."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)  # triton.knobs.HookChain (3.5+)
+    if calls is not None:
+        return len(calls) > 0
+    if hasattr(hook, "__len__"):          # a chain that only reports its length
+        return len(hook) > 0
+    return True                           # a plain callable (3.4's Optional[LaunchHook]) or unknown: a hook
+
+
+def launch_hooked(runtime_knobs) -> bool:
+    """Whether anything (a profiler) hooks kernel launches: then every launch must go through Triton."""
+    return _hook_set(runtime_knobs.launch_enter_hook) or _hook_set(runtime_knobs.launch_exit_hook)
+
+
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
            device: torch.device) -> None:
     """``jit_fn[grid](*args, **constexprs, num_warps=, num_stages=)``, with the compiled kernel reused.
@@ -39,8 +60,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
     key = (jit_fn, device.index, tuple(constexprs.values()), num_warps, num_stages,
            tuple(_arg_key(a) for a in args))
     hit = _COMPILED.get(key)
-    hooks = triton.knobs.runtime
-    if hit is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+    if hit is None or launch_hooked(triton.knobs.runtime):
         compiled = jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         if compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
             tail = tuple(constexprs[name] for name in jit_fn.arg_names[len(args):])

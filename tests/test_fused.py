@@ -60,14 +60,30 @@ def _rand(shape, dtype, gen, std=2.0):
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
+def _spy_launches(kf, monkeypatch):
+    """Records the constexprs (BLOCK, SINGLE) of every row-kernel launch of kernel/fused.py."""
+    seen, real = [], kf.launch
+
+    def spy(fn, grid, args, constexprs, *rest):
+        seen.append(dict(constexprs))
+        return real(fn, grid, args, constexprs, *rest)
+
+    monkeypatch.setattr(kf, "launch", spy)
+    return seen
+
+
+def _pow2(n):
+    return 1 << max(n - 1, 15).bit_length()   # the one-pass tile: next power of 2, at least 16
+
+
 @pytest.mark.parametrize("dtype,m,k,b,smooth,chunked", [
     (BF16, 7, 64, 1, False, False), (BF16, 8, 100, 2, True, False), (BF16, 1, 48, 1, True, False),
     (BF16, 6, 100, 3, False, True), (FP16, 6, 130, 2, True, True), (FP16, 5, 64, 1, False, False),
     (FP32, 4, 100, 2, True, False), (FP32, 6, 70, 3, False, True)])
 def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, chunked):
-    if chunked:  # exercise the multi-pass path (rows longer than MAX_SINGLE) on small rows
-        monkeypatch.setattr(kf, "MAX_SINGLE", 32)
-        monkeypatch.setattr(kf, "CHUNK", 32)
+    if chunked:  # exercise the multi-pass path on small rows: 32-wide chunks, the last one partial
+        monkeypatch.setattr(kf, "RMS_PLAN", kf.TilePlan(max_single=32, chunk=32, chunk_warps=4))
+    seen = _spy_launches(kf, monkeypatch)
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = _rand((m, k), dtype, g)
     w = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype).to(DEV)
@@ -75,6 +91,7 @@ def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, chun
     inv = (0.5 + torch.rand(k, generator=g)).to(DEV) if smooth else None
     tpb = m // b
     q, qs = kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, tpb, inv)
+    assert [(c["SINGLE"], c["BLOCK"]) for c in seen] == [(False, 32) if chunked else (True, _pow2(k))]
     rq, rs = qf.rmsnorm_modulate_quantize_ref(x, w, 1e-5, s, tpb, inv)
     # the unfused torch sequence: ComfyUI's RMSNorm (F.rms_norm) in the model dtype, times 1 + s, quantize
     y = F.rms_norm(x, (k,), w, 1e-5).reshape(b, tpb, k) * s.reshape(b, 1, k)
@@ -136,14 +153,15 @@ def test_rmsnorm_modulate_quantize_errors(kf):
     (BF16, 5, 160, False, False, False), (BF16, 1, 48, True, True, False), (BF16, 6, 100, True, False, True),
     (FP16, 4, 70, False, True, True), (FP16, 3, 100, True, False, False), (FP32, 4, 70, True, False, True)])
 def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
-    if chunked:
-        monkeypatch.setattr(kf, "MAX_SINGLE_SWIGLU", 32)
-        monkeypatch.setattr(kf, "CHUNK", 32)
+    if chunked:  # the two-pass path on small rows: 32-wide chunks, the last one partial
+        monkeypatch.setattr(kf, "SWIGLU_PLAN", kf.TilePlan(max_single=32, chunk=32, chunk_warps=8))
+    seen = _spy_launches(kf, monkeypatch)
     g = torch.Generator().manual_seed(m * 100 + f)
     h = _rand((m, 2 * f), dtype, g, 3.0)
     a, b = h.chunk(2, dim=1)
     inv = (0.5 + torch.rand(f, generator=g)).to(DEV) if smooth else None
     q, qs = kf.swiglu_quantize((a, b) if pair else h, inv)
+    assert [(c["SINGLE"], c["BLOCK"]) for c in seen] == [(False, 32) if chunked else (True, _pow2(f))]
     rq, rs = qf.swiglu_quantize_ref(a, b, inv)
     uq, us = quantize_per_token_ref(F.silu(a) * b, inv)       # the unfused torch sequence
     for ref_q, ref_s in ((rq, rs), (uq, us)):
