@@ -43,8 +43,8 @@ def test_single_backbone_files(comfy_current):
         "backbone"), res["uncond_only_cond_as_main"]
     # ... and two loaders (one file each) feed DualModelGuider: the unconditional backbone really runs
     assert res["two_loaders"]["finite"] and res["two_loaders"]["uncond_calls"] > 0
-    # item 7: the backend that ran (fp8_rowwise needs a CUDA GPU: its fallback) is what the loader reports
-    assert res["instrumented_backends"] == ["dequant_bf16"], res["instrumented_backends"]
+    # item 7: the timing layer gets what was asked and what ran (fp8_rowwise needs a CUDA GPU: its fallback)
+    assert res["instrumented_backends"] == [["fp8_rowwise", {"dequant_bf16": 4}]], res["instrumented_backends"]
     assert any("INT8 linears on dequant_bf16: 4 (asked fp8_rowwise)" in ln for ln in res["log"]), res["log"]
 
 
@@ -100,7 +100,7 @@ def _body(pack, models):
     real_instrument = loader._instrument
 
     def spy(patcher, node_id, backend):
-        backends_seen.append(backend)
+        backends_seen.append([backend, dict(getattr(patcher, "int8_backends", {}))])
         return real_instrument(patcher, node_id, backend)
     loader._instrument = spy
 
