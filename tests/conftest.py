@@ -93,6 +93,25 @@ def comfy_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def comfy_server_current(tmp_path_factory):
+    """A real ``main.py --cpu`` of the current ComfyUI (COMFYUI_CURRENT, its Python COMFYUI_CURRENT_PYTHON)
+    with the pack in its custom_nodes (scripts/setup_runtime.sh links it into .runtime/ComfyUI-current);
+    skipped, with the reason, without one."""
+    path, reason = H.current_comfy_dir()
+    if path is None:
+        pytest.skip(reason)
+    if not (path / "custom_nodes" / "comfyui-int8-fused").exists():
+        pytest.skip(f"{path}/custom_nodes has no comfyui-int8-fused (scripts/setup_runtime.sh links it there)")
+    server = H.ComfyServer(path, output_dir=tmp_path_factory.mktemp("comfy_current") / "output",
+                           python=os.environ.get("COMFYUI_CURRENT_PYTHON") or None)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def comfy_current():
     path, reason = H.current_comfy_dir()
     if path is None:

@@ -119,6 +119,11 @@ def _example_workflow():
 
 @pytest.fixture(scope="module")
 def browser_page(comfy_server):
+    yield from open_page(comfy_server)
+
+
+def open_page(comfy_server):
+    """The server's frontend in Debian chromium, ready (the pack's widget module loaded)."""
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run scripts/setup_runtime.sh (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
