@@ -231,8 +231,8 @@ def print_table(rows: list[dict]) -> None:
               f"{d if d is None else round(d, 4)!s:>9} {r['rel_l2_vs_bf16'] or 0:8.4f}")
 
 
-def write_results(a, dev, rows: list[dict], profiles: dict) -> None:
-    """Write the JSON document (called after every path, so a cut-short run keeps what it measured)."""
+def provenance(dev) -> dict:
+    """GPU, driver, date, torch / Triton versions and commit ($BENCH_COMMIT, else git) of a bench run."""
     commit = os.environ.get("BENCH_COMMIT", "")
     if not commit:
         try:
@@ -245,9 +245,21 @@ def write_results(a, dev, rows: list[dict], profiles: dict) -> None:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    doc = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke run)",
-           "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton_version,
-           "commit": commit, "command": " ".join([Path(sys.executable).name] + sys.argv), "rows": rows}
+    driver = None
+    if dev.type == "cuda":
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke run)", "driver": driver,
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton_version,
+            "commit": commit}
+
+
+def write_results(a, dev, rows: list[dict], profiles: dict) -> None:
+    """Write the JSON document (called after every path, so a cut-short run keeps what it measured)."""
+    doc = dict(provenance(dev), command=" ".join([Path(sys.executable).name] + sys.argv), rows=rows)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     if profiles:

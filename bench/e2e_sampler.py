@@ -38,7 +38,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -288,7 +287,7 @@ class SamplerBench:
                 self.write()
 
     def run(self) -> int:
-        a, torch, mm = self.a, self.torch, self.mm
+        a, torch = self.a, self.torch
         self.latents: dict = {}
         gen = self.dev if self.dev.type == "cuda" else torch.device("cpu")
         sds = {"cond": self.e2e.random_state_dict(a.layers, gen, seed=0),
@@ -370,31 +369,9 @@ class SamplerBench:
         self.rows.append({"check": "summary", "pass": bool(ok)})
 
     def write(self):
-        torch = self.torch
-        commit = os.environ.get("BENCH_COMMIT", "")
-        if not commit:
-            try:
-                commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                        capture_output=True, text=True).stdout.strip()
-            except OSError:
-                pass
-        try:
-            import triton
-            tv = triton.__version__
-        except ImportError:
-            tv = None
-        drv = None
-        if self.dev.type == "cuda":
-            try:
-                drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True).stdout.strip()
-            except OSError:
-                pass
         import comfyui_version
-        doc = {"gpu": torch.cuda.get_device_name() if self.dev.type == "cuda" else "cpu (smoke run)",
-               "driver": drv, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": tv,
-               "comfyui": comfyui_version.__version__, "dynamic_vram": self.dynamic, "commit": commit,
-               "command": " ".join(["python3"] + [str(x) for x in sys.orig_argv[1:]]), "rows": self.rows}
+        doc = dict(self.e2e.provenance(self.dev), comfyui=comfyui_version.__version__, dynamic_vram=self.dynamic,
+                   command=" ".join(["python3"] + [str(x) for x in sys.orig_argv[1:]]), rows=self.rows)
         Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(self.a.out).write_text(json.dumps(doc, indent=1))
 

@@ -363,3 +363,28 @@ def run_in_current_comfy(script_text: str, timeout: float = 900.0, check: bool =
         raise RuntimeError(f"script under COMFYUI_CURRENT failed (exit {cp.returncode}):\n"
                            f"--- stdout ---\n{cp.stdout[-4000:]}\n--- stderr ---\n{cp.stderr[-6000:]}")
     return cp
+
+
+_BODY = """\
+import json, runpy, shutil, tempfile
+import folder_paths
+ns = runpy.run_path({file!r}, init_globals={{"import_pack": import_pack}})
+models = tempfile.mkdtemp(prefix="int8_current_")
+folder_paths.add_model_folder_path("diffusion_models", models, is_default=True)
+try:
+    res = ns["body"](import_pack(), __import__("pathlib").Path(models))
+finally:
+    shutil.rmtree(models, ignore_errors=True)
+print("RESULT " + json.dumps(res))
+"""
+
+
+def run_body_in_current_comfy(test_file: str, timeout: float = 3000.0) -> dict:
+    """Run ``body(pack, models)`` of ``test_file`` inside the current ComfyUI (a subprocess, see
+    ``run_in_current_comfy``) with a fresh temporary folder registered as the default ``diffusion_models``
+    path (removed afterwards); returns the JSON-able dict it returned. Raises with both outputs on failure."""
+    cp = run_in_current_comfy(_BODY.format(file=str(test_file)), timeout=timeout)
+    print(cp.stdout[-3000:])
+    if cp.returncode != 0:
+        raise AssertionError(f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}")
+    return json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])

@@ -16,21 +16,15 @@ Runs in a subprocess (tests/comfy_harness.run_in_current_comfy); skipped, with t
 COMFYUI_CURRENT (scripts/test.sh sets it up from ../shared/comfyui).
 """
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 
 def test_apply_adopts_core_int8_weights_as_stored(comfy_current):
-    from comfy_harness import run_in_current_comfy
-    script = (f"import runpy, json\nns = runpy.run_path({__file__!r}, init_globals={{'import_pack': import_pack}})\n"
-              "print('RESULT ' + json.dumps(ns['body'](import_pack())))\n")
-    cp = run_in_current_comfy(script, timeout=3000)
-    assert cp.returncode == 0, f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}"
-    res = json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    from comfy_harness import run_body_in_current_comfy
+    res = run_body_in_current_comfy(__file__)
     print(res)
     assert res["adopted"] == res["quantized"] == 5 and res["bit_identical"]
     assert res["layer_err_vs_ref"] <= 2 ** -8  # bf16 output rounding (relative)
@@ -57,17 +51,8 @@ def _core_file(sd: dict, names: list, path: str) -> dict:
     return stored
 
 
-def body(pack) -> dict:
-    import folder_paths
-    models = Path(tempfile.mkdtemp(prefix="coreint8_"))
-    folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
-    try:
-        return _body(pack, models)
-    finally:
-        shutil.rmtree(models, ignore_errors=True)
-
-
-def _body(pack, models: Path) -> dict:
+def body(pack, models: Path) -> dict:
+    """Runs inside the current ComfyUI (subprocess, ``models`` a fresh default diffusion_models folder)."""
     import comfy.samplers
     import comfy.sd
     i4 = sys.modules["comfyui_int8_fused.quant.fmt_ideogram4"]

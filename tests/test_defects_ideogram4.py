@@ -14,21 +14,14 @@ the transformerlab layout: under ``conditional.`` only and under ``unconditional
   and ``model_conditional`` errors when sampled, naming the file and what to do.
 """
 import json
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
 
 def test_single_backbone_files(comfy_current):
-    from comfy_harness import run_in_current_comfy
-    script = (f"import runpy, json\nns = runpy.run_path({__file__!r}, init_globals={{'import_pack': import_pack}})\n"
-              "print('RESULT ' + json.dumps(ns['body'](import_pack())))\n")
-    cp = run_in_current_comfy(script, timeout=3000)
-    assert cp.returncode == 0, f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}"
-    res = json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    from comfy_harness import run_body_in_current_comfy
+    res = run_body_in_current_comfy(__file__)
     print(json.dumps(res, indent=1))
     # item 3: the empty model_unconditional of a conditional-only file fails as DualModelGuider's negative
     # model and as a main model, with the pack's error naming the file
@@ -48,15 +41,9 @@ def test_single_backbone_files(comfy_current):
     assert any("INT8 linears on dequant_bf16: 4 (asked fp8_rowwise)" in ln for ln in res["log"]), res["log"]
 
 
-def body(pack) -> dict:
-    """Runs inside the current ComfyUI (subprocess)."""
-    import folder_paths
-    models = Path(tempfile.mkdtemp(prefix="i4single_"))
-    folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
-    try:
-        return _body(pack, models)
-    finally:
-        shutil.rmtree(models, ignore_errors=True)
+def body(pack, models) -> dict:
+    """Runs inside the current ComfyUI (subprocess, ``models`` a fresh default diffusion_models folder)."""
+    return _body(pack, models)
 
 
 def _err(fn) -> str:

@@ -18,11 +18,7 @@ three quantized GEMMs per path and sampling feeds the error back once (2 steps).
 away), 0.09 % between plain ComfyUI and the pack on that same file. test_loader_save.py shows the same
 comparison failing (80 %) when the smoothing convention is inverted.
 """
-import json
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -30,27 +26,16 @@ BOUND = 0.05
 
 
 def test_ideogram4_int8_node_dualguider_and_core_save(comfy_current):
-    from comfy_harness import run_in_current_comfy
-    script = (f"import runpy, json\nns = runpy.run_path({__file__!r}, init_globals={{'import_pack': import_pack}})\n"
-              "print('RESULT ' + json.dumps(ns['body'](import_pack())))\n")
-    cp = run_in_current_comfy(script, timeout=3000)
-    print(cp.stdout[-3000:])
-    assert cp.returncode == 0, f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}"
-    res = json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    from comfy_harness import run_body_in_current_comfy
+    res = run_body_in_current_comfy(__file__)
     print(res)
     assert 0 < res["int8_vs_bf16"] <= BOUND
     assert res["core_vs_pack"] <= 0.01 and res["core_vs_bf16"] <= BOUND
 
 
-def body(pack) -> dict:
-    """Runs inside the current ComfyUI (subprocess); returns the measured errors."""
-    import folder_paths
-    models = Path(tempfile.mkdtemp(prefix="i4int8_"))
-    folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
-    try:
-        return _body(pack, models)
-    finally:
-        shutil.rmtree(models, ignore_errors=True)
+def body(pack, models) -> dict:
+    """Runs inside the current ComfyUI (subprocess, ``models`` a fresh default diffusion_models folder)."""
+    return _body(pack, models)
 
 
 def _files(pack, models):
