@@ -16,6 +16,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,21 @@ def _runs_by_prompt(server) -> dict[str, dict] | None:
     return {r.get("prompt_id"): r for r in runs if r.get("prompt_id")}
 
 
+def _comfy() -> tuple[Path, str | None]:
+    """The ComfyUI the demo runs: the current one (0.33.0 from ../shared/comfyui, as scripts/demo.sh sets
+    COMFYUI_CURRENT) when there, else the pinned 0.3.75; and the Python that runs it."""
+    cur, _ = H.current_comfy_dir()
+    if cur is not None and (cur / "custom_nodes" / "comfyui-int8-fused").exists():
+        return cur, os.environ.get("COMFYUI_CURRENT_PYTHON") or None
+    return H.COMFY_DIR, None
+
+
+def _version(comfy_dir: Path) -> str:
+    m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", (comfy_dir / "comfyui_version.py").read_text()) \
+        if (comfy_dir / "comfyui_version.py").exists() else None
+    return m.group(1) if m else "(version unknown)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="lumina2", choices=["lumina2", "flux"])
@@ -118,9 +134,10 @@ def main() -> int:
     dev = _device()
     t0 = time.monotonic()
     print(f"[demo] writing the {a.arch} miniature (random weights, real layout) ...", flush=True)
-    unet = H.write_miniature_models(H.COMFY_DIR, [a.arch])[a.arch]
-    server = H.ComfyServer(H.COMFY_DIR, output_dir=out / "comfy", cpu=dev.type != "cuda")
-    print(f"[demo] starting ComfyUI 0.3.75 ({dev.type.upper()}) on {server.url} ...", flush=True)
+    comfy_dir, python = _comfy()
+    unet = H.write_miniature_models(comfy_dir, [a.arch])[a.arch]
+    server = H.ComfyServer(comfy_dir, output_dir=out / "comfy", cpu=dev.type != "cuda", python=python)
+    print(f"[demo] starting ComfyUI {_version(comfy_dir)} ({dev.type.upper()}) on {server.url} ...", flush=True)
     with server:
         info = server.object_info()
         ui = json.loads(Path(a.workflow).read_text())
