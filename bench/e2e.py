@@ -316,9 +316,9 @@ def main() -> int:
         kind, _, backend = path.partition(":")
         if kind in ("pack", "compile", "nofuse"):
             t0 = time.perf_counter()
-            os.environ["INT8_FUSED_FUSION"] = "0" if kind == "nofuse" else "1"
-            patcher = pack_apply(pack, base, backend)
-            os.environ.pop("INT8_FUSED_FUSION")
+            cfg = importlib.import_module(pack.__name__ + ".kernel.config")  # switches are read once
+            with cfg.override(INT8_FUSED_FUSION=kind != "nofuse"):
+                patcher = pack_apply(pack, base, backend)
             log(f"{path}: Apply node took {time.perf_counter() - t0:.1f} s")
         mm.load_models_gpu([patcher], force_full_load=True)
         dm = patcher.model.diffusion_model

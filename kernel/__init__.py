@@ -10,13 +10,17 @@ first kernel call, so ComfyUI imports the pack instantly):
 - ``int8_linear_op(...)``: the same through the ``torch.ops.int8_fused.linear`` custom op (torch.compile)
 
 Numerics follow ``quant/quantize.py`` bit for bit (quantizer, int32 accumulator); the epilogue is fp32.
+
+Also the pack's base layer, since this package imports nothing else of the pack: ``kernel.config`` (every
+environment switch) and ``kernel.atomic`` (atomic file writes).
 """
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from . import config
 
 __all__ = ["triton_status", "quantize_per_token", "int8_gemm", "int8_linear", "int8_linear_op",
            "register_ops"]
@@ -25,11 +29,7 @@ _FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
 _FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_INTERPRET_AT_IMPORT = _interpreting()  # Triton reads it when the kernels are defined, so it cannot change later
+_INTERPRET_AT_IMPORT = config.get("TRITON_INTERPRET")  # Triton takes it when the kernels are defined
 
 
 def triton_status(device: torch.device | None = None) -> tuple[bool, str]:
@@ -38,7 +38,7 @@ def triton_status(device: torch.device | None = None) -> tuple[bool, str]:
         return False, "Triton is not installed: pip install triton (triton-windows on Windows)"
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cpu":
-        if _interpreting():
+        if config.get("TRITON_INTERPRET"):
             return True, "Triton interpreter (TRITON_INTERPRET=1) on CPU tensors"
         return False, ("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing "
                        "(tests only; it is far too slow for inference)")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 import threading
 from pathlib import Path
 from typing import Callable
+
+from . import config
+from .atomic import atomic_write
 
 Config = dict  # {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
 
@@ -106,7 +107,7 @@ def m_bucket(m: int) -> int:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("INT8_FUSED_CACHE_DIR") or Path.home() / ".cache" / "comfyui-int8-fused")
+    return Path(config.get("INT8_FUSED_CACHE_DIR")).expanduser()
 
 
 def cache_file(gpu_name: str, triton_version: str) -> Path:
@@ -118,7 +119,8 @@ class ConfigCache:
     """Winning configs of one GPU + Triton version: in memory, mirrored to a JSON file.
 
     Writes merge with what is on disk (another process may have tuned other shapes meanwhile) and
-    replace the file atomically, so a reader never sees half a file. An unreadable file is ignored."""
+    replace the file atomically (``kernel.atomic``), so a reader never sees half a file. An unreadable file is
+    ignored."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -148,12 +150,9 @@ class ConfigCache:
             merged.update(self._mem or {})
             merged[key] = cfg
             self._mem = merged
+            text = json.dumps({**(meta or {}), "configs": merged}, indent=1, sort_keys=True)
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-                with os.fdopen(fd, "w") as f:
-                    json.dump({**(meta or {}), "configs": merged}, f, indent=1, sort_keys=True)
-                os.replace(tmp, self.path)
+                atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
             except OSError:
                 pass  # NOTE: a read-only home only costs a re-tune in the next process
 

@@ -16,12 +16,12 @@ reads both forms.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import config
+
 _COMPILED: dict[tuple, tuple] = {}
-_USE_FAST = os.environ.get("INT8_FUSED_JIT_LAUNCH") != "1" and os.environ.get("TRITON_INTERPRET") != "1"
+_USE_FAST = not config.get("INT8_FUSED_JIT_LAUNCH") and not config.get("TRITON_INTERPRET")
 
 
 def _arg_key(v):

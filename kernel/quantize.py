@@ -23,16 +23,15 @@ thousands). Importing this module imports triton.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import config
 from .launch import launch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = config.get("TRITON_INTERPRET")  # taken at import, as Triton itself does
 MAX_BLOCK_K = 8192
 
 

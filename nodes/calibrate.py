@@ -18,15 +18,14 @@ import re
 
 import torch
 
-from .apply import _float_tensor
 from .common import CALIBRATION_TYPE, CATEGORY
+from .weights import PREFIX, float_tensor
 from ..quant import select
 from ..quant.calib_capture import DEFAULT_ROW_CAP, ActivationCapture
 from ..quant.calibrate import Calibration, build_calibration
 
 log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside functions: the pack must import without ComfyUI on the path.
-PREFIX = "diffusion_model."
 FOLDER = "int8_calibration"
 EXT = ".safetensors"
 
@@ -44,7 +43,7 @@ def register_folder() -> str:
 
 def _weight_fn(model, device):
     """Float weight as the model applies it (LoRA patches merged, fp8 decoded): the Apply node's decoder."""
-    return lambda n, m: _float_tensor(model, n, m, "weight", device)
+    return lambda n, m: float_tensor(model, n, m, "weight", device)
 
 
 def _targets(model, preset, include, exclude):

@@ -29,6 +29,7 @@ from ..quant.formats import OutputExistsError
 from ..quant.linear import Int8Linear
 from ..quant.quantize import quantize_weight_per_channel
 from .common import CALIBRATION_TYPE, CATEGORY
+from .weights import original_tree
 
 log = logging.getLogger("int8_fused")
 FORMATS = ("int8_fused", "comfy_int8_tensorwise")
@@ -59,9 +60,9 @@ def collect(model, fmt: str, preset: str = "blocks", calibration=None):
                if k.startswith("diffusion_model.")}
     named = list(dm.named_modules())
     if hasattr(model, "object_patches_backup"):  # Apply on fused_triton: fused modules hide their INT8
-        from .apply import _originals, int8_layers  # linears; name them on the unpatched tree
+        from .apply import int8_layers  # linears; name them on the unpatched tree
         patched.update(int8_layers(model))
-        with _originals(model) as root:
+        with original_tree(model) as root:
             named = list(root.named_modules())
     mods = {n: patched.get(n, m) for n, m in named}
     has_int8 = any(isinstance(m, Int8Linear) for m in mods.values())
@@ -89,7 +90,7 @@ def collect(model, fmt: str, preset: str = "blocks", calibration=None):
         raise ValueError("Save INT8 Model: the model has no INT8 layer and none was selected for quantization; "
                          "connect a model from 'Apply Fused INT8 GEMM' / 'Load Ideogram 4.0 INT8' or pick a preset")
     protected += [n for n, m in mods.items() if has_int8 and select.is_linear(m) and n not in quant
-                  and select._BLOCK.search(n)]
+                  and select.in_block(n)]
     return quant, floats, sorted(set(protected))
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Callable
 
 import torch
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from . import kernel_module
 from .quantize import dequantize, quantize_per_token_ref
 
+config = kernel_module("config")
 log = logging.getLogger("int8_fused")
 
 
@@ -266,5 +266,5 @@ def resolve(name: str, device: torch.device, N: int, K: int) -> tuple[str, str |
 
 
 def env_override() -> str | None:
-    """INT8_FUSED_BACKEND forces a backend for every node (useful for A/B runs from the shell)."""
-    return os.environ.get("INT8_FUSED_BACKEND") or None
+    """INT8_FUSED_BACKEND (``kernel.config``) forces a backend for every node (A/B runs from the shell)."""
+    return config.get("INT8_FUSED_BACKEND")

@@ -1,9 +1,8 @@
 """Writers for the INT8 checkpoint layouts read by ``quant.formats``; every write is atomic.
 
-A file is written to ``<dir>/.<name>.<pid>.tmp`` and renamed over the target with ``os.replace`` (atomic
-on one filesystem), so a crash never leaves a half-written model under the real name; an existing target
-is an error (``OutputExistsError``) unless ``overwrite=True``. A process killed while writing leaves its
-temporary behind: every save removes the stale temporaries of this naming in its folder (``clean_stale``).
+Files go through ``kernel.atomic.atomic_write`` (a temporary beside the target, renamed over it), so a crash
+never leaves a half-written model under the real name, and a killed writer's temporary is removed by the next
+save in that folder; an existing target is an error (``OutputExistsError``) unless ``overwrite=True``.
 
 Layer tensors are passed in the normalized form ``quant.formats`` reads back: per quantized linear a dict
 ``{"qweight": int8 [N, K], "weight_scale": fp32 [N], "bias": [N] | None, "smooth": fp32 [K] | None}``
@@ -13,93 +12,35 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import time
 
 import torch
 
+from . import kernel_module
 from .formats import FMT_PACK, PACK_FORMAT_VERSION, OutputExistsError
 from .quantize import dequantize, quantize_weight_per_channel
 
-# Temporaries of atomic_save (".<name>.<pid>.tmp") and of the calibration writer of earlier versions
-# (tempfile ".tmp-XXXXXXXX.safetensors").
-_TMP = re.compile(r"^\.(?:.+\.safetensors\.(\d+)\.tmp|tmp-[a-z0-9_]{8}\.safetensors)$")
-STALE_AGE_S = 24 * 3600
-
-
-def _pid_alive(pid: int) -> bool | None:
-    """Whether process ``pid`` runs (POSIX); None when that cannot be told (Windows)."""
-    if pid == os.getpid():
-        return True
-    if os.name != "posix":
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, owned by someone else
-        return True
-    return True
-
-
-def clean_stale(folder: str) -> list[str]:
-    """Remove leftover temporaries of this module's naming in ``folder`` (not recursive): those whose
-    writer process is gone, and any older than ``STALE_AGE_S``. Returns the removed paths."""
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    now = time.time()
-    for n in names:
-        m = _TMP.match(n)
-        if m is None:
-            continue
-        p = os.path.join(folder, n)
-        try:
-            old = now - os.path.getmtime(p) > STALE_AGE_S
-            if old or (m.group(1) is not None and _pid_alive(int(m.group(1))) is False):
-                os.remove(p)
-                removed.append(p)
-        except OSError:
-            continue
-    return removed
-
-
-def _invalid_name(path: str) -> str | None:
-    if "\x00" in os.fspath(path):
-        return "it contains a NUL character"
-    return None
+_atomic = kernel_module("atomic")
 
 
 def atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None,
                 overwrite: bool = False) -> str:
-    """Write ``tensors`` as safetensors at ``path`` atomically; returns the path.
+    """Write ``tensors`` as safetensors at ``path`` atomically (``kernel.atomic.atomic_write``); returns the path.
 
     Raises OutputExistsError when ``path`` exists (also when it appears while writing) and ``overwrite``
     is off, ValueError for a path holding NUL."""
     from safetensors.torch import save_file
 
     path = os.fspath(path)
-    why = _invalid_name(path)
-    if why:
-        raise ValueError(f"invalid file name {path!r}: {why}")
-    if os.path.exists(path) and not overwrite:
+    if os.path.exists(path) and not overwrite:  # early, before serializing anything
         raise OutputExistsError(f"{path} already exists; choose another name or turn overwrite on")
-    d, base = os.path.split(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    clean_stale(d)
-    tmp = os.path.join(d, f".{base}.{os.getpid()}.tmp")
     try:
-        save_file(_unshared(tensors), tmp, metadata=metadata)
-        if not overwrite and os.path.exists(path):
-            raise OutputExistsError(f"{path} appeared while saving; not overwritten. Choose another name or "
-                                    "turn overwrite on")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+        return _atomic.atomic_write(path, lambda tmp: save_file(_unshared(tensors), tmp, metadata=metadata),
+                                    overwrite)
+    except FileExistsError as e:
+        if e.filename != path:  # not atomic_write's "appeared while writing"
+            raise
+        raise OutputExistsError(f"{path} appeared while saving; not overwritten. Choose another name or "
+                                "turn overwrite on") from None
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import weakref
 
 import torch
@@ -42,6 +41,7 @@ from . import kernel_module
 from .linear import Int8Linear
 from .quantize import quantize_per_token_ref
 
+config = kernel_module("config")
 log = logging.getLogger("int8_fused")
 FUSED_BACKEND = "fused_triton"
 _ATTN_GLOBALS = ("comfy", "optimized_attention_masked", "_apply_rope_split_half1")
@@ -192,8 +192,8 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
 # The residual-tail kernel (gated_residual_rmsnorm) matched torch exactly under the CPU interpreter but
 # not compiled on the H200 (2026-11-29, bench/fused.py: residual not bit-equal, 3.3e-2 of the next
 # layer's int8 codes flipped, up to 3 steps). Off until that is understood; INT8_FUSED_RESIDUAL=1 turns
-# it on for experiments.
-FUSE_RESIDUAL = os.environ.get("INT8_FUSED_RESIDUAL", "0") == "1"
+# it on for experiments (taken at import: a module constant costs nothing in the forward, also compiled).
+FUSE_RESIDUAL = config.get("INT8_FUSED_RESIDUAL")
 
 
 def _gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_smooth=None):
@@ -594,8 +594,8 @@ def fuse_modules(diffusion_model: nn.Module, int8_layers: dict) -> dict[str, nn.
 def object_patches(diffusion_model: nn.Module, int8_layers: dict) -> dict[str, nn.Module]:
     """Every object patch for the model: fused modules plus the plain Int8Linear of each layer no fused
     module covers. Keys are relative to the diffusion model (prefix them with ``diffusion_model.``).
-    ``INT8_FUSED_FUSION=0`` in the environment turns fusion off (plain patches only: for A/B runs)."""
-    if os.environ.get("INT8_FUSED_FUSION", "1") == "0":
+    ``INT8_FUSED_FUSION=0`` (``kernel.config``) turns fusion off (plain patches only: for A/B runs)."""
+    if not config.get("INT8_FUSED_FUSION"):
         return dict(int8_layers)
     fused = fuse_modules(diffusion_model, int8_layers)
     covered = {n for m in fused.values() for n in getattr(m, "covers", ())}

@@ -59,6 +59,16 @@ def is_linear(m: nn.Module) -> bool:
             and isinstance(getattr(m, "out_features", None), int))
 
 
+def in_block(name: str) -> bool:
+    """Whether layer ``name`` sits inside a repeated transformer block (``layers.3.``, ``double_blocks.0.``, ...)."""
+    return _BLOCK.search(name) is not None
+
+
+def is_modulation(name: str) -> bool:
+    """Whether layer ``name`` is an adaLN / modulation projection (a GEMV: M = batch)."""
+    return _MODULATION.search(name) is not None
+
+
 def compile_patterns(text: str | None) -> list[re.Pattern]:
     """Comma-separated regular expressions -> compiled list; a bad one raises ValueError naming it."""
     return _patterns(text)
@@ -90,7 +100,7 @@ def select_from(named_modules, preset: str = "blocks", include: str | None = Non
         if preset == "all":
             take = True
         else:
-            take = bool(_BLOCK.search(name)) and (preset == "blocks+modulation" or not _MODULATION.search(name))
+            take = in_block(name) and (preset == "blocks+modulation" or not is_modulation(name))
         if inc and any(p.search(name) for p in inc):
             take = True
         if exc and any(p.search(name) for p in exc):

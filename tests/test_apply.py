@@ -152,7 +152,7 @@ def test_unpatch_exact_and_input_model_untouched(comfy, node):
     assert now.keys() == sd.keys() and all(now[k].equal(sd[k]) for k in sd)
 
 
-def test_backends_agree_inside_the_model(comfy, node, pack, monkeypatch):
+def test_backends_agree_inside_the_model(comfy, node, pack):
     """dequant_bf16 / torch_int_mm / fused_triton multiply the same int8 operands (see test_backends);
     with fusion on, fused_triton replaces Lumina 2's FeedForward by a fused module (w1+w3 one GEMM,
     SwiGLU fused with w2's quantization) whose rounding differs: it must stay well inside the W8A8 error."""
@@ -167,10 +167,9 @@ def test_backends_agree_inside_the_model(comfy, node, pack, monkeypatch):
     only = r"^(?!layers\.1\.)"  # one block: the interpreter runs ~1 s per kernel launch
     t_mp = apply(node, mp, "torch_int_mm", exclude=only)
     t = run(comfy, t_mp, "lumina2")
-    monkeypatch.setenv("INT8_FUSED_FUSION", "0")
-    plain = run(comfy, apply(node, mp, "fused_triton", exclude=only), "lumina2")
+    with pack.kernel.config.override(INT8_FUSED_FUSION=False):
+        plain = run(comfy, apply(node, mp, "fused_triton", exclude=only), "lumina2")
     assert (plain - t).abs().max() <= 1e-5 * t.abs().max()
-    monkeypatch.delenv("INT8_FUSED_FUSION")
     fq = apply(node, mp, "fused_triton", exclude=only)
     assert type(fq.object_patches[PREFIX + "layers.1.feed_forward"]).__name__ == "FusedFeedForward"
     fused = run(comfy, fq, "lumina2")

@@ -293,13 +293,13 @@ def test_other_backends_and_architectures_stay_plain():
     assert qf.object_patches(flux_like, layers) == layers
 
 
-def test_fusion_switch(monkeypatch):
+def test_fusion_switch():
     ff = LuminaFeedForwardStandIn(32, 48)
     layers = {f"ff.{k}": _int8(getattr(ff, k), k) for k in ("w1", "w2", "w3")}
     tree = nn.ModuleDict({"ff": ff})
     assert set(qf.object_patches(tree, layers)) == {"ff"}
-    monkeypatch.setenv("INT8_FUSED_FUSION", "0")
-    assert qf.object_patches(tree, layers) == layers
+    with qf.config.override(INT8_FUSED_FUSION=False):
+        assert qf.object_patches(tree, layers) == layers
 
 
 # ----------------------------------------------------------------------------------- Ideogram 4 block

@@ -40,9 +40,9 @@ def test_m_bucket():
         [16, 16, 32, 4096, 4096, 8192, 8192, autotune.M_BUCKET_CAP]
 
 
-def test_cache_persists_and_second_process_does_not_retime(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_FUSED_CACHE_DIR", str(tmp_path))
-    path = autotune.cache_file("NVIDIA H200", "3.6.0")
+def test_cache_persists_and_second_process_does_not_retime(tmp_path):
+    with kernel.config.override(INT8_FUSED_CACHE_DIR=str(tmp_path)):
+        path = autotune.cache_file("NVIDIA H200", "3.6.0")
     assert path.parent == tmp_path and "H200" in path.name and "3.6.0" in path.name
     cands = autotune.hopper_configs()
     calls = []
@@ -90,9 +90,9 @@ def test_config_sets_are_valid():
 
 
 # ---------------------------------------------------------------- triton_status
-def test_triton_status_without_interpreter_on_cpu(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    ok, reason = kernel.triton_status(torch.device("cpu"))
+def test_triton_status_without_interpreter_on_cpu():
+    with kernel.config.override(TRITON_INTERPRET=False):
+        ok, reason = kernel.triton_status(torch.device("cpu"))
     if __import__("importlib").util.find_spec("triton") is None:
         assert not ok and "pip install triton" in reason
     else:

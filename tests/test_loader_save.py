@@ -51,8 +51,8 @@ def wan_state_dict(seed=0):
 
 
 def block_linears(sd, select):
-    return [k[:-7] for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2 and select._BLOCK.search(k)
-            and not select._MODULATION.search(k)]
+    return [k[:-7] for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2 and select.in_block(k)
+            and not select.is_modulation(k)]
 
 
 def inputs(seed=3):

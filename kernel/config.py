@@ -1,0 +1,127 @@
+"""Every environment switch of the pack, in one place: name, type, default and what it does.
+
+The environment is read here only, once per switch (on its first ``get``), and the value kept; setting
+``os.environ`` later changes nothing. Tests and benchmarks change a switch in-process with ``override``
+(a context manager) or re-read the environment with ``reload``. A switch with ``at_import`` is taken by the
+module that uses it when that module is imported (Triton itself takes TRITON_INTERPRET when the kernels are
+defined; a constant costs nothing in the forward): ``override`` changes what ``get`` says, not that module,
+so tests of its effect set it in a subprocess' environment.
+
+This module lives in ``kernel/`` because that package imports nothing else of the pack: ``kernel`` imports it
+as ``.config``, ``quant`` as ``kernel_module("config")`` (both as top-level packages in tests and inside the
+pack folder in ComfyUI), ``nodes`` as ``..kernel.config``. The README's switch table is ``markdown_table()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+
+log = logging.getLogger("int8_fused")
+
+_TRUE = ("1", "true", "on", "yes")  # as Triton reads TRITON_INTERPRET (case-insensitive)
+_FALSE = ("0", "false", "off", "no")
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    name: str
+    type: type      # bool or str; an unset or empty variable means ``default``
+    default: object
+    doc: str        # one line, for the README table
+    at_import: bool = False
+
+
+SWITCHES = {s.name: s for s in (
+    Switch("INT8_FUSED_BACKEND", str, None,
+           "a backend name (`fused_triton`, `torch_int_mm`, ...): Apply lists it first (its default) and the "
+           "Ideogram 4 loader's `auto` takes it; for A/B runs from the shell"),
+    Switch("INT8_FUSED_FUSION", bool, True,
+           "`0`: no fused modules (norm/SwiGLU + quantization, w1+w3 as one GEMM), one INT8 GEMM per linear; "
+           "for A/B runs"),
+    Switch("INT8_FUSED_PAD_ELISION", str, None,
+           "Ideogram 4's trailing padded text tokens dropped from the conditional pass: unset = on for "
+           "`fused_triton` only, `0` off, `1` on for every backend"),
+    Switch("INT8_FUSED_RESIDUAL", bool, False,
+           "`1`: also fuse Ideogram 4's gated residual + RMSNorm tails (experimental: not bit-equal on the "
+           "H200, bench/RESULTS.md)", at_import=True),
+    Switch("INT8_FUSED_JIT_LAUNCH", bool, False,
+           "`1`: launch kernels through Triton's normal `JITFunction.run` instead of the pack's lean "
+           "re-launcher (kernel/launch.py)", at_import=True),
+    Switch("INT8_FUSED_CACHE_DIR", str, "~/.cache/comfyui-int8-fused",
+           "folder of the GEMM autotune cache: one JSON file per GPU and Triton version, so a new process "
+           "does not tune again"),
+    Switch("TRITON_INTERPRET", bool, False,
+           "Triton's own switch: `1` runs the kernels in Triton's CPU interpreter (tests only, far too slow for "
+           "inference)", at_import=True),
+)}
+
+_read: dict[str, object] = {}      # name -> value parsed from the environment, on first get
+_overrides: dict[str, object] = {}  # name -> value set by override()
+
+
+def _parse(s: Switch, raw: str | None):
+    if raw is None or raw.strip() == "":
+        return s.default
+    if s.type is str:
+        return raw.strip()
+    v = raw.strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    log.warning("%s=%r is not one of %s / %s: using the default (%s)", s.name, raw, "|".join(_TRUE),
+                "|".join(_FALSE), s.default)
+    return s.default
+
+
+def _switch(name: str) -> Switch:
+    s = SWITCHES.get(name)
+    if s is None:
+        raise KeyError(f"unknown switch {name!r}; known: {', '.join(SWITCHES)}")
+    return s
+
+
+def get(name: str):
+    """The switch's value: an override, else the environment as read on the first call, else its default."""
+    if name in _overrides:
+        return _overrides[name]
+    if name not in _read:
+        _read[name] = _parse(_switch(name), os.environ.get(name))
+    return _read[name]
+
+
+@contextlib.contextmanager
+def override(**values):
+    """Set switches for the duration (tests, benchmarks), e.g. ``with config.override(INT8_FUSED_FUSION=False):``.
+
+    Values have the switch's type (None restores the default of a str switch); nested overrides restore the
+    outer ones. Switches read "at import" were already taken by their module: override changes ``get`` only."""
+    for name, v in values.items():
+        s = _switch(name)
+        if not (isinstance(v, s.type) or (v is None and s.type is str)):
+            raise TypeError(f"{name} takes a {s.type.__name__}, got {v!r}")
+    saved = {n: _overrides[n] for n in values if n in _overrides}
+    _overrides.update({n: SWITCHES[n].default if v is None else v for n, v in values.items()})
+    try:
+        yield
+    finally:
+        for n in values:
+            if n in saved:
+                _overrides[n] = saved[n]
+            else:
+                _overrides.pop(n, None)
+
+
+def reload() -> None:
+    """Forget what was read, so the next ``get`` of each switch reads the environment again."""
+    _read.clear()
+
+
+def markdown_table() -> str:
+    """The README table: switch | default | what it does."""
+    rows = ["| switch | default | what it does |", "|---|---|---|"]
+    for s in SWITCHES.values():
+        default = ("unset" if s.default is None else f"`{int(s.default)}`" if s.type is bool
+                   else f"`{s.default}`")
+        rows.append(f"| `{s.name}` | {default} | {s.doc} |")
+    return "\n".join(rows)

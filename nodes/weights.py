@@ -1,0 +1,50 @@
+"""What a ComfyUI MODEL's layers hold, as the nodes read it: the float weights ComfyUI would compute with
+(decoded, LoRA merged) and the module tree without the object patches of other clones. Shared by Apply,
+Calibrate and Save."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+PREFIX = "diffusion_model."  # object patch and weight patch keys are relative to the BaseModel
+
+
+@contextlib.contextmanager
+def original_tree(model):
+    """The diffusion-model tree with its original modules for the duration: while another clone of the
+    same model is loaded, that clone's object patches sit in the (shared) tree."""
+    import comfy.utils
+    backup = dict(model.object_patches_backup)
+    current = {k: comfy.utils.get_attr(model.model, k) for k in backup}
+    for k, orig in backup.items():
+        comfy.utils.set_attr(model.model, k, orig)
+    try:
+        yield model.model.diffusion_model
+    finally:
+        for k, cur in current.items():
+            comfy.utils.set_attr(model.model, k, cur)
+
+
+def float_tensor(model, name: str, module, attr: str, device: torch.device) -> torch.Tensor | None:
+    """The layer's weight/bias in fp32 on ``device``, decoded the way ComfyUI decodes it, with the
+    MODEL's weight patches (LoRA) merged by ``comfy.lora.calculate_weight``."""
+    import comfy.lora
+    import comfy.model_management as mm
+    t = getattr(module, attr, None)
+    if t is None:
+        return None
+    key = f"{PREFIX}{name}.{attr}"
+    bk = model.backup.get(key)
+    if bk is not None:  # the model is loaded with patches merged in place: start from the original
+        t = bk.weight
+    if hasattr(t, "dequantize") and type(t).__name__ == "QuantizedTensor":
+        out = t.to(device).dequantize().float()
+    else:
+        out = mm.cast_to_device(t, device, torch.float32, copy=True)
+        convert = getattr(module, f"convert_{attr}", None)
+        if convert is not None:  # scaled fp8 / mixed precision layers decode here
+            out = convert(out, inplace=True).float()
+    if key in model.patches:
+        out = comfy.lora.calculate_weight(model.patches[key], out, key, intermediate_dtype=torch.float32)
+    return out.float()

@@ -1,0 +1,131 @@
+"""kernel/config.py: every environment switch read in one place, once; ``override`` for tests.
+
+Run: TRITON_INTERPRET=1 python -m pytest tests/test_config.py -q
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import kernel
+from kernel import autotune, config
+from quant import backends
+from quant import fused as qf
+from quant.linear import Int8Linear
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Prints what each switch changed, in a fresh process with the environment the test gives it.
+PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from torch import nn
+import kernel, kernel.launch
+from kernel import autotune, config
+from quant import backends, fused as qf
+from quant.linear import Int8Linear
+
+class FeedForward(nn.Module):  # the structure of Lumina 2's SwiGLU FeedForward
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(32, 48, bias=False), nn.Linear(48, 32, bias=False), \\
+            nn.Linear(32, 48, bias=False)
+
+    def _forward_silu_gating(self, x1, x3):
+        return x1 * x3
+
+ff = FeedForward()
+layers = {f"ff.{k}": Int8Linear.from_linear(getattr(ff, k), backend="fused_triton") for k in ("w1", "w2", "w3")}
+print(json.dumps({
+    "values": {n: config.get(n) for n in config.SWITCHES},
+    "backend": backends.env_override(),
+    "fused": sorted(qf.object_patches(nn.ModuleDict({"ff": ff}), layers)),
+    "residual": qf.FUSE_RESIDUAL,
+    "fast_launch": kernel.launch._USE_FAST,
+    "interpret": kernel._INTERPRET_AT_IMPORT,
+    "cache_dir": str(autotune.cache_dir()),
+}))
+"""
+
+
+def _probe(env: dict) -> tuple[dict, str]:
+    base = {k: v for k, v in os.environ.items() if k not in config.SWITCHES}
+    r = subprocess.run([sys.executable, "-c", PROBE, str(ROOT)], env={**base, **env}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def test_defaults_and_every_switch_from_the_environment():
+    got, _ = _probe({})
+    assert got["values"] == {n: s.default for n, s in config.SWITCHES.items()}
+    assert got["backend"] is None and got["fused"] == ["ff"] and got["residual"] is False
+    assert got["fast_launch"] is True and got["interpret"] is False
+    assert got["cache_dir"] == str(Path.home() / ".cache" / "comfyui-int8-fused")
+
+    got, _ = _probe({"INT8_FUSED_BACKEND": "torch_int_mm", "INT8_FUSED_FUSION": "0", "INT8_FUSED_RESIDUAL": "1",
+                     "INT8_FUSED_JIT_LAUNCH": "true", "INT8_FUSED_CACHE_DIR": "/tmp/int8-cache",
+                     "TRITON_INTERPRET": "1", "INT8_FUSED_PAD_ELISION": "0"})
+    assert got["backend"] == "torch_int_mm"
+    assert got["fused"] == ["ff.w1", "ff.w2", "ff.w3"]  # fusion off: the plain per-linear patches
+    assert got["residual"] is True and got["fast_launch"] is False and got["interpret"] is True
+    assert got["cache_dir"] == "/tmp/int8-cache" and got["values"]["INT8_FUSED_PAD_ELISION"] == "0"
+
+
+def test_a_value_that_is_no_boolean_warns_and_keeps_the_default():
+    got, err = _probe({"INT8_FUSED_FUSION": "maybe", "INT8_FUSED_JIT_LAUNCH": " ON "})
+    assert got["values"]["INT8_FUSED_FUSION"] is True and got["fused"] == ["ff"]
+    assert "INT8_FUSED_FUSION='maybe'" in err
+    assert got["values"]["INT8_FUSED_JIT_LAUNCH"] is True and got["fast_launch"] is False
+
+
+def test_read_once_override_and_reload(monkeypatch):
+    assert backends.config is config and qf.config is config  # quant reads the same module as kernel
+    before = config.get("INT8_FUSED_BACKEND")
+    monkeypatch.setenv("INT8_FUSED_BACKEND", "dequant_bf16")
+    assert config.get("INT8_FUSED_BACKEND") == before  # read once: a later environment changes nothing
+    with config.override(INT8_FUSED_BACKEND="torch_int_mm"):
+        assert backends.env_override() == "torch_int_mm"
+        with config.override(INT8_FUSED_BACKEND=None):  # None: the default
+            assert backends.env_override() is None
+        assert backends.env_override() == "torch_int_mm"
+    assert backends.env_override() == before
+    config.reload()
+    try:
+        assert config.get("INT8_FUSED_BACKEND") == "dequant_bf16"
+    finally:
+        monkeypatch.delenv("INT8_FUSED_BACKEND")
+        config.reload()
+    assert config.get("INT8_FUSED_BACKEND") is None
+    with pytest.raises(KeyError, match="INT8_FUSED_FUSION"):
+        config.get("INT8_FUSED_FUSON")
+    with pytest.raises(TypeError, match="bool"):
+        with config.override(INT8_FUSED_FUSION="0"):
+            pass
+
+
+def test_override_changes_what_each_switch_read_at_use_says(tmp_path):
+    layers = {"x": Int8Linear.from_linear(nn.Linear(32, 32))}
+    with config.override(INT8_FUSED_FUSION=False):
+        assert qf.object_patches(None, layers) == layers  # never looks at the model
+    with config.override(INT8_FUSED_CACHE_DIR=str(tmp_path)):
+        assert autotune.cache_file("GPU", "3.6.0").parent == tmp_path
+    with config.override(TRITON_INTERPRET=False):
+        ok, why = kernel.triton_status(torch.device("cpu"))
+        assert not ok
+    with config.override(TRITON_INTERPRET=True):
+        ok, why = kernel.triton_status(torch.device("cpu"))
+        assert ok or "pip install triton" in why
+
+
+def test_markdown_table_lists_every_switch():
+    table = config.markdown_table().splitlines()
+    assert table[0] == "| switch | default | what it does |" and len(table) == 2 + len(config.SWITCHES)
+    for name, row in zip(config.SWITCHES, table[2:]):
+        assert row.startswith(f"| `{name}` |") and "\n" not in row
