@@ -23,22 +23,21 @@ How it fits ComfyUI's ModelPatcher (comfy/model_patcher.py, 0.3.75):
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
 
 import torch
 
 from .common import CALIBRATION_TYPE, CATEGORY
+from .weights import PREFIX, float_tensor, original_tree
 from ..quant import backends, select
 from ..quant.patch import build_int8_layers
 
-from . import timing
+from . import attention as attention_routing, pad_elision, timing
 
 log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
 # above tests/) without ComfyUI on the path, and that import must not fail.
-PREFIX = "diffusion_model."
 _CALLBACK_KEY = "int8_fused_apply"
 _ATTACHMENT = "int8_fused_apply"
 
@@ -53,28 +52,12 @@ def backend_choices() -> list[str]:
     return names if "bf16" in names else names + ["bf16"]
 
 
-@contextlib.contextmanager
-def _originals(model):
-    """The diffusion-model tree with its original modules for the duration: while another clone of the
-    same model is loaded, that clone's object patches sit in the (shared) tree."""
-    import comfy.utils
-    backup = dict(model.object_patches_backup)
-    current = {k: comfy.utils.get_attr(model.model, k) for k in backup}
-    for k, orig in backup.items():
-        comfy.utils.set_attr(model.model, k, orig)
-    try:
-        yield model.model.diffusion_model
-    finally:
-        for k, cur in current.items():
-            comfy.utils.set_attr(model.model, k, cur)
-
-
 def _fuse(model, layers: dict) -> tuple[dict, bool]:
     """(object patches relative to the diffusion model, whether they need the cache wrappers)."""
     if not any(layer.backend == "fused_triton" for layer in layers.values()):
         return dict(layers), False
     from ..quant import fused
-    with _originals(model) as root:
+    with original_tree(model) as root:
         patches = fused.object_patches(root, layers)
     n_fused = sum(1 for m in patches.values() if getattr(m, "covers", None) is not None)
     if n_fused:
@@ -111,30 +94,6 @@ def _original_modules(model):
     root = model.model.diffusion_model
     for name, m in root.named_modules():
         yield name, model.object_patches_backup.get(PREFIX + name, m)
-
-
-def _float_tensor(model, name: str, module, attr: str, device: torch.device) -> torch.Tensor | None:
-    """The layer's weight/bias in fp32 on ``device``, decoded the way ComfyUI decodes it, with the
-    MODEL's weight patches (LoRA) merged by ``comfy.lora.calculate_weight``."""
-    import comfy.lora
-    import comfy.model_management as mm
-    t = getattr(module, attr, None)
-    if t is None:
-        return None
-    key = f"{PREFIX}{name}.{attr}"
-    bk = model.backup.get(key)
-    if bk is not None:  # the model is loaded with patches merged in place: start from the original
-        t = bk.weight
-    if hasattr(t, "dequantize") and type(t).__name__ == "QuantizedTensor":
-        out = t.to(device).dequantize().float()
-    else:
-        out = mm.cast_to_device(t, device, torch.float32, copy=True)
-        convert = getattr(module, f"convert_{attr}", None)
-        if convert is not None:  # scaled fp8 / mixed precision layers decode here
-            out = convert(out, inplace=True).float()
-    if key in model.patches:
-        out = comfy.lora.calculate_weight(model.patches[key], out, key, intermediate_dtype=torch.float32)
-    return out.float()
 
 
 def core_int8_weight(model, name: str, module):
@@ -233,13 +192,16 @@ class ApplyFusedInt8GEMM:
                 "calibration": (CALIBRATION_TYPE, {"tooltip": (
                     "Optional output of 'INT8 Calibrate': per-layer SmoothQuant vectors and layers it "
                     "found too sensitive to quantize (kept float).")}),
+                "attention": (attention_routing.CHOICES, {"default": "comfy_default",
+                                                          "tooltip": attention_routing.TOOLTIP}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def apply(self, model, backend, preset="blocks", include="", exclude="", keep_float="",
-              calibration=None, unique_id=None):
+              calibration=None, attention="comfy_default", unique_id=None):
         backends.get(backend)  # unknown name -> ValueError listing the known ones
+        attention_routing.check_mode(attention)
         select.compile_patterns(keep_float)  # a bad regex -> ValueError naming it, even for bf16
         select.compile_patterns(include), select.compile_patterns(exclude)
         out = model.clone()
@@ -247,6 +209,8 @@ class ApplyFusedInt8GEMM:
             log.info("INT8 Apply: backend bf16 = the unquantized control; model passed through")
         else:
             _patch(out, model, backend, preset, include, exclude, keep_float, calibration)
+        attention_routing.install(out, attention)
+        pad_elision.install(out, backend)
         timing.instrument(out, node_id=str(unique_id), backend=backend)
         return (out,)
 
@@ -268,8 +232,8 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     before_size, vram_before = model.model_size(), _vram(compute_dev)
     layers, report = build_int8_layers(
         pairs, backend, calibration=calibration, keep_float=keep_float,
-        weight_fn=lambda n, m: _float_tensor(model, n, m, "weight", compute_dev),
-        bias_fn=lambda n, m: _float_tensor(model, n, m, "bias", compute_dev),
+        weight_fn=lambda n, m: float_tensor(model, n, m, "weight", compute_dev),
+        bias_fn=lambda n, m: float_tensor(model, n, m, "bias", compute_dev),
         quantized_fn=lambda n, m: core_int8_weight(model, n, m),
         device=load_dev, compute_device=compute_dev, store_device=store_dev)
     patches, cached = _fuse(model, layers)

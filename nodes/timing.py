@@ -1,7 +1,8 @@
 """Per-step timing of the MODELs this pack patches, sent to the frontend widget (web/int8_fused.js).
 
-``instrument(model_patcher, node_id=..., backend=..., backends_used=None)`` adds three wrappers to a cloned ModelPatcher
-(``add_wrapper_with_key``, so other packs' wrappers and ``set_model_unet_function_wrapper`` keep working):
+``instrument(model_patcher, node_id=..., backend=..., backends_used=None, attention=None)`` adds three wrappers to
+a cloned ModelPatcher (``add_wrapper_with_key``, so other packs' wrappers and ``set_model_unet_function_wrapper``
+keep working):
 
   OUTER_SAMPLE     brackets one sampling run: opens a :class:`Run`, wraps the sampler's per-step callback
                    to mark step boundaries, and in ``finally`` closes the run (also when interrupted or
@@ -50,14 +51,27 @@ Log line and widget show them as one label (``backend_label``; web/int8_format.j
   "fused_triton (requested bf16)"                                  a bf16 node on an INT8 model upstream
 The widget's side-by-side comparison groups runs by ``backend`` (what ran).
 
+Attention: what ran, next to the GEMM backend. The Apply node's ``attention`` input routes ComfyUI's attention
+calls through a ``quant.attention.Router`` (nodes/attention.py), which counts the calls per SDPA backend torch ran
+(or "comfy_default" for calls it left to ComfyUI's function). Around each timed model call the difference of those
+counts is added to the run:
+  attentions           {backend: attention calls} (empty without a Router: ComfyUI's own attention ran)
+  attention            the backend most calls ran (ties: alphabetical); "comfy_default" when there is none
+  attention_requested  the node's ``attention`` input: ``instrument``'s ``attention``, else the ``mode`` of the
+                       Router installed on the patcher when ``instrument`` runs, else "comfy_default"
+Label (``attention_label``): "cudnn"; "flash (auto)"; "flash (requested cudnn)" (torch could not run cuDNN, or
+a CPU); "cudnn (auto; 4 of 68 calls on flash)". Log line and widget badge add "attn <label>" unless both the
+request and what ran are comfy_default: "fused_triton · attn cudnn · NVIDIA H200".
+
 Status: "ok"; "interrupted" (ComfyUI's InterruptProcessingException, i.e. the cancel button, or a
 KeyboardInterrupt); "error" for any other exception, with ``error`` = "<type>: <message>" (at most
 ERROR_CHARS characters; None otherwise). The exception still propagates to ComfyUI.
 
 WebSocket events (``PromptServer.instance.send_sync``, to every connected page):
-  int8_fused.step     {run, group, node, backend, backend_requested, backends, device, step (0-based),
-                       steps, seconds, branches, calls}
-  int8_fused.summary  {run, group, node, backend, backend_requested, backends, device, workload,
+  int8_fused.step     {run, group, node, backend, backend_requested, backends, attention,
+                       attention_requested, attentions, device, step (0-based), steps, seconds, branches, calls}
+  int8_fused.summary  {run, group, node, backend, backend_requested, backends, attention, attention_requested,
+                       attentions, device, workload,
                        prompt_id, status ("ok" | "interrupted" | "error"), error, timer ("cuda_events" |
                        "perf_counter"), steps, step_seconds [..], mean, median, total,
                        branches {branch: seconds}, calls, started (unix time)}
@@ -82,6 +96,7 @@ WRAPPER_KEY = "int8_fused.timing"
 RING_SIZE = 64
 ERROR_CHARS = 500
 FLOAT = "bf16"  # the pack's name for the unquantized model (quant.backends.BACKENDS["bf16"])
+COMFY_ATTENTION = "comfy_default"  # ComfyUI's own attention (quant.attention.COMFY)
 _RUNS: collections.deque = collections.deque(maxlen=RING_SIZE)
 _RUNS_LOCK = threading.Lock()
 _RUN_IDS = itertools.count(1)
@@ -229,6 +244,32 @@ def backend_label(backend: str, requested: str | None, backends: dict) -> str:
     return f"{backend} ({'; '.join(notes)})" if notes else backend
 
 
+def attention_label(attention: str, requested: str | None, attentions: dict) -> str:
+    """"flash (requested cudnn)", "cudnn (auto; 4 of 68 calls on flash)": see the module doc."""
+    notes = []
+    if requested == "auto":
+        notes.append("auto")
+    elif requested and requested != attention:
+        notes.append(f"requested {requested}")
+    n = sum(attentions.values())
+    for name, c in sorted(attentions.items(), key=lambda kv: (-kv[1], kv[0])):
+        if name != attention:
+            notes.append(f"{c} of {n} calls on {name}")
+    return f"{attention} ({'; '.join(notes)})" if notes else attention
+
+
+def _router(transformer_options):
+    """The attention Router (quant.attention: an override with a Counter ``counts``) in these options, or None."""
+    ov = transformer_options.get("optimized_attention_override") if isinstance(transformer_options, dict) else None
+    return ov if isinstance(getattr(ov, "counts", None), collections.Counter) else None
+
+
+def _attention_counts(transformer_options) -> dict | None:
+    """A copy of the counts of the attention Router this model call runs with (None without one)."""
+    router = _router(transformer_options)
+    return None if router is None else dict(router.counts)
+
+
 def _is_interrupt(e: BaseException) -> bool:
     """ComfyUI's cancel (InterruptProcessingException) or a KeyboardInterrupt-like BaseException."""
     mm = sys.modules.get("comfy.model_management")
@@ -245,12 +286,15 @@ def _error_text(e: BaseException) -> str:
 class Run:
     """Timers of one sampling run, grouped into steps; resolves them without blocking."""
 
-    def __init__(self, *, node_id, backend, device, workload, steps_planned, prompt_id, backends=None):
+    def __init__(self, *, node_id, backend, device, workload, steps_planned, prompt_id, backends=None,
+                 attention=COMFY_ATTENTION):
         self.id = f"{node_id}-{next(_RUN_IDS)}"
         self.group = self.id  # the sampling it belongs to (the driving model's run id)
         self.node_id, self.requested, self.device = node_id, backend, device
         self.backends = dict(backends or {})  # {backend: INT8 layers}; recounted by see_layers
         self.layers_seen = False
+        self.attention_requested = attention
+        self.attentions: collections.Counter = collections.Counter()  # attention backend -> calls that ran it
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.workload, self.steps_planned, self.prompt_id = workload, steps_planned, prompt_id
         self.started = time.time()
@@ -265,6 +309,20 @@ class Run:
     @property
     def backend(self) -> str:
         return ran_backend(self.backends)
+
+    @property
+    def attention(self) -> str:
+        if not self.attentions:
+            return COMFY_ATTENTION
+        return min(self.attentions.items(), key=lambda kv: (-kv[1], kv[0]))[0]
+
+    def add_attention(self, before: dict | None, after: dict | None) -> None:
+        """Count the attention calls one model call ran: the Router's counts ``after`` minus ``before``."""
+        if before is None or after is None:
+            return
+        for name, c in after.items():
+            if c - before.get(name, 0) > 0:
+                self.attentions[name] += c - before.get(name, 0)
 
     def see_layers(self, model) -> None:
         """Count the INT8 layers of the model the run's first call runs (object patches applied)."""
@@ -337,7 +395,8 @@ class Run:
     def _tags(self) -> dict:
         return {"run": self.id, "group": self.group, "node": self.node_id, "backend": self.backend,
                 "backend_requested": self.requested, "backends": dict(self.backends),
-                "device": self.device_name}
+                "attention": self.attention, "attention_requested": self.attention_requested,
+                "attentions": dict(self.attentions), "device": self.device_name}
 
 
 # --------------------------------------------------------------------------- the wrappers
@@ -352,7 +411,8 @@ class _Sampling:
         run = self.children.get(id(recorder))
         if run is None:
             run = self.children[id(recorder)] = Run(node_id=recorder.node_id, backend=recorder.requested,
-                                                    backends=recorder.backends, **self.meta)
+                                                    backends=recorder.backends, attention=recorder.attention,
+                                                    **self.meta)
             run.group = self.run.id
         return run
 
@@ -367,8 +427,9 @@ _TIMING = threading.local()  # .owner: the recorder timing the model call in pro
 class _Recorder:
     """The wrappers of one instrumented MODEL (shared by its clones, which copy the wrapper lists)."""
 
-    def __init__(self, node_id: str, backend: str, model=None, backends: dict | None = None):
-        self.node_id, self.requested = node_id, backend
+    def __init__(self, node_id: str, backend: str, model=None, backends: dict | None = None,
+                 attention: str = COMFY_ATTENTION):
+        self.node_id, self.requested, self.attention = node_id, backend, attention
         self.backends = dict(backends or {})  # {backend: INT8 layers} counted by instrument()
         self.model = weakref.ref(model) if model is not None else (lambda: None)  # its BaseModel
         self.run: Run | None = None
@@ -384,7 +445,8 @@ class _Recorder:
         model_name = type(getattr(patcher, "model", None)).__name__
         meta = dict(device=device, workload=f"{model_name} {'x'.join(str(d) for d in noise.shape)}",
                     steps_planned=max(int(sigmas.shape[-1]) - 1, 0), prompt_id=_prompt_id())
-        run = Run(node_id=self.node_id, backend=self.requested, backends=self.backends, **meta)
+        run = Run(node_id=self.node_id, backend=self.requested, backends=self.backends, attention=self.attention,
+                  **meta)
         ctx = _Sampling(run, meta)
         outer_run, self.run = self.run, run
         _ACTIVE.append(ctx)
@@ -452,6 +514,7 @@ class _Recorder:
         prev = self.in_call, self.inner_timed
         self.in_call, self.inner_timed = (run, branch, sigma, x.device), False
         _TIMING.owner = self
+        attn_before = _attention_counts(transformer_options)
         try:
             # Timed here only for architectures without the DIFFUSION_MODEL wrapper.
             timer = None if self.inner_seen else _timer(x.device)
@@ -461,6 +524,7 @@ class _Recorder:
                 run.add_call(branch, sigma, timer)
             return out
         finally:
+            run.add_attention(attn_before, _attention_counts(transformer_options))
             self.in_call, self.inner_timed = prev
             _TIMING.owner = None
 
@@ -486,6 +550,9 @@ def _is_last_step(cb_args) -> bool:
 
 def _log_summary(s: dict) -> None:
     label = backend_label(s["backend"], s["backend_requested"], s["backends"])
+    req = s.get("attention_requested") or COMFY_ATTENTION
+    if req != COMFY_ATTENTION or s.get("attention", COMFY_ATTENTION) != COMFY_ATTENTION:
+        label += f", attn {attention_label(s['attention'], req, s.get('attentions') or {})}"
     head = f"int8_fused: node {s['node']} ran {label} on {s['device']}"
     if s["status"] == "error":
         log.warning("%s: error after %d steps: %s", head, s["steps"], s["error"])
@@ -500,13 +567,15 @@ def _prompt_id():
     return getattr(srv, "last_prompt_id", None) if srv is not None else None
 
 
-def instrument(model_patcher, *, node_id: str, backend: str, backends_used=None) -> None:
+def instrument(model_patcher, *, node_id: str, backend: str, backends_used=None, attention: str | None = None) -> None:
     """Record per-step model-call times of ``model_patcher`` (a clone the caller owns) for the widget.
 
     ``backend``: the backend the node asked for (reported as ``backend_requested``). ``backends_used``:
     optional {backend: number of INT8 layers running it} as built, e.g. ``PatchReport.backends_used``;
     without it the patcher's Int8Linear object patches and modules are counted. Either way each run
-    recounts the layers of the model it actually runs (module docstring, "Backend").
+    recounts the layers of the model it actually runs (module docstring, "Backend"). ``attention``: the node's
+    attention choice (reported as ``attention_requested``; without it the ``mode`` of the attention Router the
+    patcher carries, else "comfy_default"; module docstring, "Attention").
     Calling it again on the same patcher replaces the earlier timing wrappers (the latest node wins).
     """
     import comfy.patcher_extension as pe
@@ -514,7 +583,10 @@ def instrument(model_patcher, *, node_id: str, backend: str, backends_used=None)
     model = getattr(model_patcher, "model", None)
     used = ({str(k): int(v) for k, v in dict(backends_used).items() if v} if backends_used is not None
             else _patcher_backends(model_patcher))
-    rec = _Recorder(str(node_id), str(backend), model, used)
+    if attention is None:
+        router = _router((getattr(model_patcher, "model_options", None) or {}).get("transformer_options"))
+        attention = getattr(router, "mode", COMFY_ATTENTION)
+    rec = _Recorder(str(node_id), str(backend), model, used, str(attention))
     if model is not None:
         _BY_MODEL[model] = rec  # clones share their BaseModel: the latest instrumented one owns it
     for kind, fn in ((pe.WrappersMP.OUTER_SAMPLE, rec.outer_sample),

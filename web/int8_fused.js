@@ -1,9 +1,10 @@
 // Timing widget of the INT8 Fused pack: on the pack's model nodes, a badge with the backend that ran (and
 // the requested one when layers fell back: "torch_int_mm (fallback from fused_triton)") and the device,
 // a live per-step time chart, mean / median s/step and total (or the error a failed run ended with), and
-// the latest run of every backend side by side ("fused_triton 0.21 s/step, 1.58x bf16"). Data: WebSocket
-// events int8_fused.step and int8_fused.summary, and GET /int8_fused/runs on setup (nodes/timing.py
-// documents the schema).
+// the latest run of every backend side by side ("fused_triton 0.21 s/step, 1.58x bf16"); with the Apply node's
+// attention input set, the attention backend that ran next to the GEMM backend ("fused_triton \u00b7 attn cudnn"),
+// and runs with another attention compared as their own rows. Data: WebSocket events int8_fused.step and
+// int8_fused.summary, and GET /int8_fused/runs on setup (nodes/timing.py documents the schema).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import * as fmt from "./int8_format.js";
@@ -77,6 +78,41 @@ function backendWidgetValue(node) {
   return node.widgets?.find((w) => w.name === "backend")?.value ?? null;
 }
 
+const COMFY_ATTENTION = "comfy_default";
+
+/** The attention backend that ran, as nodes/timing.py's attention_label: "cudnn", "flash (auto)",
+ *  "flash (requested cudnn)", "cudnn (auto; 4 of 68 calls on flash)"; null when ComfyUI's own attention ran
+ *  and was asked for (runs from before the attention input have no such fields). */
+function attentionLabel(run) {
+  const req = run?.attention_requested ?? COMFY_ATTENTION;
+  const ran = run?.attention ?? COMFY_ATTENTION;
+  if (req === COMFY_ATTENTION && ran === COMFY_ATTENTION) return null;
+  const notes = [];
+  if (req === "auto") notes.push("auto");
+  else if (req !== ran) notes.push(`requested ${req}`);
+  const entries = Object.entries(run.attentions || {}).filter(([, c]) => c > 0);
+  const n = entries.reduce((a, [, c]) => a + c, 0);
+  entries.sort(([a, x], [b, y]) => y - x || (a < b ? -1 : a > b ? 1 : 0));
+  for (const [name, c] of entries) if (name !== ran) notes.push(`${c} of ${n} calls on ${name}`);
+  return notes.length ? `${ran} (${notes.join("; ")})` : ran;
+}
+
+/** Runs as the side-by-side comparison sees them: one that ran with a routed attention compares as
+ *  "fused_triton \u00b7 attn cudnn", apart from the same GEMM backend on ComfyUI's attention. */
+function compareKey(run) {
+  return attentionLabel(run) ? `${run.backend} \u00b7 attn ${run.attention ?? COMFY_ATTENTION}` : run.backend;
+}
+
+function compareRuns(views) {
+  return views.map((r) => (compareKey(r) === r.backend ? r : { ...r, backend: compareKey(r) }));
+}
+
+/** The attention picked on the node, before any run: null for comfy_default (or no such input). */
+function attentionWidgetValue(node) {
+  const v = node.widgets?.find((w) => w.name === "attention")?.value ?? null;
+  return v && v !== COMFY_ATTENTION ? v : null;
+}
+
 /** The run this node shows: its live run if sampling, else its latest finished one (views merge
  *  the two models of a dual-model loader). */
 function runFor(node) {
@@ -123,14 +159,18 @@ function render(w) {
   const { node, root, badge, progress, chart, canvas, maxLabel, stats, steps, compare } = w;
   const { run, finished } = runFor(node);
   const backend = run?.backend ?? backendWidgetValue(node);
-  badge.textContent = fmt.badgeText(fmt.backendLabel(run) ?? backend, run?.device ?? null);
-  badge.title = run ? `${badge.textContent}\nINT8 backend that ran \u00b7 device of the latest run`
-    : "INT8 backend picked on the node (no run yet)";
+  const attention = run ? attentionLabel(run) : attentionWidgetValue(node);
+  const gemm = fmt.backendLabel(run) ?? backend;
+  badge.textContent = fmt.badgeText(attention ? `${gemm} \u00b7 attn ${attention}` : gemm, run?.device ?? null);
+  const ranAttention = attention ? " \u00b7 attention backend that ran" : "";
+  badge.title = run ? `${badge.textContent}\nINT8 backend that ran${ranAttention} \u00b7 device of the latest run`
+    : `INT8 backend${attention ? " and attention" : ""} picked on the node (no run yet)`;
   badge.style.background = color(backend);
   root.dataset.node = String(node.id);
   root.dataset.run = run?.run ?? "";
   root.dataset.backend = backend ?? "";
   root.dataset.backendRequested = run?.backend_requested ?? "";
+  root.dataset.attention = run ? (run.attention ?? COMFY_ATTENTION) : (attentionWidgetValue(node) ?? "");
   root.dataset.device = run?.device ?? "";
   root.dataset.finished = String(finished);
   const secs = run?.step_seconds ?? [];
@@ -160,12 +200,13 @@ function render(w) {
     steps.querySelector("summary").textContent = `seconds per step (${secs.length})`;
   }
 
-  const rows = fmt.compareRows(state.views, finished ? run.workload : latestWorkload(node));
+  const rows = fmt.compareRows(compareRuns(state.views), finished ? run.workload : latestWorkload(node));
+  const selfKey = run ? compareKey(run) : backend;
   compare.replaceChildren(...rows.map((r) => {
-    const li = el("li", r.backend === backend ? "int8-self" : "");
+    const li = el("li", r.backend === selfKey ? "int8-self" : "");
     li.dataset.backend = r.backend;
     const dot = el("span", "int8-dot");
-    dot.style.background = color(r.backend);
+    dot.style.background = color(r.backend.split(" ")[0]);
     li.append(dot, el("span", "", r.label));
     li.title = `${r.backend} on ${r.device}`;
     return li;
@@ -259,9 +300,8 @@ function attach(node) {
     render(w);
     return r;
   };
-  // The badge follows the backend picked on the node until a run says what really ran.
-  const bw = node.widgets?.find((x) => x.name === "backend");
-  if (bw) {
+  // The badge follows the backend (and attention) picked on the node until a run says what really ran.
+  for (const bw of node.widgets?.filter((x) => x.name === "backend" || x.name === "attention") ?? []) {
     const cb = bw.callback;
     bw.callback = function () {
       const r = cb?.apply(this, arguments);
@@ -278,7 +318,8 @@ function onStep({ detail: d }) {
   let r = state.live.get(d.run);
   if (!r) {
     r = { run: d.run, group: d.group ?? d.run, node: d.node, backend: d.backend,
-          backend_requested: d.backend_requested, backends: d.backends, device: d.device,
+          backend_requested: d.backend_requested, backends: d.backends, attention: d.attention,
+          attention_requested: d.attention_requested, attentions: d.attentions, device: d.device,
           status: "ok", steps_planned: d.steps, step_seconds: [] };
     state.live.set(d.run, r);
   }
@@ -334,4 +375,4 @@ app.registerExtension({
 });
 
 // For tests and debugging: the widget's data as the page sees it.
-window.__int8Fused = { state, renderAll, fmt };
+window.__int8Fused = { state, renderAll, fmt, attentionLabel };

@@ -1,0 +1,80 @@
+"""Pad-token elision for Ideogram 4's conditional pass (ComfyUI ``comfy/ldm/ideogram4/model.py``). Pure torch.
+
+``_run_conditional`` packs ``[text tokens, image tokens]``. With the text conditioning's ``attention_mask``
+[B, L_text] (0 = padding) it puts padded text tokens in segment -1 and every other token in segment 1 and attends
+block-diagonally: image and real text tokens never attend to padded ones, and everything else the model does is per
+token. Removing padded tokens therefore changes no output of the others, provided the kept text tokens keep their
+RoPE positions (``arange(L_text)``; image positions are a fixed offset). Removing the padding at the *end* of the
+text (positions padded in every batch row) keeps them; when nothing masked is left, the mask goes too and attention
+runs unmasked (flash / cuDNN can take it) on fewer tokens. Padding elsewhere (left padding, rows padded to different
+lengths) stays masked as before.
+
+``diffusion_model_wrapper`` applies this to the call's ``context`` / ``attention_mask`` (a ComfyUI DIFFUSION_MODEL
+wrapper; other models pass through). ``enabled(backend)``: the policy of ``INT8_FUSED_PAD_ELISION``.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from . import kernel_module
+
+ENV = "INT8_FUSED_PAD_ELISION"
+stats: collections.Counter = collections.Counter()  # "calls", "tokens_removed", "masks_dropped" (tests, bench)
+
+
+def enabled(backend: str, value: str | None = None) -> bool:
+    """``INT8_FUSED_PAD_ELISION`` (or ``value``): unset = on for fused_triton only; 0 = off; 1 = on for every
+    backend (also the bf16 control, for like-for-like comparisons)."""
+    v = ((kernel_module("config").get(ENV) or "") if value is None else value).strip().lower()
+    if v in ("", "auto"):
+        return backend == "fused_triton"
+    if v in ("0", "off", "false", "no"):
+        return False
+    if v in ("1", "on", "true", "yes"):
+        return True
+    raise ValueError(f"{ENV}={v!r}: use 0 (off), 1 (on for every backend) or leave it unset (on for fused_triton)")
+
+
+def is_ideogram4(diffusion_model) -> bool:
+    return any(c.__name__ == "Ideogram4Transformer2DModel" for c in type(diffusion_model).__mro__)
+
+
+def strip_trailing_padding(context: torch.Tensor | None, attention_mask: torch.Tensor | None):
+    """(context, attention_mask, tokens removed): text positions at the end that are padding in every batch row
+    removed; the mask becomes None when nothing in it is masked any more. Anything else comes back unchanged: no
+    mask, a mask that is not [B, L_text] of ``context`` [B, L_text, C], or text that is all padding."""
+    if context is None or attention_mask is None or context.ndim != 3 or attention_mask.ndim != 2 \
+            or tuple(attention_mask.shape) != tuple(context.shape[:2]):
+        return context, attention_mask, 0
+    kept = (attention_mask != 0).any(dim=0).nonzero()
+    if kept.numel() == 0:
+        return context, attention_mask, 0
+    n = int(kept[-1]) + 1
+    mask = attention_mask[:, :n] if n < context.shape[1] else attention_mask
+    if bool((mask != 0).all()):
+        mask = None
+    return (context[:, :n] if n < context.shape[1] else context), mask, context.shape[1] - n
+
+
+def diffusion_model_wrapper(executor, *args, **kwargs):
+    """ComfyUI DIFFUSION_MODEL wrapper: Ideogram 4's ``forward(x, timesteps, context, attention_mask, ...)`` with
+    the trailing padded text tokens removed (module doc)."""
+    if not is_ideogram4(getattr(executor, "class_obj", None)):
+        return executor(*args, **kwargs)
+    args = list(args)
+    ctx = args[2] if len(args) > 2 else kwargs.get("context")
+    mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
+    ctx2, mask2, removed = strip_trailing_padding(ctx, mask)
+    if removed == 0 and mask2 is mask:
+        return executor(*args, **kwargs)
+    stats["calls"] += 1
+    stats["tokens_removed"] += removed
+    stats["masks_dropped"] += mask2 is None
+    for i, name, value in ((2, "context", ctx2), (3, "attention_mask", mask2)):
+        if len(args) > i:
+            args[i] = value
+        else:
+            kwargs[name] = value
+    return executor(*args, **kwargs)
