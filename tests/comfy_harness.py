@@ -330,6 +330,22 @@ import utils.extra_config  # before nodes.py puts comfy/ first on sys.path, as m
 import nodes as _comfy_nodes
 sys.path.insert(1, {root!r})
 
+def sample_image_only_cfg(model, positive, latent, steps=2, model_negative=None, cfg=4.0, seed=0):
+    # ComfyUI's own sampling (euler, simple schedule) with an image-only negative (Ideogram 4's reference
+    # CFG): DualModelGuider's Guider_DualModel when model_negative is given, else a CFGGuider.
+    import comfy.samplers
+    import comfy_extras.nodes_custom_sampler as ncs
+    import torch
+    guider = (ncs.Guider_DualModel(model, model_negative) if model_negative is not None
+              else comfy.samplers.CFGGuider(model))
+    guider.set_conds(positive, [[None, {{}}]])
+    guider.set_cfg(cfg)
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", steps)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True,
+                         seed=seed).float()
+
+
 def import_pack():
     if {name!r} in sys.modules:
         return sys.modules[{name!r}]
@@ -368,7 +384,7 @@ def run_in_current_comfy(script_text: str, timeout: float = 900.0, check: bool =
 _BODY = """\
 import json, runpy, shutil, tempfile
 import folder_paths
-ns = runpy.run_path({file!r}, init_globals={{"import_pack": import_pack}})
+ns = runpy.run_path({file!r}, init_globals={{"import_pack": import_pack, "sample_image_only_cfg": sample_image_only_cfg}})
 models = tempfile.mkdtemp(prefix="int8_current_")
 folder_paths.add_model_folder_path("diffusion_models", models, is_default=True)
 try:

@@ -87,13 +87,7 @@ def body(pack, models: Path) -> dict:
     latent = torch.zeros(1, 128, 4, 4)
 
     def sample(model):
-        guider = comfy.samplers.CFGGuider(model)
-        guider.set_conds(positive, [[None, {}]])
-        guider.set_cfg(4.0)
-        sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", 2)
-        noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(0))
-        return guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True,
-                             seed=0).double()
+        return sample_image_only_cfg(model, positive, latent, 2).double()  # noqa: F821 (comfy_harness)
 
     out_core, out_pack = sample(core), sample(q)
     pack_vs_core = float((out_pack - out_core).norm() / out_core.norm())

@@ -55,15 +55,7 @@ def _err(fn) -> str:
 
 
 def _sample(model, model_neg, positive, latent):
-    import comfy.samplers
-    import comfy_extras.nodes_custom_sampler as ncs
-    guider = ncs.Guider_DualModel(model, model_neg)
-    guider.set_conds(positive, [[None, {}]])
-    guider.set_cfg(4.0)
-    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", 1)
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(0))
-    return guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True,
-                         seed=0).float()
+    return sample_image_only_cfg(model, positive, latent, 1, model_neg)  # noqa: F821 (tests/comfy_harness.py)
 
 
 def _body(pack, models):

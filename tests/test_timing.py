@@ -213,16 +213,20 @@ def test_reports_the_backend_the_int8_layers_ran_not_the_requested_one(comfy, ti
                and "40" in r.getMessage() for r in caplog.records)
 
 
-def test_backends_used_given_to_instrument_names_a_run_that_never_reached_the_model(comfy, timing, tiny_flux, sent):
-    m = tiny_flux.clone()
-    timing.instrument(m, node_id="41", backend="fused_triton", backends_used={"torch_int_mm": 5})
-
+def _sample_failing_before_the_model(comfy, m):
+    """Sampling that raises in an ON_PRE_RUN callback: the run ends before any model call."""
     def fail(patcher):
         raise RuntimeError("no")
 
     m.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, "test.fail", fail)
     with pytest.raises(RuntimeError):
         _sample(comfy, m, steps=2, cfg=2.0)
+
+
+def test_backends_used_given_to_instrument_names_a_run_that_never_reached_the_model(comfy, timing, tiny_flux, sent):
+    m = tiny_flux.clone()
+    timing.instrument(m, node_id="41", backend="fused_triton", backends_used={"torch_int_mm": 5})
+    _sample_failing_before_the_model(comfy, m)
     (summary,) = _events(sent, "int8_fused.summary")
     assert (summary["backend"], summary["backend_requested"], summary["backends"]) == (
         "torch_int_mm", "fused_triton", {"torch_int_mm": 5})
@@ -240,13 +244,7 @@ def test_instrument_reads_the_int8_layers_of_the_patcher(comfy, timing, pack, se
     dm.single_blocks[0].linear2 = pack.quant.linear.Int8Linear.from_float(
         lin.weight.detach(), lin.bias.detach(), backend="torch_int_mm")
     timing.instrument(m, node_id="42", backend="fused_triton")
-
-    def fail(patcher):
-        raise RuntimeError("no")
-
-    m.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PRE_RUN, "test.fail", fail)
-    with pytest.raises(RuntimeError):
-        _sample(comfy, m, steps=2, cfg=2.0)
+    _sample_failing_before_the_model(comfy, m)
     (summary,) = _events(sent, "int8_fused.summary")
     assert (summary["backend"], summary["backend_requested"], summary["backends"]) == (
         "dequant_bf16", "fused_triton", {"dequant_bf16": 2, "torch_int_mm": 1})
