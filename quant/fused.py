@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernel_module
-from .linear import Int8Linear
+from .linear import Int8Linear, derived
 from .quantize import quantize_per_token_ref
 
 config = kernel_module("config")
@@ -157,12 +157,7 @@ def _norm_weight(norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
     if w.device == x.device and w.dtype == x.dtype:
         return w
-    slot = _SMALL.setdefault(norm, {})
-    hit = slot.get((x.device, x.dtype))
-    if hit is None or hit[0] is not w or hit[1] != w.data_ptr():
-        hit = (w, w.data_ptr(), w.detach().to(x.device, x.dtype))
-        slot[(x.device, x.dtype)] = hit
-    return hit[2]
+    return derived(_SMALL.setdefault(norm, {}), (x.device, x.dtype), w, lambda t: t.detach().to(x.device, x.dtype))
 
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

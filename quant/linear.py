@@ -70,7 +70,7 @@ class Int8Linear(nn.Module):
         self.smooth = torch.ones(in_features, dtype=torch.float32, device=device) if smooth else None
         self.weight_function: list = []  # ComfyUI's per-layer weight/bias function lists (lowvram)
         self.bias_function: list = []
-        self._vectors: dict = {}  # name -> (source tensor, its copy on a device): see _vector
+        self._vectors: dict = {}  # tensors derived from ours (1/smooth, device copies): see derived()
 
     def __setattr__(self, name, value):
         # The four tensors are always no-grad Parameters (ComfyUI assigns Parameters too).
@@ -93,11 +93,7 @@ class Int8Linear(nn.Module):
         s = self.smooth
         if s is None:
             return None
-        hit = self._vectors.get("inv_smooth")
-        if hit is None or hit[0] is not s or hit[1] != (s.device, s.data_ptr()):
-            hit = (s, (s.device, s.data_ptr()), 1.0 / s.detach().float())
-            self._vectors["inv_smooth"] = hit
-        return hit[2]
+        return derived(self._vectors, "inv_smooth", s, lambda t: 1.0 / t.detach().float())
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -185,12 +181,8 @@ class Int8Linear(nn.Module):
         src = self.inv_smooth if key == "inv_smooth" else getattr(self, key)
         if src is None or src.device == device:
             return src
-        ck = (key, device)
-        hit = self._vectors.get(ck)
-        if hit is None or hit[0] is not src or hit[1] != src.data_ptr():
-            hit = (src, src.data_ptr(), src.detach().to(device, non_blocking=src.is_pinned()))
-            self._vectors[ck] = hit
-        return hit[2]
+        return derived(self._vectors, (key, device), src,
+                       lambda t: t.detach().to(device, non_blocking=t.is_pinned()))
 
     @contextlib.contextmanager
     def operands(self, device: torch.device):
@@ -245,6 +237,16 @@ class _Operands:
         self.owner, self.name, self.backend = layer, layer.name, layer.backend
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.qweight, self.weight_scale, self.bias, self.inv_smooth = w, scale, b, inv_smooth
+
+
+def derived(cache: dict, key, src: torch.Tensor, make: Callable):
+    """``make(src)``, kept in ``cache[key]`` while ``src`` is the same tensor (same object, device and storage):
+    ComfyUI swaps or moves a tensor to change it, and then the derived one is made again."""
+    hit = cache.get(key)
+    if hit is None or hit[0] is not src or hit[1] != (src.device, src.data_ptr()):
+        hit = (src, (src.device, src.data_ptr()), make(src))
+        cache[key] = hit
+    return hit[2]
 
 
 def check_input(x: torch.Tensor, layer) -> None:

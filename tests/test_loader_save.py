@@ -119,12 +119,19 @@ def test_generic_build_path_matches_float(env, wan, fmt):
             assert torch.equal(m.qweight, qw) and torch.equal(m.weight_scale, s)
 
 
+def _written_and_loaded(env, wan, name: str):
+    """(path, MODEL): the Wan miniature written in the pack's format under ``name`` and loaded back."""
+    pack, models, q = env
+    _, quant, floats, _ = wan
+    path = str(models / name)
+    q["fmt_write"].write_pack(path, {"": (quant, floats)}, overwrite=True)
+    return path, _load(pack, q, path)
+
+
 def test_save_round_trip_bit_exact_and_guards(env, wan):
     pack, models, q = env
     sd, quant, floats, _ = wan
-    path = str(models / "wan_src.safetensors")
-    q["fmt_write"].write_pack(path, {"": (quant, floats)}, overwrite=True)
-    model = _load(pack, q, path)
+    path, model = _written_and_loaded(env, wan, "wan_src.safetensors")
     node = pack.nodes.save.SaveInt8Model()
     ret = node.save(model, "sub/wan_copy", "int8_fused", False, "blocks")
     (out,) = ret["result"]
@@ -241,10 +248,7 @@ def test_transformerlab_layout_and_wrong_smoothing_is_caught(env, wan):
 # ---------------------------------------------------------------------- issue 12 defects (pinned ComfyUI)
 def test_save_refuses_nul_like_other_invalid_names_and_raises_one_exists_type(env, wan):
     pack, models, q = env
-    sd, quant, floats, _ = wan
-    src = str(models / "wan_nul_src.safetensors")
-    q["fmt_write"].write_pack(src, {"": (quant, floats)}, overwrite=True)
-    model = _load(pack, q, src)
+    src, model = _written_and_loaded(env, wan, "wan_nul_src.safetensors")
     node = pack.nodes.save.SaveInt8Model()
     msgs = []
     for bad in ("../escape", "a\x00b", "int8/x\x00.safetensors"):
