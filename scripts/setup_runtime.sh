@@ -8,16 +8,21 @@
 #                      with this pack linked into custom_nodes/.
 #   When ../shared/comfyui (ComfyUI 0.33.0, read-only) is beside the clone, also:
 #   .runtime/ComfyUI-current  a writable copy of it, this pack linked into custom_nodes/;
-#   .runtime/venv-current     its own venv (same torch) with 0.33.0's requirements.txt from PyPI
-#                             (comfy-kitchen, comfy-aimdo, frontend 1.49.6, ...): the tests that need a
-#                             current ComfyUI run there (scripts/test.sh sets COMFYUI_CURRENT*).
-#   torchaudio 2.11.1 (--no-deps: it imports on torch 2.14) in both venvs: ComfyUI imports it at start.
-# Size: about 7.9 GB per venv (PyPI's Linux torch is a CUDA build: 3.2 GB of nvidia libraries).
+#   .runtime/venv-current     its own venv with 0.33.0's requirements.txt from PyPI (comfy-kitchen,
+#                             comfy-aimdo, frontend 1.49.6, ...); torch, torchvision, torchaudio and triton
+#                             are not installed twice: a .pth file adds .runtime/venv's site-packages
+#                             *after* its own, so only what 0.33.0 needs differently lives there. The tests
+#                             that need a current ComfyUI run there (scripts/test.sh sets COMFYUI_CURRENT*).
+#   torchaudio 2.11.1 (--no-deps: it imports on torch 2.14): ComfyUI imports it at start.
+# Size: about 6.1 GB for .runtime/venv (PyPI's Linux torch is a CUDA build: 3.2 GB of nvidia libraries),
+#   about 0.6 GB for .runtime/venv-current, 1.9 GB of miniature models once the tests have run (one
+#   models/diffusion_models folder: ComfyUI-current's links to ComfyUI's). pip's
+#   cache is off (PIP_NO_CACHE_DIR): every wheel comes from this machine's disk or PyPI once.
 #   /usr/bin/chromium  Debian's chromium for the frontend test (apt-get, only when missing and root).
 # Everything comes from package registries (PyPI, Debian); nothing else is downloaded.
 # Bump RECIPE when what this script installs changes: an older runtime is then brought up to date.
 set -euo pipefail
-RECIPE=3
+RECIPE=4
 here="$(cd "$(dirname "$0")/.." && pwd)"
 rt="${INT8_RUNTIME_DIR:-$here/.runtime}"
 py="${PYTHON:-python3}"
@@ -27,6 +32,7 @@ shared="${INT8_SHARED_COMFYUI:-$here/../shared/comfyui}"
 cur="$rt/ComfyUI-current"
 cpy="$rt/venv-current/bin/python"
 mkdir -p "$rt"
+export PIP_NO_CACHE_DIR=1
 
 say() { echo "[setup] $*"; }
 # pip, minus the warning lines this machine's extra file indexes print for every package they lack.
@@ -44,13 +50,22 @@ setup_current() {
   local t1=$SECONDS
   say "current ComfyUI: copying $shared -> $cur"
   rm -rf "$cur"; cp -r "$shared" "$cur"; chmod -R u+w "$cur"
-  [ -x "$cpy" ] || "$py" -m venv "$rt/venv-current"
-  say "current ComfyUI: installing its requirements into $rt/venv-current"
-  pipc "torch==2.14.1" "torchvision==0.29.1"
-  pipc --no-deps "torchaudio==2.11.1"
+  # one miniature-model folder for both trees (the files are ~1 GB each)
+  mkdir -p "$rt/ComfyUI/models/diffusion_models"
+  mkdir -p "$cur/models"; rm -rf "$cur/models/diffusion_models"; ln -s "$rt/ComfyUI/models/diffusion_models" "$cur/models/diffusion_models"
+  # A fresh venv: an older recipe installed its own torch (6 GB) there.
+  rm -rf "$rt/venv-current"; "$py" -m venv "$rt/venv-current"
+  local base_sp cur_sp
+  base_sp="$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  cur_sp="$("$cpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  # site.addsitedir (not a bare path line) so .runtime/venv's own .pth files apply too.
+  echo "import site; site.addsitedir('$base_sp')" > "$cur_sp/zz_int8fused_shared_torch.pth"
+  say "current ComfyUI: installing its requirements into $rt/venv-current (torch shared from $rt/venv)"
   grep -vE '^(torch|torchvision|torchaudio)\b' "$cur/requirements.txt" | grep -vE '^\s*(#|$)' > "$rt/comfy-current-reqs.txt"
   pipc -r "$rt/comfy-current-reqs.txt" safetensors numpy
-  pipc --no-deps "triton==3.6.0"
+  # pip puts torch's own Triton 3.8 here (0.9 GB) when it re-resolves torch's needs; the kernels are
+  # pinned to 3.6.0, the copy in .runtime/venv. Remove only this venv's copy.
+  if [ -d "$cur_sp/triton" ]; then "$cpy" -m pip uninstall -y -q triton; fi
   "$cpy" -c "import torch, torchaudio, comfy_kitchen, comfy_aimdo, triton; print('[setup] current venv: torch', torch.__version__, 'triton', triton.__version__)"
   touch "$rt/.current-ready-v$RECIPE"
   say "current ComfyUI ready in $cur ($((SECONDS - t1)) s)"
@@ -84,7 +99,19 @@ if [ -f "$stamp" ] && [ -x "$vpy" ] && [ -f "$rt/ComfyUI/main.py" ] && current_r
   say "runtime ready in $rt (reused)"; exit 0
 fi
 
+need_disk() {  # free space (GB) in $rt's file system, or stop with what to do
+  local need=$1 free
+  free=$(df -Pk "$rt" | awk 'NR==2 {printf "%d", $4 / 1048576}')
+  if [ "$free" -lt "$need" ]; then
+    say "ERROR: $rt has ${free} GB free; building the test runtime needs about ${need} GB"
+    say "       (a CUDA build of torch from PyPI: 6 GB; ComfyUI 0.33.0's requirements: 0.6 GB;"
+    say "       miniature models: 1.9 GB). Free space there, or point INT8_RUNTIME_DIR at a larger disk."
+    exit 1
+  fi
+}
+
 t0=$SECONDS
+[ -x "$vpy" ] || need_disk 9
 if [ ! -x "$vpy" ]; then
   say "creating venv ($("$py" --version))"; "$py" -m venv "$rt/venv"
 fi
