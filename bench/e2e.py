@@ -119,8 +119,9 @@ def load_pack():
     return mod
 
 
-def pack_apply(pack, patcher, backend: str):
-    """Run the pack's "Apply Fused INT8 GEMM" node on ``patcher`` with its default settings."""
+def pack_apply(pack, patcher, backend: str, **inputs):
+    """Run the pack's "Apply Fused INT8 GEMM" node on ``patcher`` with its default settings (``inputs``
+    override named inputs, e.g. ``attention="cudnn"``)."""
     cls = pack.NODE_CLASS_MAPPINGS["ApplyFusedInt8GEMM"]
     spec = cls.INPUT_TYPES()
     kw = {}
@@ -132,6 +133,7 @@ def pack_apply(pack, patcher, backend: str):
         else:
             kw[name] = (opt[0] if opt else {}).get("default")
     kw["backend"] = backend
+    kw.update(inputs)
     hidden = {k: "e2e" for k in spec.get("hidden", {})}
     out = getattr(cls(), cls.FUNCTION)(model=patcher, **kw, **hidden)
     return out[0] if isinstance(out, tuple) else out["result"][0]

@@ -15,7 +15,14 @@ backbones (34 layers, random weights; conditional seed 0, unconditional seed 1) 
 Paths: bf16 | fp8_fast (UNETLoader ``fp8_e4m3fn_fast``) | core_int8 (core ``int8_tensorwise`` file,
 per-channel scales) | pack:<backend> (the bf16 backbones through "Apply Fused INT8 GEMM") |
 core_int8+pack:<backend> (the core INT8 backbones through Apply: int8 weights adopted as stored).
+A ``~<attention>`` suffix sets how attention runs: for pack paths the Apply node's ``attention`` input
+(``auto`` / ``cudnn`` / ``flash`` / ``efficient`` / ``math`` / ``int8`` where the pack has it); for the others
+``kitchen`` = core's ModelAttentionBackend "comfy kitchen attention" (comfy-kitchen INT8 attention), any other
+mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``: cuDNN SDPA first).
 A ``@legacy`` suffix loads with ``disable_dynamic=True`` (the legacy ``ModelPatcher``).
+
+``--text-pad N``: the positive conditioning carries an ``attention_mask`` whose last N text tokens are padding
+(Ideogram 4 then builds a block-diagonal attention mask; the pack's fused_triton path removes the padded tokens).
 
 Per (path, workflow, resolution): one warm-up sampling run (autotune, DynamicVRAM faulting), one timed
 run (CUDA events in the step callback: s_per_step = median step; s_per_step_wall = whole run / steps),
@@ -88,6 +95,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=34)
     ap.add_argument("--res", default="1024,768")
     ap.add_argument("--text-tokens", type=int, default=512)
+    ap.add_argument("--text-pad", type=int, default=0, help="padded text tokens in the positive conditioning")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--workflows", default="dual,batched")
     ap.add_argument("--paths", default="bf16,fp8_fast,core_int8,pack:fused_triton,pack:comfy_kitchen,"
@@ -128,32 +136,50 @@ class SamplerBench:
     # ------------------------------------------------------------------ models
     def build(self, path: str, sds: dict) -> tuple[object, object, str]:
         """(conditional, unconditional) ModelPatchers for ``path``, and the patcher class name."""
+        models = [self.load_path(path, sds[br], core_sd=lambda br=br: self.core_sd(br, sds[br]), label=f"{path} {br}")
+                  for br in ("cond", "uncond")]
+        return models[0], models[1], type(models[0]).__name__
+
+    def load_path(self, path: str, sd: dict, core_sd=None, label: str = ""):
+        """One ModelPatcher for ``path`` (grammar in the module doc) from the float state dict ``sd``, loaded the
+        UNETLoader way (``comfy.sd.load_diffusion_model_state_dict``); ``core_sd()`` gives the core int8 state
+        dict for core_int8 paths. Shared with bench/e2e_models.py."""
         import comfy.sd
         torch = self.torch
         base, _, flag = path.partition("@")
         legacy = flag == "legacy"
+        base, _, attn = base.partition("~")
         kind, _, backend = base.partition("+") if base.startswith("core_int8+") else ("", "", base)
         src = "core_int8" if kind == "core_int8" else base.split(":")[0]
-        models = []
-        for br in ("cond", "uncond"):
-            sd = sds[br]
-            if src == "core_int8":
-                sd, opts = self.core_sd(br, sd), {}
-            elif src == "fp8_fast":
-                opts = {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
-            else:
-                opts = {}
-            m = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts, disable_dynamic=legacy)
-            pk = backend if kind == "core_int8" else (base if base.startswith("pack:") else "")
-            if pk:
-                t0 = time.perf_counter()
-                m = self.e2e.pack_apply(self.pack, m, pk.split(":", 1)[1])
-                log(f"{path} {br}: Apply took {time.perf_counter() - t0:.1f} s: "
-                    f"{getattr(m, 'int8_report', None) and m.int8_report.summary()}")
-            models.append(m)
-        return models[0], models[1], type(models[0]).__name__
+        if src == "core_int8":
+            sd, opts = core_sd(), {}
+        elif src == "fp8_fast":
+            opts = {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
+        else:
+            opts = {}
+        m = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts, disable_dynamic=legacy)
+        if m is None:
+            raise RuntimeError(f"{path}: ComfyUI did not detect a model in the state dict")
+        pk = backend if kind == "core_int8" else (base if base.startswith("pack:") else "")
+        if pk:
+            t0 = time.perf_counter()
+            extra = {"attention": attn} if attn else {}
+            m = self.e2e.pack_apply(self.pack, m, pk.split(":", 1)[1], **extra)
+            log(f"{label or path}: Apply took {time.perf_counter() - t0:.1f} s: "
+                f"{getattr(m, 'int8_report', None) and m.int8_report.summary()}")
+        elif attn == "kitchen":
+            import comfy.ldm.modules.attention as cattn
+            fn = cattn.get_attention_function("comfy_kitchen_int8", None)
+            if fn is None:
+                raise RuntimeError("comfy kitchen attention is not available in this ComfyUI")
+            m.set_model_optimized_attention(fn)
+        elif attn:
+            import importlib
+            importlib.import_module(self.pack.__name__ + ".nodes.attention").install(m, attn)
+        return m
 
     _core_cache: dict = {}
+    doc_extra: dict = {}  # more top-level fields of the JSON document (bench/e2e_models.py)
 
     def core_sd(self, br, sd):
         if br not in self._core_cache:
@@ -167,18 +193,24 @@ class SamplerBench:
         ctx = torch.randn(1, self.a.text_tokens, self.e2e.TEXT_DIM, generator=g).to(torch.bfloat16)
         latent = torch.zeros(1, self.e2e.IN_CH, res // 16, res // 16)
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(3))
-        return ctx, latent, noise
+        mask = None
+        if self.a.text_pad:
+            mask = torch.ones(1, self.a.text_tokens, dtype=torch.bool)
+            mask[:, self.a.text_tokens - self.a.text_pad:] = False
+        return (ctx, mask), latent, noise
 
     def guider(self, workflow: str, cond, uncond, ctx):
         import comfy.samplers
         import comfy_extras.nodes_custom_sampler as ncs
+        ctx, mask = ctx
+        extra = {} if mask is None else {"attention_mask": mask}
         if workflow == "dual":
             g = ncs.Guider_DualModel(cond, uncond)
-            g.set_conds([[ctx, {}]], [[None, {}]])
+            g.set_conds([[ctx, extra]], [[None, {}]])
             g.set_cfg(4.0)
         else:
             g = comfy.samplers.CFGGuider(cond)
-            g.set_conds([[ctx, {}]], [[torch_zeros_like(ctx), {}]])
+            g.set_conds([[ctx, extra]], [[torch_zeros_like(ctx), {}]])
             g.set_cfg(3.0)
         return g
 
@@ -256,7 +288,8 @@ class SamplerBench:
             for i, res in enumerate(res_list if not pressure else res_list[:1]):
                 ctx, latent, noise = self.conds(res)
                 g = self.guider(wf, cond, uncond, ctx)
-                row = {"resolution": res, "workflow": wf, "path": path, "patcher": patcher}
+                row = {"resolution": res, "workflow": wf, "path": path, "patcher": patcher,
+                       "text_pad": self.a.text_pad}
                 if pressure:
                     row["pressure_free_gib"] = pressure
                 try:
@@ -374,7 +407,8 @@ class SamplerBench:
     def write(self):
         import comfyui_version
         doc = dict(self.e2e.provenance(self.dev), comfyui=comfyui_version.__version__, dynamic_vram=self.dynamic,
-                   command=" ".join(["python3"] + [str(x) for x in sys.orig_argv[1:]]), rows=self.rows)
+                   command=" ".join(["python3"] + [str(x) for x in sys.orig_argv[1:]]), **self.doc_extra,
+                   rows=self.rows)
         Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(self.a.out).write_text(json.dumps(doc, indent=1))
 
