@@ -1,0 +1,360 @@
+"""Flux.1, Z-Image, Wan 2.1 1.3B and Ideogram 4 sampled by ComfyUI's own sampler (issue 13's targets).
+
+The method of bench/e2e_sampler.py for more architectures: ComfyUI 0.33.0 set up as ``main.py`` does on an
+NVIDIA GPU (``e2e_sampler.comfy_setup``: cudaMallocAsync, comfy-aimdo, DynamicVRAM), and per model a FULL-SIZE
+backbone with random weights in ComfyUI's real key layout, loaded through
+``comfy.sd.load_diffusion_model_state_dict`` (the UNETLoader path).
+
+Weights: no hand-written key lists. The model is built on the meta device from an explicit ``unet_config`` (the
+one ComfyUI's detection derives from the real checkpoint: comfy/model_detection.py) through
+``model_detection.model_config_from_unet_config(...).get_model({}, device="meta")``; its parameters' names and
+shapes are filled with seeded random values made on the device (2-D+ weights N(0, 1/fan_in), modulation
+tables N(0, 1/dim), norm weights 1, biases N(0, 0.02²)) and kept on the CPU like a loaded file. Loading that
+state dict must detect the same model class and config (asserted). Ideogram 4 uses bench/e2e.py's
+``random_state_dict`` (34 layers).
+
+  flux       Flux.1-dev: hidden 3072, 24 heads, 19 double + 38 single blocks, context 4096, pooled 768,
+             guidance embedding. 1024x1024: latent [1,16,128,128] = 4096 image tokens; T5 text 512 x 4096,
+             pooled 768, guidance 3.5 (FluxGuidance's default)
+  zimage     Z-Image (Turbo, 6 B; ComfyUI's ZImage = Lumina 2 family): dim 3840, 30 layers, 30 heads,
+             cap_feat_dim 2560 (Qwen3-4B), pad tokens (multiple 32). 1024x1024: 4096 image tokens; caption
+             256 tokens (a detailed prompt plus the chat template; ComfyUI does not pad it)
+  wan13      Wan 2.1 T2V 1.3B: dim 1536, ffn 8960, 12 heads, 30 layers, in/out 16. 480x832, 33 frames:
+             latent [1,16,9,60,104] = 14040 tokens; umT5 text 512 x 4096
+  ideogram4  Ideogram 4: 34 layers, hidden 4608 (bench/e2e.py). 1024x1024: latent [1,128,64,64]; text 512
+             tokens of 53248
+
+Dtypes are ComfyUI's UNETLoader defaults (rows say ``compute_dtype``): bf16 for Flux, Z-Image and Ideogram 4;
+Wan 2.1 lists fp16 first, so on an H200 its "bf16" file computes in fp16 (``--comfy-flag=--bf16-unet`` makes
+the bf16 and pack paths compute in bf16; fp8_fast keeps ComfyUI's manual-cast choice).
+
+Paths (bench/e2e_sampler.py's grammar, loaded by its ``SamplerBench.load_path``): bf16 | fp8_fast (UNETLoader
+``fp8_e4m3fn_fast``) | pack:<backend> ("Apply Fused INT8 GEMM" with its defaults); ``~<attention>`` sets the
+Apply node's ``attention`` input for pack paths, or installs the pack's attention router on the others
+(``kitchen``: core's comfy-kitchen attention); ``@legacy`` loads with the legacy ModelPatcher.
+
+Measurement: ComfyUI's sampler, CFGGuider with cfg 1.0 (ComfyUI then skips the unconditional pass: one model
+forward per step; s_per_step = one forward through ComfyUI's sampler), euler, 'simple' schedule, --steps steps:
+one warm-up sampling run (autotune, DynamicVRAM faulting), one timed run with CUDA events in the step callback
+(median step; e2e_sampler's ``SamplerBench.timed``). Also the final latent's relative L2 to bf16's and peak
+device memory in use. Each (model, path) is built, measured and unloaded before the next; a failing path
+records its error and the run goes on. JSON (provenance + rows) is written after every row.
+
+``--device cpu --tiny`` smoke-runs the whole code path on the CPU (legacy patcher, shrunken models that
+ComfyUI's detection still recognises: fewer blocks everywhere, narrower Flux and Wan; Z-Image and Ideogram 4
+keep their width, which their detection fixes, so there pack:fused_triton, too slow in the Triton interpreter
+at that width, runs as pack:torch_int_mm and fp8_fast is skipped, said in the rows). No timing claims.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from e2e_sampler import SamplerBench, comfy_setup  # noqa: E402  (nothing there imports torch or ComfyUI at import time)
+
+NOTE = ("s_per_step = one forward through ComfyUI's sampler (CFGGuider, cfg 1.0: ComfyUI skips the "
+        "unconditional pass), median of the timed run's steps; euler, 'simple' schedule")
+
+
+def log(*a):
+    print(f"[models {time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+# ----------------------------------------------------------------------------- model table
+# unet_config: what comfy/model_detection.py derives from the real checkpoint (0.33.0); "tiny" overrides keep
+# detection working (Flux: heads = hidden / 128; Wan: heads = dim / 128; Z-Image: dim 3840 is what selects it).
+FLUX = {"image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+        "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 16, "hidden_size": 3072,
+        "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": 768, "depth": 19, "depth_single_blocks": 38,
+        "guidance_embed": True, "yak_mlp": False, "txt_norm": False}
+ZIMAGE = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 3840, "cap_feat_dim": 2560,
+          "n_layers": 30, "qk_norm": True, "n_heads": 30, "n_kv_heads": 30, "axes_dims": [32, 48, 48],
+          "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0,
+          "z_image_modulation": True, "time_scale": 1000.0, "pad_tokens_multiple": 32}
+WAN13 = {"image_model": "wan2.1", "dim": 1536, "out_dim": 16, "num_heads": 12, "ffn_dim": 8960, "num_layers": 30,
+         "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
+         "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "model_type": "t2v"}
+
+MODELS = {
+    # name: (ComfyUI supported_models class, unet_config, tiny overrides, inputs(tiny) -> dict)
+    "flux": ("Flux", FLUX, {"hidden_size": 256, "num_heads": 2, "context_in_dim": 64, "vec_in_dim": 32,
+                            "depth": 1, "depth_single_blocks": 1},
+             lambda tiny: {"latent": (1, 16, 8, 8) if tiny else (1, 16, 128, 128),
+                           "text": (1, 16, 64) if tiny else (1, 512, 4096),
+                           "pooled": (1, 32) if tiny else (1, 768), "guidance": 3.5,
+                           "what": "1024x1024, T5 512 tokens + pooled 768, guidance 3.5"}),
+    "zimage": ("ZImage", ZIMAGE, {"n_layers": 1, "cap_feat_dim": 64},
+               lambda tiny: {"latent": (1, 16, 8, 8) if tiny else (1, 16, 128, 128),
+                             "text": (1, 32, 64) if tiny else (1, 256, 2560),
+                             "what": "1024x1024, caption 256 tokens of 2560"}),
+    "wan13": ("WAN21_T2V", WAN13, {"dim": 256, "num_heads": 2, "ffn_dim": 512, "num_layers": 1},
+              lambda tiny: {"latent": (1, 16, 2, 8, 8) if tiny else (1, 16, 9, 60, 104),
+                            "text": (1, 16, 4096) if tiny else (1, 512, 4096),
+                            "what": "480x832, 33 frames (latent 9x60x104), umT5 512 tokens"}),
+    "ideogram4": ("Ideogram4", None, {"layers": 1},
+                  lambda tiny: {"latent": (1, 128, 4, 4) if tiny else (1, 128, 64, 64),
+                                "text": (1, 8, 53248) if tiny else (1, 512, 53248),
+                                "what": "1024x1024, text 512 tokens of 53248"}),
+}
+
+# detection selects these models by their width, so --tiny keeps it
+WIDTH_FIXED = {"zimage": 3840, "ideogram4": 4608}
+
+# issue 13: (min x bf16, min x fp8_fast, max s/step) for the pack's paths
+TARGETS = {"flux": (1.5, 1.3, 0.115), "zimage": (1.5, 1.2, None), "wan13": (1.5, 1.2, None),
+           "ideogram4": (1.0, None, None)}
+
+
+def unet_config(name: str, tiny: bool) -> dict:
+    cfg = dict(MODELS[name][1])
+    if tiny:
+        cfg.update(MODELS[name][2])
+    return cfg
+
+
+def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[dict, str]:
+    """Full key layout of the ComfyUI model for ``cfg`` (built on the meta device), seeded random values made on
+    ``gen_device``, returned on the CPU; and the name of the supported_models class the config selects."""
+    import torch
+    import comfy.model_detection
+    mc = comfy.model_detection.model_config_from_unet_config(cfg)
+    if mc is None:
+        raise RuntimeError(f"{name}: ComfyUI matches no model to {cfg}")
+    dm = mc.get_model({}, device=torch.device("meta")).diffusion_model
+    g = torch.Generator(device=gen_device).manual_seed(seed)
+    sd = {}
+    for k, p in dm.named_parameters():  # parameters only: buffers are built by the model, not loaded
+        shape = tuple(p.shape)
+        if "modulation" in k.rsplit(".", 1)[-1] and len(shape) == 3:  # Wan's modulation tables [1, n, dim]
+            t = torch.randn(shape, generator=g, device=gen_device, dtype=torch.bfloat16) * shape[-1] ** -0.5
+        elif len(shape) >= 2:
+            t = torch.randn(shape, generator=g, device=gen_device, dtype=torch.bfloat16) * \
+                (math.prod(shape[1:]) ** -0.5)
+        elif k.endswith("bias"):
+            t = 0.02 * torch.randn(shape, generator=g, device=gen_device, dtype=torch.bfloat16)
+        else:  # norm weights / scales
+            t = torch.ones(shape, device=gen_device, dtype=torch.bfloat16)
+        sd[k] = t.to("cpu")
+    del dm
+    return sd, type(mc).__name__
+
+
+class ModelsBench(SamplerBench):
+
+    def __init__(self, a, dynamic: bool, e2e):
+        super().__init__(a, dynamic, e2e)
+        self.ref = {}  # model -> bf16 final latent
+        self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "models": {}}
+
+    # ------------------------------------------------------------------ per model
+    def make_sd(self, name: str) -> tuple[dict, str, dict | None]:
+        gen = self.dev if self.dev.type == "cuda" else self.torch.device("cpu")
+        if name == "ideogram4":
+            layers = MODELS[name][2]["layers"] if self.a.tiny else self.a.ideogram_layers
+            return self.e2e.random_state_dict(layers, gen, seed=0), "Ideogram4", None
+        cfg = unet_config(name, self.a.tiny)
+        sd, cls = random_state_dict(name, cfg, gen)
+        return sd, cls, cfg
+
+    def smoke_path(self, name: str, path: str) -> str | None:
+        """On a CPU --tiny run, on a model that keeps its full width: fused_triton (Triton interpreter) runs as the
+        pack's torch_int_mm instead (same Apply node and quantization, torch kernels) and fp8_fast is skipped
+        (None). Elsewhere ``path`` as given."""
+        if not (self.a.tiny and self.dev.type == "cpu" and name in WIDTH_FIXED):
+            return path
+        if path.startswith("pack:fused_triton"):
+            return "pack:torch_int_mm" + path[len("pack:fused_triton"):]
+        return None if path.startswith("fp8_fast") else path
+
+    def check_detection(self, name: str, m, cls: str, cfg: dict | None) -> dict:
+        """Loading the state dict must have found the same model class (and, where we built it, the same
+        config): the UNETLoader path recognises the random checkpoint as the real one."""
+        mc = m.model.model_config
+        got = type(mc).__name__
+        if got != cls:
+            raise AssertionError(f"{name}: ComfyUI detected {got}, expected {cls}")
+        for k, v in (cfg or {}).items():
+            d = mc.unet_config.get(k)
+            if (list(d) if isinstance(d, (tuple, list)) else d) != (list(v) if isinstance(v, (tuple, list)) else v):
+                raise AssertionError(f"{name}: detected {k}={d!r}, built with {v!r}")
+        # what ComfyUI chose (UNETLoader default): Wan 2.1 lists fp16 first, so its "bf16" path computes in fp16
+        # on a GPU that runs fp16 (--comfy-flag=--bf16-unet makes it bf16)
+        return {"model_class": got, "dtype": str(m.model.get_dtype()).replace("torch.", ""),
+                "compute_dtype": str(m.model.get_dtype_inference()).replace("torch.", "")}
+
+    def conds(self, name: str):
+        torch = self.torch
+        spec = MODELS[name][3](self.a.tiny)
+        g = torch.Generator().manual_seed(7)
+        ctx = torch.randn(spec["text"], generator=g).to(torch.bfloat16)
+        extra = {}
+        if "pooled" in spec:
+            extra["pooled_output"] = torch.randn(spec["pooled"], generator=g).to(torch.bfloat16)
+        if "guidance" in spec:
+            extra["guidance"] = spec["guidance"]
+        latent = torch.zeros(spec["latent"])
+        noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(3))
+        return ctx, extra, latent, noise, spec
+
+    def run_model(self, name: str):
+        torch = self.torch
+        t0 = time.perf_counter()
+        try:
+            sd, cls, cfg = self.make_sd(name)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            self.rows.append({"model": name, "error": f"state dict: {type(e).__name__}: {e}"[:500]})
+            self.write()
+            return
+        n_params = sum(v.numel() for v in sd.values())
+        ctx, extra, latent, noise, spec = self.conds(name)
+        self.doc_extra["models"][name] = {"comfy_class": cls, "unet_config": cfg, "params": n_params,
+                                          "inputs": spec["what"] if not self.a.tiny else "tiny",
+                                          "latent": list(latent.shape), "text": list(ctx.shape)}
+        log(f"{name}: {cls}, {n_params / 1e9:.3f} B params, state dict in {time.perf_counter() - t0:.1f} s; "
+            f"latent {list(latent.shape)}, text {list(ctx.shape)}")
+        for req in self.a.paths.split(","):
+            path = self.smoke_path(name, req)
+            if path is None:
+                why = (f"CPU smoke run: {req} skipped on {name} (full width {WIDTH_FIXED[name]}: ~40 s of fp8 "
+                       f"casts on the CPU; the path is exercised on flux and wan13)")
+                log(why)
+                self.rows.append({"model": name, "path": req, "skipped": why})
+                continue
+            row = {"model": name, "path": path}
+            if path != req:
+                row["requested_path"] = req
+                log(f"{name}: CPU smoke run: {req} -> {path} (the Triton interpreter is too slow at width "
+                    f"{WIDTH_FIXED[name]}, which ComfyUI's detection fixes; the fused path is exercised on flux/wan13)")
+            t1 = time.perf_counter()
+            m = g = None
+            try:
+                log(f"{name}: building {path}")
+                m = self.load_path(path, sd, label=f"{name} {path}")
+                row.update(self.check_detection(name, m, cls, cfg))
+                row["patcher"] = type(m).__name__
+                row["build_s"] = time.perf_counter() - t1
+                import comfy.samplers
+                g = comfy.samplers.CFGGuider(m)
+                g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
+                g.set_cfg(1.0)
+                t2 = time.perf_counter()
+                # warm-up: autotune, DynamicVRAM faults (a CPU smoke run has neither: one step runs the code path)
+                self.sample(g, m, latent, noise, self.a.steps if self.dev.type == "cuda" else 1)
+                row["warmup_s"] = time.perf_counter() - t2
+                out, s, s_wall, peak = self.timed(g, m, latent, noise)
+                row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()))
+                if path == "bf16":
+                    self.ref[name] = out
+                ref = self.ref.get(name)
+                row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
+            except Exception as e:  # a path that cannot run is reported, not hidden
+                import traceback
+                traceback.print_exc()
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+            row["total_s"] = time.perf_counter() - t1
+            self.rows.append(row)
+            log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+            self.write()
+            m = g = None  # the guider holds the patcher too: drop both before unloading
+            self.cleanup()
+        del sd
+        self.ref.pop(name, None)
+        self.cleanup()
+
+    def run(self) -> int:
+        log(f"DynamicVRAM {'on' if self.dynamic else 'off'}; {NOTE}")
+        t0 = time.perf_counter()
+        for name in self.a.models.split(","):
+            if name not in MODELS:
+                self.rows.append({"model": name, "error": f"unknown model (have {', '.join(MODELS)})"})
+                continue
+            self.run_model(name)
+        if self.dev.type == "cuda":  # a CPU smoke run makes no timing claims
+            self.rows.extend(self.targets())
+        self.doc_extra["wall_s"] = time.perf_counter() - t0
+        self.write()
+        self.table()
+        log(f"wrote {self.a.out} ({time.perf_counter() - t0:.0f} s)")
+        return 0
+
+    # ------------------------------------------------------------------ summary
+    def speedups(self, r: dict) -> tuple[float | None, float | None]:
+        base = {x["path"]: x.get("s_per_step") for x in self.rows if x.get("model") == r["model"] and "path" in x}
+        s = r.get("s_per_step")
+        fx = lambda ref: ref / s if (ref and s) else None  # noqa: E731
+        return fx(base.get("bf16")), fx(base.get("fp8_fast"))
+
+    def targets(self) -> list[dict]:
+        """Issue 13's targets for each pack path measured: x bf16, x fp8_fast, s/step (None: no target)."""
+        out = []
+        for r in self.rows:
+            if not r.get("path", "").startswith("pack:") or "s_per_step" not in r or r["model"] not in TARGETS:
+                continue
+            min_bf, min_fp8, max_s = TARGETS[r["model"]]
+            xb, xf = self.speedups(r)
+            checks = {}
+            if min_bf is not None and xb is not None:
+                checks[f"x_bf16>={min_bf}"] = xb >= min_bf
+            if min_fp8 is not None and xf is not None:
+                checks[f"x_fp8_fast>={min_fp8}"] = xf >= min_fp8
+            if max_s is not None:
+                checks[f"s_per_step<={max_s}"] = r["s_per_step"] <= max_s
+            out.append({"check": "issue13", "model": r["model"], "path": r["path"], "x_bf16": xb, "x_fp8_fast": xf,
+                        "checks": checks, "pass": all(checks.values()) if checks else None})
+        return out
+
+    def table(self):
+        print(f"\n{NOTE}\n{'model':<10} {'path':<24} {'s/step':>8} {'x bf16':>7} {'x fp8':>7} {'rel L2':>8} "
+              f"{'peak GiB':>8} {'build s':>7} {'compute':>8}  targets")
+        tg = {(r["model"], r["path"]): r for r in self.rows if r.get("check") == "issue13"}
+        for r in self.rows:
+            if "path" not in r or "check" in r:
+                continue
+            if "s_per_step" not in r:
+                print(f"{r['model']:<10} {r['path']:<24} {r.get('error', r.get('skipped', ''))[:120]}")
+                continue
+            xb, xf = self.speedups(r)
+            f = lambda v, n=7, d=2: f"{v:{n}.{d}f}" if v is not None else f"{'-':>{n}}"  # noqa: E731
+            t = tg.get((r["model"], r["path"]))
+            ts = "" if not t else " ".join(f"{k}:{'PASS' if v else 'FAIL'}" for k, v in t["checks"].items())
+            print(f"{r['model']:<10} {r['path']:<24} {r['s_per_step']:8.4f} {f(xb)} {f(xf)} "
+                  f"{f(r.get('rel_l2_vs_bf16'), 8, 4)} {r.get('peak_gib', 0):8.1f} {f(r.get('build_s'), 7, 1)} "
+                  f"{r.get('compute_dtype', ''):>8}  {ts}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--comfy", default=os.environ.get("COMFYUI_CURRENT"), help="ComfyUI 0.33.0 tree")
+    ap.add_argument("--models", default="flux,zimage,wan13,ideogram4")
+    ap.add_argument("--paths", default="bf16,fp8_fast,pack:fused_triton")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--ideogram-layers", type=int, default=34)
+    ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
+    ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-models.json"))
+    a = ap.parse_args()
+    if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
+        print("bench/e2e_models.py needs a ComfyUI 0.33.0 tree (with comfy/ldm/ideogram4): --comfy or COMFYUI_CURRENT")
+        return 2
+    cpu = a.device == "cpu"
+    dynamic = comfy_setup(a.comfy, cpu, a.comfy_flag)
+    import torch
+    if not cpu and not torch.cuda.is_available():
+        print("bench/e2e_models.py needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
+        return 2
+    import e2e
+    return ModelsBench(a, dynamic, e2e).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
