@@ -49,9 +49,16 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_JIT_LAUNCH", bool, False,
            "`1`: launch kernels through Triton's normal `JITFunction.run` instead of the pack's lean "
            "re-launcher (kernel/launch.py)", at_import=True),
+    Switch("INT8_FUSED_ATTN_INT8_AUTO", bool, False,
+           "`1`: the Apply node's attention `auto` also times the pack's INT8 attention kernel (`int8`, "
+           "approximate: int8 Q·Kᵀ) and may pick it; unset, `auto` chooses among the exact SDPA backends only"),
     Switch("INT8_FUSED_CACHE_DIR", str, "~/.cache/comfyui-int8-fused",
            "folder of the GEMM autotune cache: one JSON file per GPU and Triton version, so a new process "
            "does not tune again"),
+    Switch("INT8_FUSED_DISPATCH", str, "auto",
+           "`fused_triton` layers per shape: `auto` runs the INT8 kernel where it beat the float path when "
+           "timed on this GPU (once per shape, cached next to the autotune cache), else F.linear on a bf16 "
+           "copy of the weight; `int8` / `float` force one path (A/B runs, tests)"),
     Switch("TRITON_INTERPRET", bool, False,
            "Triton's own switch: `1` runs the kernels in Triton's CPU interpreter (tests only, far too slow for "
            "inference)", at_import=True),

@@ -14,11 +14,15 @@ log = logging.getLogger("int8_fused")
 
 KEY = "optimized_attention_override"
 CHOICES = list(routing.MODES)
+DEFAULT = routing.COMFY  # the node inputs' default: attention as ComfyUI runs it
 check_mode = routing.check_mode  # an unknown mode -> ValueError naming the choices
 TOOLTIP = ("How attention runs. comfy_default: as ComfyUI runs it (no change). cudnn / flash / efficient: torch "
            "SDPA with that backend first (torch takes the next one where it cannot run the call). math: torch's "
            "reference SDPA. auto: on an NVIDIA GPU the fastest of cudnn / flash / efficient per attention shape, "
-           "timed once and cached; on a CPU auto is comfy_default. The timing widget shows what ran.")
+           "timed once and cached; on a CPU auto is comfy_default (INT8_FUSED_ATTN_INT8_AUTO=1 lets auto also time and "
+           "pick int8). int8: the pack's 8-bit attention kernel (INT8 Q·K, approximate) for unmasked bf16/fp16 "
+           "calls with head_dim 64/128/256 on an NVIDIA GPU; other calls run as ComfyUI runs them. The timing "
+           "widget shows what ran.")
 
 
 def install(model_patcher, mode: str):

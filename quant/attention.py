@@ -1,5 +1,6 @@
 """Attention routing: ComfyUI's attention calls on a chosen torch SDPA backend, or on the fastest one for the
-shape (measured once per shape). Pure torch; the ComfyUI glue is ``nodes/attention.py``.
+shape (measured once per shape), or on the pack's INT8 attention kernel (``kernel/attention8.py``). Pure torch
+(the ``int8`` mode imports Triton on its first call); the ComfyUI glue is ``nodes/attention.py``.
 
 ComfyUI's ``wrap_attn`` (comfy/ldm/modules/attention.py) hands each ``optimized_attention(_masked)`` call to
 ``transformer_options["optimized_attention_override"](func, q, k, v, heads, ...)`` when that is set; ``func`` is
@@ -21,6 +22,14 @@ Modes (``MODES``):
                             CUDA events, once; the fastest is kept in memory and in a JSON file next to the GEMM
                             autotune cache (``kernel.autotune.cache_dir()``, ``attention-<gpu>-torch-<version>.json``).
                             On any other device: ComfyUI's own function (what ``comfy_default`` runs).
+                            auto is exact-only: it picks ``int8`` only when the environment switch
+                            INT8_FUSED_ATTN_INT8_AUTO=1 (kernel/config.py) adds it to the probe, for calls ``int8``
+                            takes; those winners are cached under their own key (suffix ``_int8ok``).
+  int8                      the pack's 8-bit attention (``attention_int8``: INT8 Q·Kᵀ with per-block scales and K
+                            smoothing, fp32 online softmax, bf16/fp16 P·V; approximate, ~1e-2 relative error) for
+                            calls it takes: no mask, head_dim 64/128/256, bf16/fp16, a CUDA device with Triton
+                            usable (sm_80+), heads a multiple of K/V heads. Every other call goes to ComfyUI's
+                            function, counted as ``comfy_default``.
 
 What ran: ``Router.counts`` counts calls per backend torch actually picked (``torch._fused_sdp_choice`` under the
 same priority, cached per shape), or ``COMFY`` for calls that went to ComfyUI's function. nodes/timing.py reads the
@@ -42,7 +51,10 @@ log = logging.getLogger("int8_fused")
 
 COMFY = "comfy_default"
 BACKENDS = ("cudnn", "flash", "efficient", "math")
-MODES = (COMFY, "auto") + BACKENDS
+INT8 = "int8"
+MODES = (COMFY, "auto") + BACKENDS + (INT8,)
+INT8_HEAD_DIMS = (64, 128, 256)
+INT8_DTYPES = (torch.float16, torch.bfloat16)
 PROBED = ("cudnn", "flash", "efficient")  # exact fused kernels auto chooses from (math only when none runs)
 PROBE_REPS = 3
 SDP_BATCH_LIMIT = 2 ** 15  # ComfyUI splits larger batches itself on NVIDIA (attention_pytorch): left to it
@@ -183,20 +195,67 @@ def disk_cache(device: torch.device):
     return _DISK_CACHES[path]
 
 
+# ------------------------------------------------------------------------------------ int8: the pack's kernel
+_INT8_STATUS: dict = {}  # device -> (usable, reason), checked once
+
+
+def _attention8():
+    from . import kernel_module
+    return kernel_module("attention8")  # imports triton
+
+
+def int8_reason(q, k, v, mask, extra, devices=("cuda",)) -> str | None:
+    """None when ``attention_int8`` takes this SDPA call (q/k/v [B, H, L, D]), else why not."""
+    if mask is not None:
+        return "a mask"
+    if q.device.type not in devices:
+        return f"device {q.device}"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in INT8_DTYPES:
+        return f"dtype {q.dtype}/{k.dtype}/{v.dtype}"
+    if q.shape[-1] not in INT8_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]}"
+    if k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or k.shape[1] == 0 \
+            or q.shape[1] % k.shape[1]:
+        return f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}"
+    if min(q.shape[2], k.shape[2], q.shape[0], q.shape[1]) == 0:
+        return "an empty sequence"
+    if q.device not in _INT8_STATUS:
+        from . import kernel_module
+        try:
+            _INT8_STATUS[q.device] = kernel_module().triton_status(q.device)
+        except Exception as e:  # noqa: BLE001 - whatever stops Triton stops int8
+            _INT8_STATUS[q.device] = (False, str(e))
+    ok, why = _INT8_STATUS[q.device]
+    return None if ok else why
+
+
+def run_int8(q, k, v, extra) -> torch.Tensor:
+    """``attention_int8`` on SDPA inputs [B, H, L, D] (``extra``: SDPA's scale / enable_gqa)."""
+    return _attention8().attention_int8(q, k, v, scale=extra.get("scale"))
+
+
+def int8_auto_allowed() -> bool:
+    """INT8_FUSED_ATTN_INT8_AUTO: may ``auto`` time and choose ``int8``."""
+    from . import kernel_module
+    return bool(kernel_module("config").get("INT8_FUSED_ATTN_INT8_AUTO"))
+
+
 # ------------------------------------------------------------------------------------ the override
 class Router:
     """``optimized_attention_override`` running torch SDPA with ``mode``'s backend first (module doc).
 
     ``time_fn(name, run)`` -> ms times one backend for ``auto`` (default: ``cuda_time(run)``); ``cache``: an
     object with ``get(key) -> dict | None`` and ``put(key, dict)`` (default: ``disk_cache(device)``);
-    ``probe_devices``: device types ``auto`` probes on (CUDA; tests add "cpu" with a fake ``time_fn``)."""
+    ``probe_devices``: device types ``auto`` probes on (CUDA; tests add "cpu" with a fake ``time_fn``);
+    ``int8_devices``: device types ``int8`` runs on (CUDA; tests add "cpu" under TRITON_INTERPRET=1)."""
 
-    def __init__(self, mode: str, time_fn=None, cache=None, probe_devices=("cuda",)):
+    def __init__(self, mode: str, time_fn=None, cache=None, probe_devices=("cuda",), int8_devices=("cuda",)):
         self.mode = check_mode(mode)
         if mode == COMFY:
             raise ValueError("comfy_default installs no override; do not build a Router for it")
         self.time_fn = time_fn or (lambda name, run: cuda_time(run))
         self.cache, self.probe_devices = cache, tuple(probe_devices)
+        self.int8_devices = tuple(int8_devices)
         self.counts: collections.Counter = collections.Counter()  # backend that ran -> calls
         self.winners: dict = {}  # auto: shape key -> backend name
         self.probes: dict = {}   # auto: shape key -> {backend: ms} of the probes this Router ran
@@ -218,6 +277,14 @@ class Router:
             backend = self._auto(q, k, v, mask, extra)
             if backend is None:
                 return self._comfy(func, args, kwargs)
+        if backend == INT8:
+            why = int8_reason(q, k, v, mask, extra, self.int8_devices)
+            if why is not None:
+                log.debug("int8_fused attention: int8 does not take this call (%s): ComfyUI's function runs it", why)
+                return self._comfy(func, args, kwargs)
+            out = run_int8(q, k, v, extra)
+            self.counts[INT8] += 1
+            return output(out)
         names = order(backend)
         with _kernel(names):
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
@@ -249,13 +316,15 @@ class Router:
         """The winner for this shape: memory, then the JSON cache, then a probe. None: ComfyUI's function."""
         if q.device.type not in self.probe_devices:
             return None
-        key = shape_key(q, k, mask)
+        with_int8 = int8_auto_allowed() and int8_reason(q, k, v, mask, extra, self.int8_devices) is None
+        key = shape_key(q, k, mask) + (("int8ok",) if with_int8 else ())
         hit = self.winners.get(key)
         if hit is not None:
             return hit
         cache = self.cache if self.cache is not None else disk_cache(q.device)
-        stored = cache.get(key_text(key))
-        if stored and stored.get("backend") in BACKENDS:
+        text = key_text(key[:9]) + ("_int8ok" if with_int8 else "")
+        stored = cache.get(text)
+        if stored and (stored.get("backend") in BACKENDS or (with_int8 and stored.get("backend") == INT8)):
             self.winners[key] = stored["backend"]
             return stored["backend"]
         if torch.compiler.is_compiling():
@@ -263,14 +332,16 @@ class Router:
 
         def time_one(name):
             def run():
+                if name == INT8:
+                    return run_int8(q, k, v, extra)
                 with _kernel([name]):  # that backend alone: one that cannot take the call raises
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
             return self.time_fn(name, run)
-        best, times = pick_fastest(PROBED, time_one)
+        best, times = pick_fastest(PROBED + ((INT8,) if with_int8 else ()), time_one)
         best = best or "math"
         self.winners[key], self.probes[key] = best, times
-        cache.put(key_text(key), {"backend": best, "ms": {n: (t if math.isfinite(t) else None)
+        cache.put(text, {"backend": best, "ms": {n: (t if math.isfinite(t) else None)
                                                           for n, t in times.items()}})
-        log.info("int8_fused attention auto %s: %s (%s)", key_text(key), best,
+        log.info("int8_fused attention auto %s: %s (%s)", text, best,
                  ", ".join(f"{n} {t:.3f} ms" if math.isfinite(t) else f"{n} cannot run" for n, t in times.items()))
         return best

@@ -249,7 +249,7 @@ def test_apply_installs_the_override_only_when_asked(pack, comfy):
     import comfy_harness
     node = pack.nodes.apply.ApplyFusedInt8GEMM()
     spec = node.INPUT_TYPES()["optional"]["attention"]
-    assert spec[0] == ["comfy_default", "auto", "cudnn", "flash", "efficient", "math"]
+    assert spec[0] == ["comfy_default", "auto", "cudnn", "flash", "efficient", "math", "int8"]
     assert spec[1]["default"] == "comfy_default" and "CPU auto is comfy_default" in spec[1]["tooltip"]
     m = comfy_harness.load_tiny("flux")
     for backend in ("bf16", "dequant_bf16"):
