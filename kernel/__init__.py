@@ -6,7 +6,8 @@ first kernel call, so ComfyUI imports the pack instantly):
 - ``triton_status(device)`` -> (usable, reason)
 - ``quantize_per_token(x [M, K], inv_smooth [K] | None)`` -> (int8 [M, K], fp32 scale [M])
 - ``int8_gemm(a_q [M, K], a_scale [M], w_q [N, K], w_scale [N], bias [N] | None)`` -> [M, N]
-- ``int8_linear(x [..., K], w_q, w_scale, bias, inv_smooth)`` -> [..., N] (quantize, then GEMM)
+- ``int8_linear(x [..., K], w_q, w_scale, bias, inv_smooth)`` -> [..., N] (quantize, then GEMM; for M <= 16
+  one launch that quantizes inside the GEMM, bit-identical)
 - ``int8_linear_op(...)``: the same through the ``torch.ops.int8_fused.linear`` custom op (torch.compile)
 
 Numerics follow ``quant/quantize.py`` bit for bit (quantizer, int32 accumulator); the epilogue is fp32.
@@ -175,16 +176,57 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
     return gemm.launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, cfg)
 
 
+SMALL_M_ROWS = 16             # rows up to here run the one-launch kernel (adaLN / time-embedding GEMVs)
+SMALL_M_MAX_K = 16384         # ... when K is at most this: every program re-reads its rows' K (from L2)
+
+
 def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                 inv_smooth: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """W8A8 linear: x [..., K] float -> quantize_per_token -> int8_gemm -> [..., N] in ``out_dtype``
-    (default x.dtype). Two launches; the activation is read once and written once as int8."""
+    (default x.dtype). Two launches; the activation is read once and written once as int8. With at most
+    ``SMALL_M_ROWS`` rows (and K <= ``SMALL_M_MAX_K``) one launch that quantizes inside the GEMM, bit-identical."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor [..., K]")
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    a_q, a_scale = quantize_per_token(x2, inv_smooth)
-    y = int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype or x.dtype)
+    m, k = x2.shape
+    if 0 < m <= SMALL_M_ROWS and 0 < k <= SMALL_M_MAX_K:
+        y = _linear_small_m(x2, w_q, w_scale, bias, inv_smooth, out_dtype or x.dtype)
+    else:
+        a_q, a_scale = quantize_per_token(x2, inv_smooth)
+        y = int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype or x.dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _linear_small_m(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                    inv_smooth: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``int8_linear`` for 1..SMALL_M_ROWS rows in one launch (kernel/gemm.py ``_w8a8_small_m_kernel``), with the
+    checks of quantize_per_token and int8_gemm."""
+    _check_2d(x, "x", _FLOAT_IN, "pass activations as [tokens, K] in bf16, fp16 or fp32")
+    fix = "quantize with quant.quantize.quantize_weight_per_channel (weight in nn.Linear layout [N, K])"
+    _check_2d(w_q, "w_q", (torch.int8,), fix)
+    m, k = x.shape
+    n, k_w = w_q.shape
+    if k != k_w:
+        raise ValueError(f"K mismatch: x is [{m}, {k}] but w_q is [{n}, {k_w}]; w_q must be [N, K] "
+                         "(nn.Linear layout), not transposed")
+    if w_q.device != x.device:
+        raise ValueError(f"x is on {x.device} but w_q is on {w_q.device}")
+    if out_dtype not in _FLOAT_OUT:
+        raise ValueError(f"out_dtype {out_dtype} is not supported: use torch.bfloat16, float16 or float32")
+    if inv_smooth is not None:
+        inv_smooth = _vector(inv_smooth, k, "inv_smooth", x.device, allow_scalar=False)
+        if inv_smooth.dtype != torch.float32 or inv_smooth.stride(0) != 1:
+            inv_smooth = inv_smooth.float().contiguous()
+    w_scale = _fp32(_vector(w_scale, n, "w_scale", x.device, allow_scalar=True))
+    if bias is not None:
+        bias = _vector(bias, n, "bias", x.device, allow_scalar=False)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if n == 0:
+        return out
+    _check_usable(x, "int8_linear")
+    gemm = _mod("gemm")
+    cfg = gemm.select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out)
+    return gemm.launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, cfg)
 
 
 def register_ops() -> None:

@@ -75,6 +75,23 @@ def small_m_configs() -> list[Config]:
     ]
 
 
+MEDIUM_M = 256      # rows up to here also try the narrow tiles of ``medium_m_configs``
+
+
+def medium_m_configs() -> list[Config]:
+    """16 < M <= 256 (text projections, M 77 prompts, ragged small batches): memory-bound on the weight, and a
+    128x128 tile leaves most SMs idle (M 77 x N 4608: 36 CTAs on the H200's 132 SMs). Narrow N tiles (and
+    64-row M tiles) give 2-4x more CTAs streaming the weight. All wgmma-eligible (BLOCK_M % 64 == 0, 4 warps,
+    BLOCK_K >= 32); ``fits_smem`` drops what a GPU cannot hold (64x64x256 in 3 stages needs 96 KB)."""
+    return [
+        _cfg(64, 64, 128, 4, 4),
+        _cfg(64, 32, 256, 4, 3),
+        _cfg(64, 64, 256, 4, 3),
+        _cfg(128, 64, 128, 4, 4),
+        _cfg(128, 32, 128, 4, 4),
+    ]
+
+
 def interpreter_configs() -> list[Config]:
     """TRITON_INTERPRET=1 (CPU tests): small tiles so several K steps and program ids get exercised."""
     return [_cfg(32, 32, 32, 4, 1, group=2), _cfg(16, 16, 64, 4, 1, group=1)]
@@ -94,6 +111,8 @@ def candidates(capability: tuple[int, int], smem_limit: int, m_bucket: int) -> l
     if m_bucket <= SMALL_M:
         return [c for c in small_m_configs() if fits_smem(c, smem_limit)]
     base = hopper_configs() if capability[0] == 9 else ampere_configs()
+    if m_bucket <= MEDIUM_M:
+        base = base + [c for c in medium_m_configs() if c not in base]
     out = [c for c in base if fits_smem(c, smem_limit) and c["BLOCK_M"] <= max(64, m_bucket)]
     return out or [_cfg(64, 64, 64, 4, 2)]
 

@@ -8,6 +8,10 @@ an [K, N] weight runs ~4x slower, so W is never transposed). Any strides are tak
 fast path is unit K-stride, which Triton specialises on. Any M, N, K: M/N tails wrap on load (``% M``) and are
 masked on store, K tails are masked (``EVEN_K`` drops that mask when BLOCK_K divides K).
 
+``_w8a8_small_m_kernel``: the whole W8A8 linear for M <= 16 rows in one launch (per-row absmax over K, quantize
+on the fly with the quantizer's exact arithmetic, GEMM, epilogue): bit-identical to quantize + GEMM, one launch and
+two allocations fewer on the adaLN / time-embedding GEMVs, which are host-bound.
+
 NOTE: int32 accumulation is exact while K * 127 * 127 < 2**31, i.e. K < 133,143 (the largest K in Ideogram 4
 is 53,248). Importing this module imports triton.
 """
@@ -18,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
+from .quantize import _rint
 from .launch import launch
 
 
@@ -97,6 +102,114 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
         _store_out(c_ptrs, out, c_mask, INTERPRET)
 
 
+@triton.jit
+def _w8a8_small_m_kernel(x_ptr, inv_ptr, w_ptr, c_ptr, ws_ptr, bias_ptr,
+                         M, N, K,
+                         stride_xm, stride_xk, stride_wn, stride_wk, stride_cm, stride_cn, stride_ws, stride_bias,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_RECIP: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    # The whole W8A8 linear for a few rows (M <= 16: adaLN / time-embedding GEMVs) in one launch: every program
+    # first finds the absmax of its rows over all of K (the activation is a few KB, read from L2), then quantizes
+    # its A tiles on the fly with exactly the per-token quantizer's arithmetic (kernel/quantize.py), so the result
+    # is bit-identical to quantize_per_token + int8_gemm while saving a launch and two allocations.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m % M
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        kmask = offs_k < K - k * BLOCK_K
+        x = tl.load(x_ptrs + k * BLOCK_K * stride_xk, mask=kmask[None, :], other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            x = x * tl.load(inv_ptr + k * BLOCK_K + offs_k, mask=kmask, other=1.0).to(tl.float32)[None, :]
+        ax = tl.abs(x)
+        bad = tl.maximum(bad, tl.max(tl.where(ax < float("inf"), 0, 1), axis=1))
+        amax = tl.maximum(amax, tl.max(ax, axis=1))
+    row_bad = bad > 0
+    usable = (amax > 0.0) & (~row_bad)
+    if SCALE_RECIP:
+        a_s = amax * 0.007874015718698502  # as kernel/quantize.py: fp32(1/127) on CUDA
+    else:
+        a_s = tl.math.div_rn(amax, 127.0)
+    a_s = tl.where(row_bad, float("nan"), a_s)
+    mult = tl.math.div_rn(1.0, tl.where(usable, amax, 1.0)) * 127.0
+
+    offs_wn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    w_ptrs = w_ptr + offs_wn[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        kmask = offs_k < K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            x = x * tl.load(inv_ptr + k * BLOCK_K + offs_k, mask=kmask, other=1.0).to(tl.float32)[None, :]
+        q = tl.minimum(tl.maximum(_rint(x * mult[:, None], INTERPRET), -127.0), 127.0)
+        a = tl.where(usable[:, None], q, 0.0).to(tl.int8)
+        w = tl.load(w_ptrs, mask=kmask[:, None], other=0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = (offs_m[:, None] < M) & (offs_cn[None, :] < N)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_cn[None, :] * stride_cn
+    w_s = tl.load(ws_ptr + offs_cn * stride_ws, mask=offs_cn < N, other=0.0)
+    out = acc.to(tl.float32) * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_cn * stride_bias, mask=offs_cn < N, other=0.0).to(tl.float32)[None, :]
+    _store_out(c_ptrs, out, c_mask, INTERPRET)
+
+
+def launch_w8a8_small_m(x: torch.Tensor, inv_smooth: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        bias: torch.Tensor | None, out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The one-launch W8A8 linear for M <= 16 (``_w8a8_small_m_kernel``); inputs already validated, M, N, K > 0,
+    ``inv_smooth`` fp32 with unit stride."""
+    m, k = x.shape
+    n = w_q.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    has_bias = bias is not None
+    launch(_w8a8_small_m_kernel, (-(-n // bn), -(-m // bm)),
+           (x, inv_smooth if inv_smooth is not None else w_scale, w_q, out, w_scale, bias if has_bias else w_scale,
+            m, n, k,
+            x.stride(0), x.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
+            w_scale.stride(0), bias.stride(0) if has_bias else 0),
+           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SMOOTH=inv_smooth is not None, HAS_BIAS=has_bias,
+                SCALE_RECIP=x.is_cuda, INTERPRET=_quantize.INTERPRET),
+           cfg["num_warps"], cfg["num_stages"], x.device)
+    return out
+
+
+def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
+    """The config of the one-launch small-M kernel for this (N, K): memoised, cached on disk under the key
+    ``XQ_N.._K.._M16``, else timed now (as ``select_config``)."""
+    m, k = x.shape
+    n = w_q.shape[0]
+    dev = x.device
+    memo_key = ("xq", dev, n, k)
+    cfg = _TUNED.get(memo_key)
+    if cfg is not None:
+        return cfg
+    from . import autotune
+    if dev.type != "cuda":
+        return autotune.interpreter_configs()[1]
+    props = torch.cuda.get_device_properties(dev)
+    cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, autotune.SMALL_M)
+
+    def time_fn(c):
+        return triton.testing.do_bench(lambda: launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, c),
+                                       warmup=10, rep=40, return_mode="median")
+
+    meta = {"gpu": props.name, "triton": triton.__version__}
+    cfg = autotune.pick_config(_device_cache(dev), "XQ_" + autotune.ConfigCache.key(n, k, autotune.SMALL_M),
+                               cands, time_fn, meta)
+    _TUNED[memo_key] = cfg
+    return cfg
+
+
 def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None, out: torch.Tensor, cfg: dict) -> torch.Tensor:
     """Runs the kernel with one config into ``out`` (int32 or float [M, N]); inputs already validated,
@@ -104,7 +217,7 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     m, k = a_q.shape
     n = w_q.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (-(-m // bm) * -(-n // bn),)  # integer ceil: triton.cdiv is a ConstexprFunction (~2 us a call)
     out_int32 = out.dtype == torch.int32
     has_bias = bias is not None and not out_int32
     launch(_int8_gemm_kernel, grid,

@@ -6,7 +6,8 @@ the wrapper's checks) cost 150-200 us, longer than the GEMM itself on o-projecti
 re-binds every argument, stringifies the options for its cache key and checks globals on each call.
 
 Safety: the cache key holds everything Triton specializes on — every constexpr, num_warps/num_stages, tensor
-dtypes and 16-byte pointer alignment, integers equal to 1, divisible by 16, or beyond int32 — so a kernel is
+dtypes and 16-byte pointer alignment, and integers by value (finer than what Triton specializes on: equal to 1,
+divisible by 16, beyond int32; a Python int compares cheaper than those three tests) — so a kernel is
 only reused for arguments it was compiled for. Anything unusual (a profiler's launch hook, the interpreter,
 ``INT8_FUSED_JIT_LAUNCH=1``) takes the normal Triton path.
 
@@ -21,6 +22,7 @@ import torch
 from . import config
 
 _COMPILED: dict[tuple, tuple] = {}
+_MAX_ENTRIES = 4096
 _USE_FAST = not config.get("INT8_FUSED_JIT_LAUNCH") and not config.get("TRITON_INTERPRET")
 
 
@@ -58,12 +60,14 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         return
     import triton
     key = (jit_fn, device.index, tuple(constexprs.values()), num_warps, num_stages,
-           tuple(_arg_key(a) for a in args))
+           tuple([a if type(a) is int else _arg_key(a) for a in args]))  # an int by value: finer, cheaper
     hit = _COMPILED.get(key)
     if hit is None or launch_hooked(triton.knobs.runtime):
         compiled = jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         if compiled is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
             tail = tuple(constexprs[name] for name in jit_fn.arg_names[len(args):])
+            if len(_COMPILED) >= _MAX_ENTRIES:  # integers are keyed by value: bound the entries (many M values)
+                _COMPILED.clear()
             _COMPILED[key] = (compiled, tail)
         return
     compiled, tail = hit

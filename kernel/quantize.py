@@ -23,6 +23,8 @@ thousands). Importing this module imports triton.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -123,6 +125,7 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
             tl.store(q_row + k0 + cols, tl.where(usable, q, 0.0).to(tl.int8), mask=mc)
 
 
+@functools.lru_cache(maxsize=None)  # per call it is a dict lookup (triton.next_power_of_2 costs ~2 us)
 def _block_k(k: int) -> tuple[int, int, bool]:
     """(BLOCK_K, num_warps, one_chunk): rows up to 8192 in one chunk held in registers (16 elements a
     thread at most); longer rows in 4096-wide chunks, read twice (the second read mostly hits L2)."""

@@ -282,6 +282,15 @@ def _error_text(e: BaseException) -> str:
     return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 1] + "\u2026"
 
 
+def _dispatch_line(model_ref) -> str | None:
+    """quant.dispatch.report_line of the run's model: its fused_triton linears' int8/float calls so far."""
+    model = model_ref() if model_ref is not None else None
+    if model is None:
+        return None
+    from ..quant import dispatch
+    return dispatch.report_line(model)
+
+
 # --------------------------------------------------------------------------- one sampling run
 class Run:
     """Timers of one sampling run, grouped into steps; resolves them without blocking."""
@@ -329,6 +338,7 @@ class Run:
         self.layers_seen = True
         if isinstance(model, torch.nn.Module):
             self.backends = _int8_backends(model)
+            self.model_ref = weakref.ref(model)  # for the dispatch line at finish (quant/dispatch.py)
 
     def call_started(self, branch: str, sigma, device):
         t = _timer(device)
@@ -390,7 +400,7 @@ class Run:
                 "step_seconds": secs, "mean": total / len(secs) if secs else None,
                 "median": statistics.median(secs) if secs else None, "total": total,
                 "branches": branches, "calls": sum(s["calls"] for s in self.resolved),
-                "started": self.started}
+                "started": self.started, "dispatch": _dispatch_line(getattr(self, "model_ref", None))}
 
     def _tags(self) -> dict:
         return {"run": self.id, "group": self.group, "node": self.node_id, "backend": self.backend,
@@ -560,6 +570,8 @@ def _log_summary(s: dict) -> None:
         log.info("%s: %s after %d steps", head, s["status"], s["steps"])
     elif s["steps"]:
         log.info("%s: %d steps, mean %.4g s/step, total %.4g s", head, s["steps"], s["mean"], s["total"])
+    if s.get("dispatch"):
+        log.info("%s: %s", head, s["dispatch"])
 
 
 def _prompt_id():

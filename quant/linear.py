@@ -24,13 +24,14 @@ How it lives in ComfyUI's memory manager (comfy/model_patcher.py of 0.33.0 and 0
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Callable
 
 import torch
 from torch import nn
 
-from . import backends
+from . import backends, dispatch
 from .quantize import dequantize, quantize_weight_per_channel
 
 #: Input dtypes every backend takes (the compute dtypes of ComfyUI's diffusion models).
@@ -71,6 +72,7 @@ class Int8Linear(nn.Module):
         self.weight_function: list = []  # ComfyUI's per-layer weight/bias function lists (lowvram)
         self.bias_function: list = []
         self._vectors: dict = {}  # tensors derived from ours (1/smooth, device copies): see derived()
+        self.dispatch_calls = collections.Counter()  # fused_triton calls per path ("int8"/"float"): quant/dispatch
 
     def __setattr__(self, name, value):
         # The four tensors are always no-grad Parameters (ComfyUI assigns Parameters too).
@@ -184,19 +186,30 @@ class Int8Linear(nn.Module):
         return derived(self._vectors, (key, device), src,
                        lambda t: t.detach().to(device, non_blocking=t.is_pinned()))
 
+    def _resident(self, device: torch.device) -> bool:
+        """Whether every tensor already is on ``device`` (then the layer itself is its operands). Raises when
+        weight patches target the layer. Reads ``__dict__`` / ``_parameters`` directly: nn.Module's
+        ``__getattr__`` costs about half a microsecond a lookup, and this runs on every call."""
+        d = self.__dict__
+        if d.get("weight_function") or d.get("bias_function") or d.get("weight_lowvram_function") \
+                or d.get("bias_lowvram_function"):
+            raise RuntimeError(LORA_AFTER_APPLY.format(name=self.name or "?"))
+        p = self._parameters
+        for name in _TENSORS:
+            t = p.get(name)
+            if t is not None and t.device != device:
+                return False
+        return True
+
     @contextlib.contextmanager
     def operands(self, device: torch.device):
         """The tensors a backend needs, on ``device``, for one call: an object with ``qweight``,
         ``weight_scale``, ``bias``, ``inv_smooth``, ``name``, ``backend``, ``in_features``,
         ``out_features``. Through ComfyUI's cast when ComfyUI manages the layer (see module doc)."""
-        if self.weight_function or self.bias_function or getattr(self, "weight_lowvram_function", None) \
-                or getattr(self, "bias_lowvram_function", None):
-            raise RuntimeError(LORA_AFTER_APPLY.format(name=self.name or "?"))
-        w = self.weight
-        if w.device == device and (self.bias is None or self.bias.device == device) and \
-                self.weight_scale.device == device and (self.smooth is None or self.smooth.device == device):
+        if self._resident(device):
             yield self
             return
+        w = self.weight
         release = None
         if self.comfy_cast_weights and _COMFY_CAST is not None:
             w, b, release = _COMFY_CAST(self, device)
@@ -215,9 +228,17 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        with self.operands(x.device) as layer:
-            y = backends.get(self.backend).linear(x2, layer)
-        return y.reshape(*lead, self.out_features)
+        if self.backend == "fused_triton" and not torch.compiler.is_compiling():
+            # per shape: the INT8 kernel where it is faster, else the float path (quant/dispatch.py)
+            if self._resident(x.device):  # the common case, without the context manager's cost
+                y = dispatch.run(self, x2, self)
+            else:
+                with self.operands(x.device) as layer:
+                    y = dispatch.run(layer, x2, self)
+        else:
+            with self.operands(x.device) as layer:
+                y = backends.get(self.backend).linear(x2, layer)
+        return y if x.dim() == 2 else y.reshape(*lead, self.out_features)
 
     def nbytes(self) -> int:
         """Bytes of the persistent tensors (what ComfyUI counts for this module)."""

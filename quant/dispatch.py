@@ -1,0 +1,446 @@
+"""Per-shape dispatch of ``fused_triton`` layers: the INT8 kernel where it beats the float path, else float.
+
+Small or ragged linears (M 77 x 4608 x 4608, 1000 x 3000 x 1000, adaLN GEMVs) can run slower as W8A8 than as a
+plain bf16 ``F.linear``: per-call host work (two Triton launches, quantization) and tiles that leave SMs idle
+weigh more than the GEMM itself. So an ``Int8Linear`` on ``fused_triton`` picks, per call shape, one of
+
+* ``int8``  the pack's W8A8 path (per-token quantization kernel + fused-epilogue INT8 GEMM);
+* ``float`` ``F.linear(x, W', b)`` with ``W' = dequantize(W_q) / smooth`` in the activation dtype, made once per
+  layer on its first float call and kept in the layer's derived-tensor cache (``Int8Linear._vectors``; dropped
+  when ComfyUI moves or swaps the weight). Memory: N * K * 2 bytes (bf16/fp16; 4 in fp32) on top of the int8
+  weight, only for layers that ever run a float call; it is not counted by ComfyUI's memory manager. Numerics:
+  weight-only int8 (the activation is not quantized), so at least as accurate as W8A8.
+
+``INT8_FUSED_DISPATCH`` (``kernel.config``): ``auto`` (default), ``int8`` or ``float`` (forced, for A/B runs and
+tests). Under ``auto`` on a CUDA device the decision is made per (GPU, M bucket, N, K, bias, dtype): the first
+call of that shape times both paths on the call's own operands (:func:`time_pair`: per call the larger of its GPU
+time with a cold L2 and the host time to issue it; medians of ``ROUNDS`` interleaved rounds of ``REPS`` calls;
+a few ms, once per shape), keeps the result in memory and in ``dispatch-<gpu>-torch-<v>-triton-<v>.json``
+next to the GEMM autotune cache (``kernel.autotune.cache_dir``, atomic writes), so later processes time nothing.
+The rule is :func:`decide`: int8 is the incumbent and the float path must be faster by ``MARGIN`` to take the
+shape (timing noise does not flip decisions, and int8 keeps its memory saving on a tie). On the CPU, under
+``torch.compile`` tracing or CUDA-graph capture nothing is timed and ``auto`` runs int8.
+
+Each layer counts its calls per path (``Int8Linear.dispatch_calls``); :func:`report_line` summarises a model.
+Only ``Int8Linear.forward`` dispatches: the fused modules of ``quant/fused.py`` always run their INT8 kernels.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import re
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import backends, kernel_module
+
+config = kernel_module("config")
+autotune = kernel_module("autotune")
+log = logging.getLogger("int8_fused")
+
+INT8, FLOAT = "int8", "float"
+MODES = ("auto", INT8, FLOAT)
+MARGIN = 0.03   # the float path must be 3 % faster than int8 to take a shape
+ROUNDS, REPS = 3, 7
+_DEQUANT_ROWS = 4096  # rows dequantized at a time when building the float weight (bounds the fp32 temporary)
+
+
+# --------------------------------------------------------------------------- the decision (pure)
+def mode() -> str:
+    """``INT8_FUSED_DISPATCH`` as one of MODES (an unknown value: warned once, ``auto``)."""
+    m = str(config.get("INT8_FUSED_DISPATCH") or "auto").strip().lower()
+    if m in MODES:
+        return m
+    if m not in _WARNED:
+        _WARNED.add(m)
+        log.warning("INT8_FUSED_DISPATCH=%r is not one of %s: using auto", m, "|".join(MODES))
+    return "auto"
+
+
+_WARNED: set = set()
+
+
+def _ms(t) -> float:
+    try:
+        t = float(t)
+    except (TypeError, ValueError):
+        return math.inf
+    return t if math.isfinite(t) and t >= 0 else math.inf
+
+
+def decide(int8_ms: float, float_ms: float, incumbent: str = INT8, margin: float = MARGIN) -> str:
+    """The path for a shape from its two timings (ms). The ``incumbent`` (int8 on a first decision; the earlier
+    decision when a shape is timed again) keeps the shape unless the other path is faster by ``margin``
+    (``t_other * (1 + margin) < t_incumbent``): ties and noise never flip it. A failed or non-finite timing
+    counts as infinitely slow; both failed: the incumbent."""
+    if incumbent not in (INT8, FLOAT):
+        raise ValueError(f"incumbent must be {INT8!r} or {FLOAT!r}, got {incumbent!r}")
+    t = {INT8: _ms(int8_ms), FLOAT: _ms(float_ms)}
+    other = FLOAT if incumbent == INT8 else INT8
+    if t[other] == math.inf:
+        return incumbent
+    return other if t[other] * (1.0 + margin) < t[incumbent] else incumbent
+
+
+def m_bucket(m: int) -> int:
+    """Rows rounded up to a power of two (the GEMM autotuner's buckets: one decision per bucket)."""
+    return autotune.m_bucket(max(int(m), 1))
+
+
+def shape_key(m: int, n: int, k: int, has_bias: bool, dtype: torch.dtype) -> str:
+    return f"M{m_bucket(m)}_N{n}_K{k}_{'bias' if has_bias else 'nobias'}_{str(dtype).replace('torch.', '')}"
+
+
+# --------------------------------------------------------------------------- the cache file
+def cache_path(gpu_name: str, torch_version: str, triton_version: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-",
+                  f"{gpu_name}-torch-{torch_version}-triton-{triton_version}").strip("-")
+    return autotune.cache_dir() / f"dispatch-{slug}.json"
+
+
+class DecisionCache:
+    """Decisions of one GPU + software versions: {shape_key: {"path", "int8_ms", "float_ms", "m"}} in memory,
+    mirrored to a JSON file. Writes merge with the file (another process may have added shapes) and replace it
+    atomically (``kernel.atomic``). An unreadable or malformed file is ignored with one warning (its shapes are
+    timed again and the file rewritten on the next decision)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._mem: dict | None = None
+        self._warned = False
+
+    def _read_disk(self) -> dict:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            return self._bad(e)
+        try:
+            data = json.loads(text)
+            dec = data["decisions"]
+            if not isinstance(dec, dict):
+                raise TypeError("'decisions' is not an object")
+            return {k: v for k, v in dec.items()
+                    if isinstance(v, dict) and v.get("path") in (INT8, FLOAT)}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return self._bad(e)
+
+    def _bad(self, e: Exception) -> dict:
+        if not self._warned:
+            self._warned = True
+            log.warning("INT8 dispatch: ignoring the unreadable decision cache %s (%s: %s); shapes are timed "
+                        "again", self.path, type(e).__name__, e)
+        return {}
+
+    def get(self, key: str) -> dict | None:
+        with self._lock:
+            if self._mem is None:
+                self._mem = self._read_disk()
+            return self._mem.get(key)
+
+    def put(self, key: str, entry: dict, meta: dict | None = None) -> None:
+        with self._lock:
+            merged = self._read_disk()
+            merged.update(self._mem or {})
+            merged[key] = entry
+            self._mem = merged
+            text = json.dumps({**(meta or {}), "decisions": merged}, indent=1, sort_keys=True)
+            try:
+                kernel_module("atomic").atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
+            except OSError as e:  # a read-only home: the next process times the shape again
+                log.debug("INT8 dispatch: could not write %s: %s", self.path, e)
+
+
+_CACHES: dict = {}      # device index -> DecisionCache
+_DECISIONS: dict = {}   # (device, M bucket, N, K, has_bias, dtype) -> path, for this process
+_LOCK = threading.Lock()
+
+
+def _device_cache(device: torch.device) -> DecisionCache:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    c = _CACHES.get(idx)
+    if c is None:
+        import triton
+        c = _CACHES[idx] = DecisionCache(cache_path(torch.cuda.get_device_name(idx), torch.__version__,
+                                                    triton.__version__))
+    return c
+
+
+def forget() -> None:
+    """Drop the in-process decisions and open caches (tests; a changed INT8_FUSED_CACHE_DIR)."""
+    _CACHES.clear()
+    _DECISIONS.clear()
+
+
+# --------------------------------------------------------------------------- the two paths
+def dequantized(layer, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] ``dequantize(W_q) / smooth`` in ``dtype`` (fp32 math, one rounding), built in row chunks so the
+    fp32 temporary stays small. ``layer``: an Int8Linear or its fetched operands."""
+    q, ws, inv = layer.qweight, layer.weight_scale, layer.inv_smooth
+    n, k = q.shape
+    out = torch.empty((n, k), dtype=dtype, device=q.device)
+    for r in range(0, n, _DEQUANT_ROWS):
+        w = q[r:r + _DEQUANT_ROWS].float() * ws[r:r + _DEQUANT_ROWS].float()[:, None]
+        if inv is not None:
+            w = w * inv[None, :]
+        out[r:r + _DEQUANT_ROWS] = w
+    return out
+
+
+def _owner(layer):
+    """The Int8Linear of ``layer`` (itself, or the owner of its fetched operands), without nn.Module's slow
+    ``__getattr__`` miss."""
+    d = getattr(layer, "__dict__", None)
+    return layer.owner if d is None else d.get("owner", layer)
+
+
+def _float_operands(layer, dtype: torch.dtype, made: torch.Tensor | None = None):
+    """(weight, bias) of the float path in ``dtype``, kept in the owner's derived-tensor cache (see module doc):
+    valid while the owner's int8 weight is the same tensor (same object, device and storage), as ``derived``
+    rules; ``_apply`` (a move or cast by ComfyUI) drops them."""
+    owner = _owner(layer)
+    src = owner._parameters["weight"]
+    dev = src.device if layer is owner else layer.qweight.device
+    key = ("dispatch_float", dev, dtype)
+    hit = owner._vectors.get(key)
+    if hit is not None and hit[0] is src and hit[1] == (src.device, src.data_ptr()):
+        return hit[2]
+
+    def make(_):
+        b = layer.bias
+        return (made if made is not None else dequantized(layer, dtype),
+                None if b is None else b.to(device=dev, dtype=dtype))
+    return _derived()(owner._vectors, key, src, make)
+
+
+def float_weight(layer, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's float weight [N, K] in ``dtype`` as the float path uses it (made on first use, then kept)."""
+    return _float_operands(layer, dtype)[0]
+
+
+def _derived():
+    from .linear import derived
+    return derived
+
+
+def float_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
+    """The float path: ``F.linear(x, W', b)`` in ``x2d.dtype`` (any M, 0 included)."""
+    w, b = _float_operands(layer, x2d.dtype)
+    return F.linear(x2d, w, b)
+
+
+def int8_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
+    """The INT8 path: the ``fused_triton`` backend's math (quantize kernel + fused GEMM), reading an
+    Int8Linear's tensors without nn.Module's ``__getattr__``."""
+    if torch.compiler.is_compiling():
+        return backends.BACKENDS["fused_triton"].linear(x2d, layer)
+    k = backends._KERNEL if backends._KERNEL is not None else backends._kernel()
+    d = getattr(layer, "__dict__", None)
+    p = None if d is None else d.get("_parameters")
+    if p is not None:  # the layer itself (resident)
+        w, ws, b = p["weight"], p["weight_scale"], p.get("bias")  # a None bias/smooth may live in __dict__
+        inv = None if p.get("smooth") is None else layer.inv_smooth
+    else:  # its fetched operands (quant.linear._Operands)
+        w, ws, b, inv = layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth
+    return k.int8_linear(x2d, w, ws, b, inv, out_dtype=x2d.dtype)
+
+
+def run(layer, x2d: torch.Tensor, owner) -> torch.Tensor:
+    """One call of a ``fused_triton`` layer: choose the path, run it, count it on ``owner`` (the Int8Linear;
+    ``layer`` is it or its fetched operands)."""
+    m = mode()
+    path = _choose_auto(layer, x2d) if m == "auto" else m
+    y = float_linear(x2d, layer) if path == FLOAT else int8_linear(x2d, layer)
+    record(owner, path, x2d.shape[0], forced=m != "auto")
+    return y
+
+
+# --------------------------------------------------------------------------- choosing, per call
+def choose(layer, x2d: torch.Tensor) -> str:
+    """``int8`` or ``float`` for this call of a ``fused_triton`` layer (see module doc). Per call: a mode
+    lookup and one dict lookup in the layer's memo once the shape is decided."""
+    m = mode()
+    return _choose_auto(layer, x2d) if m == "auto" else m
+
+
+def _choose_auto(layer, x2d: torch.Tensor) -> str:
+    dev = x2d.device
+    if not _can_time(dev):
+        return INT8
+    owner = _owner(layer)
+    memo = owner.__dict__.get("_dispatch_memo")
+    if memo is None:
+        memo = owner.__dict__["_dispatch_memo"] = {}
+    key = (x2d.shape[0], x2d.dtype, dev)
+    path = memo.get(key)
+    if path is None:
+        path = _decision(layer, x2d)
+        if path is not None:
+            memo[key] = path
+        else:
+            path = INT8
+    return path
+
+
+def _can_time(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _meta(device: torch.device) -> dict:
+    return {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+
+
+def _decision(layer, x2d: torch.Tensor) -> str | None:
+    """The shape's path from the process memo, the cache file, or timing it now; None: cannot time now."""
+    dev, dtype, m = x2d.device, x2d.dtype, x2d.shape[0]
+    if torch.compiler.is_compiling() or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    n, k = layer.qweight.shape
+    has_bias = layer.bias is not None
+    key = (dev, m_bucket(m), n, k, has_bias, dtype)
+    path = _DECISIONS.get(key)
+    if path is not None:
+        return path
+    with _LOCK:
+        path = _DECISIONS.get(key)
+        if path is not None:
+            return path
+        cache = _device_cache(dev)
+        skey = shape_key(m, n, k, has_bias, dtype)
+        entry = cache.get(skey)
+        if entry is not None:
+            path = entry["path"]
+        else:
+            try:
+                t8, tf, w = measure(layer, x2d)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory for the float copy: stay on int8
+                log.warning("INT8 dispatch: could not time %s (%s: %s); running int8", skey, type(e).__name__, e)
+                _DECISIONS[key] = INT8
+                return INT8
+            path = decide(t8, tf)
+            cache.put(skey, {"path": path, "int8_ms": t8, "float_ms": tf, "m": m}, _meta(dev))
+            log.info("INT8 dispatch %s (M %d): int8 %.4f ms, float %.4f ms -> %s", skey, m, t8, tf, path)
+            if path == FLOAT:
+                _float_operands(layer, dtype, made=w)  # keep the copy the timing made
+        _DECISIONS[key] = path
+        return path
+
+
+def time_call(f, reps: int, flush: torch.Tensor | None) -> tuple[float, float]:
+    """(median GPU ms, median host ms) of ``reps`` calls of ``f`` on the current CUDA stream. Before each call
+    ``flush`` (an L2-sized buffer) is zeroed, so weights come from HBM as in a real model, where every layer
+    has its own; the GPU time is the events around the call alone, the host time what issuing it cost."""
+    import statistics
+    import time
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    host = []
+    for s, e in evs:
+        if flush is not None:
+            flush.zero_()
+        s.record()
+        t0 = time.perf_counter()
+        f()
+        host.append((time.perf_counter() - t0) * 1e3)
+        e.record()
+    evs[-1][1].synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in evs), statistics.median(host)
+
+
+def effective_ms(gpu_ms: float, host_ms: float) -> float:
+    """What a call costs in a stream of calls: the GPU time, or the host time when issuing it takes longer
+    (then the GPU waits for the CPU)."""
+    return max(gpu_ms, host_ms)
+
+
+def flush_buffer(device: torch.device) -> torch.Tensor:
+    """A buffer as large as the GPU's L2 cache, zeroed before each timed call (see ``time_call``)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (50 << 20)
+    return torch.empty(l2, dtype=torch.int8, device=device)
+
+
+def time_pair(fa, fb, rounds: int = ROUNDS, reps: int = REPS) -> tuple[float, float]:
+    """Effective ms (``effective_ms``) of ``fa`` and ``fb``: medians over ``rounds`` interleaved rounds of
+    ``reps`` calls each (clock and cache drift hit both), after one warm-up call each (compiles, autotunes)."""
+    import statistics
+    fa()
+    fb()
+    torch.cuda.synchronize()
+    flush = flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    ta, tb = [], []
+    for _ in range(rounds):
+        ta.append(effective_ms(*time_call(fa, reps, flush)))
+        tb.append(effective_ms(*time_call(fb, reps, flush)))
+    del flush
+    return statistics.median(ta), statistics.median(tb)
+
+
+def measure(layer, x2d: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """(int8 ms, float ms, the float weight made for it) on the call's own operands."""
+    w = dequantized(layer, x2d.dtype)
+    b = None if layer.bias is None else layer.bias.to(x2d.dtype)
+    with torch.cuda.device(x2d.device):  # events, flush buffer and synchronize on the layer's GPU
+        t8, tf = time_pair(lambda: int8_linear(x2d, layer), lambda: F.linear(x2d, w, b))
+    return t8, tf, w
+
+
+# --------------------------------------------------------------------------- what ran
+def record(layer, path: str, m: int, forced: bool = False) -> None:
+    """Count one call of ``layer`` (the Int8Linear) on ``path`` with ``m`` rows (``forced``: by
+    INT8_FUSED_DISPATCH rather than by timing)."""
+    calls = layer.__dict__.get("dispatch_calls")
+    if calls is None:  # a layer built without __init__ (copied from an older pickle)
+        calls = layer.__dict__["dispatch_calls"] = collections.Counter()
+    calls[path] += 1
+    if path == FLOAT:
+        rows = layer.__dict__.get("_dispatch_float_m")
+        if rows is None:
+            rows = layer.__dict__["_dispatch_float_m"] = set()
+        rows.add((m, forced))  # the M values (a handful per layer); bucketed by counts()
+
+
+def _dispatch_layers(model) -> list:
+    mods = model.modules() if hasattr(model, "modules") else model
+    return [m for m in mods if isinstance(getattr(m, "dispatch_calls", None), collections.Counter)
+            and getattr(m, "backend", None) == "fused_triton"]
+
+
+def counts(model) -> dict:
+    """What the ``fused_triton`` Int8Linear layers of ``model`` (a module or an iterable of modules) ran:
+    {"layers", "int8_layers", "float_layers", "int8_calls", "float_calls", "float_shapes": sorted
+    ["M<=b NxK", ...]} (a layer that ran both paths counts in both)."""
+    layers = _dispatch_layers(model)
+    shapes = set()
+    for m in layers:
+        for rows, forced in m.__dict__.get("_dispatch_float_m") or ():
+            shapes.add((m_bucket(rows), m.out_features, m.in_features, forced))
+    return {"layers": len(layers),
+            "int8_layers": sum(1 for m in layers if m.dispatch_calls[INT8]),
+            "float_layers": sum(1 for m in layers if m.dispatch_calls[FLOAT]),
+            "int8_calls": sum(m.dispatch_calls[INT8] for m in layers),
+            "float_calls": sum(m.dispatch_calls[FLOAT] for m in layers),
+            "float_shapes": [f"M<={b} {n}x{k}" + (" (forced)" if forced else "") for b, n, k, forced in sorted(shapes)]}
+
+
+def report_line(model) -> str | None:
+    """One line for the Apply report / the run log, e.g. ``dispatch auto: 120 linears ran int8, 3 on float
+    (float faster, unless forced): 2 shapes M<=16 18432x3072, M<=128 4608x4608; calls int8 2400, float 60``
+    (a shape run on float because INT8_FUSED_DISPATCH=float says "(forced)"). Counts are since the layers
+    were built. None when ``model`` has no ``fused_triton`` layer."""
+    c = counts(model)
+    if not c["layers"]:
+        return None
+    head = f"dispatch {mode()}"
+    if not (c["int8_calls"] or c["float_calls"]):
+        how = "each shape timed on its first call (GPU), cached" if mode() == "auto" else "forced"
+        return f"{head}: {c['layers']} fused_triton linears, no calls yet ({how})"
+    line = f"{head}: {c['int8_layers']} linears ran int8, {c['float_layers']} on float"
+    if c["float_shapes"]:
+        line += f" (float faster, unless forced): {len(c['float_shapes'])} shapes " + ", ".join(c["float_shapes"])
+    return line + f"; calls int8 {c['int8_calls']}, float {c['float_calls']}"
