@@ -9,6 +9,11 @@ once and written once, as int8, instead of being written in bf16 and re-read by 
 - ``gated_residual_rmsnorm(x, o, norm_weight, eps, gate, tokens_per_batch[, next_norm_weight, next_eps,
   next_scale, inv_smooth])`` -> (y, int8 | None, fp32 | None): the block's ``x + gate * norm2(o)`` tail, optionally
   with the next ``rmsnorm_modulate_quantize`` of y from the same registers (rows <= MAX_SINGLE).
+- Flux.1 (issue 13): ``layernorm_modulate_quantize(x [M, K], scale [B | 1, K], shift [B | 1, K], tokens_per_batch,
+  inv_smooth, eps)`` -> (int8, fp32): LayerNorm (no affine) * (1 + scale) + shift feeding qkv / mlp.0 / linear1;
+  ``gelu_tanh_quantize(h [M, F], inv_smooth)``: tanh GELU feeding mlp.2; ``concat_gelu_quantize(a [M, K],
+  h [M, F], inv_smooth [K + F])``: ``cat(a, gelu(h))`` quantized with one absmax per row, never materialized
+  (the single block's linear2 input).
 
 Numerics. Each kernel reproduces the unfused torch sequence *including its roundings to the model dtype*
 (bf16 rounding of an intermediate is ~1/4 of an int8 step near the row maximum, so computing everything in
@@ -18,16 +23,21 @@ fp32 would flip ~5 % of the codes against the unfused path). With ``dt`` = the i
                        y = pt(n * scale[row // tokens_per_batch])    # pt = promote_types(dt, scale.dtype)
     swiglu:            s = dt(a / (1 + exp(-a)))                     # F.silu
                        y = dt(s * b)                                 # (fp16 + clamp_fp16: nan->0, inf->+-65504)
+    layernorm_modulate: n = dt(layer_norm(x, eps))                  # two-pass mean / variance, fp32
+                       y = pt(n * st(1 + scale) + shift)             # torch.addcmul; st = scale's dtype
+    gelu_tanh:         y = dt(0.5 h (1 + tanh(b (h + k h^3))))       # F.gelu(approximate="tanh")
     then               quantize_per_token_ref(y, inv_smooth)          # quant/quantize.py rules, bit for bit
 
-(all arithmetic fp32). ``quant.fused.rmsnorm_modulate_quantize_ref`` / ``swiglu_quantize_ref`` are this
-definition in torch. The kernels agree with them exactly except where the fp32 ``sum(x^2)`` order, ``rsqrt``
-or ``exp`` differ by an ulp and that moves a dt rounding: rare ±1 code flips (tests/test_fused.py bounds them).
+(all arithmetic fp32). ``quant.fused.rmsnorm_modulate_quantize_ref`` / ``swiglu_quantize_ref`` /
+``layernorm_modulate_quantize_ref`` / ``gelu_tanh_quantize_ref`` / ``concat_gelu_quantize_ref`` are this
+definition in torch. The kernels agree with them exactly except where the fp32 ``sum(x^2)`` order, ``rsqrt``,
+``exp`` or ``tanh`` differ by an ulp and that moves a dt rounding: rare ±1 code flips (tests/test_fused.py and
+tests/test_flux_fused.py bound them).
 
 Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton specialises the unit stride
-away). Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``): a row of up to ``max_single`` elements
-stays in registers (one DRAM read, one int8 write); longer rows run in ``chunk``-wide tiles and the later
-passes re-read the row from L2. ``gated_residual_rmsnorm`` has only the one-pass form, for rows up to
+away). Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``, ``LN_PLAN``, ``GELU_PLAN``): a row of up to
+``max_single`` elements stays in registers (one DRAM read, one int8 write); longer rows run in ``chunk``-wide tiles
+and the later passes re-read the row from L2. ``gated_residual_rmsnorm`` has only the one-pass form, for rows up to
 ``MAX_SINGLE``. fp32 division and exp use the IEEE / libdevice versions torch's CUDA kernels use, so compiled
 results match torch's bit for bit more often.
 Importing this module imports triton.
@@ -59,6 +69,10 @@ class TilePlan:
 RMS_PLAN = TilePlan(max_single=1024, chunk=1024, chunk_warps=4)     # K = 4608: 1024-wide chunks, 3 passes
 SWIGLU_PLAN = TilePlan(max_single=2048, chunk=2048, chunk_warps=8)  # F = 12288: 2048-wide chunks, 2 passes
 MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K = 4608 -> one 8192 tile)
+# Flux.1 (not yet measured on a GPU): K = 3072 in one 4096-wide pass (the row in registers); the MLP width
+# (12288, and 3072 + 12288 in the single block's concatenation) in 2048-wide chunks, as SWIGLU_PLAN measured best.
+LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
+GELU_PLAN = TilePlan(max_single=2048, chunk=2048, chunk_warps=8)
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT = tuple(_DT_CODE)
@@ -264,6 +278,188 @@ def _gated_residual_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, i
         _store_q(q_ptr + row.to(tl.int64) * stride_qm + cols, z, mult, usable, mask, INTERPRET)
 
 
+# ------------------------------------------------------------------------------------ Flux.1 (issue 13)
+# fp32(sqrt(2 / pi)) and fp32(0.044715): the constants of torch's tanh GELU (ATen's kBeta / kKappa in opmath)
+_GELU_BETA = tl.constexpr(0.7978845608028654)
+_GELU_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _gelu_tanh(h, INTERPRET: tl.constexpr):
+    """torch's ``gelu(h, approximate="tanh")`` in fp32, op for op: ``0.5 * h * (1 + tanh(beta * (h + kappa *
+    h^3)))``. tanh: libdevice tanhf compiled (torch's CUDA kernel calls tanhf); ``1 - 2 / (exp(2u) + 1)`` in the
+    interpreter (no libdevice there; within a few fp32 ulps)."""
+    inner = _GELU_BETA * (h + _GELU_KAPPA * (h * h * h))
+    if INTERPRET:  # |u| <= 15 keeps exp finite (tanh(15) is 1 in fp32); NaN passes through
+        u = tl.minimum(tl.maximum(inner, -15.0), 15.0)
+        t = 1.0 - tl.math.div_rn(2.0, tl.exp(2.0 * u) + 1.0)
+    else:
+        t = libdevice.tanh(inner)
+    return (0.5 * h) * (1.0 + t)
+
+
+@triton.jit
+def _lnmod_tile(x, s_row, sh_row, inv_ptr, ks, mask, mean, rstd,
+                HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr, SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    # F.layer_norm (one rounding to x's dtype), then torch.addcmul(shift, n, 1 + scale): 1 + scale rounds to
+    # scale's dtype, the addcmul computes in fp32 and rounds once. Masked lanes give 0 (they must not reach amax).
+    s = tl.load(s_row + ks, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(sh_row + ks, mask=mask, other=0.0).to(tl.float32)
+    n = _round((x - mean) * rstd, NORM_DT, INTERPRET)
+    y = _round(n * _round(1.0 + s, SCALE_DT, INTERPRET) + sh, PROD_DT, INTERPRET)
+    if HAS_SMOOTH:
+        y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
+    return tl.where(mask, y, 0.0)
+
+
+@triton.jit
+def _layernorm_modulate_quant_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, qs_ptr,
+                                     K, tokens_per_batch, eps,
+                                     stride_xm, stride_sb, stride_shb, stride_qm,
+                                     HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr, SCALE_DT: tl.constexpr,
+                                     PROD_DT: tl.constexpr, SCALE_RECIP: tl.constexpr, BLOCK: tl.constexpr,
+                                     SINGLE: tl.constexpr, INTERPRET: tl.constexpr):
+    # mean, then the variance as the mean of squared deviations (two passes over the row, fp32)
+    row = tl.program_id(0)
+    bidx = (row // tokens_per_batch).to(tl.int64)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    s_row = s_ptr + bidx * stride_sb
+    sh_row = sh_ptr + bidx * stride_shb
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.math.div_rn(tl.sum(x, axis=0), K * 1.0)
+        d = tl.where(mask, x - mean, 0.0)
+        rstd = _rstd(tl.sum(d * d, axis=0), K, eps, INTERPRET)
+        y = _lnmod_tile(x, s_row, sh_row, inv_ptr, cols, mask, mean, rstd,
+                        HAS_SMOOTH, NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+        ay = tl.abs(y)
+        bad = tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0  # NaN fails `< inf` as Inf does
+        scale, mult, usable = _quant_params(tl.max(ay, axis=0), bad, SCALE_RECIP)
+        tl.store(qs_ptr + row, scale)
+        _store_q(q_row + cols, y, mult, usable, mask, INTERPRET)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + cols
+            acc += tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        mean = tl.math.div_rn(tl.sum(acc, axis=0), K * 1.0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + cols
+            mask = ks < K
+            d = tl.where(mask, tl.load(x_row + ks, mask=mask, other=0.0).to(tl.float32) - mean, 0.0)
+            acc += d * d
+        rstd = _rstd(tl.sum(acc, axis=0), K, eps, INTERPRET)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + cols
+            mask = ks < K
+            x = tl.load(x_row + ks, mask=mask, other=0.0).to(tl.float32)
+            ay = tl.abs(_lnmod_tile(x, s_row, sh_row, inv_ptr, ks, mask, mean, rstd,
+                                    HAS_SMOOTH, NORM_DT, SCALE_DT, PROD_DT, INTERPRET))
+            bad = tl.maximum(bad, tl.where(ay < float("inf"), 0, 1))
+            amax = tl.maximum(amax, ay)
+        scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
+        tl.store(qs_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + cols
+            mask = ks < K
+            x = tl.load(x_row + ks, mask=mask, other=0.0).to(tl.float32)
+            y = _lnmod_tile(x, s_row, sh_row, inv_ptr, ks, mask, mean, rstd,
+                            HAS_SMOOTH, NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+            _store_q(q_row + ks, y, mult, usable, mask, INTERPRET)
+
+
+@triton.jit
+def _gelu_tile(h_row, inv_ptr, ks, mask, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    h = tl.load(h_row + ks, mask=mask, other=0.0).to(tl.float32)
+    y = _round(_gelu_tanh(h, INTERPRET), DT, INTERPRET)  # gelu(0) = 0: masked lanes stay 0
+    if HAS_SMOOTH:
+        y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
+    return y
+
+
+@triton.jit
+def _part_tile(p_row, inv_ptr, ks, mask, GELU: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    # one segment of the concatenated row: the values as they are (GELU False) or gelu(h) rounded to DT
+    if GELU:
+        return _gelu_tile(p_row, inv_ptr, ks, mask, HAS_SMOOTH, DT, INTERPRET)
+    else:
+        y = tl.load(p_row + ks, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
+        return y
+
+
+@triton.jit
+def _part_amax(p_row, inv_ptr, n, cols, amax, bad, GELU: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+               DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    for k0 in range(0, n, BLOCK):
+        ks = k0 + cols
+        ay = tl.abs(_part_tile(p_row, inv_ptr, ks, ks < n, GELU, HAS_SMOOTH, DT, INTERPRET))
+        bad = tl.maximum(bad, tl.where(ay < float("inf"), 0, 1))
+        amax = tl.maximum(amax, ay)
+    return amax, bad
+
+
+@triton.jit
+def _part_store(p_row, inv_ptr, q_row, n, cols, mult, usable, GELU: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    for k0 in range(0, n, BLOCK):
+        ks = k0 + cols
+        mask = ks < n
+        y = _part_tile(p_row, inv_ptr, ks, mask, GELU, HAS_SMOOTH, DT, INTERPRET)
+        _store_q(q_row + ks, y, mult, usable, mask, INTERPRET)
+
+
+@triton.jit
+def _concat_gelu_quant_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
+                              KA, F, stride_am, stride_hm, stride_qm,
+                              HAS_A: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
+                              SCALE_RECIP: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+                              INTERPRET: tl.constexpr):
+    # q = quantize(cat(a, dt(gelu(h)))) per row, one absmax over both parts; HAS_A False: gelu(h) alone.
+    # SINGLE: each part fits one BLOCK-wide tile held in registers; else BLOCK-wide chunks, read twice.
+    row = tl.program_id(0)
+    a_row = a_ptr + row.to(tl.int64) * stride_am
+    h_row = h_ptr + row.to(tl.int64) * stride_hm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        mh = cols < F
+        yh = _gelu_tile(h_row, inv_ptr + KA, cols, mh, HAS_SMOOTH, DT, INTERPRET)
+        ay = tl.abs(yh)
+        bad = tl.where(ay < float("inf"), 0, 1)
+        if HAS_A:
+            ma = cols < KA
+            ya = _part_tile(a_row, inv_ptr, cols, ma, False, HAS_SMOOTH, DT, INTERPRET)
+            aa = tl.abs(ya)
+            bad = tl.maximum(bad, tl.where(aa < float("inf"), 0, 1))
+            ay = tl.maximum(ay, aa)
+        scale, mult, usable = _quant_params(tl.max(ay, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
+        tl.store(qs_ptr + row, scale)
+        if HAS_A:
+            _store_q(q_row + cols, ya, mult, usable, ma, INTERPRET)
+        _store_q(q_row + KA + cols, yh, mult, usable, mh, INTERPRET)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        if HAS_A:
+            amax, bad = _part_amax(a_row, inv_ptr, KA, cols, amax, bad, False, HAS_SMOOTH, DT, BLOCK, INTERPRET)
+        amax, bad = _part_amax(h_row, inv_ptr + KA, F, cols, amax, bad, True, HAS_SMOOTH, DT, BLOCK, INTERPRET)
+        scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
+        tl.store(qs_ptr + row, scale)
+        if HAS_A:
+            _part_store(a_row, inv_ptr, q_row, KA, cols, mult, usable, False, HAS_SMOOTH, DT, BLOCK, INTERPRET)
+        _part_store(h_row, inv_ptr + KA, q_row + KA, F, cols, mult, usable, True, HAS_SMOOTH, DT, BLOCK, INTERPRET)
+
+
 # ----------------------------------------------------------------------------------------------- launchers
 def _plan(n: int, plan: TilePlan | None = None) -> tuple[int, bool, int]:
     """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers (BLOCK = next power of 2, 4 / 8 / 16
@@ -422,6 +618,97 @@ def fits(k: int) -> bool:
     return k <= MAX_SINGLE
 
 
+def _batch_rows(t: torch.Tensor, k: int, m: int, tokens_per_batch: int, name: str, device) -> torch.Tensor:
+    """A per-batch modulation tensor ([B | 1, K], or [B, 1, K] as Flux's ModulationOut holds it) as a [B, K] view."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape[-1] != k:
+        raise ValueError(f"{name} must be a float tensor [B, {k}] (per batch row), got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    t2 = t.reshape(-1, k)
+    nb = t2.shape[0]
+    if nb != 1 and nb * tokens_per_batch != m:
+        raise ValueError(f"{name} has {nb} batch rows but x has {m} tokens = {tokens_per_batch} tokens per "
+                         f"batch x {m / max(tokens_per_batch, 1):g}: pass tokens_per_batch = M // B")
+    if t2.device != device:
+        raise ValueError(f"{name} is on {t2.device} but x is on {device}")
+    return _row_major(t2, name)
+
+
+def layernorm_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, tokens_per_batch: int,
+                                inv_smooth: torch.Tensor | None = None, eps: float = 1e-6
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16/fp32, rows = batch-major tokens) -> (int8 [M, K], fp32 scale [M]) of
+    ``addcmul(shift, layer_norm(x, eps), 1 + scale) * inv_smooth`` (LayerNorm without affine; Flux's
+    ``apply_mod(norm(x), 1 + mod.scale, mod.shift)``) with torch's roundings: the norm rounds to x's dtype,
+    ``1 + scale`` to scale's, the addcmul (fp32 inside) to the promoted dtype of the three. ``scale`` / ``shift``:
+    [B | 1, K] or [B, 1, K] in any float dtype (the raw adaLN outputs, not 1 + scale), row ``r`` uses batch row
+    ``r // tokens_per_batch``."""
+    _check_2d(x, "x", _FLOAT, "pass the hidden states as [tokens, K] in bf16, fp16 or fp32")
+    m, k = x.shape
+    tpb = max(int(tokens_per_batch), 1)
+    s2 = _batch_rows(scale, k, m, tpb, "scale", x.device)
+    sh2 = _batch_rows(shift, k, m, tpb, "shift", x.device)
+    inv = _inv_smooth(inv_smooth, k, x.device)
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    qs = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, qs.zero_()
+    _check_usable(x, "layernorm_modulate_quantize")
+    x = _row_major(x, "x")
+    prod = torch.promote_types(torch.promote_types(x.dtype, s2.dtype), sh2.dtype)
+    block, single, warps = _plan(k, LN_PLAN)
+    launch(_layernorm_modulate_quant_kernel, (m,),
+           (x, s2, sh2, inv if inv is not None else qs, q, qs, k, tpb, float(eps),
+            x.stride(0), 0 if s2.shape[0] == 1 else s2.stride(0), 0 if sh2.shape[0] == 1 else sh2.stride(0),
+            q.stride(0)),
+           dict(HAS_SMOOTH=inv is not None, NORM_DT=_DT_CODE[x.dtype], SCALE_DT=_DT_CODE[s2.dtype],
+                PROD_DT=_DT_CODE[prod], SCALE_RECIP=x.is_cuda, BLOCK=block, SINGLE=single, INTERPRET=INTERPRET),
+           warps, 1, x.device)
+    return q, qs
+
+
+def _concat_gelu(a: torch.Tensor | None, h: torch.Tensor, inv_smooth, what: str):
+    _check_2d(h, "h (the GELU input)", _FLOAT, "pass the pre-activation as [tokens, F]")
+    m, f = h.shape
+    ka = 0
+    if a is not None:
+        _check_2d(a, "a (the part before the GELU part)", _FLOAT, "pass it as [tokens, K]")
+        if a.shape[0] != m or a.dtype != h.dtype or a.device != h.device:
+            raise ValueError(f"a {tuple(a.shape)} {a.dtype} on {a.device} must match h {tuple(h.shape)} {h.dtype} "
+                             f"on {h.device} in rows, dtype and device (torch.cat would promote)")
+        ka = a.shape[1]
+    inv = _inv_smooth(inv_smooth, ka + f, h.device)
+    q = torch.empty((m, ka + f), dtype=torch.int8, device=h.device)
+    qs = torch.empty((m,), dtype=torch.float32, device=h.device)
+    if m == 0 or ka + f == 0:
+        return q, qs.zero_()
+    _check_usable(h, what)
+    h = _row_major(h, "h")
+    a = _row_major(a, "a") if a is not None else None
+    block, single, warps = _plan(max(ka, f), GELU_PLAN)
+    launch(_concat_gelu_quant_kernel, (m,),
+           (a if a is not None else h, h, inv if inv is not None else qs, q, qs, ka, f,
+            a.stride(0) if a is not None else 0, h.stride(0), q.stride(0)),
+           dict(HAS_A=a is not None, HAS_SMOOTH=inv is not None, DT=_DT_CODE[h.dtype], SCALE_RECIP=h.is_cuda,
+                BLOCK=block, SINGLE=single, INTERPRET=INTERPRET), warps, 1, h.device)
+    return q, qs
+
+
+def gelu_tanh_quantize(h: torch.Tensor, inv_smooth: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, F] -> (int8 [M, F], fp32 scale [M]) of ``gelu(h, approximate="tanh")`` rounded to h's dtype,
+    times inv_smooth (Flux's ``mlp.1`` feeding ``mlp.2``)."""
+    return _concat_gelu(None, h, inv_smooth, "gelu_tanh_quantize")
+
+
+def concat_gelu_quantize(a: torch.Tensor, h: torch.Tensor, inv_smooth: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [M, K], h [M, F] (same dtype) -> (int8 [M, K + F], fp32 scale [M]) of
+    ``cat((a, gelu(h, approximate="tanh")), -1) * inv_smooth`` without building the concatenation: one absmax
+    per row over both parts (Flux's single block: attention output and MLP activation feeding ``linear2``).
+    ``h`` may be a column slice of a wider tensor (unit stride along the row)."""
+    return _concat_gelu(a, h, inv_smooth, "concat_gelu_quantize")
+
+
 # ----------------------------------------------------------------------------------- torch.compile ops
 # The fused modules call the functions above directly in eager mode (no dispatcher overhead on ~400 calls a
 # step) and these custom ops while torch.compile traces (``torch.compiler.is_compiling()``), so a compiled
@@ -430,7 +717,8 @@ _OPS_READY = False
 
 
 def register_ops() -> None:
-    """Registers ``int8_fused::{gated_residual, rms_mod_quant, swiglu_quant, act_quant, gemm_dequant}``
+    """Registers ``int8_fused::{gated_residual, rms_mod_quant, swiglu_quant, ln_mod_quant, cat_gelu_quant,
+    act_quant, gemm_dequant}``
     (idempotent)."""
     global _OPS_READY
     if _OPS_READY:
@@ -446,6 +734,12 @@ def register_ops() -> None:
 
     def _swq(h13, inv_smooth, clamp_fp16):
         return swiglu_quantize(h13, inv_smooth, clamp_fp16)
+
+    def _lnq(x, scale, shift, tokens_per_batch, inv_smooth, eps):
+        return layernorm_modulate_quantize(x, scale, shift, tokens_per_batch, inv_smooth, eps)
+
+    def _cgq(a, h, inv_smooth):
+        return concat_gelu_quantize(a, h, inv_smooth) if a is not None else gelu_tanh_quantize(h, inv_smooth)
 
     def _gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype):
         return int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype)
@@ -473,6 +767,13 @@ def register_ops() -> None:
         ("swiglu_quant", "(Tensor h13, Tensor? inv_smooth, bool clamp_fp16) -> (Tensor, Tensor)", _swq,
          lambda h, inv, c: (h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.int8),
                             h.new_empty(h.shape[:1], dtype=torch.float32))),
+        ("ln_mod_quant", "(Tensor x, Tensor scale, Tensor shift, int tokens_per_batch, Tensor? inv_smooth, "
+                         "float eps) -> (Tensor, Tensor)", _lnq,
+         lambda x, s, sh, t, inv, eps: (x.new_empty(x.shape, dtype=torch.int8),
+                                        x.new_empty(x.shape[:1], dtype=torch.float32))),
+        ("cat_gelu_quant", "(Tensor? a, Tensor h, Tensor? inv_smooth) -> (Tensor, Tensor)", _cgq,
+         lambda a, h, inv: (h.new_empty((h.shape[0], h.shape[1] + (a.shape[1] if a is not None else 0)),
+                                        dtype=torch.int8), h.new_empty(h.shape[:1], dtype=torch.float32))),
         ("act_quant", "(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)", _aq,
          lambda x, inv: (x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:1], dtype=torch.float32))),
         ("gemm_dequant", "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, Tensor? bias, "

@@ -12,11 +12,12 @@ How it fits ComfyUI's ModelPatcher (comfy/model_patcher.py, 0.3.75):
   patches from the clone, so nothing later tries to patch the int8 tensor. Other layers keep theirs.
 * fp8 / scaled-fp8 / QuantizedTensor checkpoints are cast to fp32 through the layer's own
   ``convert_weight`` (as ``patch_weight_to_device`` does) or ``dequantize()`` before quantizing.
-* On ``fused_triton``, ``quant.fused.object_patches`` replaces whole modules it recognises (Ideogram 4
-  blocks, SwiGLU FeedForwards of Lumina 2 / Z-Image / Ideogram 4, a cached ``llm_cond_proj``) with fused
-  INT8 versions (``INT8_FUSED_FUSION=0`` turns that off); the clone then also carries its cache wrappers.
-  ``int8_layers(model)`` gives back the per-layer ``Int8Linear`` of every quantized name (fused w1+w3
-  split as row views), e.g. for Save INT8 Model.
+* The model's adapter (``adapters.adapter_for``: one per architecture) gives the layer presets and, on
+  ``fused_triton``, fused modules (Ideogram 4 blocks, SwiGLU FeedForwards of Lumina 2 / Z-Image / Ideogram 4,
+  a cached ``llm_cond_proj``; ``INT8_FUSED_FUSION=0`` turns that off); the clone then also carries the cache
+  wrappers. An architecture without an adapter gets per-linear INT8 with the generic presets.
+  ``weights.int8_layers(model)`` gives back the per-layer ``Int8Linear`` of every quantized
+  name through the fused modules' ``int8_layers()``, e.g. for Save INT8 Model.
 * The clone gets a fresh ``patches_uuid`` and its own size: switching between this clone and the float
   model makes ComfyUI unpatch and move the tree off the GPU, then load the INT8 tree (the replaced
   float weights are no longer in it, so they do not come back to the GPU).
@@ -30,7 +31,9 @@ import torch
 
 from .common import CALIBRATION_TYPE, CATEGORY
 from .weights import PREFIX, float_tensor, original_tree
-from ..quant import backends, select
+from .. import adapters
+from ..quant import backends, dispatch, fused, select
+from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
 from . import attention as attention_routing, pad_elision, timing
@@ -52,41 +55,26 @@ def backend_choices() -> list[str]:
     return names if "bf16" in names else names + ["bf16"]
 
 
-def _fuse(model, layers: dict) -> tuple[dict, bool]:
-    """(object patches relative to the diffusion model, whether they need the cache wrappers)."""
-    if not any(layer.backend == "fused_triton" for layer in layers.values()):
-        return dict(layers), False
-    from ..quant import fused
+def _fuse(model, layers: dict, adapter) -> dict:
+    """Object patches relative to the diffusion model: the adapter's fused modules and the remaining plain layers."""
     with original_tree(model) as root:
-        patches = fused.object_patches(root, layers)
+        patches = adapters.object_patches(root, layers, adapter)
     n_fused = sum(1 for m in patches.values() if getattr(m, "covers", None) is not None)
     if n_fused:
-        log.info("INT8 Apply: %d modules fused (norm/SwiGLU + quantize, w1+w3 as one GEMM)", n_fused)
-    return patches, any(isinstance(m, fused.CachedLinear) for m in patches.values())
+        log.info("INT8 Apply: %d modules fused (%s adapter: norm/activation + quantization in one kernel)", n_fused,
+                 adapter.name)
+    return patches
 
 
-def int8_layers(model) -> dict:
-    """{name relative to the diffusion model: Int8Linear} of every INT8 layer among ``model``'s object
-    patches, fused or not (a fused w1+w3 GEMM comes back as two row-slice views named w1 and w3; a
-    cached layer by its own name). Built on demand, so nothing is held twice."""
-    from ..quant.linear import Int8Linear
-    out = {}
-    for key, mod in model.object_patches.items():
-        if not key.startswith(PREFIX):
-            continue
-        base = key[len(PREFIX):]
-        for sub, m in mod.named_modules():
-            if not isinstance(m, Int8Linear):
-                continue
-            name = ".".join(p for p in (base, sub) if p)
-            name = name[: -len(".inner")] if name.endswith(".inner") else name
-            if name.endswith(".w13"):
-                n1 = m.out_features // 2
-                out[name[:-3] + "w1"] = m.rows(0, n1, name[:-3] + "w1")
-                out[name[:-3] + "w3"] = m.rows(n1, m.out_features, name[:-3] + "w3")
-            else:
-                out[name] = m
-    return out
+def install_patches(out, patches: dict) -> None:
+    """Add ``patches`` ({name relative to the diffusion model: module}) to the ModelPatcher ``out`` as object
+    patches, and the per-run cache wrappers when a fused module needs them (Apply and the Ideogram 4 loader)."""
+    from comfy.patcher_extension import WrappersMP
+    for name, module in patches.items():
+        out.add_object_patch(PREFIX + name, module)
+    if any(isinstance(m, fused.CachedLinear) for m in patches.values()):
+        out.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, _CALLBACK_KEY, fused.diffusion_model_wrapper)
+        out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _CALLBACK_KEY, fused.outer_sample_wrapper)
 
 
 def _original_modules(model):
@@ -219,7 +207,9 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     """Quantize the selected layers of ``model`` and add them to ``out`` (its clone) as object patches."""
     from comfy.patcher_extension import CallbacksMP
     already = {k[len(PREFIX):] for k in model.object_patches if k.startswith(PREFIX)}
-    pairs = [(n, m) for n, m in select.select_from(_original_modules(model), preset, include, exclude)
+    adapter = adapters.adapter_for(model.model.diffusion_model)
+    rules = adapter.rules if adapter is not None else select.GENERIC
+    pairs = [(n, m) for n, m in select.select_from(_original_modules(model), preset, include, exclude, rules)
              if n not in already and not any(n.startswith(p + ".") for p in already)]
     if not pairs:
         arch = type(model.model.diffusion_model).__name__
@@ -236,14 +226,8 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
         bias_fn=lambda n, m: float_tensor(model, n, m, "bias", compute_dev),
         quantized_fn=lambda n, m: core_int8_weight(model, n, m),
         device=load_dev, compute_device=compute_dev, store_device=store_dev)
-    patches, cached = _fuse(model, layers)
-    for name, module in patches.items():
-        out.add_object_patch(PREFIX + name, module)
-    if cached:
-        from comfy.patcher_extension import WrappersMP
-        from ..quant import fused
-        out.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, _CALLBACK_KEY, fused.diffusion_model_wrapper)
-        out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _CALLBACK_KEY, fused.outer_sample_wrapper)
+    patches = _fuse(model, layers, adapter) if adapter is not None else dict(layers)
+    install_patches(out, patches)
     dropped = 0
     for name in layers:
         for attr in ("weight", "bias"):
@@ -265,6 +249,10 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     out.int8_report = report  # for tests and the bench; not carried by later clones
     log.info("INT8 Apply [%s, preset %s]: %s; %s%s", backend, preset, report.summary(), mem,
              f"; {dropped} LoRA patches merged" if dropped else "")
+    # fused_triton layers outside fused modules (those always run INT8): int8 vs float per shape (issue 14)
+    report.dispatch = dispatch.report_line([m for m in patches.values() if isinstance(m, Int8Linear)])
+    if report.dispatch:
+        log.info("INT8 Apply [%s]: %s", backend, report.dispatch)
 
 
 NODE_CLASS_MAPPINGS = {"ApplyFusedInt8GEMM": ApplyFusedInt8GEMM}

@@ -1,8 +1,9 @@
-"""ComfyUI glue of Ideogram 4's pad-token elision (``quant/pad_elision.py``) for the Apply node."""
+"""ComfyUI glue of pad-token elision (``quant/pad_elision.py``) for the Apply node and the Ideogram 4 loader."""
 from __future__ import annotations
 
 import logging
 
+from .. import adapters
 from ..quant import pad_elision
 
 log = logging.getLogger("int8_fused")
@@ -11,13 +12,17 @@ KEY = "int8_fused.pad_elision"
 
 
 def install(model_patcher, backend: str) -> bool:
-    """On an Ideogram 4 MODEL (a clone the caller owns), when ``INT8_FUSED_PAD_ELISION`` allows it for ``backend``,
-    add the DIFFUSION_MODEL wrapper that drops trailing padded text tokens. Returns whether it did."""
+    """On a MODEL (a clone the caller owns) whose adapter drops padded text tokens (Ideogram 4), when
+    ``INT8_FUSED_PAD_ELISION`` allows it for ``backend``, add the adapter's DIFFUSION_MODEL wrapper that drops trailing
+    padded text tokens. Returns whether it did."""
     from comfy.patcher_extension import WrappersMP
-    if not pad_elision.enabled(backend) or not pad_elision.is_ideogram4(model_patcher.model.diffusion_model):
+    if not pad_elision.enabled(backend):
+        return False
+    adapter = adapters.adapter_for(model_patcher.model.diffusion_model)
+    if adapter is None or adapter.pad_elision_wrapper is None:
         return False
     model_patcher.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, KEY)
-    model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, KEY, pad_elision.diffusion_model_wrapper)
-    log.info("INT8 Apply: Ideogram 4 padded text tokens are dropped instead of masked (%s=0 turns this off)",
+    model_patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, KEY, adapter.pad_elision_wrapper)
+    log.info("INT8 Apply: %s padded text tokens are dropped instead of masked (%s=0 turns this off)", adapter.name,
              pad_elision.ENV)
     return True

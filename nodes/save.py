@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import os
 
+from .. import adapters
 from ..quant import select
 from ..quant.fmt_write import write_core_int8, write_pack
 from ..quant.formats import OutputExistsError
 from ..quant.linear import Int8Linear
 from ..quant.quantize import quantize_weight_per_channel
 from .common import CALIBRATION_TYPE, CATEGORY
-from .weights import original_tree
+from .weights import int8_layers, original_tree
 
 log = logging.getLogger("int8_fused")
 FORMATS = ("int8_fused", "comfy_int8_tensorwise")
@@ -59,14 +60,14 @@ def collect(model, fmt: str, preset: str = "blocks", calibration=None):
     patched = {k[len("diffusion_model."):]: v for k, v in getattr(model, "object_patches", {}).items()
                if k.startswith("diffusion_model.")}
     named = list(dm.named_modules())
-    if hasattr(model, "object_patches_backup"):  # Apply on fused_triton: fused modules hide their INT8
-        from .apply import int8_layers  # linears; name them on the unpatched tree
-        patched.update(int8_layers(model))
+    if hasattr(model, "object_patches_backup"):  # Apply on fused_triton: fused modules hold their INT8
+        patched.update(int8_layers(model))     # linears (int8_layers()); name them on the unpatched tree
         with original_tree(model) as root:
             named = list(root.named_modules())
     mods = {n: patched.get(n, m) for n, m in named}
     has_int8 = any(isinstance(m, Int8Linear) for m in mods.values())
-    chosen = set() if has_int8 else {n for n, _ in select.select_linears(dm, preset)}
+    rules = adapters.block_rules(dm)
+    chosen = set() if has_int8 else {n for n, _ in select.select_linears(dm, preset, rules=rules)}
     quant, floats, protected = {}, {}, []
     for name, m in mods.items():
         if any(name.startswith(p + ".") for p in quant):
@@ -90,7 +91,7 @@ def collect(model, fmt: str, preset: str = "blocks", calibration=None):
         raise ValueError("Save INT8 Model: the model has no INT8 layer and none was selected for quantization; "
                          "connect a model from 'Apply Fused INT8 GEMM' / 'Load Ideogram 4.0 INT8' or pick a preset")
     protected += [n for n, m in mods.items() if has_int8 and select.is_linear(m) and n not in quant
-                  and select.in_block(n)]
+                  and rules.in_block(n)]
     return quant, floats, sorted(set(protected))
 
 

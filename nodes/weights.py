@@ -7,6 +7,8 @@ import contextlib
 
 import torch
 
+from .. import adapters
+
 PREFIX = "diffusion_model."  # object patch and weight patch keys are relative to the BaseModel
 
 
@@ -48,3 +50,11 @@ def float_tensor(model, name: str, module, attr: str, device: torch.device) -> t
     if key in model.patches:
         out = comfy.lora.calculate_weight(model.patches[key], out, key, intermediate_dtype=torch.float32)
     return out.float()
+
+
+def int8_layers(model) -> dict:
+    """{name relative to the diffusion model: Int8Linear} of every INT8 layer among ``model``'s object patches,
+    fused or not (fused modules say which through ``int8_layers()``: a merged w1+w3 GEMM comes back as two row
+    views named w1 and w3, a cached layer by its own name). Built on demand, so nothing is held twice."""
+    return adapters.int8_layers_of({k[len(PREFIX):]: m for k, m in model.object_patches.items()
+                                    if k.startswith(PREFIX)})

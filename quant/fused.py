@@ -1,30 +1,23 @@
-"""Fused replacements for whole DiT modules (issue 8): Ideogram 4 blocks, Lumina2 / Z-Image / Ideogram 4
-``FeedForward``, and a per-run cache for Ideogram 4's constant ``llm_cond_proj``. Pure torch + ``kernel``;
-no ComfyUI import (ComfyUI functions are reached through the replaced module's own globals, see below).
+"""Fused replacements for parts of DiT modules (issue 8), pure torch + ``kernel``; no ComfyUI import, and no
+architecture recognition: the model adapters (``adapters/``) decide which module of which architecture becomes
+which fused module, and build it from the pieces here.
 
-    patches = object_patches(diffusion_model, int8_layers)     # {name relative to the diffusion model: module}
-
-``int8_layers`` is what ``quant.patch.build_int8_layers`` returns. Blocks and FFNs this file recognises get
-one fused module each (whose ``covers`` lists the layer names it consumed); every other layer keeps its plain
-``Int8Linear`` patch. Other architectures get exactly the plain patches.
-
-What the fusions change (numerics equal to the unfused INT8 path within rounding, see kernel/fused.py):
-* adaLN-modulated RMSNorm + per-token quantization -> one kernel (``rmsnorm_modulate_quantize``) feeding the
-  qkv GEMM and the merged w1+w3 GEMM directly.
-* w1 and w3 share their input: one int8 GEMM over the concatenated weight [2F, K] (identical smoothing only).
-* ``silu(w1 x) * w3 x`` + quantization -> one kernel (``swiglu_quantize``) feeding w2.
-* each residual tail ``x + gate * norm2(branch)`` -> one kernel (``gated_residual_rmsnorm``), after attention
-  together with the next ``ffn_norm1 * (1 + s)`` + quantization.
-Only layers on the ``fused_triton`` backend are fused (the kernels are Triton); nothing here branches on
-tensor values or synchronises with the host (CachedLinear: once per cond per sampling run, see there).
-
-Ideogram 4 attention: ``Ideogram4Attention.forward`` takes the normalised activation and calls ``self.qkv``
-itself, so the fused attention re-states its 15-line body (``FusedIdeogram4Attention.forward_quantized``) and
-calls ComfyUI's functions
-(``comfy.model_management.in_training``, ``comfy.ops.cast_bias_weight``, ``comfy.quant_ops.ck.
-rms_rope_split_half``, ``optimized_attention_masked``, ``_apply_rope_split_half1``) through
-``type(block.attention).forward.__globals__``, i.e. the very objects the original forward uses. A block whose
-attention class lacks any of them is not fused (plain path, one log line).
+* ``FusedFeedForward``: a SwiGLU FeedForward (``w2(silu(w1 x) * w3 x)``) with w1 and w3 as one int8 GEMM over
+  the concatenated weight [2F, K] (identical smoothing only, ``merge_int8``) and ``silu(a) * b`` + quantization
+  as one kernel (``swiglu_quantize``) feeding w2.
+* ``norm_modulate_quantize``: adaLN-modulated RMSNorm + per-token quantization as one kernel
+  (``rmsnorm_modulate_quantize``), the int8 input of the next GEMM; ``gated_residual``: a residual tail
+  ``x + gate * norm2(branch)`` (optionally with the next norm + quantization) as one kernel.
+* ``*_ref``: the torch definitions every row kernel of kernel/fused.py implements (also the Flux.1 ones:
+  ``layernorm_modulate_quantize_ref``, ``gelu_tanh_quantize_ref``, ``concat_gelu_quantize_ref``; the Flux.1 blocks
+  built on them are in quant/fused_flux.py).
+* ``CachedLinear``: a per-run cache for a linear whose input is constant within a sampling run.
+* ``act_quant`` / ``gemm`` / ``linear``: the quantizer and GEMM a fused_triton ``Int8Linear`` launches, as custom
+  ops under torch.compile.
+Numerics equal the unfused INT8 path within rounding (see kernel/fused.py). Only layers on the ``fused_triton``
+backend are fused (the kernels are Triton); nothing here branches on tensor values or synchronises with the host
+(CachedLinear: once per cond per sampling run, see there). Every fused module exposes the INT8 layers it holds
+with ``int8_layers()`` ({name relative to the module: Int8Linear}, a merged w1+w3 as two row views).
 """
 from __future__ import annotations
 
@@ -44,7 +37,6 @@ from .quantize import quantize_per_token_ref
 config = kernel_module("config")
 log = logging.getLogger("int8_fused")
 FUSED_BACKEND = "fused_triton"
-_ATTN_GLOBALS = ("comfy", "optimized_attention_masked", "_apply_rope_split_half1")
 
 
 _KF = None
@@ -91,8 +83,42 @@ def swiglu_quantize_ref(a, b, inv_smooth=None, clamp_fp16=False):
     return quantize_per_token_ref(swiglu_ref(a, b, clamp_fp16), inv_smooth)
 
 
+def layernorm_modulate_quantize_ref(x, scale, shift, tokens_per_batch, inv_smooth=None, eps=1e-6):
+    """The definition ``kernel.fused.layernorm_modulate_quantize`` implements: ``F.layer_norm`` (no affine; fp32
+    math, one rounding to x.dtype), ``torch.addcmul(shift, n, 1 + scale)`` (``1 + scale`` rounded to scale's
+    dtype, the addcmul in fp32 rounded once to the promoted dtype), then ``quantize_per_token_ref``."""
+    k = x.shape[-1]
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True)
+    n = _round_to((xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    rows = torch.arange(x.shape[0], device=x.device) // max(tokens_per_batch, 1)
+
+    def per_row(t):
+        t2 = t.reshape(-1, k)
+        return t2.float()[rows if t2.shape[0] > 1 else torch.zeros_like(rows)]
+
+    s1 = _round_to(1.0 + per_row(scale), scale.dtype)
+    y = _round_to(n * s1 + per_row(shift), torch.promote_types(torch.promote_types(x.dtype, scale.dtype),
+                                                                shift.dtype))
+    return quantize_per_token_ref(y, inv_smooth)
+
+
+def gelu_tanh_ref(h: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(h, approximate="tanh")`` with torch's rounding (fp32 math, one rounding to h.dtype), as fp32."""
+    return _round_to(F.gelu(h.float(), approximate="tanh"), h.dtype)
+
+
+def gelu_tanh_quantize_ref(h, inv_smooth=None):
+    return quantize_per_token_ref(gelu_tanh_ref(h), inv_smooth)
+
+
+def concat_gelu_quantize_ref(a, h, inv_smooth=None):
+    """``quantize_per_token_ref(cat((a, gelu_tanh(h)), -1), inv_smooth)``: what Flux's single block feeds linear2."""
+    return quantize_per_token_ref(torch.cat((a.float(), gelu_tanh_ref(h)), dim=-1), inv_smooth)
+
+
 # ------------------------------------------------------------------------------------ helpers
-def _inv(layer, device: torch.device):
+def inv_smooth_of(layer, device: torch.device):
     """The layer's 1/smooth on ``device`` (None without smoothing)."""
     return layer.vector_on("inv_smooth", device)
 
@@ -101,27 +127,29 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _gemm(a_q, a_s, layer, dtype):
+def gemm(a_q, a_s, layer, dtype):
+    """``layer``'s int8 GEMM from an already-quantized input (int8 [M, K], fp32 [M]) -> [M, N] in ``dtype``."""
     with layer.operands(a_q.device) as t:  # through ComfyUI's cast when ComfyUI manages the weights
         if _compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
             return torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype)
         return kernel_module().int8_gemm(a_q, a_s, t.qweight, t.weight_scale, t.bias, out_dtype=dtype)
 
 
-def _act_quant(x2, inv_smooth):
+def act_quant(x2, inv_smooth):
+    """Per-token int8 quantization of x2 [M, K] (divided by the smoothing first): (int8 [M, K], fp32 [M])."""
     if _compiling():
         return torch.ops.int8_fused.act_quant(x2, inv_smooth)
     return kernel_module().quantize_per_token(x2, inv_smooth)
 
 
-def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; a fused_triton Int8Linear runs as quantize + GEMM here (the same two kernels its backend
     launches) so that torch.compile sees the custom ops instead of the backend registry."""
-    if not _fusable(layer):
+    if not fusable(layer):
         return layer(x)
     lead, k = x.shape[:-1], x.shape[-1]
-    a_q, a_s = _act_quant(x.reshape(-1, k), _inv(layer, x.device))
-    return _gemm(a_q, a_s, layer, x.dtype).reshape(*lead, -1)
+    a_q, a_s = act_quant(x.reshape(-1, k), inv_smooth_of(layer, x.device))
+    return gemm(a_q, a_s, layer, x.dtype).reshape(*lead, -1)
 
 
 def _swiglu_quant(h13, inv_smooth, clamp_fp16):
@@ -136,14 +164,15 @@ def _rms_mod_quant(x2, w, eps, scale, tokens, inv_smooth):
     return _kf().rmsnorm_modulate_quantize(x2, w, eps, scale, tokens, inv_smooth)
 
 
-def _fusable(layer) -> bool:
+def fusable(layer) -> bool:
+    """Whether ``layer`` is an Int8Linear on the Triton backend (the only one whose input the kernels feed)."""
     return isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND
 
 
 _SMALL: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def _norm_weight(norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def norm_weight(norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The RMSNorm's weight on x's device in x's dtype (what ComfyUI's casting RMSNorm hands F.rms_norm), or
     None when weight functions (lowvram LoRA) must run: then the caller uses the module itself.
 
@@ -160,9 +189,9 @@ def _norm_weight(norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return derived(_SMALL.setdefault(norm, {}), (x.device, x.dtype), w, lambda t: t.detach().to(x.device, x.dtype))
 
 
-def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for a ComfyUI RMSNorm, with its weight from :func:`_norm_weight` (same F.rms_norm call)."""
-    w = _norm_weight(norm, x) if getattr(norm, "weight", None) is not None else None
+    w = norm_weight(norm, x) if getattr(norm, "weight", None) is not None else None
     if w is None or not hasattr(norm, "normalized_shape"):
         return norm(x)
     return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
@@ -177,10 +206,10 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
                            inv_smooth: torch.Tensor | None):
     """int8 input of the next GEMM from ``norm(x2) * scale`` ([M, K], scale [B, K]): one kernel, or the
     module + kernel quantizer when the norm carries weight functions."""
-    w = _norm_weight(norm, x2)
+    w = norm_weight(norm, x2)
     if w is None:
         y = norm(x2).reshape(-1, tokens, x2.shape[-1]) * scale.reshape(-1, 1, x2.shape[-1])
-        return _act_quant(y.reshape(x2.shape), inv_smooth)
+        return act_quant(y.reshape(x2.shape), inv_smooth)
     return _rms_mod_quant(x2, w, _norm_eps(norm, x2), scale, tokens, inv_smooth)
 
 
@@ -191,15 +220,15 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
 FUSE_RESIDUAL = config.get("INT8_FUSED_RESIDUAL")
 
 
-def _gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_smooth=None):
+def gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_smooth=None):
     """(y [M, K], int8 | None, fp32 | None): ``x + gate * norm(o)`` and, with ``nxt`` (the next RMSNorm),
     the int8 input ``nxt(y) * next_scale`` of the next GEMM; None when a norm needs its module (weight
     functions) or the row is too long for the one-pass kernel: the caller then runs torch."""
     if not FUSE_RESIDUAL:
         return None
     k = x2.shape[-1]
-    wn = _norm_weight(norm, o2)
-    w2 = _norm_weight(nxt, x2) if nxt is not None else None
+    wn = norm_weight(norm, o2)
+    w2 = norm_weight(nxt, x2) if nxt is not None else None
     if wn is None or (nxt is not None and w2 is None) or k > _kf().MAX_SINGLE:
         return None
     eps, eps2 = _norm_eps(norm, o2), (_norm_eps(nxt, x2) if nxt is not None else 0.0)
@@ -245,119 +274,51 @@ class FusedFeedForward(nn.Module):
         self.covers = tuple(covers)
 
     @classmethod
-    def from_module(cls, ff: nn.Module, w1: Int8Linear, w3: Int8Linear, w2: nn.Module, prefix: str = ""):
-        gating = getattr(type(ff), "_forward_silu_gating", None)
-        clamp = gating is not None and "clamp_fp16" in gating.__code__.co_names
-        w13 = merge_int8(w1, w3, name=f"{prefix}w1+w3")
-        covers = [f"{prefix}w1", f"{prefix}w3"] + ([f"{prefix}w2"] if isinstance(w2, Int8Linear) else [])
-        return cls(w13, w2, clamp, covers)
+    def build(cls, name: str, ff: nn.Module, int8_layers: dict, clamp_fp16: bool = False):
+        """The fused replacement of the SwiGLU FeedForward ``ff`` (attributes w1, w2, w3) named ``name``, or None
+        (one log line saying why) unless ``int8_layers`` puts w1 and w3 on fused_triton with equal smoothing.
+        w2 is taken from ``int8_layers`` when there, else ``ff.w2`` (kept float)."""
+        p = f"{name}." if name else ""
+        w1, w3 = int8_layers.get(p + "w1"), int8_layers.get(p + "w3")
+        if not (fusable(w1) and fusable(w3)):
+            return None
+        try:
+            w13 = merge_int8(w1, w3, name=f"{p}w1+w3")
+        except ValueError as e:
+            log.info("INT8 fusion: %s stays unfused: %s", name, e)
+            return None
+        w2 = int8_layers.get(p + "w2", ff.w2)
+        covers = [f"{p}w1", f"{p}w3"] + ([f"{p}w2"] if isinstance(w2, Int8Linear) else [])
+        return cls(w13, w2, clamp_fp16, covers)
+
+    def int8_layers(self) -> dict[str, Int8Linear]:
+        """{"w1", "w3" (row views of the merged GEMM), "w2" (when INT8): Int8Linear}."""
+        n1 = self.w13.out_features // 2
+        out = {"w1": self.w13.rows(0, n1, "w1"), "w3": self.w13.rows(n1, self.w13.out_features, "w3")}
+        if isinstance(self.w2, Int8Linear):
+            out["w2"] = self.w2
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        a_q, a_s = _act_quant(x2, _inv(self.w13, x.device))
+        a_q, a_s = act_quant(x2, inv_smooth_of(self.w13, x.device))
         return self.forward_quantized(a_q, a_s, x.dtype).reshape(*lead, -1)
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """From the already-quantized input (int8 [M, K], fp32 [M]) -> [M, dim] in ``dtype``."""
-        h13 = _gemm(a_q, a_s, self.w13, dtype)
-        if _fusable(self.w2):
-            q, s = _swiglu_quant(h13, _inv(self.w2, a_q.device), self.clamp_fp16)
-            return _gemm(q, s, self.w2, dtype)
+        h13 = gemm(a_q, a_s, self.w13, dtype)
+        if fusable(self.w2):
+            q, s = _swiglu_quant(h13, inv_smooth_of(self.w2, a_q.device), self.clamp_fp16)
+            return gemm(q, s, self.w2, dtype)
         a, b = h13.chunk(2, dim=-1)
         h = F.silu(a) * b
         if self.clamp_fp16 and h.dtype == torch.float16:
             h = torch.nan_to_num(h, nan=0.0, posinf=65504.0, neginf=-65504.0)
-        return _linear(self.w2, h)
+        return linear(self.w2, h)
 
     def extra_repr(self) -> str:
         return f"clamp_fp16={self.clamp_fp16}, covers={list(self.covers)}"
-
-
-class FusedIdeogram4Attention(nn.Module):
-    """Ideogram4Attention fed by an already-quantized input (qkv GEMM straight from the fused norm kernel)."""
-
-    def __init__(self, attn: nn.Module, qkv: Int8Linear, o: nn.Module):
-        super().__init__()
-        self.qkv, self.o = qkv, o
-        _kf().register_ops()
-        self.norm_q, self.norm_k = attn.norm_q, attn.norm_k
-        self.num_heads, self.head_dim, self.hidden_size = attn.num_heads, attn.head_dim, attn.hidden_size
-        self._fn = type(attn).forward.__globals__  # the functions the original forward calls (see module doc)
-
-    def forward(self, x, attn_mask, freqs_cis, transformer_options={}):
-        """Drop-in for Ideogram4Attention.forward (normalised x [B, L, dim])."""
-        b, l, k = x.shape
-        a_q, a_s = _act_quant(x.reshape(-1, k), _inv(self.qkv, x.device))
-        return self.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
-
-    def forward_quantized(self, a_q, a_s, b, l, dtype, attn_mask, freqs_cis, transformer_options={}):
-        qkv = _gemm(a_q, a_s, self.qkv, dtype).view(b, l, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(dim=2)
-        comfy = self._fn["comfy"]
-        if comfy.model_management.in_training:
-            rope = self._fn["_apply_rope_split_half1"]
-            q, k = rope(self.norm_q(q), freqs_cis), rope(self.norm_k(k), freqs_cis)
-        else:
-            q_scale, k_scale = _norm_weight(self.norm_q, q), _norm_weight(self.norm_k, k)
-            streams = None
-            if q_scale is None or k_scale is None:  # weight functions: ComfyUI's cast runs them
-                q_scale, _, qs = comfy.ops.cast_bias_weight(self.norm_q, q, offloadable=True)
-                k_scale, _, ks = comfy.ops.cast_bias_weight(self.norm_k, k, offloadable=True)
-                streams = (qs, ks)
-            q, k = comfy.quant_ops.ck.rms_rope_split_half(q, k, freqs_cis, q_scale, k_scale, self.norm_q.eps)
-            if streams is not None:
-                comfy.ops.uncast_bias_weight(self.norm_q, q_scale, None, streams[0])
-                comfy.ops.uncast_bias_weight(self.norm_k, k_scale, None, streams[1])
-        out = self._fn["optimized_attention_masked"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     self.num_heads, attn_mask, skip_reshape=True,
-                                                     transformer_options=transformer_options)
-        return _linear(self.o, out)
-
-
-class FusedIdeogram4Block(nn.Module):
-    """Ideogram4TransformerBlock with the norm * (1 + s) + quantization fused into the qkv and w1+w3 inputs.
-
-    Same forward signature and result as the original (within rounding). Holds the original norms and adaLN
-    linear (shared objects) and the INT8 linears; never the replaced float linears."""
-
-    def __init__(self, block: nn.Module, attention: FusedIdeogram4Attention, feed_forward: FusedFeedForward,
-                 adaln_modulation: nn.Module, covers=()):
-        super().__init__()
-        self.attention, self.feed_forward = attention, feed_forward
-        self.attention_norm1, self.attention_norm2 = block.attention_norm1, block.attention_norm2
-        self.ffn_norm1, self.ffn_norm2 = block.ffn_norm1, block.ffn_norm2
-        self.adaln_modulation = adaln_modulation
-        self.covers = tuple(covers)
-
-    def forward(self, x, attn_mask, freqs_cis, adaln_input, transformer_options={}):
-        mod = _linear(self.adaln_modulation, adaln_input)
-        scale_msa, gate_msa, scale_mlp, gate_mlp = mod.chunk(4, dim=-1)
-        gate_msa, gate_mlp = torch.tanh(gate_msa), torch.tanh(gate_mlp)
-        scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
-        b, l, k = x.shape
-        attn, ff = self.attention, self.feed_forward
-        a_q, a_s = norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), scale_msa, l,
-                                          _inv(attn.qkv, x.device))
-        attn_out = attn.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
-        inv13 = _inv(ff.w13, x.device)
-        # residual tail + ffn_norm1 * (1 + s) + quantize in one kernel (torch when it cannot run)
-        tail = _gated_residual(x.reshape(-1, k), attn_out.reshape(-1, k), self.attention_norm2, gate_msa, l,
-                               self.ffn_norm1, scale_mlp, inv13)
-        if tail is not None:
-            x2, a_q, a_s = tail
-            x = x2.view(b, l, k)
-        else:
-            x = x + gate_msa * _rms(self.attention_norm2, attn_out)
-            a_q, a_s = norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), scale_mlp, l, inv13)
-        ff_out = ff.forward_quantized(a_q, a_s, x.dtype)
-        tail = _gated_residual(x.reshape(-1, k), ff_out, self.ffn_norm2, gate_mlp, l)
-        if tail is not None:
-            return tail[0].view(b, l, k)
-        return x + gate_mlp * _rms(self.ffn_norm2, ff_out.view(b, l, -1))
-
-    def extra_repr(self) -> str:
-        return f"covers={len(self.covers)} linears"
 
 
 # ------------------------------------------------------------------------------------ llm_cond_proj cache
@@ -408,6 +369,10 @@ class CachedLinear(nn.Module):
             setattr(self._modules["inner"], name, value)
         else:
             super().__setattr__(name, value)
+
+    def int8_layers(self) -> dict[str, Int8Linear]:
+        """{"": the wrapped layer} when it is an Int8Linear (the name is this module's own), else {}."""
+        return {"": self.inner} if isinstance(self.inner, Int8Linear) else {}
 
     # -- cache control
     def invalidate(self) -> None:
@@ -517,82 +482,3 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         invalidate_all()
 
 
-# ------------------------------------------------------------------------------------ recognition
-def _ideogram4_attention_ok(attn: nn.Module) -> str | None:
-    for a in ("qkv", "o", "norm_q", "norm_k", "num_heads", "head_dim", "hidden_size"):
-        if not hasattr(attn, a):
-            return f"attention has no '{a}'"
-    g = getattr(type(attn).forward, "__globals__", {})
-    missing = [n for n in _ATTN_GLOBALS if n not in g]
-    return f"attention module lacks {missing}" if missing else None
-
-
-def _is_feed_forward(m: nn.Module) -> bool:
-    return type(m).__name__ == "FeedForward" and all(hasattr(m, a) for a in ("w1", "w2", "w3"))
-
-
-def _fuse_ffn(name: str, ff: nn.Module, layers: dict) -> FusedFeedForward | None:
-    p = f"{name}." if name else ""
-    w1, w3 = layers.get(p + "w1"), layers.get(p + "w3")
-    if not (_fusable(w1) and _fusable(w3)):
-        return None
-    try:
-        return FusedFeedForward.from_module(ff, w1, w3, layers.get(p + "w2", ff.w2), prefix=p)
-    except ValueError as e:
-        log.info("INT8 fusion: %s stays unfused: %s", name, e)
-        return None
-
-
-def fuse_modules(diffusion_model: nn.Module, int8_layers: dict) -> dict[str, nn.Module]:
-    """{module name: fused module} for the Ideogram 4 blocks, FeedForwards and ``llm_cond_proj`` of
-    ``diffusion_model`` whose linears ``int8_layers`` (name -> Int8Linear) put on the fused_triton backend;
-    empty for architectures it does not recognise. Each fused module lists the int8 layer names it
-    consumed in ``.covers``; use ``object_patches`` to get the complete patch set."""
-    out: dict[str, nn.Module] = {}
-    inside: set[str] = set()
-    skipped: list[str] = []
-    for name, m in diffusion_model.named_modules():
-        if any(name.startswith(p + ".") for p in inside):
-            continue
-        cls = type(m).__name__
-        if cls == "Ideogram4TransformerBlock":
-            p = f"{name}."
-            qkv = int8_layers.get(p + "attention.qkv")
-            why = _ideogram4_attention_ok(m.attention) if _fusable(qkv) else "qkv is not on fused_triton"
-            ff = _fuse_ffn(p + "feed_forward", m.feed_forward, int8_layers) if why is None else None
-            if why is None and ff is None:
-                why = "w1/w3 are not both on fused_triton with equal smoothing"
-            if why is not None:
-                skipped.append(f"{name} ({why})")
-                continue
-            o = int8_layers.get(p + "attention.o", m.attention.o)
-            ada = int8_layers.get(p + "adaln_modulation", m.adaln_modulation)
-            covers = [p + "attention.qkv", *ff.covers]
-            covers += [n for n, mod in ((p + "attention.o", o), (p + "adaln_modulation", ada))
-                       if isinstance(mod, Int8Linear)]
-            out[name] = FusedIdeogram4Block(m, FusedIdeogram4Attention(m.attention, qkv, o), ff, ada, covers)
-            inside.add(name)
-        elif _is_feed_forward(m):
-            ff = _fuse_ffn(name, m, int8_layers)
-            if ff is not None:
-                out[name] = ff
-                inside.add(name)
-        elif name == "llm_cond_proj" and hasattr(diffusion_model, "llm_cond_norm"):
-            inner = int8_layers.get(name, m)
-            out[name] = CachedLinear(inner, name=name)
-            out[name].covers = (name,) if isinstance(inner, Int8Linear) else ()
-    if skipped:
-        log.info("INT8 fusion: %d blocks stay on the per-linear path: %s", len(skipped), "; ".join(skipped[:3]))
-    return out
-
-
-def object_patches(diffusion_model: nn.Module, int8_layers: dict) -> dict[str, nn.Module]:
-    """Every object patch for the model: fused modules plus the plain Int8Linear of each layer no fused
-    module covers. Keys are relative to the diffusion model (prefix them with ``diffusion_model.``).
-    ``INT8_FUSED_FUSION=0`` (``kernel.config``) turns fusion off (plain patches only: for A/B runs)."""
-    if not config.get("INT8_FUSED_FUSION"):
-        return dict(int8_layers)
-    fused = fuse_modules(diffusion_model, int8_layers)
-    covered = {n for m in fused.values() for n in getattr(m, "covers", ())}
-    plain = {n: l for n, l in int8_layers.items() if n not in covered}
-    return {**plain, **fused}

@@ -9,8 +9,9 @@ text (positions padded in every batch row) keeps them; when nothing masked is le
 runs unmasked (flash / cuDNN can take it) on fewer tokens. Padding elsewhere (left padding, rows padded to different
 lengths) stays masked as before.
 
-``diffusion_model_wrapper`` applies this to the call's ``context`` / ``attention_mask`` (a ComfyUI DIFFUSION_MODEL
-wrapper; other models pass through). ``enabled(backend)``: the policy of ``INT8_FUSED_PAD_ELISION``.
+``strip_call`` applies this to a forward call's ``context`` / ``attention_mask`` arguments; the Ideogram 4 adapter's
+DIFFUSION_MODEL wrapper (``adapters/ideogram4.py``) calls it. ``enabled(backend)``: the policy of
+``INT8_FUSED_PAD_ELISION``.
 """
 from __future__ import annotations
 
@@ -37,10 +38,6 @@ def enabled(backend: str, value: str | None = None) -> bool:
     raise ValueError(f"{ENV}={v!r}: use 0 (off), 1 (on for every backend) or leave it unset (on for fused_triton)")
 
 
-def is_ideogram4(diffusion_model) -> bool:
-    return any(c.__name__ == "Ideogram4Transformer2DModel" for c in type(diffusion_model).__mro__)
-
-
 def strip_trailing_padding(context: torch.Tensor | None, attention_mask: torch.Tensor | None):
     """(context, attention_mask, tokens removed): text positions at the end that are padding in every batch row
     removed; the mask becomes None when nothing in it is masked any more. Anything else comes back unchanged: no
@@ -58,23 +55,22 @@ def strip_trailing_padding(context: torch.Tensor | None, attention_mask: torch.T
     return (context[:, :n] if n < context.shape[1] else context), mask, context.shape[1] - n
 
 
-def diffusion_model_wrapper(executor, *args, **kwargs):
-    """ComfyUI DIFFUSION_MODEL wrapper: Ideogram 4's ``forward(x, timesteps, context, attention_mask, ...)`` with
-    the trailing padded text tokens removed (module doc)."""
-    if not is_ideogram4(getattr(executor, "class_obj", None)):
-        return executor(*args, **kwargs)
-    args = list(args)
-    ctx = args[2] if len(args) > 2 else kwargs.get("context")
-    mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
+def strip_call(args: tuple, kwargs: dict, context_at: int = 2, mask_at: int = 3) -> tuple[tuple, dict]:
+    """(args, kwargs) of a ``forward(..., context, attention_mask, ...)`` call (positions ``context_at`` /
+    ``mask_at``, or keywords ``context`` / ``attention_mask``) with the trailing padded text tokens removed; the
+    same objects when nothing changes. Counts what it did in ``stats``."""
+    ctx = args[context_at] if len(args) > context_at else kwargs.get("context")
+    mask = args[mask_at] if len(args) > mask_at else kwargs.get("attention_mask")
     ctx2, mask2, removed = strip_trailing_padding(ctx, mask)
     if removed == 0 and mask2 is mask:
-        return executor(*args, **kwargs)
+        return args, kwargs
     stats["calls"] += 1
     stats["tokens_removed"] += removed
     stats["masks_dropped"] += mask2 is None
-    for i, name, value in ((2, "context", ctx2), (3, "attention_mask", mask2)):
+    args, kwargs = list(args), dict(kwargs)
+    for i, name, value in ((context_at, "context", ctx2), (mask_at, "attention_mask", mask2)):
         if len(args) > i:
             args[i] = value
         else:
             kwargs[name] = value
-    return executor(*args, **kwargs)
+    return tuple(args), kwargs

@@ -11,9 +11,14 @@ Presets work on module names relative to the diffusion model (``layers.0.attenti
 
 ``include`` / ``exclude`` are comma-separated regular expressions matched (``re.search``) against the
 names; ``exclude`` wins. Layers smaller than ``MIN_FEATURES`` in either dimension stay float.
+
+Which containers hold the blocks and which linears are modulation GEMVs is architecture knowledge: each model
+adapter (``adapters/``) declares its own :class:`BlockRules`; ``GENERIC`` (the union over the DiTs ComfyUI loads)
+serves architectures without an adapter.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -31,6 +36,30 @@ _MODULATION = re.compile(r"(adaln|adaLN|modulation|_mod\.|(^|\.)mod\.|norm1_cont
 
 PRESETS = ("blocks", "blocks+modulation", "all")
 MIN_FEATURES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRules:
+    """Where the repeated blocks sit (``blocks``: a name with a ``<container>.<index>.`` part) and which of
+    their linears are modulation GEMVs (``modulation``, searched in the name)."""
+    blocks: re.Pattern
+    modulation: re.Pattern
+
+    def in_block(self, name: str) -> bool:
+        return self.blocks.search(name) is not None
+
+    def is_modulation(self, name: str) -> bool:
+        return self.modulation.search(name) is not None
+
+
+def block_rules(containers, modulation: str) -> BlockRules:
+    """BlockRules for block containers (names, e.g. ``("double_blocks", "single_blocks")``) and a modulation
+    regular expression."""
+    alt = "|".join(re.escape(c) for c in containers)
+    return BlockRules(re.compile(rf"(^|\.)({alt})\.\d+\."), re.compile(modulation))
+
+
+GENERIC = BlockRules(_BLOCK, _MODULATION)
 
 
 def _patterns(text: str | None) -> list[re.Pattern]:
@@ -59,14 +88,14 @@ def is_linear(m: nn.Module) -> bool:
             and isinstance(getattr(m, "out_features", None), int))
 
 
-def in_block(name: str) -> bool:
+def in_block(name: str, rules: BlockRules = GENERIC) -> bool:
     """Whether layer ``name`` sits inside a repeated transformer block (``layers.3.``, ``double_blocks.0.``, ...)."""
-    return _BLOCK.search(name) is not None
+    return rules.in_block(name)
 
 
-def is_modulation(name: str) -> bool:
+def is_modulation(name: str, rules: BlockRules = GENERIC) -> bool:
     """Whether layer ``name`` is an adaLN / modulation projection (a GEMV: M = batch)."""
-    return _MODULATION.search(name) is not None
+    return rules.is_modulation(name)
 
 
 def compile_patterns(text: str | None) -> list[re.Pattern]:
@@ -79,15 +108,15 @@ def matches(name: str, patterns: list[re.Pattern]) -> bool:
 
 
 def select_linears(model: nn.Module, preset: str = "blocks", include: str | None = None,
-                   exclude: str | None = None) -> list[tuple[str, nn.Linear]]:
+                   exclude: str | None = None, rules: BlockRules = GENERIC) -> list[tuple[str, nn.Linear]]:
     """(name, module) of each linear of ``model`` to quantize, in model order."""
-    return select_from(model.named_modules(), preset, include, exclude)
+    return select_from(model.named_modules(), preset, include, exclude, rules)
 
 
 def select_from(named_modules, preset: str = "blocks", include: str | None = None,
-                exclude: str | None = None) -> list[tuple[str, nn.Linear]]:
+                exclude: str | None = None, rules: BlockRules = GENERIC) -> list[tuple[str, nn.Linear]]:
     """``select_linears`` over an iterable of (name, module) pairs (e.g. with patched modules swapped
-    back for their originals)."""
+    back for their originals); ``rules``: the architecture's block rules (its adapter's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown layer preset {preset!r}; choose one of {', '.join(PRESETS)}")
     inc, exc = _patterns(include), _patterns(exclude)
@@ -100,7 +129,7 @@ def select_from(named_modules, preset: str = "blocks", include: str | None = Non
         if preset == "all":
             take = True
         else:
-            take = in_block(name) and (preset == "blocks+modulation" or not is_modulation(name))
+            take = rules.in_block(name) and (preset == "blocks+modulation" or not rules.is_modulation(name))
         if inc and any(p.search(name) for p in inc):
             take = True
         if exc and any(p.search(name) for p in exc):

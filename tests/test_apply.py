@@ -175,7 +175,7 @@ def test_backends_agree_inside_the_model(comfy, node, pack):
     fused = run(comfy, fq, "lumina2")
     assert (fused - t).norm() <= 0.5 * (t - ref).norm()
     # the per-layer view of a fused model: w1/w3 split back from the merged GEMM, equal to the plain layers
-    layers = pack.nodes.apply.int8_layers(fq)
+    layers = pack.nodes.weights.int8_layers(fq)
     assert set(layers) == set(int8_names(t_mp))
     for n in ("layers.1.feed_forward.w1", "layers.1.feed_forward.w3", "layers.1.attention.qkv"):
         plain_layer = t_mp.object_patches[PREFIX + n]

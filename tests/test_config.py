@@ -17,6 +17,7 @@ from kernel import autotune, config
 from quant import backends
 from quant import fused as qf
 from quant.linear import Int8Linear
+import adapters
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +31,9 @@ import kernel, kernel.launch
 from kernel import autotune, config
 from quant import backends, fused as qf
 from quant.linear import Int8Linear
+import adapters, dataclasses, functools
+from adapters import lumina2
+LUMINA = dataclasses.replace(lumina2.ADAPTER, fuse=functools.partial(lumina2.fuse, clamp_fp16=False))
 
 class FeedForward(nn.Module):  # the structure of Lumina 2's SwiGLU FeedForward
     def __init__(self):
@@ -45,7 +49,7 @@ layers = {f"ff.{k}": Int8Linear.from_linear(getattr(ff, k), backend="fused_trito
 print(json.dumps({
     "values": {n: config.get(n) for n in config.SWITCHES},
     "backend": backends.env_override(),
-    "fused": sorted(qf.object_patches(nn.ModuleDict({"ff": ff}), layers)),
+    "fused": sorted(adapters.object_patches(nn.ModuleDict({"ff": ff}), layers, LUMINA)),
     "residual": qf.FUSE_RESIDUAL,
     "fast_launch": kernel.launch._USE_FAST,
     "interpret": kernel._INTERPRET_AT_IMPORT,
@@ -113,7 +117,7 @@ def test_read_once_override_and_reload(monkeypatch):
 def test_override_changes_what_each_switch_read_at_use_says(tmp_path):
     layers = {"x": Int8Linear.from_linear(nn.Linear(32, 32))}
     with config.override(INT8_FUSED_FUSION=False):
-        assert qf.object_patches(None, layers) == layers  # never looks at the model
+        assert adapters.object_patches(None, layers) == layers  # never looks at the model
     with config.override(INT8_FUSED_CACHE_DIR=str(tmp_path)):
         assert autotune.cache_file("GPU", "3.6.0").parent == tmp_path
     with config.override(TRITON_INTERPRET=False):
@@ -129,3 +133,5 @@ def test_markdown_table_lists_every_switch():
     assert table[0] == "| switch | default | what it does |" and len(table) == 2 + len(config.SWITCHES)
     for name, row in zip(config.SWITCHES, table[2:]):
         assert row.startswith(f"| `{name}` |") and "\n" not in row
+    # the README's table is this table, word for word (a new or changed switch shows up as a failure here)
+    assert config.markdown_table().strip() in (ROOT / "README.md").read_text()

@@ -67,7 +67,7 @@ def body(pack, models: Path) -> dict:
     apply = pack.nodes.apply
     (q,) = apply.ApplyFusedInt8GEMM().apply(core, "torch_int_mm", preset="blocks")
     rep = q.int8_report
-    layers = apply.int8_layers(q)
+    layers = pack.nodes.weights.int8_layers(q)
     same = all(torch.equal(layers[n].qweight, stored[n][0]) and torch.equal(layers[n].weight_scale, stored[n][1])
                for n in names)
 
@@ -97,7 +97,7 @@ def body(pack, models: Path) -> dict:
     path = saved["result"][0] if isinstance(saved, dict) else saved[0]
     core2 = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.bfloat16})
     (q2,) = apply.ApplyFusedInt8GEMM().apply(core2, "torch_int_mm", preset="blocks")
-    layers2 = apply.int8_layers(q2)
+    layers2 = pack.nodes.weights.int8_layers(q2)
     saved_same = all(torch.equal(layers2[n].qweight, layers[n].qweight) and
                      torch.equal(layers2[n].weight_scale, layers[n].weight_scale) for n in names)
     return {"adopted": rep.adopted, "quantized": rep.quantized, "bit_identical": bool(same),

@@ -404,21 +404,23 @@ def test_medium_m_tiles_are_candidates_only_for_short_m():
 
 # ---------------------------------------------------------------- the Apply node's report line (ComfyUI in-process)
 def test_apply_report_line_and_counts_in_a_real_model(comfy_inprocess, pack, caplog):
-    """Apply fused_triton to the Flux miniature: the Apply log gets the dispatch line; after sampling calls the line
-    counts what ran, per path (the pack's own module instances: its config, its dispatch)."""
+    """Apply fused_triton to the Flux miniature (fusion off, so every layer is a per-linear Int8Linear): the Apply log
+    gets the dispatch line; after sampling calls the line counts what ran, per path (the pack's own module
+    instances: its config, its dispatch)."""
     import comfy.model_management
     import comfy.model_patcher
     import comfy.supported_models  # noqa: F401
     import test_apply as ta
     node = pack.nodes.apply.ApplyFusedInt8GEMM()
     mp = ta.tiny(comfy, "flux")
-    with caplog.at_level(logging.INFO, logger="int8_fused"):
+    cfg, disp = pack.kernel.config, pack.quant.dispatch
+    # fusion off: fused Flux blocks always run INT8; dispatch is for the per-linear layers
+    with caplog.at_level(logging.INFO, logger="int8_fused"), cfg.override(INT8_FUSED_FUSION=False):
         q = ta.apply(node, mp, "fused_triton")
     n = q.int8_report.quantized
     assert q.int8_report.dispatch == (f"dispatch auto: {n} fused_triton linears, no calls yet (each shape timed on "
                                       "its first call (GPU), cached)")
     assert any(q.int8_report.dispatch in r.getMessage() for r in caplog.records)
-    cfg, disp = pack.kernel.config, pack.quant.dispatch
     with cfg.override(INT8_FUSED_DISPATCH="float"):
         yf = ta.run(comfy, q, "flux")
     line = disp.report_line(q.model)
@@ -432,6 +434,9 @@ def test_apply_report_line_and_counts_in_a_real_model(comfy_inprocess, pack, cap
     assert c["int8_layers"] == n and c["int8_calls"] == c["float_calls"]
     ref = ta.run(comfy, mp, "flux")
     assert ((yf - ref).norm() / ref.norm()).item() < ((y8 - ref).norm() / ref.norm()).item() < 0.05
+    # fusion on: every selected layer sits in a fused Flux block, which always runs INT8: nothing to dispatch
+    fused = ta.apply(node, mp, "fused_triton")
+    assert fused.int8_report.quantized == n and fused.int8_report.dispatch is None
 
 
 def test_time_pair_with_a_fake_cuda_clock(monkeypatch):

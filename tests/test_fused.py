@@ -1,9 +1,12 @@
 """Issue 8 fusions on the CPU (TRITON_INTERPRET=1): the producer-fused quantization kernels against their
 torch definition and against the unfused torch sequence, the fused FeedForward / Ideogram 4 block against
-the per-linear INT8 path, module recognition, and the llm_cond_proj cache.
+the per-linear INT8 path (built by the Lumina 2 and Ideogram 4 adapters, on stand-ins of ComfyUI's classes; the real
+classes: tests/test_adapters.py), and the llm_cond_proj cache.
 
 Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_fused.py -q
 """
+import dataclasses
+import functools
 import math
 import os
 import sys
@@ -20,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import adapters  # noqa: E402
+from adapters import ideogram4, lumina2  # noqa: E402
 from quant import fused as qf  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
@@ -239,6 +244,10 @@ class LuminaFeedForwardStandIn(nn.Module):
 LuminaFeedForwardStandIn.__name__ = "FeedForward"
 
 
+# The Lumina 2 adapter without the ComfyUI lookup of clamp_fp16 (the stand-ins run without ComfyUI).
+LUMINA = dataclasses.replace(lumina2.ADAPTER, fuse=functools.partial(lumina2.fuse, clamp_fp16=False))
+
+
 def _int8(lin, name, smooth=None, backend="fused_triton"):
     return Int8Linear.from_float(lin.weight, getattr(lin, "bias", None), smooth=smooth, backend=backend, name=name)
 
@@ -263,7 +272,7 @@ def test_fused_feed_forward_matches_unfused(smooth, w2_int8):
     layers = {"w1": _int8(ff.w1, "w1", s13), "w3": _int8(ff.w3, "w3", s13)}
     if w2_int8:
         layers["w2"] = _int8(ff.w2, "w2", 0.5 + torch.rand(160, device=DEV) if smooth else None)
-    fused = qf.fuse_modules(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()})["ff"]
+    fused = lumina2.fuse(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()}, clamp_fp16=False)["ff"]
     assert isinstance(fused, qf.FusedFeedForward)
     assert set(fused.covers) == {f"ff.{k}" for k in layers}
     x = torch.randn(3, 3, 64, device=DEV).bfloat16()              # ragged M = 9
@@ -278,7 +287,7 @@ def test_merge_refuses_different_smoothing():
     ff = LuminaFeedForwardStandIn(32, 48)
     layers = {"w1": _int8(ff.w1, "w1", 0.5 + torch.rand(32)), "w3": _int8(ff.w3, "w3", 0.5 + torch.rand(32)),
               "w2": _int8(ff.w2, "w2")}
-    assert qf.fuse_modules(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()}) == {}
+    assert lumina2.fuse(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()}, clamp_fp16=False) == {}
     with pytest.raises(ValueError, match="SmoothQuant"):
         qf.merge_int8(layers["w1"], layers["w3"], "ff.w1+w3")
 
@@ -286,26 +295,26 @@ def test_merge_refuses_different_smoothing():
 def test_other_backends_and_architectures_stay_plain():
     ff = LuminaFeedForwardStandIn(32, 48)
     layers = {f"ff.{k}": _int8(getattr(ff, k), k, backend="torch_int_mm") for k in ("w1", "w2", "w3")}
-    assert qf.fuse_modules(nn.ModuleDict({"ff": ff}), layers) == {}
+    assert adapters.object_patches(nn.ModuleDict({"ff": ff}), layers, LUMINA) == layers
     flux_like = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))})
     layers = {"mlp.0": _int8(flux_like.mlp[0], "mlp.0"), "mlp.2": _int8(flux_like.mlp[2], "mlp.2")}
-    assert qf.fuse_modules(flux_like, layers) == {}
-    assert qf.object_patches(flux_like, layers) == layers
+    assert adapters.adapter_for(flux_like) is None               # no adapter: per-linear INT8
+    assert adapters.object_patches(flux_like, layers) == layers
 
 
 def test_fusion_switch():
     ff = LuminaFeedForwardStandIn(32, 48)
     layers = {f"ff.{k}": _int8(getattr(ff, k), k) for k in ("w1", "w2", "w3")}
     tree = nn.ModuleDict({"ff": ff})
-    assert set(qf.object_patches(tree, layers)) == {"ff"}
+    assert set(adapters.object_patches(tree, layers, LUMINA)) == {"ff"}
     with qf.config.override(INT8_FUSED_FUSION=False):
-        assert qf.object_patches(tree, layers) == layers
+        assert adapters.object_patches(tree, layers, LUMINA) == layers
 
 
 # ----------------------------------------------------------------------------------- Ideogram 4 block
 # A miniature of comfy/ldm/ideogram4/model.py's block (current ComfyUI; not in the pinned runtime): the same
-# attribute names and forward bodies, with stand-ins for the ComfyUI functions its forward calls. The fused
-# module reaches them through this module's globals, exactly as it reaches ComfyUI's in the real class.
+# attribute names and forward bodies, with stand-ins for the ComfyUI functions its forward calls. The adapter is
+# handed the same stand-ins (STAND_IN) in place of the ComfyUI functions it imports.
 def _rope(x, freqs):  # stand-in for _apply_rope_split_half1: rotate halves by per-position angles
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = freqs
@@ -331,6 +340,13 @@ comfy = types.SimpleNamespace(
     ops=types.SimpleNamespace(cast_bias_weight=lambda m, x, offloadable=False: (m.weight.to(x.dtype), None, None),
                               uncast_bias_weight=lambda *a: None),
     quant_ops=types.SimpleNamespace(ck=types.SimpleNamespace(rms_rope_split_half=_rms_rope_split_half)))
+
+
+STAND_IN = ideogram4.ComfyFunctions(
+    in_training=lambda: comfy.model_management.in_training, cast_bias_weight=comfy.ops.cast_bias_weight,
+    uncast_bias_weight=comfy.ops.uncast_bias_weight, rms_rope_split_half=_rms_rope_split_half,
+    attention=optimized_attention_masked, rope=_rope, clamp_fp16=False)
+IDEOGRAM4 = dataclasses.replace(ideogram4.ADAPTER, fuse=functools.partial(ideogram4.fuse, functions=STAND_IN))
 
 
 class Ideogram4Attention(nn.Module):
@@ -403,10 +419,11 @@ def test_fused_ideogram4_block_matches_unfused(monkeypatch, in_training):
     names = [f"layers.{i}.{n}" for i in range(2) for n in
              ("attention.qkv", "attention.o", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
     layers = {n: _int8(dm.get_submodule(n), n) for n in names}
-    patches = qf.object_patches(dm, layers)
+    patches = adapters.object_patches(dm, layers, IDEOGRAM4)
     assert set(patches) == {"layers.0", "layers.1", "llm_cond_proj"}   # every block linear is covered
     blk = patches["layers.0"]
-    assert isinstance(blk, qf.FusedIdeogram4Block) and set(blk.covers) == {n for n in names if "layers.0" in n}
+    assert isinstance(blk, ideogram4.FusedIdeogram4Block) and set(blk.covers) == {n for n in names if "layers.0" in n}
+    assert {f"layers.0.{n}" for n in blk.int8_layers()} == set(blk.covers)
     assert not [n for n, m in blk.named_modules() if type(m) is nn.Linear and n != "adaln_modulation"]
     x, freqs, ada = _block_inputs()
     for i in range(1):  # layer 1 is built the same way; one keeps the interpreter time down
@@ -422,9 +439,24 @@ def test_ideogram4_partial_quantization_falls_back():
     # only the FFN is INT8 (qkv kept float): the block stays, its FeedForward is fused on its own
     layers = {f"layers.0.feed_forward.{w}": _int8(dm.get_submodule(f"layers.0.feed_forward.{w}"), w)
               for w in ("w1", "w2", "w3")}
-    patches = qf.object_patches(dm, layers)
+    patches = adapters.object_patches(dm, layers, IDEOGRAM4)
     assert isinstance(patches["layers.0.feed_forward"], qf.FusedFeedForward)
     assert "layers.0" not in patches and not any(k.endswith((".w1", ".w2", ".w3")) for k in patches)
+
+
+def test_ideogram4_blocks_stay_unfused_without_the_comfy_functions(monkeypatch, caplog):
+    """A ComfyUI lacking what Ideogram4Attention calls (0.3.75: no comfy.ldm.ideogram4, in_training, quant_ops.ck):
+    no block is fused, one log line says why, the FeedForwards are still fused."""
+    def missing():
+        raise ImportError("No module named 'comfy.ldm.ideogram4'")
+    monkeypatch.setattr(ideogram4, "comfy_functions", missing)
+    dm = _mini_ideogram(layers=1)
+    names = [f"layers.0.{n}" for n in ("attention.qkv", "attention.o", "feed_forward.w1", "feed_forward.w2",
+                                       "feed_forward.w3")]
+    with caplog.at_level("INFO", logger="int8_fused"):
+        patches = adapters.object_patches(dm, {n: _int8(dm.get_submodule(n), n) for n in names}, ideogram4.ADAPTER)
+    assert "layers.0" not in patches and isinstance(patches["layers.0.feed_forward"], qf.FusedFeedForward)
+    assert "lacks what Ideogram4Attention calls" in caplog.text
 
 
 @pytest.fixture
@@ -446,7 +478,7 @@ def test_lumina2_real_feed_forward_and_block(pinned_comfy):
             p.copy_((1 + 0.1 * torch.randn_like(p)) if "norm" in n else torch.randn_like(p) * p.shape[-1] ** -0.5)
     names = [f"feed_forward.{w}" for w in ("w1", "w2", "w3")] + ["attention.qkv", "attention.out"]
     layers = {n: _int8(blk.get_submodule(n), n) for n in names}
-    patches = qf.object_patches(blk, layers)
+    patches = adapters.object_patches(blk, layers, lumina2.ADAPTER)
     assert isinstance(patches["feed_forward"], qf.FusedFeedForward)
     assert set(patches) == {"feed_forward", "attention.qkv", "attention.out"}
     ref_blk = _unfused_copy(blk, layers)
@@ -480,7 +512,7 @@ def test_modelpatcher_object_patches_lumina2(pinned_comfy):
     pairs = [(n, m) for n, m in dm.named_modules() if n.startswith("layers.") and isinstance(m, nn.Linear)
              and "adaLN" not in n]
     layers, _ = build_int8_layers(pairs, "fused_triton")
-    patches = qf.object_patches(dm, layers)
+    patches = adapters.object_patches(dm, layers)   # the registry finds the Lumina 2 adapter (NextDiT)
     assert sum(isinstance(m, qf.FusedFeedForward) for m in patches.values()) == len(dm.layers)
     g = torch.Generator().manual_seed(1)
     x, ctx = torch.randn(1, 16, 4, 4, generator=g), torch.randn(1, 4, 64, generator=g)
@@ -547,7 +579,7 @@ def test_cached_linear_follows_weight_changes_and_patching():
 
 def test_cache_wrappers_bind_uuids_and_invalidate():
     dm = _mini_ideogram(layers=1)
-    cache = qf.fuse_modules(dm, {})["llm_cond_proj"]
+    cache = ideogram4.fuse(dm, {}, functions=STAND_IN)["llm_cond_proj"]
     dm.llm_cond_proj = cache
     x = torch.randn(3, 48).bfloat16()
 
@@ -573,7 +605,7 @@ def test_fused_block_compiles_without_graph_breaks():
     dm = _mini_ideogram(layers=1)
     names = [f"layers.0.{n}" for n in ("attention.qkv", "attention.o", "feed_forward.w1", "feed_forward.w2",
                                        "feed_forward.w3", "adaln_modulation")]
-    blk = qf.object_patches(dm, {n: _int8(dm.get_submodule(n), n) for n in names})["layers.0"]
+    blk = adapters.object_patches(dm, {n: _int8(dm.get_submodule(n), n) for n in names}, IDEOGRAM4)["layers.0"]
     x, freqs, ada = _block_inputs(b=1, l=2)
     torch._dynamo.reset()
     with torch.no_grad():
@@ -592,6 +624,8 @@ import comfy.cli_args
 comfy.cli_args.args.cpu = dev == "cpu"
 import comfy.ops, comfy.utils, comfy.model_management as mm
 import comfy.ldm.ideogram4.model as im
+import adapters
+from adapters import ideogram4
 from quant import fused as qf
 from quant.linear import Int8Linear
 if dev == "cpu":
@@ -607,9 +641,10 @@ names = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) a
          (n.split(".")[-1] in ("qkv", "o", "w1", "w2", "w3") or n == "llm_cond_proj")]
 layers = {n: Int8Linear.from_float(m.get_submodule(n).weight, m.get_submodule(n).bias, backend="fused_triton",
                                    name=n) for n in names}
-patches = qf.object_patches(m, layers)
+assert adapters.adapter_for(m) is ideogram4.ADAPTER
+patches = adapters.object_patches(m, layers)
 assert {"layers.0", "layers.1", "llm_cond_proj"} <= set(patches), sorted(patches)
-assert all(isinstance(patches[f"layers.{i}"], qf.FusedIdeogram4Block) for i in range(2))
+assert all(isinstance(patches[f"layers.{i}"], ideogram4.FusedIdeogram4Block) for i in range(2))
 plain, fused = copy.deepcopy(m), copy.deepcopy(m)
 for n, l in layers.items():
     comfy.utils.set_attr(plain, n, l)

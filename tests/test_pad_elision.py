@@ -63,7 +63,7 @@ def test_switch(pe, pack):
             pe.enabled("fused_triton")
 
 
-class Ideogram4Transformer2DModel:  # the wrapper recognises the model class by name
+class Ideogram4Transformer2DModel:  # the pinned ComfyUI has no comfy.ldm.ideogram4: recognised by class name
     pass
 
 
@@ -76,16 +76,17 @@ class _Executor:
         return "out"
 
 
-def test_wrapper_rewrites_positional_and_keyword_arguments_of_ideogram4_only(pe):
+def test_wrapper_rewrites_positional_and_keyword_arguments_of_ideogram4_only(pack):
+    wrapper = pack.adapters.ideogram4.diffusion_model_wrapper  # the Ideogram 4 adapter's, on quant/pad_elision.py
     ctx, mask, to = _ctx(1, 6), torch.tensor([[1, 1, 1, 0, 0, 0]]), {"x": 1}
     ex = _Executor(Ideogram4Transformer2DModel())
-    assert pe.diffusion_model_wrapper(ex, "x", "t", ctx, mask, to, extra=2) == "out"
+    assert wrapper(ex, "x", "t", ctx, mask, to, extra=2) == "out"
     args, kwargs = ex.seen
     assert args[:2] == ("x", "t") and torch.equal(args[2], ctx[:, :3]) and args[3] is None and args[4] is to
     assert kwargs == {"extra": 2}
-    pe.diffusion_model_wrapper(ex, "x", "t", context=ctx, attention_mask=mask, transformer_options=to)
+    wrapper(ex, "x", "t", context=ctx, attention_mask=mask, transformer_options=to)
     args, kwargs = ex.seen
     assert args == ("x", "t") and torch.equal(kwargs["context"], ctx[:, :3]) and kwargs["attention_mask"] is None
     other = _Executor(object())
-    pe.diffusion_model_wrapper(other, "x", "t", ctx, mask, to)
+    wrapper(other, "x", "t", ctx, mask, to)
     assert other.seen[0][2] is ctx and other.seen[0][3] is mask

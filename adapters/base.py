@@ -1,0 +1,81 @@
+"""What a model adapter declares (:class:`Adapter`), and the pack's pure-torch modules it builds on.
+
+An adapter is data plus one function: which ComfyUI model classes it serves, which linears its blocks have
+(``quant.select.BlockRules``), how its blocks are fused (``fuse``), and which checkpoint key layout the pack reads
+for it. ComfyUI is imported by the adapter modules themselves, explicitly and only inside ``fuse`` (or the helpers
+it calls): importing ``adapters`` imports no ComfyUI module, so the pack imports in a blink and the adapters also
+import in plain pytest.
+
+``adapters`` is a top-level package in tests and ``<pack folder>.adapters`` inside ComfyUI; ``quant`` sits beside it
+in both cases (as ``quant.kernel_module`` finds ``kernel``), so the pure-torch modules are imported through
+:func:`pack_module` and are the very modules the nodes use (one ``Int8Linear`` class, not two).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+from torch import nn
+
+_ROOT = __name__.rsplit(".", 2)[0] if __name__.count(".") >= 2 else ""
+
+
+def pack_module(name: str):
+    """The pack's module ``name`` (e.g. ``"quant.fused"``), beside this package."""
+    return importlib.import_module(f"{_ROOT}.{name}" if _ROOT else name)
+
+
+fused = pack_module("quant.fused")
+select = pack_module("quant.select")
+Int8Linear = pack_module("quant.linear").Int8Linear
+
+# fuse(diffusion_model, int8_layers) -> {module name relative to the diffusion model: fused module}
+FuseFn = Callable[[nn.Module, dict], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One architecture family.
+
+    ``model_classes``: dotted paths of the ComfyUI diffusion-model classes it serves (subclasses included), e.g.
+    ``"comfy.ldm.flux.model.Flux"``; resolved when a model is looked up (see ``adapters.adapter_for``).
+    ``rules``: its blocks' containers and modulation linears, for the layer presets. ``fuse``: fused replacements
+    (each with ``covers``, the int8 layer names it consumed, and ``int8_layers()``), or None: per-linear INT8 only.
+    ``checkpoint_layout``: the pack module describing its checkpoint key layout, if the pack reads one.
+    ``pad_elision_wrapper``: a ComfyUI DIFFUSION_MODEL wrapper dropping trailing padded text tokens
+    (quant/pad_elision.py), for architectures where that changes no output."""
+    name: str
+    model_classes: tuple[str, ...]
+    rules: "select.BlockRules"
+    fuse: FuseFn | None = None
+    checkpoint_layout: str | None = None
+    pad_elision_wrapper: Callable | None = None
+
+    def serves(self, cls: type) -> bool:
+        """Whether ``cls`` or one of its bases is one of ``model_classes``: by identity where the class path
+        imports here, by class name where it does not (no ComfyUI on the path, or a ComfyUI without it)."""
+        keys = [_resolve(p) for p in self.model_classes]
+        return any(c is k or (isinstance(k, str) and c.__name__ == k) for c in cls.__mro__ for k in keys)
+
+
+def _resolve(path: str) -> type | str:
+    """The class at dotted ``path``, or its bare name when it cannot be imported here."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return name
+
+
+def fuse_feed_forwards(root: nn.Module, int8_layers: dict, is_ffn: Callable[[nn.Module], bool],
+                       clamp_fp16: bool = False) -> dict:
+    """{name: FusedFeedForward} for each module of ``root`` that ``is_ffn`` accepts and whose w1/w3 are INT8 on
+    fused_triton (``FusedFeedForward.build``)."""
+    out = {}
+    for name, m in root.named_modules():
+        if is_ffn(m):
+            ff = fused.FusedFeedForward.build(name, m, int8_layers, clamp_fp16)
+            if ff is not None:
+                out[name] = ff
+    return out

@@ -1,0 +1,216 @@
+"""Fused Flux.1 blocks (issue 13): ``DoubleStreamBlock`` and ``SingleStreamBlock`` of ComfyUI's
+``comfy/ldm/flux/layers.py`` on INT8 layers, with the activation quantization folded into the kernels that produce
+each GEMM input (``kernel/fused.py``):
+
+* ``LayerNorm(x) * (1 + scale) + shift`` + quantization (``layernorm_modulate_quantize``) feeds ``img_attn.qkv`` /
+  ``txt_attn.qkv``, ``img_mlp.0`` / ``txt_mlp.0`` and the single block's ``linear1``;
+* ``gelu_tanh`` + quantization (``gelu_tanh_quantize``) feeds ``img_mlp.2`` / ``txt_mlp.2``;
+* ``cat(attn, gelu_tanh(mlp))`` + quantization (``concat_gelu_quantize``, one absmax over both parts, the
+  concatenation never written) feeds the single block's ``linear2``.
+
+Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: ``adapters/flux.py`` decides which
+blocks are Flux.1 blocks and hands in what the forwards call from ComfyUI (:class:`FluxFunctions`: Flux's
+``attention``, which applies RoPE and calls ``optimized_attention`` with ``transformer_options``, and the blocks'
+own ``forward`` functions).
+
+A fused block is a structural twin of the original: the same child names (``img_mod``, ``img_norm1``,
+``img_attn.qkv`` ...) and plain attributes, its containers rebuilt (:func:`with_layers`) around the INT8 layers
+and sharing every other module (norms, QKNorm, GELU) with the original, which stays untouched. The fused forward
+runs when a call is what it implements (Flux.1: the block's own modulation, no ``modulation_dims``, no
+``attn1_patch`` / ``attn1_output_patch``); any other call runs the running ComfyUI's own ``forward`` on the twin,
+i.e. the per-linear INT8 path exactly. A layer that is not INT8 on fused_triton (kept float, another backend) takes
+its input from torch. Numerics equal the per-linear INT8 path within rounding (see kernel/fused.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import fused as qf
+from .linear import Int8Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxFunctions:
+    """What the blocks call from ComfyUI (the adapter imports them; tests may pass stand-ins)."""
+    attention: Callable       # comfy.ldm.flux.math.attention(q, k, v, pe, mask=None, transformer_options={})
+    double_forward: Callable  # comfy.ldm.flux.layers.DoubleStreamBlock.forward: the per-linear path
+    single_forward: Callable  # comfy.ldm.flux.layers.SingleStreamBlock.forward
+
+
+# ------------------------------------------------------------------------------------ kernels (eager / compile)
+def _ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps):
+    if qf._compiling():
+        return torch.ops.int8_fused.ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps)
+    return qf._kf().layernorm_modulate_quantize(x2, scale, shift, tokens, inv_smooth, eps)
+
+
+def _cat_gelu_quant(a2, h2, inv_smooth):
+    """(int8, fp32) of ``cat(a2, gelu_tanh(h2))`` (``a2`` None: ``gelu_tanh(h2)`` alone)."""
+    if qf._compiling():
+        return torch.ops.int8_fused.cat_gelu_quant(a2, h2, inv_smooth)
+    if a2 is None:
+        return qf._kf().gelu_tanh_quantize(h2, inv_smooth)
+    return qf._kf().concat_gelu_quantize(a2, h2, inv_smooth)
+
+
+def _promote(*ts: torch.Tensor) -> torch.dtype:
+    dt = ts[0].dtype
+    for t in ts[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
+def _attn_patches(transformer_options) -> bool:
+    """Whether the call carries attention patches (applied by current ComfyUI's block forwards, ignored by
+    0.3.75's): such calls run the block's own forward."""
+    p = transformer_options.get("patches") if isinstance(transformer_options, dict) else None
+    return bool(p) and ("attn1_patch" in p or "attn1_output_patch" in p)
+
+
+# ------------------------------------------------------------------------------------ structural twins
+def rebind(module: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
+    """A new instance of ``module``'s class with its plain attributes, parameters and buffers (shared tensors) and
+    its child modules, the ones named in ``children`` replaced. ``module`` itself is not modified."""
+    new = type(module).__new__(type(module))
+    nn.Module.__init__(new)
+    for k, v in module.__dict__.items():
+        if not k.startswith("_"):
+            new.__dict__[k] = v
+    for k, p in module._parameters.items():
+        new._parameters[k] = p
+    for k, b in module._buffers.items():
+        new._buffers[k] = b
+    new._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    for k, m in module._modules.items():
+        new._modules[k] = children.get(k, m)
+    return new
+
+
+def with_layers(module: nn.Module, prefix: str, layers: dict) -> nn.Module:
+    """``module`` (named ``prefix``) with each descendant named in ``layers`` replaced by that layer; ``module``
+    itself when ``layers`` names none of them, else a :func:`rebind` copy (recursively)."""
+    if prefix in layers:
+        return layers[prefix]
+    p = f"{prefix}."
+    if not any(n.startswith(p) for n in layers):
+        return module
+    return rebind(module, {k: with_layers(m, p + k, layers) for k, m in module._modules.items() if m is not None})
+
+
+class _FusedFluxBlock(nn.Module):
+    """The twin of ``block`` (named ``prefix``) on ``layers`` ({name relative to the diffusion model:
+    Int8Linear}); ``covers``: the names of ``layers`` under the block."""
+
+    def __init__(self, block: nn.Module, prefix: str, layers: dict, fn: FluxFunctions):
+        super().__init__()
+        for k, v in block.__dict__.items():
+            if not k.startswith("_"):
+                self.__dict__[k] = v
+        for k, m in block._modules.items():
+            self._modules[k] = with_layers(m, f"{prefix}.{k}", layers) if m is not None else None
+        self.fn = fn
+        self.covers = tuple(n for n in layers if n.startswith(f"{prefix}."))
+        qf._kf().register_ops()
+
+    def int8_layers(self) -> dict[str, Int8Linear]:
+        return {n: m for n, m in self.named_modules() if isinstance(m, Int8Linear)}
+
+    def extra_repr(self) -> str:
+        return f"covers={len(self.covers)} linears"
+
+    def _mod_linear(self, layer: nn.Module, norm: nn.Module, x: torch.Tensor, mod) -> torch.Tensor:
+        """``layer(apply_mod(norm(x), 1 + mod.scale, mod.shift))`` (x [B, L, K]): one kernel feeding the int8 GEMM
+        when ``layer`` is INT8 on fused_triton, else torch as ComfyUI runs it."""
+        if not qf.fusable(layer):
+            return layer(torch.addcmul(mod.shift, norm(x), 1 + mod.scale))
+        b, l, k = x.shape
+        a_q, a_s = _ln_mod_quant(x.reshape(-1, k), mod.scale, mod.shift, l, qf.inv_smooth_of(layer, x.device),
+                                 float(norm.eps))
+        return qf.gemm(a_q, a_s, layer, _promote(x, mod.scale, mod.shift)).view(b, l, -1)
+
+    @staticmethod
+    def _gelu_linear(layer: nn.Module, act: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """``layer(act(h))`` with act the tanh GELU: one kernel feeding the int8 GEMM, or torch."""
+        if not qf.fusable(layer):
+            return layer(act(h))
+        a_q, a_s = _cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qf.inv_smooth_of(layer, h.device))
+        return qf.gemm(a_q, a_s, layer, h.dtype).view(*h.shape[:-1], -1)
+
+
+class FusedFluxDoubleBlock(_FusedFluxBlock):
+    """Flux.1's ``DoubleStreamBlock`` (its own img_mod / txt_mod, GELU MLPs, txt tokens first in attention)."""
+
+    def forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
+                transformer_options={}):
+        if (modulation_dims_img is not None or modulation_dims_txt is not None or _attn_patches(transformer_options)
+                or not isinstance(vec, torch.Tensor)):
+            return self.fn.double_forward(self, img, txt, vec, pe, attn_mask=attn_mask,
+                                          modulation_dims_img=modulation_dims_img,
+                                          modulation_dims_txt=modulation_dims_txt,
+                                          transformer_options=transformer_options)
+        img_mod1, img_mod2 = self.img_mod(vec)
+        txt_mod1, txt_mod2 = self.txt_mod(vec)
+        img_q, img_k, img_v = self._qkv(self.img_attn, self.img_norm1, img, img_mod1)
+        txt_q, txt_k, txt_v = self._qkv(self.txt_attn, self.txt_norm1, txt, txt_mod1)
+        q = torch.cat((txt_q, img_q), dim=2)
+        del txt_q, img_q
+        k = torch.cat((txt_k, img_k), dim=2)
+        del txt_k, img_k
+        v = torch.cat((txt_v, img_v), dim=2)
+        del txt_v, img_v
+        attn = self.fn.attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+        del q, k, v
+        txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
+
+        img += qf.linear(self.img_attn.proj, img_attn) * img_mod1.gate
+        del img_attn
+        img += self._mlp(self.img_mlp, self.img_norm2, img, img_mod2) * img_mod2.gate
+
+        txt += qf.linear(self.txt_attn.proj, txt_attn) * txt_mod1.gate
+        del txt_attn
+        txt += self._mlp(self.txt_mlp, self.txt_norm2, txt, txt_mod2) * txt_mod2.gate
+
+        if txt.dtype == torch.float16:
+            txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
+        return img, txt
+
+    def _qkv(self, attn: nn.Module, norm: nn.Module, x: torch.Tensor, mod):
+        qkv = self._mod_linear(attn.qkv, norm, x, mod)
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = attn.norm(q, k, v)
+        return q, k, v
+
+    def _mlp(self, mlp: nn.Sequential, norm: nn.Module, x: torch.Tensor, mod) -> torch.Tensor:
+        return self._gelu_linear(mlp[2], mlp[1], self._mod_linear(mlp[0], norm, x, mod))
+
+
+class FusedFluxSingleBlock(_FusedFluxBlock):
+    """Flux.1's ``SingleStreamBlock`` (its own modulation, GELU MLP): linear1 from the LayerNorm kernel, linear2
+    from the concatenation kernel."""
+
+    def forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):
+        if modulation_dims is not None or _attn_patches(transformer_options) or not isinstance(vec, torch.Tensor):
+            return self.fn.single_forward(self, x, vec, pe, attn_mask=attn_mask, modulation_dims=modulation_dims,
+                                          transformer_options=transformer_options)
+        mod, _ = self.modulation(vec)
+        h = self._mod_linear(self.linear1, self.pre_norm, x, mod)
+        qkv, mlp = torch.split(h, [3 * self.hidden_size, self.mlp_hidden_dim_first], dim=-1)
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        del qkv
+        q, k = self.norm(q, k, v)
+        attn = self.fn.attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+        del q, k, v
+        if qf.fusable(self.linear2) and attn.dtype == mlp.dtype:
+            a_q, a_s = _cat_gelu_quant(attn.reshape(-1, attn.shape[-1]), mlp.reshape(-1, mlp.shape[-1]),
+                                       qf.inv_smooth_of(self.linear2, x.device))
+            output = qf.gemm(a_q, a_s, self.linear2, attn.dtype).view(*attn.shape[:-1], -1)
+        else:
+            output = self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
+        x += output * mod.gate
+        if x.dtype == torch.float16:
+            x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
+        return x
