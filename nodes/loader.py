@@ -23,11 +23,13 @@ import os
 import torch
 from torch import nn
 
+from .. import adapters
 from ..quant import backends
 from ..quant import fmt_ideogram4 as i4
 from ..quant.formats import CheckpointError, open_checkpoint, read_header
 from ..quant.linear import Int8Linear
-from .apply import backend_choices
+from . import attention as attention_routing, pad_elision
+from .apply import backend_choices, install_patches
 from .common import CATEGORY
 
 log = logging.getLogger("int8_fused")
@@ -137,7 +139,7 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
                               f"{branch or 'model'} branch; is it a diffusion model this ComfyUI supports?")
     dm = patcher.model.diffusion_model
     device = mm.get_torch_device()
-    n_q, empty, bad, notes = 0, [], [], {}
+    n_q, empty, bad, notes, layers = 0, [], [], {}, {}
     ran = collections.Counter()
     for name, mod in list(dm.named_modules()):
         if not isinstance(mod, ops.Linear):
@@ -156,6 +158,7 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
             notes.setdefault(new.backend, note)
         parent, _, leaf = name.rpartition(".")
         setattr(dm.get_submodule(parent) if parent else dm, leaf, new)
+        layers[name] = new
         n_q += 1
     if bad:
         raise CheckpointError(f"{ck.name}: {len(bad)} layers do not fit the model ComfyUI built: {bad[:4]}; "
@@ -164,9 +167,16 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
         raise CheckpointError(f"{ck.name}: the {branch or 'model'} branch has no weights for {empty[:8]}"
                               f"{' ...' if len(empty) > 8 else ''}; the file is incomplete")
     patcher.int8_backends = dict(ran.most_common())
-    log.info("[int8_fused] %s %s: %d INT8 linears on %s (asked %s)%s", ck.name, branch or "model", n_q,
+    # What Apply fuses on fused_triton (the Ideogram 4 adapter: whole blocks, FeedForwards, llm_cond_proj cache),
+    # as object patches over the tree that already holds the plain Int8Linear layers.
+    fused_modules = {n: m for n, m in adapters.object_patches(dm, layers).items()
+                     if getattr(m, "covers", None) is not None}
+    install_patches(patcher, fused_modules)
+    patcher.int8_fused_modules = len(fused_modules)
+    log.info("[int8_fused] %s %s: %d INT8 linears on %s (asked %s)%s%s", ck.name, branch or "model", n_q,
              ", ".join(f"{b}: {n}" for b, n in ran.most_common()) or "none", backend,
-             "".join(f"; {b} because {why}" for b, why in notes.items()))
+             "".join(f"; {b} because {why}" for b, why in notes.items()),
+             f"; {len(fused_modules)} modules fused" if fused_modules else "")
     return patcher
 
 
@@ -223,10 +233,12 @@ def _instrument(patcher, node_id, backend) -> None:
 
 
 def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: str | None,
-                   real_widths: bool = True, node_id=None):
-    """(model_conditional, model_unconditional) ModelPatchers built from an INT8 Ideogram 4 file."""
+                   real_widths: bool = True, node_id=None, attention: str = attention_routing.DEFAULT):
+    """(model_conditional, model_unconditional) ModelPatchers built from an INT8 Ideogram 4 file, with
+    ``attention`` routing and pad-token elision installed as the Apply node installs them."""
     import comfy.model_management as mm
 
+    attention_routing.check_mode(attention)
     _require_ideogram4()
     if backend == "auto":
         backend = backends.env_override() or backends.default_backend(mm.get_torch_device())
@@ -237,6 +249,8 @@ def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: 
             missing = i4.check_branch(ck.branches[br], ck.header, ck.name, real_widths=real_widths)
             base = base_uncond if br == "unconditional" else base_cond
             out[br] = build_branch(ck, br, backend, base, missing, dtype=torch.bfloat16)
+            attention_routing.install(out[br], attention)
+            pad_elision.install(out[br], backend)
             _instrument(out[br], f"{node_id}:{br or 'model'}", backend)
     name = os.path.basename(path)
     cond = out.get("conditional", out.get(""))
@@ -268,6 +282,9 @@ class LoadIdeogram4Int8:
             "base_checkpoint": (bases, {"tooltip": "float/FP8 Ideogram 4 (conditional) supplying norms and "
                                                    "embeddings the INT8 file lacks"}),
             "base_checkpoint_unconditional": (bases, {"tooltip": "the same for the unconditional backbone"}),
+        }, "optional": {
+            "attention": (attention_routing.CHOICES, {"default": attention_routing.DEFAULT,
+                                                      "tooltip": attention_routing.TOOLTIP}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
     RETURN_TYPES = ("MODEL", "MODEL")
@@ -278,13 +295,14 @@ class LoadIdeogram4Int8:
                    "A file with one backbone fills one output; the other errors wherever it is sampled (a "
                    "file of the unconditional backbone alone gives model_unconditional).")
 
-    def load(self, unet_name, backend, base_checkpoint, base_checkpoint_unconditional, unique_id=None):
+    def load(self, unet_name, backend, base_checkpoint, base_checkpoint_unconditional,
+             attention=attention_routing.DEFAULT, unique_id=None):
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         get = lambda n: None if n == NONE else folder_paths.get_full_path_or_raise("diffusion_models", n)  # noqa: E731
         return load_ideogram4(path, backend, get(base_checkpoint), get(base_checkpoint_unconditional),
-                              node_id=unique_id)
+                              node_id=unique_id, attention=attention)
 
 
 NODE_CLASS_MAPPINGS = {"LoadIdeogram4Int8": LoadIdeogram4Int8}
