@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The H200 measurements issues 13 and 14 still need, in three device calls of under 10 minutes each
+# (this script is the command: `bash bench/h200_pending.sh <stage>`; results land in $OUT).
+#   kernels   bench/attention.py (own INT8 attention vs SDPA flash/cuDNN/efficient and comfy-kitchen, L 4608 /
+#             4096 / 2816, head_dim 256, masked and not) and bench/shapes.py (every block linear of Ideogram 4,
+#             Flux, Wan, SD3.5, Z-Image and the odd shapes: bf16, fp8_fast, INT8 forced, dispatched)
+#   ideogram  bench/e2e_sampler.py, Ideogram 4 at 1024², DualModelGuider, the anchors of issue 14 in one run
+#             (bf16 and fp8_fast with ComfyUI's attention, cuDNN first and comfy-kitchen attention; the pack with
+#             its attention modes), then 100 padded text tokens, then VRAM pressure rows
+#   models    bench/e2e_models.py: Flux.1, Z-Image, Wan 2.1 1.3B, Ideogram 4, bf16 / fp8_fast / pack
+# Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
+set -uo pipefail
+stage=${1:?usage: bash bench/h200_pending.sh kernels|ideogram|models}
+OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=$OUT/autotune
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
+if [ -f .carry/ck.zip ] && [ ! -d /tmp/ck/comfy_kitchen ]; then
+  mkdir -p /tmp/ck && python3 -m zipfile -e .carry/ck.zip /tmp/ck
+fi
+export PYTHONPATH=/tmp/site:/tmp/ck:$PWD/.carry/stub
+{ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  git rev-parse HEAD 2>/dev/null || echo "commit: ${BENCH_COMMIT:-unknown}"
+} 2>&1 | tee "$OUT/gpu-$stage.txt"
+sampler() { python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6 "$@"; }
+case $stage in
+  kernels)
+    timeout 260 python3 bench/attention.py --check --out "$OUT/h200-attention.json" 2>&1 | tee "$OUT/attention.log"
+    timeout 200 python3 bench/shapes.py --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
+  ideogram)
+    timeout 330 sampler --profile none --out "$OUT/sampler-anchors.json" --paths \
+      bf16,bf16~cudnn,fp8_fast,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton,pack:fused_triton~cudnn,pack:fused_triton~auto,pack:fused_triton~int8 \
+      2>&1 | tee "$OUT/sampler-anchors.log"
+    timeout 150 sampler --profile none --text-pad 100 --out "$OUT/sampler-pad.json" \
+      --paths bf16,fp8_fast~cudnn,pack:fused_triton~cudnn 2>&1 | tee "$OUT/sampler-pad.log"
+    timeout 100 sampler --profile pack:fused_triton --paths bf16 --pressure 6 --workflows batched \
+      --out "$OUT/sampler-pressure.json" 2>&1 | tee "$OUT/sampler-pressure.log" ;;
+  models)
+    timeout 560 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --out "$OUT/h200-e2e-models.json" \
+      2>&1 | tee "$OUT/models.log" ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
