@@ -86,7 +86,8 @@ def _int_mm_shape(N: int, K: int) -> str | None:
 _KERNEL = None  # the kernel package, cached at patch time: torch.compile cannot trace importlib
 
 
-def _kernel():
+def kernel():
+    """The pack's ``kernel`` package (imported on first use: it imports triton)."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = kernel_module()
@@ -94,7 +95,7 @@ def _kernel():
 
 
 def _fused_triton_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
-    k = _KERNEL if _KERNEL is not None else _kernel()
+    k = _KERNEL if _KERNEL is not None else kernel()
     if torch.compiler.is_compiling():  # one opaque custom op (fake impl for shapes): no graph break
         return k.int8_linear_op(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth)
     return k.int8_linear(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth,
@@ -179,7 +180,7 @@ def _any_shape(N: int, K: int) -> str | None:
 
 def _fused_triton_device(device: torch.device) -> str | None:
     try:
-        k = _kernel()
+        k = kernel()
         ok, reason = k.triton_status(device)
     except ImportError as e:  # the kernel package itself failed to import
         return f"the pack's kernel package failed to import ({e})"

@@ -241,7 +241,7 @@ def int8_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
     Int8Linear's tensors without nn.Module's ``__getattr__``."""
     if torch.compiler.is_compiling():
         return backends.BACKENDS["fused_triton"].linear(x2d, layer)
-    k = backends._KERNEL if backends._KERNEL is not None else backends._kernel()
+    k = backends.kernel()
     d = getattr(layer, "__dict__", None)
     p = None if d is None else d.get("_parameters")
     if p is not None:  # the layer itself (resident)
