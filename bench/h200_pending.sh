@@ -22,18 +22,18 @@ export PYTHONPATH=/tmp/site:/tmp/ck:$PWD/.carry/stub
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
   git rev-parse HEAD 2>/dev/null || echo "commit: ${BENCH_COMMIT:-unknown}"
 } 2>&1 | tee "$OUT/gpu-$stage.txt"
-sampler() { python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6 "$@"; }
+sampler="python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6"  # word-split on use
 case $stage in
   kernels)
     timeout 260 python3 bench/attention.py --check --out "$OUT/h200-attention.json" 2>&1 | tee "$OUT/attention.log"
     timeout 200 python3 bench/shapes.py --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   ideogram)
-    timeout 330 sampler --profile none --out "$OUT/sampler-anchors.json" --paths \
+    timeout 330 $sampler --profile none --out "$OUT/sampler-anchors.json" --paths \
       bf16,bf16~cudnn,fp8_fast,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton,pack:fused_triton~cudnn,pack:fused_triton~auto,pack:fused_triton~int8 \
       2>&1 | tee "$OUT/sampler-anchors.log"
-    timeout 150 sampler --profile none --text-pad 100 --out "$OUT/sampler-pad.json" \
+    timeout 150 $sampler --profile none --text-pad 100 --out "$OUT/sampler-pad.json" \
       --paths bf16,fp8_fast~cudnn,pack:fused_triton~cudnn 2>&1 | tee "$OUT/sampler-pad.log"
-    timeout 100 sampler --profile pack:fused_triton --paths bf16 --pressure 6 --workflows batched \
+    timeout 100 $sampler --profile pack:fused_triton --paths bf16 --pressure 6 --workflows batched \
       --out "$OUT/sampler-pressure.json" 2>&1 | tee "$OUT/sampler-pressure.log" ;;
   models)
     timeout 560 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --out "$OUT/h200-e2e-models.json" \
