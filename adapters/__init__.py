@@ -6,11 +6,13 @@ registered here and looked up by the ComfyUI class of the diffusion model.
 
 * ``ideogram4``: ``comfy.ldm.ideogram4.model.Ideogram4Transformer2DModel``; fuses whole blocks, FeedForwards and
   an ``llm_cond_proj`` cache; drops padded text tokens; checkpoint layout ``quant/fmt_ideogram4.py``.
-* ``lumina2``: ``comfy.ldm.lumina.model.NextDiT`` (Lumina 2, Z-Image); fuses the SwiGLU FeedForwards.
+* ``lumina2``: ``comfy.ldm.lumina.model.NextDiT`` (Lumina 2, Z-Image); fuses modulated blocks (RMSNorm·modulation +
+  quantize into qkv and w1+w3, SwiGLU + quantize into w2) and the SwiGLU FeedForwards of the others.
 * ``flux``: ``comfy.ldm.flux.model.Flux`` (Flux, Flux.2), ``comfy.ldm.chroma.model.Chroma``; fuses Flux.1's double and
   single blocks (LayerNorm·modulation + quantize, GELU + quantize); Flux.2 / Chroma blocks stay per-linear.
 * ``qwen_image``: ``comfy.ldm.qwen_image.model.QwenImageTransformer2DModel``; per-linear only.
-* ``wan``: ``comfy.ldm.wan.model.WanModel`` and its subclasses (Wan 2.x); per-linear only.
+* ``wan``: ``comfy.ldm.wan.model.WanModel`` and its subclasses (Wan 2.x); fuses ``WanAttentionBlock``'s self-attention
+  and FFN inputs (LayerNorm·modulation + quantize, GELU + quantize); other block classes stay per-linear.
 * ``sd3``: ``comfy.ldm.modules.diffusionmodules.mmdit.MMDiT`` (SD3.x); per-linear only.
 
 Lookup: the diffusion model's class and its bases (``__mro__``) against each adapter's classes. A class path that

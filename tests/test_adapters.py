@@ -104,8 +104,28 @@ def _swap(module, patches: dict):
     return m
 
 
+WAN_FUSED = {"fused": ["blocks.0", "blocks.1"], "kinds": ["FusedWanBlock"], "covered_all": True,
+             "same_layers": True}
+
+
+def wan_fused(pack) -> dict:
+    """The tiny Wan 2.x of ``per_linear_models`` (meta) with INT8 layers of its shapes on fused_triton: which blocks
+    the adapter fuses, whether they cover every layer and give them back through ``int8_layers()``."""
+    A, sel = pack.adapters, pack.quant.select
+    Int8Linear = pack.quant.linear.Int8Linear
+    dm = per_linear_models()["wan"]
+    names = [n for n, _ in sel.select_linears(dm, "blocks", rules=A.block_rules(dm))]
+    layers = {n: Int8Linear.from_float(torch.randn(dm.get_submodule(n).weight.shape), backend="fused_triton", name=n)
+              for n in names}
+    patches = A.object_patches(dm, layers)
+    covered = sorted(c for m in patches.values() for c in getattr(m, "covers", ()))
+    return {"fused": sorted(patches), "kinds": sorted({type(m).__name__ for m in patches.values()}),
+            "covered_all": covered == sorted(layers), "same_layers": A.int8_layers_of(patches) == layers}
+
+
 def lumina2_equivalence(pack) -> dict:
-    """A tiny Lumina 2 (NextDiT) from ComfyUI's classes: the adapter's fused FeedForwards vs per-linear INT8."""
+    """A tiny Lumina 2 (NextDiT) from ComfyUI's classes: the adapter's fused blocks / FeedForwards (each fused
+    FeedForward counted, also inside a FusedLumina2Block) vs per-linear INT8."""
     import importlib.util
     import comfy.supported_models
     spec = importlib.util.spec_from_file_location("int8fused_miniature", ROOT / "scripts" / "miniature.py")
@@ -123,7 +143,7 @@ def lumina2_equivalence(pack) -> dict:
     pairs = pack.quant.select.select_linears(dm, "blocks", rules=A.block_rules(dm))
     layers, _ = pack.quant.patch.build_int8_layers(pairs, "fused_triton")
     patches = A.object_patches(dm, layers)
-    n_ffn = sum(isinstance(m, pack.quant.fused.FusedFeedForward) for m in patches.values())
+    n_ffn = sum(isinstance(m, pack.quant.fused.FusedFeedForward) for p in patches.values() for m in p.modules())
     same_layers = A.int8_layers_of(patches).keys() == layers.keys()
     g = torch.Generator().manual_seed(1)
     x, ctx = torch.randn(1, 16, 4, 4, generator=g), torch.randn(1, 4, 64, generator=g)
@@ -184,7 +204,7 @@ def test_registry_resolves_the_pinned_classes_and_ideogram4_by_name(pack):
 def test_one_adapter_per_architecture_registered(pack):
     A = pack.adapters
     assert [a.name for a in A.registered()] == ["ideogram4", "lumina2", "flux", "qwen_image", "wan", "sd3"]
-    assert [a.name for a in A.registered() if a.fuse is not None] == ["ideogram4", "lumina2", "flux"]
+    assert [a.name for a in A.registered() if a.fuse is not None] == ["ideogram4", "lumina2", "flux", "wan"]
     assert A.ideogram4.ADAPTER.checkpoint_layout == "quant.fmt_ideogram4"
     assert A.pack_module(A.ideogram4.ADAPTER.checkpoint_layout) is pack.quant.fmt_ideogram4
 
@@ -204,9 +224,14 @@ def test_unknown_architecture_gets_per_linear_int8(pack):
 def test_per_linear_adapters_on_pinned_classes(pack):
     # Wan: 10 linears per block; Qwen-Image: 14 minus img_mod / txt_mod; SD3: the last context block is pre-only
     got = check_per_linear(pack, per_linear_models())
-    assert got == {"wan": {"adapter": "wan", "same_presets": True, "blocks": 20, "plain": True},
+    # Wan's blocks are fused now (its equivalence: tests/test_wan_fused.py): not plain here, see wan_fused
+    assert got == {"wan": {"adapter": "wan", "same_presets": True, "blocks": 20, "plain": False},
                    "qwen_image": {"adapter": "qwen_image", "same_presets": True, "blocks": 24, "plain": True},
                    "sd3": {"adapter": "sd3", "same_presets": True, "blocks": 13, "plain": True}}, got
+
+
+def test_wan_blocks_fused_pinned(pack):
+    assert wan_fused(pack) == WAN_FUSED
 
 
 def test_flux_adapter_presets_are_the_generic_ones(pack, tiny_model):
@@ -230,7 +255,8 @@ def test_lumina2_fused_equals_per_linear_pinned(pack):
 def body(pack, models) -> dict:
     """Runs inside the current ComfyUI (subprocess)."""
     return {"classes": resolved_names(pack), "per_linear": check_per_linear(pack, per_linear_models()),
-            "lumina2": lumina2_equivalence(pack), "ideogram4": ideogram4_equivalence(pack)}
+            "lumina2": lumina2_equivalence(pack), "ideogram4": ideogram4_equivalence(pack),
+            "wan": wan_fused(pack)}
 
 
 def test_adapters_on_the_current_comfyui(comfy_current):
@@ -238,7 +264,9 @@ def test_adapters_on_the_current_comfyui(comfy_current):
     res = run_body_in_current_comfy(__file__)
     classes = res["classes"]
     assert classes == {p: CLASSES[p] for p in classes} and len(classes) == len(CLASSES), classes
-    assert all(v["same_presets"] and v["plain"] and v["adapter"] == k for k, v in res["per_linear"].items())
+    assert all(v["same_presets"] and v["plain"] == (k != "wan") and v["adapter"] == k
+               for k, v in res["per_linear"].items())
+    assert res["wan"] == WAN_FUSED, res["wan"]
     lum, ideo = res["lumina2"], res["ideogram4"]
     assert lum["fused_ffn"] == lum["ffn"] and lum["same_layers"] and lum["rel"] < REL, lum
     assert ideo["adapter"] == "ideogram4" and ideo["block"] == "FusedIdeogram4Block" and ideo["same_layers"], ideo

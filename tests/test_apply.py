@@ -171,7 +171,8 @@ def test_backends_agree_inside_the_model(comfy, node, pack):
         plain = run(comfy, apply(node, mp, "fused_triton", exclude=only), "lumina2")
     assert (plain - t).abs().max() <= 1e-5 * t.abs().max()
     fq = apply(node, mp, "fused_triton", exclude=only)
-    assert type(fq.object_patches[PREFIX + "layers.1.feed_forward"]).__name__ == "FusedFeedForward"
+    assert type(fq.object_patches[PREFIX + "layers.1"]).__name__ == "FusedLumina2Block"  # its FFN: FusedFeedForward
+    assert type(fq.object_patches[PREFIX + "layers.1"].feed_forward).__name__ == "FusedFeedForward"
     fused = run(comfy, fq, "lumina2")
     assert (fused - t).norm() <= 0.5 * (t - ref).norm()
     # the per-layer view of a fused model: w1/w3 split back from the merged GEMM, equal to the plain layers

@@ -513,7 +513,7 @@ def test_modelpatcher_object_patches_lumina2(pinned_comfy):
              and "adaLN" not in n]
     layers, _ = build_int8_layers(pairs, "fused_triton")
     patches = adapters.object_patches(dm, layers)   # the registry finds the Lumina 2 adapter (NextDiT)
-    assert sum(isinstance(m, qf.FusedFeedForward) for m in patches.values()) == len(dm.layers)
+    assert sum(isinstance(m, qf.FusedFeedForward) for p in patches.values() for m in p.modules()) == len(dm.layers)
     g = torch.Generator().manual_seed(1)
     x, ctx = torch.randn(1, 16, 4, 4, generator=g), torch.randn(1, 4, 64, generator=g)
 

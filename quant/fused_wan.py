@@ -1,0 +1,164 @@
+"""Fused Wan 2.x attention blocks (issue 13): ``WanAttentionBlock`` of ComfyUI's ``comfy/ldm/wan/model.py`` on INT8
+layers, with the activation quantization folded into the kernels that produce each GEMM input (``kernel/fused.py``,
+the Flux.1 kernels; no new kernel):
+
+* ``LayerNorm(x) * (1 + e[1]) + e[0]`` + quantization (``layernorm_modulate_quantize``) gives ONE int8 activation
+  that ``self_attn.q``, ``.k`` and ``.v`` all read (three GEMMs from the same int8 input; layers whose SmoothQuant
+  vectors differ get one kernel per distinct vector);
+* ``LayerNorm(x) * (1 + e[4]) + e[3]`` + quantization feeds ``ffn.0``, ``gelu_tanh`` + quantization
+  (``gelu_tanh_quantize``) feeds ``ffn.2``.
+
+Everything else runs as ComfyUI's block forward runs it: the modulation sum ``cast_to(modulation, x.dtype) + e``
+(fp32 when ``e`` is, as ComfyUI computes it), q/k RMSNorm modules, RoPE (ComfyUI's ``apply_rope1``), attention
+through ComfyUI's ``optimized_attention`` with ``transformer_options`` (the pack's attention routing applies), the
+output projection ``self_attn.o``, the gated residuals (``torch.addcmul``), and the cross-attention (``norm3`` +
+``cross_attn`` called as modules: per-linear INT8).
+
+Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: ``adapters/wan.py`` decides which blocks
+are Wan 2.x ``WanAttentionBlock`` s and hands in what the forward calls from ComfyUI (:class:`WanFunctions`).
+
+The fused block is a structural twin of the original (``quant.fused_flux.with_layers``: same child names, INT8 layers
+in place, every other module shared). ``e`` is [B, 6, C] (VACE, camera models) or [B, 1, 6, C] (WanModel): one
+modulation row per sample, broadcast over the tokens by the kernels. Calls it does not implement run the running
+ComfyUI's own ``WanAttentionBlock.forward`` on the twin, i.e. the per-linear INT8 path exactly: Wan 2.2 5B's
+per-token modulation (``e`` [B, T, 6, C] with T > 1, ``repeat_e`` over the frames), ``attn1_patch`` / ``attn2_patch`` in ``transformer_options`` (applied by current ComfyUI,
+ignored by 0.3.75: its own forward decides), and extra keyword arguments. A layer that is not INT8 on fused_triton
+(kept float, another backend) takes its input from torch. Numerics equal the per-linear INT8 path within rounding.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import fused as qf
+from .fused_flux import _cat_gelu_quant, _ln_mod_quant, _promote, with_layers
+from .linear import Int8Linear
+
+QKV = ("q", "k", "v")
+
+
+@dataclasses.dataclass(frozen=True)
+class WanFunctions:
+    """What the block calls from ComfyUI (the adapter imports them; tests may pass stand-ins)."""
+    cast_to: Callable              # comfy.model_management.cast_to(weight, dtype=, device=)
+    apply_rope1: Callable          # comfy.ldm.flux.math.apply_rope1(x, freqs) (the one comfy.ldm.wan.model uses)
+    optimized_attention: Callable  # the one comfy.ldm.wan.model calls (q, k, v, heads=, transformer_options=)
+    repeat_e: Callable             # comfy.ldm.wan.model.repeat_e
+    block_forward: Callable        # comfy.ldm.wan.model.WanAttentionBlock.forward: the per-linear path
+
+
+def _patched(transformer_options) -> bool:
+    """Whether the call carries attention patches the block forward handles itself (current ComfyUI applies
+    ``attn1_patch`` in self-attention and ``attn2_patch`` after cross-attention; 0.3.75 ignores both)."""
+    p = transformer_options.get("patches") if isinstance(transformer_options, dict) else None
+    return bool(p) and ("attn1_patch" in p or "attn2_patch" in p)
+
+
+def _same_smooth(a: Int8Linear, b: Int8Linear) -> bool:
+    sa, sb = a.smooth, b.smooth
+    return (sa is None and sb is None) or (sa is not None and sb is not None and sa.shape == sb.shape
+                                           and torch.equal(sa.detach().cpu(), sb.detach().cpu()))
+
+
+class FusedWanBlock(nn.Module):
+    """The twin of ComfyUI's ``WanAttentionBlock`` ``block`` (named ``prefix``) on ``layers`` ({name relative to
+    the diffusion model: Int8Linear}); ``covers``: the names of ``layers`` under the block."""
+
+    def __init__(self, block: nn.Module, prefix: str, layers: dict, fn: WanFunctions):
+        super().__init__()
+        for k, v in block.__dict__.items():
+            if not k.startswith("_"):
+                self.__dict__[k] = v
+        for k, p in block._parameters.items():   # ``modulation`` (shared tensor: ComfyUI's patching reaches it)
+            self._parameters[k] = p
+        for k, b in block._buffers.items():
+            self._buffers[k] = b
+        for k, m in block._modules.items():
+            self._modules[k] = with_layers(m, f"{prefix}.{k}", layers) if m is not None else None
+        self.fn = fn
+        self.covers = tuple(n for n in layers if n.startswith(f"{prefix}."))
+        # q/k/v: which of them read the same int8 activation (equal smoothing): index of the first equal one
+        src = []
+        for i, n in enumerate(QKV):
+            li = getattr(self.self_attn, n)
+            src.append(next((j for j in range(i) if qf.fusable(getattr(self.self_attn, QKV[j]))
+                             and qf.fusable(li) and _same_smooth(getattr(self.self_attn, QKV[j]), li)), i))
+        self._qkv_src = tuple(src)
+        qf._kf().register_ops()
+
+    def int8_layers(self) -> dict[str, Int8Linear]:
+        return {n: m for n, m in self.named_modules() if isinstance(m, Int8Linear)}
+
+    def extra_repr(self) -> str:
+        return f"covers={len(self.covers)} linears, qkv_sources={self._qkv_src}"
+
+    # -------------------------------------------------------------------------------- pieces
+    def _mod_linears(self, layers, norm: nn.Module, x: torch.Tensor, shift, scale, src=None) -> list:
+        """``[layer(addcmul(shift, norm(x), 1 + scale)) for layer in layers]`` (x [B, L, K], shift / scale
+        [B, 1, K]): the int8 input of each INT8-on-fused_triton layer from one kernel per distinct smoothing
+        (``src[i]``: the index of the layer whose activation layer i reuses), the others from torch as ComfyUI
+        computes it."""
+        b, l, k = x.shape
+        src = src or tuple(range(len(layers)))
+        dt = _promote(x, scale, shift)
+        acts, outs, y = {}, [], None
+        for i, layer in enumerate(layers):
+            if not qf.fusable(layer):
+                if y is None:
+                    y = torch.addcmul(shift, norm(x), 1 + scale)
+                outs.append(layer(y))
+                continue
+            j = src[i]
+            if j not in acts:
+                acts[j] = _ln_mod_quant(x.reshape(-1, k), scale, shift, l, qf.inv_smooth_of(layer, x.device),
+                                        float(norm.eps))
+            a_q, a_s = acts[j]
+            outs.append(qf.gemm(a_q, a_s, layer, dt).view(b, l, -1))
+        return outs
+
+    def _self_attention(self, x, e0, e1, freqs, transformer_options):
+        """ComfyUI's ``WanSelfAttention.forward`` on ``addcmul(e0, norm1(x), 1 + e1)``, q/k/v from one int8 input."""
+        attn = self.self_attn
+        b, s, n, d = x.shape[0], x.shape[1], attn.num_heads, attn.head_dim
+        q, k, v = self._mod_linears([attn.q, attn.k, attn.v], self.norm1, x, e0, e1, self._qkv_src)
+        q = self.fn.apply_rope1(attn.norm_q(q).view(b, s, n, d), freqs)
+        k = self.fn.apply_rope1(attn.norm_k(k).view(b, s, n, d), freqs)
+        out = self.fn.optimized_attention(q.view(b, s, n * d), k.view(b, s, n * d), v.view(b, s, n * d),
+                                          heads=attn.num_heads, transformer_options=transformer_options)
+        del q, k, v
+        return qf.linear(attn.o, out)
+
+    def _ffn(self, x, e3, e4):
+        """``ffn[2](gelu_tanh(ffn[0](addcmul(e3, norm2(x), 1 + e4))))``: two kernels feeding the int8 GEMMs."""
+        ffn = self.ffn
+        (h,) = self._mod_linears([ffn[0]], self.norm2, x, e3, e4)
+        if not qf.fusable(ffn[2]):
+            return ffn[2](ffn[1](h))
+        a_q, a_s = _cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qf.inv_smooth_of(ffn[2], h.device))
+        return qf.gemm(a_q, a_s, ffn[2], h.dtype).view(*h.shape[:-1], -1)
+
+    # -------------------------------------------------------------------------------- forward
+    def forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}, **kwargs):
+        if (kwargs or _patched(transformer_options) or not isinstance(e, torch.Tensor)
+                or not (e.ndim == 3 or (e.ndim == 4 and e.shape[1] == 1))):
+            return self.fn.block_forward(self, x, e, freqs, context, context_img_len=context_img_len,
+                                         transformer_options=transformer_options, **kwargs)
+        # as ComfyUI: the block's modulation cast to x's dtype + e (fp32 when e is); chunks [B, 1, C]
+        mod = self.fn.cast_to(self.modulation, dtype=x.dtype, device=x.device)
+        if e.ndim < 4:   # [B, 6, C] (VACE, camera, ... models)
+            e = (mod + e).chunk(6, dim=1)
+        else:            # [B, 1, 6, C] (WanModel)
+            e = (mod.unsqueeze(0) + e).unbind(2)
+        x = x.contiguous()
+        re = self.fn.repeat_e
+        y = self._self_attention(x, re(e[0], x), re(e[1], x), freqs, transformer_options)
+        x = torch.addcmul(x, y, re(e[2], x))
+        del y
+        x = x + self.cross_attn(self.norm3(x), context, context_img_len=context_img_len,
+                                transformer_options=transformer_options)
+        y = self._ffn(x, re(e[3], x), re(e[4], x))
+        x = torch.addcmul(x, y, re(e[5], x))
+        return x
