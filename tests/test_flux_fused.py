@@ -38,7 +38,6 @@
 
 Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_flux_fused.py -q
 """
-import copy
 import dataclasses
 import logging
 import math
@@ -54,6 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT, ROOT / "tests"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
 
 REL_MODEL = 2e-3
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -310,22 +311,7 @@ def tiny_flux(dtype, depth=2, single=2, **overrides):
     return dm
 
 
-def _layers(pack, dm, backend="fused_triton"):
-    A = pack.adapters
-    pairs = pack.quant.select.select_linears(dm, "blocks", rules=A.block_rules(dm))
-    return pack.quant.patch.build_int8_layers(pairs, backend)[0]
-
-
-def _swap(module, patches: dict):
-    import comfy.utils
-    m = copy.deepcopy(module)
-    for name, sub in patches.items():
-        comfy.utils.set_attr(m, name, sub)
-    return m
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+_layers, _swap, _rel = fbh.int8_layers, fbh.swapped, fbh.rel
 
 
 def _inputs(dtype, seed=1, b=1):
