@@ -79,3 +79,22 @@ def fuse_feed_forwards(root: nn.Module, int8_layers: dict, is_ffn: Callable[[nn.
             if ff is not None:
                 out[name] = ff
     return out
+
+
+def fuse_blocks(family: str, candidates, int8_layers: dict, log) -> dict:
+    """{name: build()} for each candidate ``(name, reason, fed, build)`` whose ``reason`` is None (the block's
+    structure is supported) and whose layers named ``fed`` (relative to the block) include one on fused_triton;
+    the others stay per-linear, with one log line grouping them by reason (``family`` names them, e.g. "Flux")."""
+    out, skipped = {}, {}
+    for name, reason, fed, build in candidates:
+        if reason is None and not any(fused.fusable(int8_layers.get(f"{name}.{n}")) for n in fed):
+            reason = "no INT8 layer on fused_triton that a fused kernel feeds"
+        if reason is None:
+            out[name] = build()
+        else:
+            skipped.setdefault(reason, []).append(name)
+    if skipped:
+        n = sum(len(v) for v in skipped.values())
+        log.info("INT8 fusion: %d %s blocks stay on the per-linear path (%s)", n, family,
+                 "; ".join(f"{len(v)} because {r}, e.g. {v[0]}" for r, v in skipped.items()))
+    return out

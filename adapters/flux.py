@@ -30,7 +30,7 @@ import logging
 
 from torch import nn
 
-from .base import Adapter, fused as qf, pack_module, select
+from .base import Adapter, fuse_blocks, pack_module, select
 
 ff = pack_module("quant.fused_flux")
 
@@ -125,23 +125,14 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
     except (ImportError, AttributeError) as e:
         log.info("INT8 fusion: Flux blocks stay on the per-linear path (this ComfyUI lacks what they call: %s)", e)
         return {}
-    out, skipped = {}, {}
+    candidates = []
     for kind, why, cls in (("double", why_not_double, ff.FusedFluxDoubleBlock),
                            ("single", why_not_single, ff.FusedFluxSingleBlock)):
         for i, blk in enumerate(getattr(diffusion_model, f"{kind}_blocks", None) or ()):
             name = f"{kind}_blocks.{i}"
-            reason = why(blk, layers)
-            if reason is None and not any(qf.fusable(int8_layers.get(f"{name}.{n}")) for n in KERNEL_FED[kind]):
-                reason = "no INT8 layer on fused_triton that a fused kernel feeds"
-            if reason is None:
-                out[name] = cls(blk, name, int8_layers, fn)
-            else:
-                skipped.setdefault(reason, []).append(name)
-    if skipped:
-        n = sum(len(v) for v in skipped.values())
-        log.info("INT8 fusion: %d Flux blocks stay on the per-linear path (%s)", n,
-                 "; ".join(f"{len(v)} because {r}, e.g. {v[0]}" for r, v in skipped.items()))
-    return out
+            candidates.append((name, why(blk, layers), KERNEL_FED[kind],
+                               lambda blk=blk, name=name, cls=cls: cls(blk, name, int8_layers, fn)))
+    return fuse_blocks("Flux", candidates, int8_layers, log)
 
 
 ADAPTER = Adapter(

@@ -30,7 +30,7 @@ import logging
 
 from torch import nn
 
-from .base import Adapter, fused as qf, pack_module, select
+from .base import Adapter, fuse_blocks, pack_module, select
 
 fw = pack_module("quant.fused_wan")
 
@@ -89,21 +89,10 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
     except (ImportError, AttributeError) as e:
         log.info("INT8 fusion: Wan blocks stay on the per-linear path (this ComfyUI lacks what they call: %s)", e)
         return {}
-    out, skipped = {}, {}
-    for i, blk in enumerate(getattr(diffusion_model, "blocks", None) or ()):
-        name = f"blocks.{i}"
-        reason = why_not(blk, wan)
-        if reason is None and not any(qf.fusable(int8_layers.get(f"{name}.{n}")) for n in KERNEL_FED):
-            reason = "no INT8 layer on fused_triton that a fused kernel feeds"
-        if reason is None:
-            out[name] = fw.FusedWanBlock(blk, name, int8_layers, fn)
-        else:
-            skipped.setdefault(reason, []).append(name)
-    if skipped:
-        n = sum(len(v) for v in skipped.values())
-        log.info("INT8 fusion: %d Wan blocks stay on the per-linear path (%s)", n,
-                 "; ".join(f"{len(v)} because {r}, e.g. {v[0]}" for r, v in skipped.items()))
-    return out
+    candidates = [(f"blocks.{i}", why_not(blk, wan), KERNEL_FED,
+                   lambda blk=blk, name=f"blocks.{i}": fw.FusedWanBlock(blk, name, int8_layers, fn))
+                  for i, blk in enumerate(getattr(diffusion_model, "blocks", None) or ())]
+    return fuse_blocks("Wan", candidates, int8_layers, log)
 
 
 ADAPTER = Adapter(
