@@ -127,7 +127,14 @@ def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[
     mc = comfy.model_detection.model_config_from_unet_config(cfg)
     if mc is None:
         raise RuntimeError(f"{name}: ComfyUI matches no model to {cfg}")
-    dm = mc.get_model({}, device=torch.device("meta")).diffusion_model
+    # With comfy-aimdo on (DynamicVRAM), ComfyUI's Linear defers its weight to load time and has no parameter to
+    # list: build the layout with that switched off.
+    import comfy.memory_management as mm
+    aimdo, mm.aimdo_enabled = mm.aimdo_enabled, False
+    try:
+        dm = mc.get_model({}, device=torch.device("meta")).diffusion_model
+    finally:
+        mm.aimdo_enabled = aimdo
     g = torch.Generator(device=gen_device).manual_seed(seed)
     sd = {}
     for k, p in dm.named_parameters():  # parameters only: buffers are built by the model, not loaded
@@ -143,6 +150,8 @@ def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[
             t = torch.ones(shape, device=gen_device, dtype=torch.bfloat16)
         sd[k] = t.to("cpu")
     del dm
+    if not sd:
+        raise RuntimeError(f"{name}: the ComfyUI model built for {cfg} lists no parameters")
     return sd, type(mc).__name__
 
 

@@ -7,10 +7,11 @@
 #   ideogram  bench/e2e_sampler.py, Ideogram 4 at 1024², DualModelGuider, the anchors of issue 14 in one run
 #             (bf16 and fp8_fast with ComfyUI's attention, cuDNN first and comfy-kitchen attention; the pack with
 #             its attention modes), then 100 padded text tokens, then VRAM pressure rows
+#   pressure  the pack and core INT8 batched with 6 GiB of VRAM left free (eviction path)
 #   models    bench/e2e_models.py: Flux.1, Z-Image, Wan 2.1 1.3B, Ideogram 4, bf16 / fp8_fast / pack
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-stage=${1:?usage: bash bench/h200_pending.sh kernels|ideogram|models}
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=$OUT/autotune
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -21,8 +22,9 @@ export PYTHONPATH=/tmp/site:/tmp/ck:$PWD/.carry/stub
 { nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
   git rev-parse HEAD 2>/dev/null || echo "commit: ${BENCH_COMMIT:-unknown}"
-} 2>&1 | tee "$OUT/gpu-$stage.txt"
+} 2>&1 | tee "$OUT/gpu.txt"
 sampler="python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6"  # word-split on use
+for stage in "$@"; do
 case $stage in
   kernels)
     timeout 260 python3 bench/attention.py --check --out "$OUT/h200-attention.json" 2>&1 | tee "$OUT/attention.log"
@@ -32,11 +34,13 @@ case $stage in
       bf16,bf16~cudnn,fp8_fast,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton,pack:fused_triton~cudnn,pack:fused_triton~auto,pack:fused_triton~int8 \
       2>&1 | tee "$OUT/sampler-anchors.log"
     timeout 150 $sampler --profile none --text-pad 100 --out "$OUT/sampler-pad.json" \
-      --paths bf16,fp8_fast~cudnn,pack:fused_triton~cudnn 2>&1 | tee "$OUT/sampler-pad.log"
-    timeout 100 $sampler --profile pack:fused_triton --paths bf16 --pressure 6 --workflows batched \
+      --paths bf16,fp8_fast~cudnn,pack:fused_triton~cudnn 2>&1 | tee "$OUT/sampler-pad.log" ;;
+  pressure)
+    timeout 220 $sampler --profile pack:fused_triton --paths bf16 --pressure 6 --workflows batched \
       --out "$OUT/sampler-pressure.json" 2>&1 | tee "$OUT/sampler-pressure.log" ;;
   models)
-    timeout 560 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --out "$OUT/h200-e2e-models.json" \
+    timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models "${MODELS:-flux,zimage,wan13,ideogram4}" --out "$OUT/h200-e2e-models.json" \
       2>&1 | tee "$OUT/models.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
+done
