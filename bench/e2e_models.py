@@ -261,10 +261,14 @@ class ModelsBench(SamplerBench):
                 row["warmup_s"] = time.perf_counter() - t2
                 out, s, s_wall, peak = self.timed(g, m, latent, noise)
                 row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()))
-                if path == "bf16":
+                if path.split("~")[0] == "bf16" and name not in self.ref:  # bf16 with any attention
                     self.ref[name] = out
                 ref = self.ref.get(name)
                 row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
+                if self.dev.type == "cuda" and path in self.a.profile.split(","):
+                    row.update(self.profiled(g, m, latent, noise))
+                    for k, ms, pct in row["top_kernels_ms_per_step"]:
+                        log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
             except Exception as e:  # a path that cannot run is reported, not hidden
                 import traceback
                 traceback.print_exc()
@@ -347,6 +351,7 @@ def main() -> int:
     ap.add_argument("--paths", default="bf16,fp8_fast,pack:fused_triton")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ideogram-layers", type=int, default=34)
+    ap.add_argument("--profile", default="", help="comma-separated paths to profile (a 2-step run each)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")

@@ -266,7 +266,7 @@ class SamplerBench:
                 n = e.get("name", "")[:90]
                 kern[n] = kern.get(n, 0.0) + e.get("dur", 0) / 1e3
         total = sum(kern.values()) or 1.0
-        top = sorted(kern.items(), key=lambda kv: -kv[1])[:8]
+        top = sorted(kern.items(), key=lambda kv: -kv[1])[:14]
         src = _h2d_sources(ev, h2d)
         run_start = [r for r in src if any(k in r[0] for k in _RUN_START)]
         return {"h2d_sources": src,

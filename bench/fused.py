@@ -38,6 +38,34 @@ def flips(q, ref) -> str:
     return f"{(d > 0).float().mean().item():.1e} ({d.max().item()})"
 
 
+def residual_diagnosis(kf, x, o, w1, gate, m, yy) -> dict:
+    """Where the residual tail's y departs from torch's ``x + gate * F.rms_norm(o)``: the share of y elements that
+    differ for the kernel as built and built without FMA contraction (``enable_fp_fusion=False``), and which
+    rounding F.rms_norm itself follows here (one rounding of o*rstd*w, or o*rstd rounded before the weight)."""
+    d = x.shape[1]
+    f32 = o.float()
+    rstd = torch.rsqrt(f32.pow(2).mean(-1, keepdim=True) + 1e-5)
+    n_torch = F.rms_norm(o, (d,), w1, 1e-5)
+    n_single = (f32 * rstd * w1.float()).to(o.dtype)
+    n_double = ((f32 * rstd).to(o.dtype) * w1)
+    out = {"norm_eq_single_rounding": (n_torch == n_single).float().mean().item(),
+           "norm_eq_double_rounding": (n_torch == n_double).float().mean().item()}
+    y_single = x + gate * n_single
+    for label, extra in (("as_built", {}), ("no_fp_fusion", {"enable_fp_fusion": False})):
+        saved = kf.launch
+        if extra:
+            kf.launch = lambda fn, grid, args, cx, w, st, dev: fn[grid](*args, **cx, num_warps=w, num_stages=st,
+                                                                       **extra)
+        try:
+            y, _, _ = kf.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m)
+        finally:
+            kf.launch = saved
+        out[f"y_differs_{label}"] = (y != yy).float().mean().item()
+        out[f"y_differs_from_single_rounding_{label}"] = (y != y_single).float().mean().item()
+    print("  residual diagnosis:", json.dumps({k: float(f"{v:.3g}") for k, v in out.items()}))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, default=4608, help="token rows (cond pass at 1024²: 4608)")
@@ -95,6 +123,7 @@ def main() -> int:
     yy, (uq, _) = plain_tail()
     row("x+g*norm(o) -> norm*(1+s)+quant", lambda: kf.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m, w2, 1e-5, s),
         plain_tail, 3.5 * m * r, 12.5 * m * r, flips(q, uq) + f"; y equal: {torch.equal(y, yy)}")
+    rows[-1]["diagnosis"] = residual_diagnosis(kf, x, o, w1, gate, m, yy)
     # FeedForward: fused (w1+w3 one GEMM, SwiGLU+quant) vs per-linear fused_triton Int8Linear
     lin = [torch.randn(n, k, device=dev, generator=g) * k ** -0.5 for n, k in ((f, d), (d, f), (f, d))]
     L1, L2, L3 = [Int8Linear.from_float(w, backend="fused_triton", name=n) for w, n in zip(lin, ("w1", "w2", "w3"))]

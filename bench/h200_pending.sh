@@ -9,9 +9,12 @@
 #             its attention modes), then 100 padded text tokens, then VRAM pressure rows
 #   pressure  the pack and core INT8 batched with 6 GiB of VRAM left free (eviction path)
 #   models    bench/e2e_models.py: Flux.1, Z-Image, Wan 2.1 1.3B, Ideogram 4, bf16 / fp8_fast / pack
+#   attn-models  bench/fused.py (with the residual-tail diagnosis), then Flux / Z-Image / Wan with cuDNN-first
+#             attention (bf16~cudnn, fp8_fast~cudnn, the pack's auto routing, profiled)
+#   residual  Ideogram 4 with INT8_FUSED_RESIDUAL=1 (bf16 reference and the pack with auto attention)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=$OUT/autotune
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -41,6 +44,14 @@ case $stage in
   models)
     timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models "${MODELS:-flux,zimage,wan13,ideogram4}" --out "$OUT/h200-e2e-models.json" \
       2>&1 | tee "$OUT/models.log" ;;
+  attn-models)  # the fused-row kernels with the residual diagnosis; Flux / Z-Image / Wan with cuDNN-first attention
+    timeout 45 python3 bench/fused.py --out "$OUT/h200-fused.json" 2>&1 | tee "$OUT/fused.log"
+    timeout 230 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths bf16~cudnn,fp8_fast~cudnn,pack:fused_triton~auto --profile pack:fused_triton~auto \
+      --out "$OUT/h200-e2e-models-attn.json" 2>&1 | tee "$OUT/models-attn.log" ;;
+  residual)  # Ideogram 4 with the residual-tail fusion on (INT8_FUSED_RESIDUAL=1 is read at import)
+    INT8_FUSED_RESIDUAL=1 timeout 150 $sampler --profile pack:fused_triton~auto --paths bf16,pack:fused_triton~auto \
+      --out "$OUT/sampler-residual.json" 2>&1 | tee "$OUT/sampler-residual.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
