@@ -11,12 +11,14 @@
 #   models    bench/e2e_models.py: Flux.1, Z-Image, Wan 2.1 1.3B, Ideogram 4, bf16 / fp8_fast / pack
 #   attn-models  bench/fused.py (with the residual-tail diagnosis), then Flux / Z-Image / Wan with cuDNN-first
 #             attention (bf16~cudnn, fp8_fast~cudnn, the pack's auto routing, profiled)
+#   gemm      bench/gemm_variants.py: persistent TMA INT8 GEMMs (with / without warp specialisation) vs the pack's
+#             kernel, cuBLAS FP8 and bf16
 #   residual  Ideogram 4 with INT8_FUSED_RESIDUAL=1 (bf16 reference and the pack with auto attention)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=$OUT/autotune
+export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
 if [ -f .carry/ck.zip ] && [ ! -d /tmp/ck/comfy_kitchen ]; then
   mkdir -p /tmp/ck && python3 -m zipfile -e .carry/ck.zip /tmp/ck
@@ -45,13 +47,15 @@ case $stage in
     timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models "${MODELS:-flux,zimage,wan13,ideogram4}" --out "$OUT/h200-e2e-models.json" \
       2>&1 | tee "$OUT/models.log" ;;
   attn-models)  # the fused-row kernels with the residual diagnosis; Flux / Z-Image / Wan with cuDNN-first attention
-    timeout 45 python3 bench/fused.py --out "$OUT/h200-fused.json" 2>&1 | tee "$OUT/fused.log"
-    timeout 230 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+    timeout 45 python3 bench/fused.py --out "$OUT/h200-fused.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 170 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths bf16~cudnn,fp8_fast~cudnn,pack:fused_triton~auto --profile pack:fused_triton~auto \
-      --out "$OUT/h200-e2e-models-attn.json" 2>&1 | tee "$OUT/models-attn.log" ;;
+      --out "$OUT/h200-e2e-models-attn.json" 2>&1 | tee -a "$OUT/last.log" ;;
   residual)  # Ideogram 4 with the residual-tail fusion on (INT8_FUSED_RESIDUAL=1 is read at import)
     INT8_FUSED_RESIDUAL=1 timeout 150 $sampler --profile pack:fused_triton~auto --paths bf16,pack:fused_triton~auto \
-      --out "$OUT/sampler-residual.json" 2>&1 | tee "$OUT/sampler-residual.log" ;;
+      --out "$OUT/sampler-residual.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  gemm)  # issue 14 item 6: persistent TMA (and warp-specialised) INT8 GEMM variants vs the pack's kernel and cuBLAS FP8
+    timeout 150 python3 bench/gemm_variants.py --out "$OUT/h200-gemm-variants.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
