@@ -26,7 +26,7 @@ fi
 export PYTHONPATH=/tmp/site:/tmp/ck:$PWD/.carry/stub
 { nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
-  git rev-parse HEAD 2>/dev/null || echo "commit: ${BENCH_COMMIT:-unknown}"
+  echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 } 2>&1 | tee "$OUT/gpu.txt"
 sampler="python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6"  # word-split on use
 for stage in "$@"; do
