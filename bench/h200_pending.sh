@@ -48,14 +48,14 @@ case $stage in
       2>&1 | tee "$OUT/models.log" ;;
   attn-models)  # the fused-row kernels with the residual diagnosis; Flux / Z-Image / Wan with cuDNN-first attention
     timeout 45 python3 bench/fused.py --out "$OUT/h200-fused.json" 2>&1 | tee -a "$OUT/last.log"
-    timeout 170 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+    timeout 160 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths bf16~cudnn,fp8_fast~cudnn,pack:fused_triton~auto --profile pack:fused_triton~auto \
       --out "$OUT/h200-e2e-models-attn.json" 2>&1 | tee -a "$OUT/last.log" ;;
   residual)  # Ideogram 4 with the residual-tail fusion on (INT8_FUSED_RESIDUAL=1 is read at import)
-    INT8_FUSED_RESIDUAL=1 timeout 150 $sampler --profile pack:fused_triton~auto --paths bf16,pack:fused_triton~auto \
+    INT8_FUSED_RESIDUAL=1 timeout 125 $sampler --profile pack:fused_triton~auto --paths bf16,pack:fused_triton~auto \
       --out "$OUT/sampler-residual.json" 2>&1 | tee -a "$OUT/last.log" ;;
   gemm)  # issue 14 item 6: persistent TMA (and warp-specialised) INT8 GEMM variants vs the pack's kernel and cuBLAS FP8
-    timeout 150 python3 bench/gemm_variants.py --out "$OUT/h200-gemm-variants.json" 2>&1 | tee -a "$OUT/last.log" ;;
+    timeout 140 python3 bench/gemm_variants.py --out "$OUT/h200-gemm-variants.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
