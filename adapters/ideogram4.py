@@ -3,7 +3,7 @@
 Fused, on fused_triton (``fuse``): each ``layers.N`` block becomes a :class:`FusedIdeogram4Block`: adaLN-modulated
 RMSNorm + quantization feed the qkv GEMM and the merged w1+w3 GEMM straight from one kernel
 (``quant.fused.norm_modulate_quantize``), SwiGLU + quantization feed w2 (``FusedFeedForward``); the residual tails
-optionally fuse too (``INT8_FUSED_RESIDUAL=1``). A block whose qkv is not INT8 on fused_triton keeps its own forward
+fuse too, with the next norm + quantization (``INT8_FUSED_RESIDUAL=0`` leaves them to torch). A block whose qkv is not INT8 on fused_triton keeps its own forward
 (its FeedForward alone may still be fused). ``llm_cond_proj`` (input constant within a run) gets a per-run
 ``CachedLinear``. Checkpoint key layout: ``quant/fmt_ideogram4.py`` (the Ideogram 4 loader's). Padded text: the
 conditional pass drops trailing padded text tokens (``diffusion_model_wrapper``, ``quant/pad_elision.py``).

@@ -180,14 +180,14 @@ class ApplyFusedInt8GEMM:
                 "calibration": (CALIBRATION_TYPE, {"tooltip": (
                     "Optional output of 'INT8 Calibrate': per-layer SmoothQuant vectors and layers it "
                     "found too sensitive to quantize (kept float).")}),
-                "attention": (attention_routing.CHOICES, {"default": "comfy_default",
+                "attention": (attention_routing.CHOICES, {"default": attention_routing.DEFAULT,
                                                           "tooltip": attention_routing.TOOLTIP}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def apply(self, model, backend, preset="blocks", include="", exclude="", keep_float="",
-              calibration=None, attention="comfy_default", unique_id=None):
+              calibration=None, attention=attention_routing.DEFAULT, unique_id=None):
         backends.get(backend)  # unknown name -> ValueError listing the known ones
         attention_routing.check_mode(attention)
         select.compile_patterns(keep_float)  # a bad regex -> ValueError naming it, even for bf16

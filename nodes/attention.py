@@ -14,9 +14,9 @@ log = logging.getLogger("int8_fused")
 
 KEY = "optimized_attention_override"
 CHOICES = list(routing.MODES)
-DEFAULT = routing.COMFY  # the node inputs' default: attention as ComfyUI runs it
+DEFAULT = routing.AUTO  # the node inputs' default: the fastest exact SDPA backend (comfy_default on a CPU)
 check_mode = routing.check_mode  # an unknown mode -> ValueError naming the choices
-TOOLTIP = ("How attention runs. comfy_default: as ComfyUI runs it (no change). cudnn / flash / efficient: torch "
+TOOLTIP = ("How attention runs (default auto). comfy_default: as ComfyUI runs it (no change). cudnn / flash / efficient: torch "
            "SDPA with that backend first (torch takes the next one where it cannot run the call). math: torch's "
            "reference SDPA. auto: on an NVIDIA GPU the fastest of cudnn / flash / efficient per attention shape, "
            "timed once and cached; on a CPU auto is comfy_default (INT8_FUSED_ATTN_INT8_AUTO=1 lets auto also time and "

@@ -213,10 +213,10 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
     return _rms_mod_quant(x2, w, _norm_eps(norm, x2), scale, tokens, inv_smooth)
 
 
-# The residual-tail kernel (gated_residual_rmsnorm) matched torch exactly under the CPU interpreter but
-# not compiled on the H200 (2026-11-29, bench/fused.py: residual not bit-equal, 3.3e-2 of the next
-# layer's int8 codes flipped, up to 3 steps). Off until that is understood; INT8_FUSED_RESIDUAL=1 turns
-# it on for experiments (taken at import: a module constant costs nothing in the forward, also compiled).
+# The residual-tail kernel (gated_residual_rmsnorm) is built without FMA contraction: with it, the compiler
+# fused gate * norm(o) into the add and 22 % of y's elements differed from torch's on the H200; without,
+# 1.5e-6 (torch's own reduction order for mean(o^2)), bench/RESULTS.md 2026-12-01. On by default;
+# INT8_FUSED_RESIDUAL=0 runs torch's ops (taken at import: a module constant costs nothing in the forward).
 FUSE_RESIDUAL = config.get("INT8_FUSED_RESIDUAL")
 
 

@@ -250,11 +250,13 @@ def test_apply_installs_the_override_only_when_asked(pack, comfy):
     node = pack.nodes.apply.ApplyFusedInt8GEMM()
     spec = node.INPUT_TYPES()["optional"]["attention"]
     assert spec[0] == ["comfy_default", "auto", "cudnn", "flash", "efficient", "math", "int8"]
-    assert spec[1]["default"] == "comfy_default" and "CPU auto is comfy_default" in spec[1]["tooltip"]
+    assert spec[1]["default"] == "auto" and "CPU auto is comfy_default" in spec[1]["tooltip"]
     m = comfy_harness.load_tiny("flux")
     for backend in ("bf16", "dequant_bf16"):
-        (plain,) = node.apply(m, backend)
+        (plain,) = node.apply(m, backend, attention="comfy_default")
         assert "optimized_attention_override" not in plain.model_options.get("transformer_options", {})
+        (default,) = node.apply(m, backend)  # the default: auto
+        assert default.model_options["transformer_options"]["optimized_attention_override"].mode == "auto"
         (routed,) = node.apply(m, backend, attention="cudnn")
         ov = routed.model_options["transformer_options"]["optimized_attention_override"]
         assert isinstance(ov, pack.quant.attention.Router) and ov.mode == "cudnn"

@@ -64,7 +64,7 @@ def test_badge_and_comparison_show_the_attention_that_ran(page):
           s.live.delete("attn-known-2");
           for (const id of ids) app.graph.remove(app.graph.getNodeById(Number(id)));
           window.__int8Fused.renderAll(); }""", ids)
-    assert got["widgetDefault"] == "comfy_default"
+    assert got["widgetDefault"] == "auto"
     assert got["picked"]["badge"] == f"{got['backendWidget']} {MID} attn cudnn"  # before a run: the node's choice
     assert got["picked"]["attention"] == "cudnn"
     assert got["live"]["badge"] == f"fused_triton {MID} attn flash (requested cudnn) {MID} NVIDIA H200"

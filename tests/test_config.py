@@ -69,16 +69,16 @@ def _probe(env: dict) -> tuple[dict, str]:
 def test_defaults_and_every_switch_from_the_environment():
     got, _ = _probe({})
     assert got["values"] == {n: s.default for n, s in config.SWITCHES.items()}
-    assert got["backend"] is None and got["fused"] == ["ff"] and got["residual"] is False
+    assert got["backend"] is None and got["fused"] == ["ff"] and got["residual"] is True
     assert got["fast_launch"] is True and got["interpret"] is False
     assert got["cache_dir"] == str(Path.home() / ".cache" / "comfyui-int8-fused")
 
-    got, _ = _probe({"INT8_FUSED_BACKEND": "torch_int_mm", "INT8_FUSED_FUSION": "0", "INT8_FUSED_RESIDUAL": "1",
+    got, _ = _probe({"INT8_FUSED_BACKEND": "torch_int_mm", "INT8_FUSED_FUSION": "0", "INT8_FUSED_RESIDUAL": "0",
                      "INT8_FUSED_JIT_LAUNCH": "true", "INT8_FUSED_CACHE_DIR": "/tmp/int8-cache",
                      "TRITON_INTERPRET": "1", "INT8_FUSED_PAD_ELISION": "0"})
     assert got["backend"] == "torch_int_mm"
     assert got["fused"] == ["ff.w1", "ff.w2", "ff.w3"]  # fusion off: the plain per-linear patches
-    assert got["residual"] is True and got["fast_launch"] is False and got["interpret"] is True
+    assert got["residual"] is False and got["fast_launch"] is False and got["interpret"] is True
     assert got["cache_dir"] == "/tmp/int8-cache" and got["values"]["INT8_FUSED_PAD_ELISION"] == "0"
 
 
