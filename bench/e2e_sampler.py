@@ -16,7 +16,8 @@ Paths: bf16 | fp8_fast (UNETLoader ``fp8_e4m3fn_fast``) | core_int8 (core ``int8
 per-channel scales) | pack:<backend> (the bf16 backbones through "Apply Fused INT8 GEMM") |
 core_int8+pack:<backend> (the core INT8 backbones through Apply: int8 weights adopted as stored).
 A ``~<attention>`` suffix sets how attention runs: for pack paths the Apply node's ``attention`` input
-(``auto`` / ``cudnn`` / ``flash`` / ``efficient`` / ``math`` / ``int8`` where the pack has it); for the others
+(``auto`` / ``comfy_default`` / ``cudnn`` / ``flash`` / ``efficient`` / ``math`` / ``int8``; no suffix = the node's
+default, ``auto`` since 2026-12-01 and ``comfy_default`` in the runs before, bench/RESULTS.md); for the others
 ``kitchen`` = core's ModelAttentionBackend "comfy kitchen attention" (comfy-kitchen INT8 attention), any other
 mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``: cuDNN SDPA first).
 A ``@legacy`` suffix loads with ``disable_dynamic=True`` (the legacy ``ModelPatcher``).

@@ -1,5 +1,7 @@
-"""Tile sweep for the two row kernels of kernel/fused.py at Ideogram 4 shapes (H200): each (BLOCK, one
-register-resident pass or chunked passes, num_warps) plan timed with do_bench, output checked bit-equal to
+"""Tile sweep for the row kernels of kernel/fused.py (H200): Ideogram 4's RMSNorm and SwiGLU kernels at its
+shapes, and the GELU kernels where the Flux / Wan profiles found them far off their memory floor (2026-12-01:
+Flux's single-block concat + GELU + quantize 282 us a call, Wan 1.3B's FFN GELU + quantize 400 us). Each (BLOCK,
+one register-resident pass or chunked passes, num_warps) plan timed with do_bench, output checked bit-equal to
 the default plan's. ``python bench/fused_sweep.py [--m 4608]``; prints one line a plan."""
 from __future__ import annotations
 
@@ -25,6 +27,13 @@ def main() -> int:
     w = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(torch.bfloat16)
     s = (1 + 0.1 * torch.randn(1, k, device=dev, generator=g)).to(torch.bfloat16)
     h13 = (2 * torch.randn(m, 2 * f, device=dev, generator=g)).to(torch.bfloat16)
+    wide = [(16384, True, 16), (16384, True, 32), (8192, False, 8), (8192, False, 16), (4096, False, 4),
+            (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]
+    fa = (torch.randn(4608, 3072, device=dev, generator=g)).to(torch.bfloat16)  # Flux single block, 1024²
+    fh = (2 * torch.randn(4608, 12288, device=dev, generator=g)).to(torch.bfloat16)
+    wh = (2 * torch.randn(14040, 8960, device=dev, generator=g)).to(torch.float16)  # Wan 1.3B, 480p 33 frames
+    lx = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
+    ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
     default_plan = kf._plan
     cases = {
         "rmsnorm_mod_quant K=4608": (lambda: kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, m), 2 * m * k + m * k,
@@ -33,6 +42,13 @@ def main() -> int:
         "swiglu_quant F=12288": (lambda: kf.swiglu_quantize(h13), 2 * m * 2 * f + m * f,
                                  [(16384, True, 16), (16384, True, 32), (8192, False, 8), (4096, False, 4),
                                   (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
+        "flux concat+gelu+quant": (lambda: kf.concat_gelu_quantize(fa, fh), 2 * 4608 * (3072 + 12288) * 3 // 2,
+                                   wide),
+        "wan gelu+quant F=8960": (lambda: kf.gelu_tanh_quantize(wh), 14040 * 8960 * 3, wide),
+        "flux layernorm_mod_quant": (lambda: kf.layernorm_modulate_quantize(lx, ls, ls, 4608),
+                                     4608 * 3072 * 3,
+                                     [(4096, True, 8), (4096, True, 16), (2048, False, 4), (1024, False, 4),
+                                      (1024, False, 8)]),
     }
     for name, (fn, nbytes, plans) in cases.items():
         kf._plan = default_plan

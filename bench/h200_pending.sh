@@ -13,10 +13,13 @@
 #             attention (bf16~cudnn, fp8_fast~cudnn, the pack's auto routing, profiled)
 #   gemm      bench/gemm_variants.py: persistent TMA INT8 GEMMs (with / without warp specialisation) vs the pack's
 #             kernel, cuBLAS FP8 and bf16
+#   defaults  the pack as it defaults now (attention auto, residual tail without FMA): Ideogram 4 dual and
+#             Flux / Z-Image / Wan, each beside bf16, profiled (the next call to make: these defaults are not timed)
+#   sweep     bench/fused_sweep.py: tile plans of the row kernels, GELU + quantize (Flux, Wan) included
 #   residual  Ideogram 4 with INT8_FUSED_RESIDUAL=1 (bf16 reference and the pack with auto attention)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|sweep ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -56,6 +59,14 @@ case $stage in
       --out "$OUT/sampler-residual.json" 2>&1 | tee -a "$OUT/last.log" ;;
   gemm)  # issue 14 item 6: persistent TMA (and warp-specialised) INT8 GEMM variants vs the pack's kernel and cuBLAS FP8
     timeout 140 python3 bench/gemm_variants.py --out "$OUT/h200-gemm-variants.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  defaults)  # the pack as it now defaults (attention auto, residual tail built without FMA) on every model, profiled
+    timeout 200 $sampler --profile pack:fused_triton --paths bf16,pack:fused_triton \
+      --out "$OUT/sampler-defaults.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 250 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths bf16,pack:fused_triton --profile pack:fused_triton \
+      --out "$OUT/h200-e2e-models-defaults.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  sweep)  # tile plans of the row kernels, the GELU ones first (Flux / Wan profiles: 5-6x their memory floor)
+    timeout 200 python3 bench/fused_sweep.py 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
