@@ -85,6 +85,22 @@ test("without bf16 the dequant baseline is used; without either, no ratios", () 
   assert.deepEqual(f.compareRows(null), []);
 });
 
+test("runs compared under a routed attention take a bf16 run of any attention as baseline", () => {
+  // as compareRuns in int8_fused.js hands them over: the compare key in backend, the GEMM backend in gemm
+  const routed = (gemm, attn, mean, started) => run(`${gemm} \u00b7 attn ${attn}`, mean, started, { gemm });
+  const rows = f.compareRows([routed("bf16", "cudnn", 0.3, 1), routed("bf16", "flash", 0.36, 2),
+                              routed("fused_triton", "cudnn", 0.2, 3), run("dequant_bf16", 0.6, 4)]);
+  assert.deepEqual(rows.map((r) => r.label), [
+    "fused_triton \u00b7 attn cudnn 0.2 s/step, 1.8\u00d7 bf16 \u00b7 attn flash",
+    "bf16 \u00b7 attn cudnn 0.3 s/step, 1.2\u00d7 bf16 \u00b7 attn flash",
+    "bf16 \u00b7 attn flash 0.36 s/step (baseline)",
+    "dequant_bf16 0.6 s/step, 0.6\u00d7 bf16 \u00b7 attn flash",
+  ]);
+  // a plain bf16 run still wins over routed ones
+  const plain = f.compareRows([routed("bf16", "cudnn", 0.3, 5), run("bf16", 0.4, 1)]);
+  assert.equal(plain[0].label, "bf16 \u00b7 attn cudnn 0.3 s/step, 1.33\u00d7 bf16");
+});
+
 test("runs of one sampling by one node's two models are summed per step", () => {
   const cond = { run: "12:conditional-1", group: "12:conditional-1", node: "12:conditional", backend: "fused_triton",
     status: "ok", steps: 2, step_seconds: [0.5, 0.25], mean: 0.375, median: 0.375, total: 0.75, calls: 2 };

@@ -218,7 +218,9 @@ def _shown(text, value):
 
 
 _STATS = re.compile(r"^mean (.+)/step \u00b7 median (.+)/step \u00b7 total (.+)$")
-_ROW = re.compile(r"^(\S+) (.+)/step(?:, (\d+(?:\.\d+)?)\u00d7 (\S+)| \(baseline\))?$")
+_KEY = r"\S+(?: \u00b7 attn \S+)?"  # a backend, compared under its attention when that was routed
+_ROW = re.compile(rf"^({_KEY}) (.+)/step(?:, (\d+(?:\.\d+)?)\u00d7 ({_KEY})| \(baseline\))?$")
+ATTN = " \u00b7 attn comfy_default"  # the workflows' attention: the default, auto, which on a CPU runs ComfyUI's
 
 
 def _expected_rows(runs, workload):
@@ -278,7 +280,8 @@ def test_widget_shows_backend_and_the_servers_per_step_times(browser_page, comfy
         assert w["visible"] and w["finished"] == "true" and w["run"] == run["run"]
         assert w["backend"] == a["backend"] == run["backend"] and w["device"] == "cpu"
         assert w["stepSeconds"] == run["step_seconds"]  # one time per step: the server's numbers
-        assert w["badge"] == f"{a['backend']} \u00b7 cpu"
+        # the workflows leave attention at the node's default, auto, which on a CPU runs ComfyUI's own
+        assert w["badge"] == f"{a['backend']} \u00b7 attn comfy_default (auto) \u00b7 cpu"
         # The texts print the server's numbers (3 significant digits), recomputed here from its steps.
         secs = run["step_seconds"]
         mean_, median_, total_ = _STATS.match(w["stats"]).groups()
@@ -291,11 +294,11 @@ def test_widget_shows_backend_and_the_servers_per_step_times(browser_page, comfy
         assert w["compareShown"] and len(w["compare"]) == len(rows)
         for text, r in zip(w["compare"], rows):
             name, mean_, ratio, vs = _ROW.match(text).groups()
-            assert name == r["backend"] and _shown(mean_, r["mean"])
+            assert name == r["backend"] + ATTN and _shown(mean_, r["mean"])
             if r is base:
                 assert text.endswith(" (baseline)")
             else:
-                assert vs == "bf16" and float(ratio) == pytest.approx(base["mean"] / r["mean"], rel=5.01e-3)
+                assert vs == "bf16" + ATTN and float(ratio) == pytest.approx(base["mean"] / r["mean"], rel=5.01e-3)
         assert {c.split(" ")[0] for c in w["compare"]} >= set(CPU_BACKENDS)
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

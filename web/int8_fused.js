@@ -104,7 +104,7 @@ function compareKey(run) {
 }
 
 function compareRuns(views) {
-  return views.map((r) => (compareKey(r) === r.backend ? r : { ...r, backend: compareKey(r) }));
+  return views.map((r) => (compareKey(r) === r.backend ? r : { ...r, backend: compareKey(r), gemm: r.backend }));
 }
 
 /** The attention picked on the node, before any run: null for comfy_default (or no such input). */
