@@ -198,8 +198,13 @@ def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_eps(norm: nn.Module, x: torch.Tensor) -> float:
+    """The eps the norm's forward uses. ``eps=None`` (torch.nn.RMSNorm's default, which ComfyUI's ops.RMSNorm
+    keeps unless told): F.rms_norm then takes the epsilon of its fp32 compute type for bf16 / fp16 / fp32
+    inputs (fp64's for fp64), not the input dtype's (which is 65536x larger for bf16)."""
     eps = getattr(norm, "eps", None)
-    return torch.finfo(x.dtype).eps if eps is None else float(eps)
+    if eps is not None:
+        return float(eps)
+    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
 
 
 def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tensor, tokens: int,

@@ -154,6 +154,27 @@ def test_rmsnorm_modulate_quantize_errors(kf):
     assert q.shape == (0, 32) and qs.shape == (0,)
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+def test_norm_without_eps_uses_torchs_fp32_epsilon(kf, dtype):
+    """An RMSNorm built with eps=None (torch.nn.RMSNorm's default; ComfyUI's ops.RMSNorm keeps it): F.rms_norm then
+    adds float32's epsilon (1.2e-7) for bf16 / fp16 / fp32 inputs, not the input dtype's (bf16: 7.8e-3). The fused
+    norm + quantize must equal ``quantize(F.rms_norm(x) * s)`` from the module itself; small-magnitude rows make a
+    wrong eps visible (rstd off by ~eps / (2 mean x^2))."""
+    from quant import fused as qf
+    from quant.quantize import quantize_per_token_ref
+    g = torch.Generator().manual_seed(11)
+    norm = torch.nn.RMSNorm(64, eps=None).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    x = (0.05 * torch.randn(6, 64, generator=g)).to(dtype)
+    s = (1 + 0.1 * torch.randn(1, 64, generator=g)).to(dtype)
+    assert qf._norm_eps(norm, x) == torch.finfo(torch.float32).eps
+    q, qs = qf.norm_modulate_quantize(norm, x, s, 6, None)
+    with torch.no_grad():
+        rq, rs = quantize_per_token_ref(norm(x) * s)
+    assert torch.equal(q, rq) and torch.allclose(qs, rs, rtol=2 ** -20, atol=0)
+
+
 @pytest.mark.parametrize("dtype,m,f,smooth,pair,chunked", [
     (BF16, 5, 160, False, False, False), (BF16, 1, 48, True, True, False), (BF16, 6, 100, True, False, True),
     (FP16, 4, 70, False, True, True), (FP16, 3, 100, True, False, False), (FP32, 4, 70, True, False, True)])
