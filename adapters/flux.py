@@ -18,7 +18,8 @@ line saying why. At call time, ``modulation_dims`` (current ComfyUI's ``timestep
 twin (the per-linear path). fp16: the fused forwards clamp as ComfyUI's do (``nan_to_num`` of txt / x).
 
 ComfyUI functions, imported explicitly in :func:`comfy_functions`: ``comfy.ldm.flux.math.attention`` (RoPE, then
-``optimized_attention`` with ``transformer_options``: the pack's attention routing applies), and
+``optimized_attention`` with ``transformer_options``: the pack's attention routing applies), that
+``optimized_attention`` itself (``INT8_FUSED_QK_ROPE=1`` applies the QK norm and RoPE in its own kernel), and
 ``comfy.ldm.flux.layers.DoubleStreamBlock.forward`` / ``SingleStreamBlock.forward`` (the fallback); the blocks'
 own ``Modulation`` and ``QKNorm`` modules are called as modules. 0.3.75 and 0.33.0 differ inside those (0.33.0:
 comfy_kitchen RoPE, attention patches, ``yak_mlp``, ``modulation_dims`` slicing), not in what the fused path runs.
@@ -46,8 +47,11 @@ def comfy_functions():
     naming what is missing."""
     import comfy.ldm.flux.layers as layers
     import comfy.ldm.flux.math as flux_math
+    import comfy.model_management as mm
     return layers, ff.FluxFunctions(attention=flux_math.attention, double_forward=layers.DoubleStreamBlock.forward,
-                                    single_forward=layers.SingleStreamBlock.forward)
+                                    single_forward=layers.SingleStreamBlock.forward,
+                                    optimized_attention=flux_math.optimized_attention,
+                                    in_training=lambda: bool(getattr(mm, "in_training", False)))
 
 
 def _args(fn) -> tuple[str, ...]:

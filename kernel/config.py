@@ -47,6 +47,10 @@ SWITCHES = {s.name: s for s in (
            "`0`: run Ideogram 4's gated residual + RMSNorm tails as torch ops instead of one fused kernel "
            "(the kernel equals torch's y but for torch's reduction order: 1.5e-6 of elements on the H200)",
            at_import=True),
+    Switch("INT8_FUSED_QK_ROPE", bool, False,
+           "`1`: Flux.1's fused blocks run the QK RMSNorm, RoPE and the attention layout (txt and img rows "
+           "concatenated) in one kernel per stream (`kernel/fused.py` `qk_norm_rope`); CPU-tested, not yet timed "
+           "on a GPU, hence off"),
     Switch("INT8_FUSED_JIT_LAUNCH", bool, False,
            "`1`: launch kernels through Triton's normal `JITFunction.run` instead of the pack's lean "
            "re-launcher (kernel/launch.py)", at_import=True),

@@ -713,6 +713,95 @@ def concat_gelu_quantize(a: torch.Tensor, h: torch.Tensor, inv_smooth: torch.Ten
     return _concat_gelu(a, h, inv_smooth, "concat_gelu_quantize")
 
 
+# ------------------------------------------------------------------------- Flux.1 QK norm + RoPE (issue 14)
+@triton.jit
+def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
+                         L, H, row_offset, eps_q, eps_k,
+                         stride_sb, stride_sl, stride_pb, stride_pl, stride_ob, stride_oh, stride_ol,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr, HAS_PE: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    # One token: its [3, H, D] slice of the qkv GEMM output -> rows row_offset + l of q, k, v [B, H, L_all, D].
+    # q, k: rms_norm over D with the norm's weight (rounded to the dtype, as F.rms_norm), then RoPE with the
+    # token's [D/2, 2, 2] fp32 rotations, ``x_out[r] = f[r, 0] * x0 + f[r, 1] * x1`` rounded to the dtype (as
+    # comfy.ldm.flux.math.apply_rope1); v copied.
+    pid = tl.program_id(0)
+    b = pid // L
+    l = pid % L
+    hs = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, D)
+    half = tl.arange(0, D // 2)
+    mask = (hs < H)[:, None]
+    src = src_ptr + b.to(tl.int64) * stride_sb + l.to(tl.int64) * stride_sl + hs[:, None] * D + cols[None, :]
+    dst = (b.to(tl.int64) * stride_ob + hs[:, None].to(tl.int64) * stride_oh
+           + (row_offset + l).to(tl.int64) * stride_ol + cols[None, :])
+    if HAS_PE:
+        pe = pe_ptr + (b.to(tl.int64) * stride_pb + (row_offset + l).to(tl.int64) * stride_pl) + half * 4
+        f00 = tl.load(pe)[None, :]
+        f01 = tl.load(pe + 1)[None, :]
+        f10 = tl.load(pe + 2)[None, :]
+        f11 = tl.load(pe + 3)[None, :]
+    for part in tl.static_range(2):
+        x = tl.load(src + part * H * D, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load((wq_ptr if part == 0 else wk_ptr) + cols).to(tl.float32)
+        rstd = _rstd(tl.sum(x * x, axis=1), D, eps_q if part == 0 else eps_k, INTERPRET)
+        n = _round(x * rstd[:, None] * w[None, :], DT, INTERPRET)
+        if HAS_PE:
+            x0, x1 = tl.split(tl.reshape(n, (BLOCK_H, D // 2, 2)))
+            o0 = _round(f00 * x0 + f01 * x1, DT, INTERPRET)
+            o1 = _round(f10 * x0 + f11 * x1, DT, INTERPRET)
+            n = tl.reshape(tl.join(o0, o1), (BLOCK_H, D))
+        tl.store((q_ptr if part == 0 else k_ptr) + dst, n.to(q_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(src + 2 * H * D, mask=mask, other=0.0)
+    tl.store(v_ptr + dst, v, mask=mask)
+
+
+def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,
+                 eps_k: float, pe: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 row_offset: int = 0) -> None:
+    """Flux's QK RMSNorm, RoPE and attention layout in one pass: ``qkv`` [B, L, 3 * heads * D] (the qkv GEMM
+    output; unit stride along the last dim, rows may be strided, e.g. the first part of the single block's
+    linear1 output) -> rows ``row_offset .. row_offset + L`` of ``q``, ``k``, ``v`` [B, heads, L_all, D]
+    (contiguous, ``qkv``'s dtype): ``q = rope(rms_norm(q_h, q_weight, eps_q))``, ``k`` likewise, ``v`` copied.
+    ``pe``: [B | 1, 1, L_all, D / 2, 2, 2] fp32 rotations (``comfy.ldm.flux.math.rope``) or None (no RoPE).
+    Each step rounds to the dtype as ComfyUI's ops do (F.rms_norm; apply_rope1 in fp32, rounded once)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.dtype not in _FLOAT:
+        raise ValueError(f"qkv must be a [B, L, 3 * heads * D] float tensor, got "
+                         f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
+    bsz, l, width = qkv.shape
+    if heads <= 0 or width % (3 * heads):
+        raise ValueError(f"qkv's last dim {width} is not 3 * heads ({heads}) * head_dim")
+    d = width // (3 * heads)
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two (>= 2) for the fused QK norm + RoPE")
+    want = (bsz, heads, q.shape[2] if q.dim() == 4 else -1, d)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4 or tuple(t.shape) != want or not t.is_contiguous() or t.dtype != qkv.dtype \
+                or t.device != qkv.device:
+            raise ValueError(f"{name} must be a contiguous [B, heads, L_all, head_dim] = {want} {qkv.dtype} tensor "
+                             f"on {qkv.device}, got {tuple(t.shape)} {t.dtype}")
+    if not 0 <= row_offset <= q.shape[2] - l:
+        raise ValueError(f"rows {row_offset}..{row_offset + l} do not fit L_all = {q.shape[2]}")
+    if pe is not None:
+        if (pe.dim() != 6 or pe.dtype != torch.float32 or tuple(pe.shape[3:]) != (d // 2, 2, 2)
+                or pe.shape[0] not in (1, bsz) or pe.shape[1] != 1 or pe.shape[2] < row_offset + l):
+            raise ValueError(f"pe must be fp32 [B | 1, 1, L_all, {d // 2}, 2, 2], got {tuple(pe.shape)} {pe.dtype}")
+        pe = pe if pe.stride(-1) == 1 and pe.stride(-2) == 2 and pe.stride(-3) == 4 else pe.contiguous()
+    wq = _row_major(_vector(q_weight, d, "q_weight", qkv.device, allow_scalar=False), "q_weight")
+    wk = _row_major(_vector(k_weight, d, "k_weight", qkv.device, allow_scalar=False), "k_weight")
+    if bsz == 0 or l == 0:
+        return
+    _check_usable(qkv, "qk_norm_rope")
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    block_h = triton.next_power_of_2(heads)
+    launch(_qk_norm_rope_kernel, (bsz * l,),
+           (qkv, wq, wk, pe if pe is not None else wq, q, k, v, l, heads, int(row_offset), float(eps_q), float(eps_k),
+            qkv.stride(0), qkv.stride(1), 0 if pe is None or pe.shape[0] == 1 else pe.stride(0),
+            0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
+           dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[qkv.dtype], HAS_PE=pe is not None, INTERPRET=INTERPRET),
+           4 if block_h * d <= 4096 else 8, 1, qkv.device)
+
+
 # ----------------------------------------------------------------------------------- torch.compile ops
 # The fused modules call the functions above directly in eager mode (no dispatcher overhead on ~400 calls a
 # step) and these custom ops while torch.compile traces (``torch.compiler.is_compiling()``), so a compiled

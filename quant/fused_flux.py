@@ -39,6 +39,11 @@ class FluxFunctions:
     attention: Callable       # comfy.ldm.flux.math.attention(q, k, v, pe, mask=None, transformer_options={})
     double_forward: Callable  # comfy.ldm.flux.layers.DoubleStreamBlock.forward: the per-linear path
     single_forward: Callable  # comfy.ldm.flux.layers.SingleStreamBlock.forward
+    # the optimized_attention that ``attention`` calls after RoPE (q, k, v, heads, skip_reshape=, mask=,
+    # transformer_options=), and whether ComfyUI is training (then its RoPE is torch's, not comfy-kitchen's):
+    # for INT8_FUSED_QK_ROPE, which applies the QK norm and RoPE itself
+    optimized_attention: Callable | None = None
+    in_training: Callable[[], bool] | None = None
 
 
 # ------------------------------------------------------------------------------------ kernels (eager / compile)
@@ -62,6 +67,18 @@ def _promote(*ts: torch.Tensor) -> torch.dtype:
     for t in ts[1:]:
         dt = torch.promote_types(dt, t.dtype)
     return dt
+
+
+def _rms_weight(norm: nn.Module, x: torch.Tensor):
+    """(weight in x's dtype on x's device, eps) of a QKNorm's RMSNorm as its forward applies them: ComfyUI's
+    ``ops.RMSNorm`` (0.33.0: ``weight``, ``eps``) or 0.3.75's Flux ``RMSNorm`` (``scale``, eps 1e-6 in its
+    forward); (None, None) for anything else (weight functions included): the caller runs the module."""
+    if "weight" in norm._parameters:
+        return qf.norm_weight(norm, x), qf._norm_eps(norm, x)
+    s = norm._parameters.get("scale")
+    if s is None or getattr(norm, "weight_function", None):
+        return None, None
+    return (s if s.device == x.device and s.dtype == x.dtype else s.detach().to(x.device, x.dtype)), 1e-6
 
 
 def _attn_patches(transformer_options) -> bool:
@@ -132,6 +149,60 @@ class _FusedFluxBlock(nn.Module):
                                  float(norm.eps))
         return qf.gemm(a_q, a_s, layer, _promote(x, mod.scale, mod.shift)).view(b, l, -1)
 
+    def _attention(self, streams, pe, attn_mask, transformer_options) -> torch.Tensor:
+        """Attention over the streams' tokens, in order (txt first): ``streams`` = [(QKNorm, qkv [B, L, 3 * H * D])].
+        With INT8_FUSED_QK_ROPE one kernel per stream applies the QK norm and RoPE and writes q / k / v straight
+        into the concatenated layout, then ComfyUI's ``optimized_attention``; otherwise (or for a call that kernel
+        does not cover) ComfyUI's ops: split, ``QKNorm``, ``torch.cat``, Flux's ``attention`` (RoPE inside)."""
+        qkv = self._fused_qk_rope(streams, pe)
+        if qkv is not None:
+            q, k, v = qkv
+            return self.fn.optimized_attention(q, k, v, q.shape[1], skip_reshape=True, mask=attn_mask,
+                                               transformer_options=transformer_options)
+        qs, ks, vs = [], [], []
+        for norm, x in streams:
+            q, k, v = x.view(x.shape[0], x.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+            q, k = norm(q, k, v)
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
+        if len(streams) == 1:
+            q, k, v = qs[0], ks[0], vs[0]
+        else:
+            q, k, v = torch.cat(qs, dim=2), torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        del qs, ks, vs
+        return self.fn.attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+
+    def _fused_qk_rope(self, streams, pe):
+        """(q, k, v) [B, H, L_all, D] from one ``qk_norm_rope`` launch per stream, or None where it does not apply:
+        switch off, torch.compile tracing, training, ``pe`` not Flux's fp32 [B | 1, 1, L_all, D / 2, 2, 2],
+        norms with weight functions (lowvram LoRA)."""
+        if (not qf.config.get("INT8_FUSED_QK_ROPE") or self.fn.optimized_attention is None or qf._compiling()
+                or (self.fn.in_training is not None and self.fn.in_training())):
+            return None
+        x0 = streams[0][1]
+        b, h = x0.shape[0], self.num_heads
+        d = x0.shape[-1] // (3 * h)
+        total = sum(x.shape[1] for _, x in streams)
+        if (not isinstance(pe, torch.Tensor) or pe.dim() != 6 or pe.dtype != torch.float32 or pe.shape[1] != 1
+                or pe.shape[0] not in (1, b) or pe.shape[2] != total or tuple(pe.shape[3:]) != (d // 2, 2, 2)
+                or d < 2 or d & (d - 1) or pe.device != x0.device):
+            return None
+        ws = []
+        for norm, x in streams:
+            if x.shape[0] != b or x.shape[-1] != 3 * h * d or x.dtype != x0.dtype:
+                return None
+            (wq, eq), (wk, ek) = _rms_weight(norm.query_norm, x), _rms_weight(norm.key_norm, x)
+            if wq is None or wk is None:
+                return None
+            ws.append((wq, wk, eq, ek))
+        q, k, v = (torch.empty((b, h, total, d), dtype=x0.dtype, device=x0.device) for _ in range(3))
+        row = 0
+        for (norm, x), (wq, wk, eq, ek) in zip(streams, ws):
+            qf._kf().qk_norm_rope(x, h, wq, wk, eq, ek, pe, q, k, v, row)
+            row += x.shape[1]
+        return q, k, v
+
     @staticmethod
     def _gelu_linear(layer: nn.Module, act: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """``layer(act(h))`` with act the tanh GELU: one kernel feeding the int8 GEMM, or torch."""
@@ -154,16 +225,11 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
                                           transformer_options=transformer_options)
         img_mod1, img_mod2 = self.img_mod(vec)
         txt_mod1, txt_mod2 = self.txt_mod(vec)
-        img_q, img_k, img_v = self._qkv(self.img_attn, self.img_norm1, img, img_mod1)
-        txt_q, txt_k, txt_v = self._qkv(self.txt_attn, self.txt_norm1, txt, txt_mod1)
-        q = torch.cat((txt_q, img_q), dim=2)
-        del txt_q, img_q
-        k = torch.cat((txt_k, img_k), dim=2)
-        del txt_k, img_k
-        v = torch.cat((txt_v, img_v), dim=2)
-        del txt_v, img_v
-        attn = self.fn.attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
-        del q, k, v
+        img_qkv = self._mod_linear(self.img_attn.qkv, self.img_norm1, img, img_mod1)
+        txt_qkv = self._mod_linear(self.txt_attn.qkv, self.txt_norm1, txt, txt_mod1)
+        attn = self._attention([(self.txt_attn.norm, txt_qkv), (self.img_attn.norm, img_qkv)], pe, attn_mask,
+                               transformer_options)
+        del img_qkv, txt_qkv
         txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
 
         img += qf.linear(self.img_attn.proj, img_attn) * img_mod1.gate
@@ -177,12 +243,6 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
         if txt.dtype == torch.float16:
             txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
         return img, txt
-
-    def _qkv(self, attn: nn.Module, norm: nn.Module, x: torch.Tensor, mod):
-        qkv = self._mod_linear(attn.qkv, norm, x, mod)
-        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k = attn.norm(q, k, v)
-        return q, k, v
 
     def _mlp(self, mlp: nn.Sequential, norm: nn.Module, x: torch.Tensor, mod) -> torch.Tensor:
         return self._gelu_linear(mlp[2], mlp[1], self._mod_linear(mlp[0], norm, x, mod))
@@ -199,11 +259,8 @@ class FusedFluxSingleBlock(_FusedFluxBlock):
         mod, _ = self.modulation(vec)
         h = self._mod_linear(self.linear1, self.pre_norm, x, mod)
         qkv, mlp = torch.split(h, [3 * self.hidden_size, self.mlp_hidden_dim_first], dim=-1)
-        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        attn = self._attention([(self.norm, qkv)], pe, attn_mask, transformer_options)
         del qkv
-        q, k = self.norm(q, k, v)
-        attn = self.fn.attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
-        del q, k, v
         if qf.fusable(self.linear2) and attn.dtype == mlp.dtype:
             a_q, a_s = _cat_gelu_quant(attn.reshape(-1, attn.shape[-1]), mlp.reshape(-1, mlp.shape[-1]),
                                        qf.inv_smooth_of(self.linear2, x.device))
