@@ -15,11 +15,12 @@
 #             kernel, cuBLAS FP8 and bf16
 #   defaults  the pack as it defaults now (attention auto, residual tail without FMA): Ideogram 4 dual and
 #             Flux / Z-Image / Wan, each beside bf16, profiled (the next call to make: these defaults are not timed)
+#   qkrope    Flux with INT8_FUSED_QK_ROPE=1 (QK norm + RoPE + attention layout in one kernel), profiled
 #   sweep     bench/fused_sweep.py: tile plans of the row kernels, GELU + quantize (Flux, Wan) included
 #   residual  Ideogram 4 with INT8_FUSED_RESIDUAL=1 (bf16 reference and the pack with auto attention)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|sweep ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -65,6 +66,10 @@ case $stage in
     timeout 250 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths bf16,pack:fused_triton --profile pack:fused_triton \
       --out "$OUT/h200-e2e-models-defaults.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  qkrope)  # Flux with INT8_FUSED_QK_ROPE=1 (one kernel for QK norm + RoPE + layout), against bf16, profiled
+    INT8_FUSED_QK_ROPE=1 timeout 150 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths bf16,pack:fused_triton --profile pack:fused_triton --out "$OUT/h200-e2e-models-qkrope.json" \
+      2>&1 | tee -a "$OUT/last.log" ;;
   sweep)  # tile plans of the row kernels, the GELU ones first (Flux / Wan profiles: 5-6x their memory floor)
     timeout 200 python3 bench/fused_sweep.py 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
