@@ -13,7 +13,11 @@ once and written once, as int8, instead of being written in bf16 and re-read by 
   inv_smooth, eps)`` -> (int8, fp32): LayerNorm (no affine) * (1 + scale) + shift feeding qkv / mlp.0 / linear1;
   ``gelu_tanh_quantize(h [M, F], inv_smooth)``: tanh GELU feeding mlp.2; ``concat_gelu_quantize(a [M, K],
   h [M, F], inv_smooth [K + F])``: ``cat(a, gelu(h))`` quantized with one absmax per row, never materialized
-  (the single block's linear2 input).
+  (the single block's linear2 input); ``qk_norm_rope(qkv [B, L, 3 H D], heads, q_weight, k_weight, eps_q, eps_k,
+  pe, q, k, v, row_offset)`` (issue 14, optional): the QK RMSNorm + RoPE written straight into the concatenated
+  [B, H, L_all, D] attention layout (no quantization; ``n = dt(x * rstd * w)``, then ``dt(f0 * n0 + f1 * n1)``
+  as ComfyUI's ``apply_rope1``); ``gated_residual_rmsnorm`` and it are built without FMA contraction where a
+  torch rounding sits between a multiply and an add (``enable_fp_fusion=False``: the residual tail).
 
 Numerics. Each kernel reproduces the unfused torch sequence *including its roundings to the model dtype*
 (bf16 rounding of an intermediate is ~1/4 of an int8 step near the row maximum, so computing everything in
