@@ -16,8 +16,8 @@ once and written once, as int8, instead of being written in bf16 and re-read by 
   (the single block's linear2 input); ``qk_norm_rope(qkv [B, L, 3 H D], heads, q_weight, k_weight, eps_q, eps_k,
   pe, q, k, v, row_offset)`` (issue 14, optional): the QK RMSNorm + RoPE written straight into the concatenated
   [B, H, L_all, D] attention layout (no quantization; ``n = dt(x * rstd * w)``, then ``dt(f0 * n0 + f1 * n1)``
-  as ComfyUI's ``apply_rope1``); ``gated_residual_rmsnorm`` and it are built without FMA contraction where a
-  torch rounding sits between a multiply and an add (``enable_fp_fusion=False``: the residual tail).
+  as ComfyUI's ``apply_rope1``). ``gated_residual_rmsnorm`` is built without FMA contraction
+  (``enable_fp_fusion=False``): torch rounds ``gate * norm(o)`` to the dtype before the add.
 
 Numerics. Each kernel reproduces the unfused torch sequence *including its roundings to the model dtype*
 (bf16 rounding of an intermediate is ~1/4 of an int8 step near the row maximum, so computing everything in
