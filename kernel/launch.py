@@ -13,9 +13,13 @@ only reused for arguments it was compiled for. Anything unusual (a profiler's la
 
 Launch hooks live in ``triton.knobs.runtime`` (Triton >= 3.4): ``None`` when unset in 3.4, an always-present
 ``HookChain`` whose ``calls`` list is empty when unset since 3.5 (through 3.9 at least); ``launch_hooked``
-reads both forms.
+reads both forms. The re-launch repeats ``JITFunction.run``'s launcher call, the same in Triton 3.6 to 3.9;
+``same_launcher_call`` reads the installed Triton's source once and, where that call differs, leaves every
+launch to Triton.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -46,6 +50,34 @@ def _hook_set(hook) -> bool:
     return True                           # a plain callable (3.4's Optional[LaunchHook]) or unknown: a hook
 
 
+# How JITFunction.run hands a compiled kernel to its launcher, which launch() repeats (whitespace-normalized):
+# the same in Triton 3.6.0, 3.7.0, 3.8.0 and 3.9.0 (read from their wheels, 2026-12-01).
+_TRITON_CALL = ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+                "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())")
+_SAME_CALL: bool | None = None   # decided on the first launch on a GPU, then kept
+
+
+def same_launcher_call() -> bool:
+    """Whether this Triton's ``JITFunction.run`` launches a compiled kernel the way ``launch`` re-launches it.
+    Where it does not (a Triton that changed that call), every launch takes Triton's own path, logged once:
+    slower on the host, never wrong."""
+    global _SAME_CALL
+    if _SAME_CALL is None:
+        try:
+            import inspect
+
+            from triton.runtime.jit import JITFunction
+            _SAME_CALL = " ".join(_TRITON_CALL.split()) in " ".join(inspect.getsource(JITFunction.run).split())
+        except Exception:  # noqa: BLE001  (no source to read: do not guess)
+            _SAME_CALL = False
+        if not _SAME_CALL:
+            import triton
+            logging.getLogger("int8_fused").info(
+                "Triton %s launches kernels differently from what kernel/launch.py expects: every kernel launch "
+                "goes through Triton's own path (more host time per call, same results)", triton.__version__)
+    return _SAME_CALL
+
+
 def launch_hooked(runtime_knobs) -> bool:
     """Whether anything (a profiler) hooks kernel launches: then every launch must go through Triton."""
     return _hook_set(runtime_knobs.launch_enter_hook) or _hook_set(runtime_knobs.launch_exit_hook)
@@ -55,7 +87,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
            device: torch.device) -> None:
     """``jit_fn[grid](*args, **constexprs, num_warps=, num_stages=)``, with the compiled kernel reused.
     ``args`` are the runtime arguments in signature order; ``constexprs`` the remaining parameters."""
-    if not _USE_FAST or device.type != "cuda":
+    if not _USE_FAST or device.type != "cuda" or not (_SAME_CALL or same_launcher_call()):
         jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         return
     import triton

@@ -48,12 +48,37 @@ def fast(monkeypatch):
     """The launcher as on a CUDA machine without TRITON_INTERPRET (a stand-in stream), with an empty cache."""
     monkeypatch.setattr(kl, "_USE_FAST", True)
     monkeypatch.setattr(kl, "_COMPILED", {})
+    monkeypatch.setattr(kl, "_SAME_CALL", None)  # decided from the installed Triton's source
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 4242, raising=False)
     return kl
 
 
 def _go(jit, x, n=100, block=64):
     kl.launch(jit, (3,), (x, n), dict(BLOCK=block, SINGLE=True), 4, 1, CUDA0)
+
+
+def test_this_tritons_launcher_call_is_the_one_repeated():
+    """The installed Triton's JITFunction.run hands its compiled kernel to the launcher exactly as launch() does
+    (read from its source); the fast path depends on it."""
+    import inspect
+
+    from triton.runtime.jit import JITFunction
+    kl._SAME_CALL = None
+    assert kl.same_launcher_call()
+    assert "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata" in \
+        inspect.getsource(JITFunction.run)
+
+
+def test_a_triton_with_another_launcher_call_gets_tritons_path(fast, monkeypatch, caplog):
+    """A Triton whose run() launches differently: every call goes through Triton, with one log line."""
+    monkeypatch.setattr(kl, "_SAME_CALL", None)
+    monkeypatch.setattr(kl, "_TRITON_CALL", "kernel.run(grid, stream, a_future_signature)")
+    with caplog.at_level("INFO", logger="int8_fused"):
+        jit, x = _Jit(), torch.zeros(8)
+        for _ in range(3):
+            _go(jit, x)
+    assert len(jit.slow) == 3 and jit.compiled.runs == []
+    assert sum("launches kernels differently" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_no_hooks_installed_in_this_process():
