@@ -20,14 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import adapters  # noqa: E402
 from adapters import ideogram4, lumina2  # noqa: E402
 from quant import fused as qf  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
+
+import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # CPU under the interpreter (CI); on a CUDA machine without TRITON_INTERPRET the same tests check the compiled
@@ -749,13 +752,4 @@ def _hopper_check() -> str:
 def test_kernels_compile_for_hopper():
     """The compiled (non-interpreter) branches build for sm_90 (Triton's bundled ptxas; no GPU needed) and
     load rows with 16-byte vectors. In a subprocess: under TRITON_INTERPRET=1 kernels are not compilable."""
-    import subprocess
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
-            "import test_fused as t\nprint('RESULT', t._hopper_check())")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    out = r.stdout + r.stderr
-    if "ptxas" in out and r.returncode != 0 and "RESULT" not in out:
-        pytest.skip(f"cannot build sm_90 code here: {out[-500:]}")
-    assert "RESULT OK" in r.stdout, out[-3000:]
+    fbh.hopper_check_in_subprocess("test_fused")

@@ -28,6 +28,8 @@ for _p in (ROOT, ROOT / "tests"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the CPU tests of the Triton kernels need TRITON_INTERPRET=1")
 
@@ -227,13 +229,4 @@ def _hopper_check() -> str:
 
 def test_qk_norm_rope_compiles_for_hopper():
     """In a subprocess without TRITON_INTERPRET (under it kernels are not compilable); skipped without ptxas."""
-    import subprocess
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
-            "import test_qk_norm_rope as t\nprint('RESULT', t._hopper_check())")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    out = r.stdout + r.stderr
-    if "ptxas" in out and r.returncode != 0 and "RESULT" not in out:
-        pytest.skip(f"cannot build sm_90 code here: {out[-500:]}")
-    assert "RESULT OK" in r.stdout, out[-3000:]
+    fbh.hopper_check_in_subprocess("test_qk_norm_rope")
