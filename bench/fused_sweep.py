@@ -2,7 +2,9 @@
 shapes, and the GELU kernels where the Flux / Wan profiles found them far off their memory floor (2026-12-01:
 Flux's single-block concat + GELU + quantize 282 us a call, Wan 1.3B's FFN GELU + quantize 400 us). Each (BLOCK,
 one register-resident pass or chunked passes, num_warps) plan timed with do_bench, output checked bit-equal to
-the default plan's. ``python bench/fused_sweep.py [--m 4608]``; prints one line a plan."""
+the default plan's; the GELU kernels also with ``GELU_FAST`` (h * sigmoid(2u) instead of tanhf), each compared
+with torch's unfused ``quantize_per_token_ref(F.gelu(...))`` (codes that differ, largest difference, scales
+that differ). ``python bench/fused_sweep.py [--m 4608]``; prints one line a plan."""
 from __future__ import annotations
 
 import argparse
@@ -18,8 +20,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=4608)
     a = ap.parse_args()
+    import torch.nn.functional as F
     import triton.testing
     from kernel import fused as kf
+    from quant.quantize import quantize_per_token_ref
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     m, k, f = a.m, 4608, 12288
@@ -35,6 +39,10 @@ def main() -> int:
     lx = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
     ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
     default_plan = kf._plan
+    torch_ref = {  # the unfused torch sequence the GELU kernels replace
+        "flux concat+gelu+quant": lambda: quantize_per_token_ref(torch.cat((fa, F.gelu(fh, approximate="tanh")), -1)),
+        "wan gelu+quant F=8960": lambda: quantize_per_token_ref(F.gelu(wh, approximate="tanh")),
+    }
     cases = {
         "rmsnorm_mod_quant K=4608": (lambda: kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, m), 2 * m * k + m * k,
                                      [(8192, True, 16), (8192, True, 8), (8192, True, 32), (4096, False, 4),
@@ -53,16 +61,25 @@ def main() -> int:
     for name, (fn, nbytes, plans) in cases.items():
         kf._plan = default_plan
         ref_q, ref_s = fn()
-        for plan in plans:
-            kf._plan = lambda n, *args, _p=plan, **kw: _p
-            try:
-                q, sc = fn()
-                same = torch.equal(q, ref_q) and torch.equal(sc, ref_s)
-                us = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
-                print(f"{name:26s} BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: {us:7.1f} us "
-                      f"{nbytes / us / 1e3:6.0f} GB/s  equal={same}", flush=True)
-            except Exception as e:  # a plan that does not compile (registers) is reported, not fatal
-                print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
+        for fast in ((False, True) if name in torch_ref else (False,)):
+            kf.GELU_FAST = fast
+            for plan in plans:
+                kf._plan = lambda n, *args, _p=plan, **kw: _p
+                try:
+                    q, sc = fn()
+                    same = torch.equal(q, ref_q) and torch.equal(sc, ref_s)
+                    vs_torch = ""
+                    if tq is not None:
+                        d = (q.int() - tq.int()).abs()
+                        vs_torch = (f"  vs torch: codes differ {(d > 0).float().mean().item():.2e} max {d.max().item()}"
+                                    f" scales differ {(sc != ts).float().mean().item():.2e}")
+                    us = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+                    print(f"{name:26s} fast={fast!s:5s} BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: "
+                          f"{us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  equal={same}{vs_torch}", flush=True)
+                except Exception as e:  # a plan that does not compile (registers) is reported, not fatal
+                    print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        kf.GELU_FAST = False
     kf._plan = default_plan
     return 0
 

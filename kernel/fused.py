@@ -77,6 +77,8 @@ MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K
 # (12288, and 3072 + 12288 in the single block's concatenation) in 2048-wide chunks, as SWIGLU_PLAN measured best.
 LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
 GELU_PLAN = TilePlan(max_single=2048, chunk=2048, chunk_warps=8)
+# tanh GELU as h * sigmoid(2u) with the hardware exp2 (see _gelu_tanh) instead of libdevice tanhf; module data
+GELU_FAST = False
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT = tuple(_DT_CODE)
@@ -289,11 +291,15 @@ _GELU_KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
-def _gelu_tanh(h, INTERPRET: tl.constexpr):
+def _gelu_tanh(h, INTERPRET: tl.constexpr, FAST: tl.constexpr):
     """torch's ``gelu(h, approximate="tanh")`` in fp32, op for op: ``0.5 * h * (1 + tanh(beta * (h + kappa *
     h^3)))``. tanh: libdevice tanhf compiled (torch's CUDA kernel calls tanhf); ``1 - 2 / (exp(2u) + 1)`` in the
-    interpreter (no libdevice there; within a few fp32 ulps)."""
+    interpreter (no libdevice there; within a few fp32 ulps). FAST: the same function as ``h / (1 + exp(-2u))``
+    (= h * sigmoid(2u)), one exp2 and one division instead of tanhf: within a few fp32 ulps of torch's where
+    the value matters (torch's ``1 + tanh`` cancels for u < -4, where both are < 1e-3 |h|)."""
     inner = _GELU_BETA * (h + _GELU_KAPPA * (h * h * h))
+    if FAST:  # exp(88) is finite: no overflow for u < -44 (the value there is < 1e-38 |h| either way)
+        return h / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 88.0)))
     if INTERPRET:  # |u| <= 15 keeps exp finite (tanh(15) is 1 in fp32); NaN passes through
         u = tl.minimum(tl.maximum(inner, -15.0), 15.0)
         t = 1.0 - tl.math.div_rn(2.0, tl.exp(2.0 * u) + 1.0)
@@ -380,9 +386,10 @@ def _layernorm_modulate_quant_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, qs_pt
 
 
 @triton.jit
-def _gelu_tile(h_row, inv_ptr, ks, mask, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+def _gelu_tile(h_row, inv_ptr, ks, mask, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr,
+               FAST: tl.constexpr):
     h = tl.load(h_row + ks, mask=mask, other=0.0).to(tl.float32)
-    y = _round(_gelu_tanh(h, INTERPRET), DT, INTERPRET)  # gelu(0) = 0: masked lanes stay 0
+    y = _round(_gelu_tanh(h, INTERPRET, FAST), DT, INTERPRET)  # gelu(0) = 0: masked lanes stay 0
     if HAS_SMOOTH:
         y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
     return y
@@ -390,10 +397,10 @@ def _gelu_tile(h_row, inv_ptr, ks, mask, HAS_SMOOTH: tl.constexpr, DT: tl.conste
 
 @triton.jit
 def _part_tile(p_row, inv_ptr, ks, mask, GELU: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               INTERPRET: tl.constexpr, FAST: tl.constexpr):
     # one segment of the concatenated row: the values as they are (GELU False) or gelu(h) rounded to DT
     if GELU:
-        return _gelu_tile(p_row, inv_ptr, ks, mask, HAS_SMOOTH, DT, INTERPRET)
+        return _gelu_tile(p_row, inv_ptr, ks, mask, HAS_SMOOTH, DT, INTERPRET, FAST)
     else:
         y = tl.load(p_row + ks, mask=mask, other=0.0).to(tl.float32)
         if HAS_SMOOTH:
@@ -403,10 +410,10 @@ def _part_tile(p_row, inv_ptr, ks, mask, GELU: tl.constexpr, HAS_SMOOTH: tl.cons
 
 @triton.jit
 def _part_amax(p_row, inv_ptr, n, cols, amax, bad, GELU: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-               DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+               DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, FAST: tl.constexpr):
     for k0 in range(0, n, BLOCK):
         ks = k0 + cols
-        ay = tl.abs(_part_tile(p_row, inv_ptr, ks, ks < n, GELU, HAS_SMOOTH, DT, INTERPRET))
+        ay = tl.abs(_part_tile(p_row, inv_ptr, ks, ks < n, GELU, HAS_SMOOTH, DT, INTERPRET, FAST))
         bad = tl.maximum(bad, tl.where(ay < float("inf"), 0, 1))
         amax = tl.maximum(amax, ay)
     return amax, bad
@@ -414,11 +421,11 @@ def _part_amax(p_row, inv_ptr, n, cols, amax, bad, GELU: tl.constexpr, HAS_SMOOT
 
 @triton.jit
 def _part_store(p_row, inv_ptr, q_row, n, cols, mult, usable, GELU: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                DT: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, FAST: tl.constexpr):
     for k0 in range(0, n, BLOCK):
         ks = k0 + cols
         mask = ks < n
-        y = _part_tile(p_row, inv_ptr, ks, mask, GELU, HAS_SMOOTH, DT, INTERPRET)
+        y = _part_tile(p_row, inv_ptr, ks, mask, GELU, HAS_SMOOTH, DT, INTERPRET, FAST)
         _store_q(q_row + ks, y, mult, usable, mask, INTERPRET)
 
 
@@ -427,7 +434,7 @@ def _concat_gelu_quant_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
                               KA, F, stride_am, stride_hm, stride_qm,
                               HAS_A: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
                               SCALE_RECIP: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-                              INTERPRET: tl.constexpr):
+                              INTERPRET: tl.constexpr, FAST: tl.constexpr):
     # q = quantize(cat(a, dt(gelu(h)))) per row, one absmax over both parts; HAS_A False: gelu(h) alone.
     # SINGLE: each part fits one BLOCK-wide tile held in registers; else BLOCK-wide chunks, read twice.
     row = tl.program_id(0)
@@ -437,12 +444,12 @@ def _concat_gelu_quant_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
     cols = tl.arange(0, BLOCK)
     if SINGLE:
         mh = cols < F
-        yh = _gelu_tile(h_row, inv_ptr + KA, cols, mh, HAS_SMOOTH, DT, INTERPRET)
+        yh = _gelu_tile(h_row, inv_ptr + KA, cols, mh, HAS_SMOOTH, DT, INTERPRET, FAST)
         ay = tl.abs(yh)
         bad = tl.where(ay < float("inf"), 0, 1)
         if HAS_A:
             ma = cols < KA
-            ya = _part_tile(a_row, inv_ptr, cols, ma, False, HAS_SMOOTH, DT, INTERPRET)
+            ya = _part_tile(a_row, inv_ptr, cols, ma, False, HAS_SMOOTH, DT, INTERPRET, FAST)
             aa = tl.abs(ya)
             bad = tl.maximum(bad, tl.where(aa < float("inf"), 0, 1))
             ay = tl.maximum(ay, aa)
@@ -455,13 +462,17 @@ def _concat_gelu_quant_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         bad = tl.zeros([BLOCK], dtype=tl.int32)
         if HAS_A:
-            amax, bad = _part_amax(a_row, inv_ptr, KA, cols, amax, bad, False, HAS_SMOOTH, DT, BLOCK, INTERPRET)
-        amax, bad = _part_amax(h_row, inv_ptr + KA, F, cols, amax, bad, True, HAS_SMOOTH, DT, BLOCK, INTERPRET)
+            amax, bad = _part_amax(a_row, inv_ptr, KA, cols, amax, bad, False, HAS_SMOOTH, DT, BLOCK, INTERPRET,
+                                   FAST)
+        amax, bad = _part_amax(h_row, inv_ptr + KA, F, cols, amax, bad, True, HAS_SMOOTH, DT, BLOCK, INTERPRET,
+                               FAST)
         scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
         tl.store(qs_ptr + row, scale)
         if HAS_A:
-            _part_store(a_row, inv_ptr, q_row, KA, cols, mult, usable, False, HAS_SMOOTH, DT, BLOCK, INTERPRET)
-        _part_store(h_row, inv_ptr + KA, q_row + KA, F, cols, mult, usable, True, HAS_SMOOTH, DT, BLOCK, INTERPRET)
+            _part_store(a_row, inv_ptr, q_row, KA, cols, mult, usable, False, HAS_SMOOTH, DT, BLOCK, INTERPRET,
+                        FAST)
+        _part_store(h_row, inv_ptr + KA, q_row + KA, F, cols, mult, usable, True, HAS_SMOOTH, DT, BLOCK,
+                    INTERPRET, FAST)
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -697,7 +708,7 @@ def _concat_gelu(a: torch.Tensor | None, h: torch.Tensor, inv_smooth, what: str)
            (a if a is not None else h, h, inv if inv is not None else qs, q, qs, ka, f,
             a.stride(0) if a is not None else 0, h.stride(0), q.stride(0)),
            dict(HAS_A=a is not None, HAS_SMOOTH=inv is not None, DT=_DT_CODE[h.dtype], SCALE_RECIP=h.is_cuda,
-                BLOCK=block, SINGLE=single, INTERPRET=INTERPRET), warps, 1, h.device)
+                BLOCK=block, SINGLE=single, INTERPRET=INTERPRET, FAST=GELU_FAST), warps, 1, h.device)
     return q, qs
 
 

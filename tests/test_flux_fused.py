@@ -220,10 +220,12 @@ def test_layernorm_modulate_quantize_zero_nan_and_errors(kf, qf):
 
 
 @kernel_tests
+@pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
 @pytest.mark.parametrize("dtype,m,f,smooth,chunked", [
     (BF16, 12, 512, False, False), (BF16, 7, 300, True, True), (FP16, 8, 256, True, False),
     (FP16, 5, 200, False, True), (FP32, 6, 200, True, False)])
-def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, chunked):
+def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, chunked, fast):
+    monkeypatch.setattr(kf, "GELU_FAST", fast)  # h * sigmoid(2u): the same function, other fp32 roundings
     if chunked:
         monkeypatch.setattr(kf, "GELU_PLAN", kf.TilePlan(max_single=64, chunk=64, chunk_warps=4))
     g = torch.Generator().manual_seed(m * 100 + f)
@@ -237,11 +239,13 @@ def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, chunked):
 
 
 @kernel_tests
+@pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
 @pytest.mark.parametrize("dtype,m,ka,f,smooth,chunked", [
     (BF16, 10, 128, 512, True, False), (BF16, 6, 96, 200, False, True), (BF16, 4, 300, 100, True, True),
     (FP16, 6, 64, 256, True, False), (FP32, 5, 64, 160, False, False)])
-def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, chunked):
+def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, chunked, fast):
     """Flux's single block: ``linear2(cat(attn, gelu(mlp)))`` with mlp a column slice of linear1's output."""
+    monkeypatch.setattr(kf, "GELU_FAST", fast)
     if chunked:
         monkeypatch.setattr(kf, "GELU_PLAN", kf.TilePlan(max_single=64, chunk=64, chunk_warps=4))
     g = torch.Generator().manual_seed(m * 10 + ka + f)
@@ -262,7 +266,9 @@ def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, chun
 
 @kernel_tests
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
-def test_gelu_kernels_zero_nan_and_errors(kf, qf):
+@pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
+def test_gelu_kernels_zero_nan_and_errors(kf, qf, monkeypatch, fast):
+    monkeypatch.setattr(kf, "GELU_FAST", fast)  # fast: gelu(-inf) = -inf (torch: NaN); the row is bad either way
     g = torch.Generator().manual_seed(5)
     h = _rand((5, 80), BF16, g)
     a = _rand((5, 32), BF16, g)
@@ -578,9 +584,11 @@ def _hopper_check() -> str:
         (kf._layernorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 2, "SCALE_DT": 2, "PROD_DT": 2,
                                                "BLOCK": 1024, "SINGLE": False}, 4),
         (kf._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": True, "DT": 1, "BLOCK": 2048,
-                                        "SINGLE": False}, 8),
+                                        "SINGLE": False, "FAST": False}, 8),
         (kf._concat_gelu_quant_kernel, {"HAS_A": False, "HAS_SMOOTH": False, "DT": 1, "BLOCK": 2048,
-                                        "SINGLE": True}, 8),
+                                        "SINGLE": True, "FAST": False}, 8),
+        (kf._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": False, "DT": 1, "BLOCK": 16384,
+                                        "SINGLE": True, "FAST": True}, 16),
     ]
     for fn, consts, warps in cases:
         consts = {**consts, **common}
