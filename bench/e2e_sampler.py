@@ -103,6 +103,7 @@ def main() -> int:
                                         "pack:torch_int_mm,pack:fp8_rowwise,pack:dequant_bf16,"
                                         "core_int8+pack:fused_triton,bf16@legacy,pack:fused_triton@legacy")
     ap.add_argument("--profile", default="all", help="'all', 'none' or comma-separated paths to profile")
+    ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
     ap.add_argument("--pressure", type=float, default=0.0, help="GiB left free for the pressure rows (0: none)")
     ap.add_argument("--pressure-paths", default="core_int8,pack:fused_triton")
     ap.add_argument("--device", default="cuda")
@@ -280,6 +281,41 @@ class SamplerBench:
                 "h2d_pageable_per_step_raw": sum("Pageable" in e["name"] for e in h2d) / 2,
                 "top_kernels_ms_per_step": [[n, round(ms / 2, 2), round(100 * ms / total, 1)] for n, ms in top]}
 
+    def host_profiled(self, guider, model, latent, noise, top: int = 28) -> dict:
+        """A 2-step run under cProfile: where the host's time per step goes (Python functions by own time, and
+        by cumulative time), to tell a host-bound step (GPU idle between kernels) from a GPU-bound one. cProfile
+        slows Python down, so the figures rank; the step's wall time under it is given beside them."""
+        import cProfile
+        import pstats
+        torch = self.torch
+        pr = cProfile.Profile()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pr.enable()
+        self.sample(guider, model, latent, noise, 2)
+        torch.cuda.synchronize()
+        pr.disable()
+        wall = (time.perf_counter() - t0) / 2
+        st = pstats.Stats(pr).stats
+        rows = []
+        for (file, line, fn), (cc, nc, tt, ct, _) in st.items():
+            where = f"{'/'.join(Path(file).parts[-2:])}:{line}({fn})" if file != "~" else fn
+            rows.append([where[-110:], nc / 2, round(tt * 1e3 / 2, 2), round(ct * 1e3 / 2, 2)])
+        by_own = sorted(rows, key=lambda r: -r[2])[:top]
+        by_cum = sorted(rows, key=lambda r: -r[3])[:top]
+        return {"host_profile_wall_s_per_step": round(wall, 4), "host_own_ms_per_step": by_own,
+                "host_cum_ms_per_step": by_cum}
+
+    def maybe_host_profile(self, row: dict, path: str, guider, model, latent, noise) -> None:
+        """``host_profiled`` for the paths of ``--host-profile`` (on a GPU), logged."""
+        if self.dev.type != "cuda" or path not in getattr(self.a, "host_profile", "").split(","):
+            return
+        row.update(self.host_profiled(guider, model, latent, noise))
+        log(f"    host (cProfile) {row['host_profile_wall_s_per_step'] * 1e3:.1f} ms/step wall; own / cum ms:")
+        for key in ("host_own_ms_per_step", "host_cum_ms_per_step"):
+            for fn, n, own, cum in row[key]:
+                log(f"    {key[5:8]} {own:8.2f} {cum:8.2f} ms  {n:7.0f}x  {fn}")
+
     # ------------------------------------------------------------------ driver
     def measure(self, path: str, patcher: str, cond, uncond, pressure: float = 0.0, workflows=None):
         torch = self.torch
@@ -305,6 +341,7 @@ class SamplerBench:
                     row["finite"] = bool(torch.isfinite(out).all())
                     if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
                         row.update(self.profiled(g, cond, latent, noise))
+                        self.maybe_host_profile(row, path, g, cond, latent, noise)
                     self.latents[(path, wf, res, pressure)] = out
                 except Exception as e:  # a path that cannot run is reported, not hidden
                     import traceback

@@ -61,10 +61,10 @@ case $stage in
   gemm)  # issue 14 item 6: persistent TMA (and warp-specialised) INT8 GEMM variants vs the pack's kernel and cuBLAS FP8
     timeout 140 python3 bench/gemm_variants.py --out "$OUT/h200-gemm-variants.json" 2>&1 | tee -a "$OUT/last.log" ;;
   defaults)  # the pack as it now defaults (attention auto, residual tail built without FMA) on every model, profiled
-    timeout 200 $sampler --profile pack:fused_triton --paths bf16,pack:fused_triton \
+    timeout 200 $sampler --profile pack:fused_triton --host-profile pack:fused_triton --paths bf16,pack:fused_triton \
       --out "$OUT/sampler-defaults.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 250 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
-      --paths bf16,pack:fused_triton --profile pack:fused_triton \
+      --paths bf16,pack:fused_triton --profile pack:fused_triton --host-profile pack:fused_triton \
       --out "$OUT/h200-e2e-models-defaults.json" 2>&1 | tee -a "$OUT/last.log" ;;
   qkrope)  # Flux with INT8_FUSED_QK_ROPE=1 (one kernel for QK norm + RoPE + layout), against bf16, profiled
     INT8_FUSED_QK_ROPE=1 timeout 150 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \

@@ -76,9 +76,13 @@ MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K
 # Flux.1 (not yet measured on a GPU): K = 3072 in one 4096-wide pass (the row in registers); the MLP width
 # (12288, and 3072 + 12288 in the single block's concatenation) in 2048-wide chunks, as SWIGLU_PLAN measured best.
 LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
-GELU_PLAN = TilePlan(max_single=2048, chunk=2048, chunk_warps=8)
-# tanh GELU as h * sigmoid(2u) with the hardware exp2 (see _gelu_tanh) instead of libdevice tanhf; module data
-GELU_FAST = False
+# GELU (bench/fused_sweep.py, H200, 2026-12-01): Flux's concat + GELU + quantize (M 4608, 3072 + 12288) 191 us with
+# tanhf in 2048-wide chunks, 150 us with GELU_FAST in 1024-wide chunks (148 in 2048-wide); Wan 1.3B's GELU
+# (M 14040, F 8960) 405 us -> 265 us. GELU_FAST: tanh GELU as h * sigmoid(2u) with the hardware exp2 (see
+# _gelu_tanh) instead of libdevice tanhf; there the codes equalled torch's unfused path's on Flux's data and
+# differed by 1 in 1.0e-7 of Wan's. Both module data, read at each call.
+GELU_PLAN = TilePlan(max_single=2048, chunk=1024, chunk_warps=4)
+GELU_FAST = True
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT = tuple(_DT_CODE)
