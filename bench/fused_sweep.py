@@ -8,6 +8,7 @@ that differ). ``python bench/fused_sweep.py [--m 4608]``; prints one line a plan
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=4608)
+    ap.add_argument("--quick", action="store_true", help="each kernel's default plan only (A/B runs of a switch)")
     a = ap.parse_args()
     import torch.nn.functional as F
     import triton.testing
@@ -38,7 +40,9 @@ def main() -> int:
     wh = (2 * torch.randn(14040, 8960, device=dev, generator=g)).to(torch.float16)  # Wan 1.3B, 480p 33 frames
     lx = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
     ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
-    default_plan = kf._plan
+    default_plan, gelu_fast = kf._plan, kf.GELU_FAST
+    import kernel.quantize
+    print(f"INT8_FUSED_ALU_ROUND: {bool(kernel.quantize.ALU_ROUND)}", flush=True)
     torch_ref = {  # the unfused torch sequence the GELU kernels replace
         "flux concat+gelu+quant": lambda: quantize_per_token_ref(torch.cat((fa, F.gelu(fh, approximate="tanh")), -1)),
         "wan gelu+quant F=8960": lambda: quantize_per_token_ref(F.gelu(wh, approximate="tanh")),
@@ -58,14 +62,18 @@ def main() -> int:
                                      [(4096, True, 8), (4096, True, 16), (2048, False, 4), (1024, False, 4),
                                       (1024, False, 8)]),
     }
+    from kernel import quantize_per_token
+    xq = torch.randn(4608, 12288, device=dev, generator=g).to(torch.bfloat16)
+    cases["quant_rows K=4608"] = (lambda: quantize_per_token(x), 3 * m * k, [None])
+    cases["quant_rows K=12288"] = (lambda: quantize_per_token(xq), 3 * 4608 * 12288, [None])
     for name, (fn, nbytes, plans) in cases.items():
         kf._plan = default_plan
         ref_q, ref_s = fn()
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
-        for fast in ((False, True) if name in torch_ref else (False,)):
+        for fast in ((False, True) if name in torch_ref and not a.quick else (gelu_fast,)):
             kf.GELU_FAST = fast
-            for plan in plans:
-                kf._plan = lambda n, *args, _p=plan, **kw: _p
+            for plan in ([None] if a.quick else plans):
+                kf._plan = default_plan if plan is None else (lambda n, *args, _p=plan, **kw: _p)
                 try:
                     q, sc = fn()
                     same = torch.equal(q, ref_q) and torch.equal(sc, ref_s)
@@ -74,12 +82,14 @@ def main() -> int:
                         d = (q.int() - tq.int()).abs()
                         vs_torch = (f"  vs torch: codes differ {(d > 0).float().mean().item():.2e} max {d.max().item()}"
                                     f" scales differ {(sc != ts).float().mean().item():.2e}")
+                    digest = hashlib.sha1(q.cpu().numpy().tobytes() + sc.cpu().numpy().tobytes()).hexdigest()[:10]
                     us = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
-                    print(f"{name:26s} fast={fast!s:5s} BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: "
-                          f"{us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  equal={same}{vs_torch}", flush=True)
+                    print(f"{name:26s} fast={fast!s:5s} " + ("own plan: " if plan is None else
+                          f"BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: ") +
+                          f"{us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  equal={same} sha1 {digest}{vs_torch}", flush=True)
                 except Exception as e:  # a plan that does not compile (registers) is reported, not fatal
                     print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-        kf.GELU_FAST = False
+        kf.GELU_FAST = gelu_fast
     kf._plan = default_plan
     return 0
 

@@ -18,9 +18,11 @@
 #   qkrope    Flux with INT8_FUSED_QK_ROPE=1 (QK norm + RoPE + attention layout in one kernel), profiled
 #   sweep     bench/fused_sweep.py: tile plans of the row kernels, GELU + quantize (Flux, Wan) included
 #   residual  Ideogram 4 with INT8_FUSED_RESIDUAL=1 (bf16 reference and the pack with auto attention)
+#   alu       bench/fused_sweep.py --quick with INT8_FUSED_ALU_ROUND off and on (time, same output digests)
+#   hostprof  cProfile of steady-state sampler steps: Flux with / without INT8_FUSED_QK_ROPE, Ideogram 4 dual
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -72,6 +74,27 @@ case $stage in
       2>&1 | tee -a "$OUT/last.log" ;;
   sweep)  # tile plans of the row kernels, the GELU ones first (Flux / Wan profiles: 5-6x their memory floor)
     timeout 200 python3 bench/fused_sweep.py 2>&1 | tee -a "$OUT/last.log" ;;
+  alu)  # INT8_FUSED_ALU_ROUND off / on (taken at import): each row kernel's default plan, output digests compared
+    timeout 150 python3 bench/fused_sweep.py --quick 2>&1 | tee "$OUT/alu0.log"
+    INT8_FUSED_ALU_ROUND=1 timeout 150 python3 bench/fused_sweep.py --quick 2>&1 | tee "$OUT/alu1.log"
+    python3 - "$OUT/alu0.log" "$OUT/alu1.log" <<'PY'
+import re, sys
+rows = [{m.group(1).strip(): (float(m.group(2)), m.group(3)) for m in
+         re.finditer(r"^(.*?): +([0-9.]+) us .*sha1 (\w+)", open(f).read(), re.M)} for f in sys.argv[1:]]
+for k, (us0, h0) in rows[0].items():
+    us1, h1 = rows[1].get(k, (float("nan"), "?"))
+    print(f"ALU A/B {k:60s} cvt {us0:7.1f} us  alu {us1:7.1f} us  same output: {h0 == h1}")
+PY
+    ;;
+  hostprof)  # where the host time of a step goes (cProfile of steady-state steps): Flux with / without the
+             # QK norm + RoPE kernel, Ideogram 4 dual
+    timeout 120 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux --paths pack:fused_triton \
+      --host-profile pack:fused_triton --out "$OUT/h200-e2e-models-host.json" 2>&1 | tee -a "$OUT/last.log"
+    INT8_FUSED_QK_ROPE=1 timeout 120 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths pack:fused_triton --host-profile pack:fused_triton --out "$OUT/h200-e2e-models-host-qkrope.json" \
+      2>&1 | tee -a "$OUT/last.log"
+    timeout 150 $sampler --profile pack:fused_triton --host-profile pack:fused_triton --paths pack:fused_triton \
+      --out "$OUT/sampler-host.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

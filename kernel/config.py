@@ -51,6 +51,10 @@ SWITCHES = {s.name: s for s in (
            "`1`: Flux.1's fused blocks run the QK RMSNorm, RoPE and the attention layout (txt and img rows "
            "concatenated) in one kernel per stream (`kernel/fused.py` `qk_norm_rope`); CPU-tested, not yet timed "
            "on a GPU, hence off"),
+    Switch("INT8_FUSED_ALU_ROUND", bool, False,
+           "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
+           "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",
+           at_import=True),
     Switch("INT8_FUSED_JIT_LAUNCH", bool, False,
            "`1`: launch kernels through Triton's normal `JITFunction.run` instead of the pack's lean "
            "re-launcher (kernel/launch.py)", at_import=True),

@@ -57,7 +57,7 @@ from triton.language.extra import libdevice
 
 from . import _check_2d, _check_usable, _vector
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
-from .quantize import INTERPRET, _rint  # the quantizer's rint (and its interpreter compat shim)
+from .quantize import ALU_ROUND, INTERPRET, _code8  # the quantizer's rounding (and its interpreter compat shim)
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,11 @@ _FLOAT = tuple(_DT_CODE)
 def _round(y, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 -> nearest (ties to even) value of dtype DT (0 fp32, 1 bf16, 2 fp16), returned as fp32."""
     if DT == 1:
-        if INTERPRET:
+        if INTERPRET or ALU_ROUND:
             # NOTE: Triton 3.6's interpreter rounds fp32 -> bf16 by truncation (and its 'rtne' mode neither
             # breaks ties to even nor carries into the exponent), so round on the bits: add 0x7FFF plus the
             # lowest kept bit, drop the low half. NaN stays NaN (its payload could carry into the sign).
+            # Compiled with ALU_ROUND the same integer ops replace cvt.rn.bf16.f32 (same result).
             bits = y.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
@@ -134,10 +135,7 @@ def _quant_params(amax, bad, SCALE_RECIP: tl.constexpr):
 
 @triton.jit
 def _store_q(q_ptrs, y, mult, usable, mask, INTERPRET: tl.constexpr):
-    q = _rint(y * mult, INTERPRET)
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-    q = tl.where(usable, q, 0.0)
-    tl.store(q_ptrs, q.to(tl.int8), mask=mask)
+    tl.store(q_ptrs, tl.where(usable, _code8(y * mult, INTERPRET), 0), mask=mask)
 
 
 @triton.jit

@@ -59,6 +59,26 @@ if INTERPRET:
     _interpreter_compat()
 
 
+# Rounding on the ALUs instead of the conversion unit (INT8_FUSED_ALU_ROUND, taken at import): see _code8 and
+# kernel/fused.py _round; the same results bit for bit, only which instructions compute them differs.
+ALU_ROUND = tl.constexpr(bool(config.get("INT8_FUSED_ALU_ROUND")))
+
+
+@triton.jit
+def _code8(v, INTERPRET: tl.constexpr):
+    """int8 code of ``v`` (already times the row's 127 / amax): round half to even of ``clamp(v, -127, 127)``,
+    which equals clamping the rounded value (the bounds are integers). The clamp comes first so no FMA can
+    contract the caller's multiply into the rounding. Interpreter / ALU_ROUND: ``c + 1.5 * 2**23`` rounds c to an
+    integer in IEEE fp32 (exact for |c| < 2**22) and leaves it in the low mantissa bits, read as int32 minus the
+    constant's bits: two adds, no cvt.rni / cvt.s8 on the conversion unit. Else libdevice rint and a cvt. NaN
+    (only in rows the caller zeroes) gives an arbitrary code."""
+    c = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    if INTERPRET or ALU_ROUND:
+        return ((c + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
+    else:
+        return libdevice.rint(c).to(tl.int8)
+
+
 @triton.jit
 def _rint(y, INTERPRET: tl.constexpr):
     # Round half to even. Compiled: libdevice rint (one cvt.rni). The interpreter has no libdevice, so it
@@ -116,13 +136,11 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
 
     # pass 2: quantize (re-reading x from L2 when the row did not fit one chunk)
     if ONE_CHUNK:
-        q = tl.minimum(tl.maximum(_rint(x * mult, INTERPRET), -127.0), 127.0)
-        tl.store(q_row + cols, tl.where(usable, q, 0.0).to(tl.int8), mask=mask)
+        tl.store(q_row + cols, tl.where(usable, _code8(x * mult, INTERPRET), 0), mask=mask)
     else:
         for k0 in range(0, K, BLOCK_K):
             xc, mc = _row_chunk(x_row, inv_ptr, k0 + cols, K, stride_xk, HAS_SMOOTH)
-            q = tl.minimum(tl.maximum(_rint(xc * mult, INTERPRET), -127.0), 127.0)
-            tl.store(q_row + k0 + cols, tl.where(usable, q, 0.0).to(tl.int8), mask=mc)
+            tl.store(q_row + k0 + cols, tl.where(usable, _code8(xc * mult, INTERPRET), 0), mask=mc)
 
 
 @functools.lru_cache(maxsize=None)  # per call it is a dict lookup (triton.next_power_of_2 costs ~2 us)

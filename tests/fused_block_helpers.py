@@ -27,10 +27,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def hopper_check_in_subprocess(module: str) -> None:
+def hopper_check_in_subprocess(module: str, env: dict | None = None) -> None:
     """Asserts that ``tests/<module>.py``'s ``_hopper_check()`` returns "OK" (the compiled, non-interpreter branches
     of its kernels build for sm_90 with Triton's bundled ptxas; no GPU needed). In a subprocess without
-    TRITON_INTERPRET, under which kernels are not compilable; skipped where sm_90 code cannot be built here."""
+    TRITON_INTERPRET (under which kernels are not compilable) and with ``env`` added (switches taken at import);
+    skipped where sm_90 code cannot be built here."""
     import os
     import subprocess
     import sys
@@ -39,7 +40,7 @@ def hopper_check_in_subprocess(module: str) -> None:
     import pytest
     pytest.importorskip("triton.backends.nvidia")
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     code = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]\n"
             f"import {module} as t\nprint('RESULT', t._hopper_check())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

@@ -600,9 +600,13 @@ def _hopper_check() -> str:
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         if "cubin" not in k.asm or not re.search(r"ld\.global[^\n]*\.v4", k.asm["ptx"]):
             return f"{fn.fn.__name__} {consts}: no cubin or no 16-byte loads"
+        if ("cvt.rni" in k.asm["ptx"]) == bool(kf.ALU_ROUND):
+            return f"{fn.fn.__name__} {consts}: ALU_ROUND {bool(kf.ALU_ROUND)} but cvt.rni {'' if kf.ALU_ROUND else 'not '}in the PTX"
     return "OK"
 
 
-def test_flux_kernels_compile_for_hopper():
-    """In a subprocess without TRITON_INTERPRET (under it kernels are not compilable); skipped without ptxas."""
-    fbh.hopper_check_in_subprocess("test_flux_fused")
+@pytest.mark.parametrize("alu", ["0", "1"], ids=["cvt", "alu_round"])
+def test_flux_kernels_compile_for_hopper(alu):
+    """In a subprocess without TRITON_INTERPRET (under it kernels are not compilable); skipped without ptxas.
+    Also with INT8_FUSED_ALU_ROUND=1 (taken at import): then no cvt.rni rounds an int8 code."""
+    fbh.hopper_check_in_subprocess("test_flux_fused", {"INT8_FUSED_ALU_ROUND": alu})

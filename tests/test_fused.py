@@ -723,7 +723,7 @@ def _sm90_compile(kf, fn, consts, warps):
              if p not in consts and p not in ("eps", "eps2", "tokens_per_batch")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return len(re.findall(r"ld\.global[^\n]*\.v4", k.asm["ptx"])), "cubin" in k.asm
+    return len(re.findall(r"ld\.global[^\n]*\.v4", k.asm["ptx"])), "cubin" in k.asm, k.asm["ptx"]
 
 
 def _hopper_check() -> str:
@@ -743,13 +743,21 @@ def _hopper_check() -> str:
                                      "NEXT_PROD_DT": 1, "BLOCK": 8192}),
     ]
     for fn, consts in cases:
-        v4, cubin = _sm90_compile(kf, fn, {**consts, **common}, 16)
+        v4, cubin, ptx = _sm90_compile(kf, fn, {**consts, **common}, 16)
         if not (cubin and v4 > 0):
             return f"{fn.fn.__name__} {consts}: cubin={cubin}, 16-byte loads={v4}"
+        # INT8_FUSED_ALU_ROUND: the int8 codes (and the bf16 roundings) come from adds, not cvt.rni / cvt.rn.bf16
+        if kf.ALU_ROUND and ("cvt.rni" in ptx or (consts.get("NORM_DT") == 1 and "cvt.rn.bf16.f32" in ptx
+                                                   and fn is not kf._gated_residual_kernel)):
+            return f"{fn.fn.__name__} {consts}: ALU_ROUND on but the PTX still rounds with cvt"
+        if not kf.ALU_ROUND and "cvt.rni" not in ptx:
+            return f"{fn.fn.__name__} {consts}: no cvt.rni in the default build"
     return "OK"
 
 
-def test_kernels_compile_for_hopper():
+@pytest.mark.parametrize("alu", ["0", "1"], ids=["cvt", "alu_round"])
+def test_kernels_compile_for_hopper(alu):
     """The compiled (non-interpreter) branches build for sm_90 (Triton's bundled ptxas; no GPU needed) and
-    load rows with 16-byte vectors. In a subprocess: under TRITON_INTERPRET=1 kernels are not compilable."""
-    fbh.hopper_check_in_subprocess("test_fused")
+    load rows with 16-byte vectors; with INT8_FUSED_ALU_ROUND=1 (taken at import) without cvt rounding. In a
+    subprocess: under TRITON_INTERPRET=1 kernels are not compilable."""
+    fbh.hopper_check_in_subprocess("test_fused", {"INT8_FUSED_ALU_ROUND": alu})
