@@ -14,7 +14,9 @@ functions that body calls, imported explicitly in :func:`comfy_functions`:
 ``comfy.model_management.in_training`` (read per call), ``comfy.ops.cast_bias_weight`` / ``uncast_bias_weight``,
 ``comfy.quant_ops.ck.rms_rope_split_half`` (comfy_kitchen), ``comfy.ldm.modules.attention.
 optimized_attention_masked`` (so the pack's attention routing, ``transformer_options``' override, applies) and
-the module's ``_apply_rope_split_half1``. Where one of them is missing (ComfyUI 0.3.75 has neither the module,
+the module's ``_apply_rope_split_half1``. With ``INT8_FUSED_QK_ROPE`` (default on) the QK RMSNorm, the split-half
+RoPE and the [B, H, L, D] attention layout of q / k / v come from one ``kernel.fused.qk_norm_rope`` launch instead
+of comfy_kitchen's op (its host cost per call on the H200 was the larger part). Where one of them is missing (ComfyUI 0.3.75 has neither the module,
 ``in_training`` nor ``quant_ops.ck``; a ComfyUI without comfy_kitchen has no ``ck``) no block is fused: one log
 line, the per-linear path (FeedForwards still fused).
 """
@@ -90,6 +92,11 @@ class FusedIdeogram4Attention(nn.Module):
             q, k = fn.rope(self.norm_q(q), freqs_cis), fn.rope(self.norm_k(k), freqs_cis)
         else:
             q_scale, k_scale = qf.norm_weight(self.norm_q, q), qf.norm_weight(self.norm_k, k)
+            fused = self._fused_qk_rope(qkv, q_scale, k_scale, freqs_cis)
+            if fused is not None:  # q, k, v [B, H, L, D] (contiguous) from one kernel
+                out = fn.attention(*fused, self.num_heads, attn_mask, skip_reshape=True,
+                                   transformer_options=transformer_options)
+                return qf.linear(self.o, out)
             streams = None
             if q_scale is None or k_scale is None:  # weight functions: ComfyUI's cast runs them
                 q_scale, _, qs = fn.cast_bias_weight(self.norm_q, q, offloadable=True)
@@ -102,6 +109,25 @@ class FusedIdeogram4Attention(nn.Module):
         out = fn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.num_heads, attn_mask,
                            skip_reshape=True, transformer_options=transformer_options)
         return qf.linear(self.o, out)
+
+    def _fused_qk_rope(self, qkv, q_scale, k_scale, freqs_cis):
+        """(q, k, v) [B, H, L, D] from one ``qk_norm_rope(split_half=True)`` launch (QK RMSNorm + split-half RoPE
+        + the attention layout, instead of comfy_kitchen's ``rms_rope_split_half`` and strided views), or None where
+        it does not apply: INT8_FUSED_QK_ROPE off, torch.compile tracing, norms with weight functions (None scales),
+        ``freqs_cis`` not ComfyUI's fp32 [1 | B, L, 1, D/2, 2, 2] matrices, a head_dim that is not a power of 2."""
+        if q_scale is None or k_scale is None or not qf.config.get("INT8_FUSED_QK_ROPE") or qf._compiling():
+            return None
+        b, l, _, h, d = qkv.shape
+        if (not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dim() != 6 or freqs_cis.dtype != torch.float32
+                or freqs_cis.shape[0] not in (1, b) or freqs_cis.shape[1] < l or freqs_cis.shape[2] != 1
+                or tuple(freqs_cis.shape[3:]) != (d // 2, 2, 2) or d < 2 or d & (d - 1)
+                or freqs_cis.device != qkv.device or not qkv.is_contiguous()):
+            return None
+        q, k, v = (torch.empty((b, h, l, d), dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+        eps = qf._norm_eps(self.norm_q, qkv)  # ComfyUI hands norm_q's eps to both (rms_rope_split_half)
+        qf._kf().qk_norm_rope(qkv.view(b, l, 3 * h * d), h, q_scale, k_scale, eps, eps, freqs_cis.transpose(1, 2),
+                              q, k, v, 0, split_half=True)
+        return q, k, v
 
     def int8_layers(self) -> dict[str, Int8Linear]:
         return {n: m for n, m in (("qkv", self.qkv), ("o", self.o)) if isinstance(m, Int8Linear)}

@@ -19,10 +19,11 @@
 #   sweep     bench/fused_sweep.py: tile plans of the row kernels, GELU + quantize (Flux, Wan) included
 #   residual  Ideogram 4 with INT8_FUSED_RESIDUAL=1 (bf16 reference and the pack with auto attention)
 #   alu       bench/fused_sweep.py --quick with INT8_FUSED_ALU_ROUND off and on (time, same output digests)
+#   final     the committed defaults: Ideogram 4 dual (bf16, fp8_fast~cudnn, pack) and Flux / Z-Image / Wan (bf16, fp8_fast, pack)
 #   hostprof  cProfile of steady-state sampler steps: Flux with / without INT8_FUSED_QK_ROPE, Ideogram 4 dual
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -95,6 +96,13 @@ PY
       2>&1 | tee -a "$OUT/last.log"
     timeout 150 $sampler --profile pack:fused_triton --host-profile pack:fused_triton --paths pack:fused_triton \
       --out "$OUT/sampler-host.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  final)  # the defaults as committed: Ideogram 4 dual (bf16, fp8_fast with cuDNN first, the pack), then Flux /
+           # Z-Image / Wan beside bf16 and fp8_fast, the pack profiled
+    timeout 210 $sampler --profile pack:fused_triton --paths bf16,fp8_fast~cudnn,pack:fused_triton \
+      --out "$OUT/sampler-final.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths bf16,fp8_fast,pack:fused_triton --profile pack:fused_triton --out "$OUT/h200-e2e-models-final.json" \
+      2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

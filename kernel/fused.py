@@ -736,11 +736,12 @@ def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
                          L, H, row_offset, eps_q, eps_k,
                          stride_sb, stride_sl, stride_pb, stride_pl, stride_ob, stride_oh, stride_ol,
                          D: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr, HAS_PE: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         SPLIT_HALF: tl.constexpr, INTERPRET: tl.constexpr):
     # One token: its [3, H, D] slice of the qkv GEMM output -> rows row_offset + l of q, k, v [B, H, L_all, D].
     # q, k: rms_norm over D with the norm's weight (rounded to the dtype, as F.rms_norm), then RoPE with the
     # token's [D/2, 2, 2] fp32 rotations, ``x_out[r] = f[r, 0] * x0 + f[r, 1] * x1`` rounded to the dtype (as
-    # comfy.ldm.flux.math.apply_rope1); v copied.
+    # comfy.ldm.flux.math.apply_rope1); v copied. SPLIT_HALF (Ideogram 4): pair i is (x[i], x[i + D/2]) instead of
+    # (x[2i], x[2i + 1]), as comfy_kitchen's rms_rope_split_half and ComfyUI's _apply_rope_split_half1.
     pid = tl.program_id(0)
     b = pid // L
     l = pid % L
@@ -763,10 +764,16 @@ def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
         rstd = _rstd(tl.sum(x * x, axis=1), D, eps_q if part == 0 else eps_k, INTERPRET)
         n = _round(x * rstd[:, None] * w[None, :], DT, INTERPRET)
         if HAS_PE:
-            x0, x1 = tl.split(tl.reshape(n, (BLOCK_H, D // 2, 2)))
+            if SPLIT_HALF:  # [h, r * D/2 + i] -> [h, i, r]
+                x0, x1 = tl.split(tl.permute(tl.reshape(n, (BLOCK_H, 2, D // 2)), (0, 2, 1)))
+            else:
+                x0, x1 = tl.split(tl.reshape(n, (BLOCK_H, D // 2, 2)))
             o0 = _round(f00 * x0 + f01 * x1, DT, INTERPRET)
             o1 = _round(f10 * x0 + f11 * x1, DT, INTERPRET)
-            n = tl.reshape(tl.join(o0, o1), (BLOCK_H, D))
+            if SPLIT_HALF:
+                n = tl.reshape(tl.permute(tl.join(o0, o1), (0, 2, 1)), (BLOCK_H, D))
+            else:
+                n = tl.reshape(tl.join(o0, o1), (BLOCK_H, D))
         tl.store((q_ptr if part == 0 else k_ptr) + dst, n.to(q_ptr.dtype.element_ty), mask=mask)
     v = tl.load(src + 2 * H * D, mask=mask, other=0.0)
     tl.store(v_ptr + dst, v, mask=mask)
@@ -774,13 +781,14 @@ def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,
                  eps_k: float, pe: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 row_offset: int = 0) -> None:
+                 row_offset: int = 0, split_half: bool = False) -> None:
     """Flux's QK RMSNorm, RoPE and attention layout in one pass: ``qkv`` [B, L, 3 * heads * D] (the qkv GEMM
     output; unit stride along the last dim, rows may be strided, e.g. the first part of the single block's
     linear1 output) -> rows ``row_offset .. row_offset + L`` of ``q``, ``k``, ``v`` [B, heads, L_all, D]
     (contiguous, ``qkv``'s dtype): ``q = rope(rms_norm(q_h, q_weight, eps_q))``, ``k`` likewise, ``v`` copied.
     ``pe``: [B | 1, 1, L_all, D / 2, 2, 2] fp32 rotations (``comfy.ldm.flux.math.rope``) or None (no RoPE).
-    Each step rounds to the dtype as ComfyUI's ops do (F.rms_norm; apply_rope1 in fp32, rounded once)."""
+    Each step rounds to the dtype as ComfyUI's ops do (F.rms_norm; apply_rope1 in fp32, rounded once).
+    ``split_half`` (Ideogram 4): RoPE pairs are (x[i], x[i + D/2]) (``rms_rope_split_half``), not (x[2i], x[2i+1])."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.dtype not in _FLOAT:
         raise ValueError(f"qkv must be a [B, L, 3 * heads * D] float tensor, got "
                          f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
@@ -815,7 +823,8 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight
            (qkv, wq, wk, pe if pe is not None else wq, q, k, v, l, heads, int(row_offset), float(eps_q), float(eps_k),
             qkv.stride(0), qkv.stride(1), 0 if pe is None or pe.shape[0] == 1 else pe.stride(0),
             0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
-           dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[qkv.dtype], HAS_PE=pe is not None, INTERPRET=INTERPRET),
+           dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[qkv.dtype], HAS_PE=pe is not None, SPLIT_HALF=bool(split_half),
+                INTERPRET=INTERPRET),
            4 if block_h * d <= 4096 else 8, 1, qkv.device)
 
 

@@ -1,4 +1,4 @@
-"""``kernel.fused.qk_norm_rope`` (Flux's QK RMSNorm + RoPE + attention layout in one pass) on the CPU
+"""``kernel.fused.qk_norm_rope`` (Flux's and Ideogram 4's QK RMSNorm + RoPE + attention layout in one pass) on the CPU
 (TRITON_INTERPRET=1), against torch written here from ComfyUI's ops:
 
 * reference: ``q = F.rms_norm(q_h, (D,), w, eps)`` on the [B, H, L, D] view of the qkv output (what
@@ -122,6 +122,56 @@ def test_equals_comfyuis_ops(kf, dtype, heads, d):
     assert bool(((got[0].double() - r64).abs() <= tol).all())
 
 
+def _apply_rope_split_half1(x, freqs):
+    """comfy.ldm.ideogram4.model._apply_rope_split_half1, written out: pair i is (x[i], x[i + D/2]), fp32 math
+    (``f0 * x0 + f1 * x1``), one rounding to x's dtype."""
+    t = x.reshape(*x.shape[:-1], 2, -1).movedim(-2, -1).unsqueeze(-2).to(freqs.dtype)
+    out = freqs[..., 0] * t[..., 0] + freqs[..., 1] * t[..., 1]
+    return out.movedim(-1, -2).reshape(*x.shape).to(x.dtype)
+
+
+def _split_half_table(length, d, seed):
+    """Rotations as Ideogram 4's ``_split_half_rope_matrix`` lays them out: fp32 [1, L, 1, D/2, 2, 2] of
+    (cos, -sin, sin, cos)."""
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(length, d // 2, generator=g, dtype=torch.float64) * 6.283
+    c, s = torch.cos(ang), torch.sin(ang)
+    return torch.stack([c, -s, s, c], dim=-1).reshape(1, length, 1, d // 2, 2, 2).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,d", [(3, 16), (2, 64)])
+def test_split_half_equals_ideogram4s_ops(kf, dtype, heads, d):
+    """Ideogram 4: ``rms_rope_split_half`` = F.rms_norm per head, then the split-half RoPE, on q / k of the
+    [B, L, 3, H, D] qkv output; here written [B, H, L, D] (the attention layout) by one launch."""
+    g = torch.Generator().manual_seed(heads * 10 + d)
+    b, l = 2, 7
+    qkv = (torch.randn(b, l, 3 * heads * d, generator=g) * 2).to(dtype)
+    wq = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    wk = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    freqs = _split_half_table(l, d, seed=d)
+    q, k, v = [torch.full((b, heads, l, d), float("nan"), dtype=dtype) for _ in range(3)]
+    kf.qk_norm_rope(qkv, heads, wq, wk, 1e-5, 1e-5, freqs.transpose(1, 2), q, k, v, 0, split_half=True)
+    q_, k_, v_ = qkv.view(b, l, 3, heads, d).unbind(2)
+    want = (_apply_rope_split_half1(F.rms_norm(q_, (d,), wq, 1e-5), freqs).transpose(1, 2),
+            _apply_rope_split_half1(F.rms_norm(k_, (d,), wk, 1e-5), freqs).transpose(1, 2), v_.transpose(1, 2))
+    for name, x, y in zip("qkv", (q, k, v), want):
+        assert not torch.isnan(x).any(), name
+        if dtype == torch.float32:
+            torch.testing.assert_close(x, y, rtol=2 ** -20, atol=1e-6, msg=name)
+        else:
+            u = _ulps(x, y)
+            assert float(u.max()) <= 1.0, (name, float(u.max()))
+            assert float((u > 0).float().mean()) <= 0.01, name
+    # the pairing itself, in float64: element i rotates with element i + D/2 (not 2i with 2i + 1)
+    n64 = q_.double() * torch.rsqrt(q_.double().pow(2).mean(-1, keepdim=True) + 1e-5) * wq.double()
+    f = freqs.double()
+    x0, x1 = n64[..., : d // 2], n64[..., d // 2:]
+    r64 = torch.cat([f[..., 0, 0] * x0 + f[..., 0, 1] * x1, f[..., 1, 0] * x0 + f[..., 1, 1] * x1], -1)
+    tol = 4 * torch.finfo(dtype).eps * (n64.abs().amax(-1, keepdim=True) + r64.abs()) + 1e-30
+    assert bool(((q.transpose(1, 2).double() - r64).abs() <= tol).all())
+
+
 def test_batch_broadcast_pe_and_no_pe(kf):
     g = torch.Generator().manual_seed(7)
     heads, d = 2, 16
@@ -194,10 +244,53 @@ def test_flux_blocks_with_fused_qk_rope_pinned(pack):
     assert res["rel"] <= 2e-3, res
 
 
+def _ideogram4_qk_rope(pack) -> dict:
+    """A 2-layer Ideogram 4 from ComfyUI's classes (current ComfyUI only): the fused blocks with
+    INT8_FUSED_QK_ROPE (one ``qk_norm_rope(split_half=True)`` launch per block, counted) against the per-linear
+    INT8 model through ComfyUI's own ops (its torch path: ``norm_q`` / ``norm_k`` then
+    ``_apply_rope_split_half1``; comfy_kitchen's fused op has no CPU kernel here)."""
+    import comfy.ldm.ideogram4.model as im
+    import comfy.model_management as mm
+    import comfy.ops
+    import test_adapters as ta
+    A, cfg, qf = pack.adapters, pack.quant.fused.config, pack.quant.fused
+    torch.manual_seed(0)
+    m = im.Ideogram4Transformer2DModel(in_channels=16, num_layers=2, num_attention_heads=2, attention_head_dim=64,
+                                       intermediate_size=256, adaln_dim=32, llm_features_dim=64,
+                                       dtype=torch.bfloat16, device="cpu", operations=comfy.ops.disable_weight_init)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else torch.randn_like(p) * p.shape[-1] ** -0.5)
+    pairs = pack.quant.select.select_linears(m, "blocks", rules=A.block_rules(m))
+    layers, _ = pack.quant.patch.build_int8_layers(pairs, "fused_triton")
+    patches = A.object_patches(m, layers)
+    x = torch.randn(1, 16, 4, 4, dtype=torch.bfloat16)
+    ctx = torch.randn(1, 5, 64, dtype=torch.bfloat16)
+    t = torch.full((1,), 0.4)
+    calls, real = [], qf._kf().qk_norm_rope
+
+    def spy(*a, **kw):
+        calls.append(kw.get("split_half"))
+        return real(*a, **kw)
+    before = mm.in_training
+    try:
+        with torch.no_grad():
+            mm.in_training = True  # ComfyUI's torch ops (reference)
+            ref = ta._swap(m, layers)(x, t, context=ctx)
+            mm.in_training = False
+            qf._kf().qk_norm_rope = spy
+            with cfg.override(INT8_FUSED_QK_ROPE=True):
+                got = ta._swap(m, patches)(x, t, context=ctx)
+    finally:
+        qf._kf().qk_norm_rope = real
+        mm.in_training = before
+    return {"rel": ta._rel(got, ref), "calls": calls, "layers": 2, "finite": bool(torch.isfinite(got).all())}
+
+
 def body(pack, models) -> dict:
     """Runs inside the current ComfyUI (subprocess)."""
     from comfyui_version import __version__
-    return {"comfyui": __version__, "flux": _flux_qk_rope(pack)}
+    return {"comfyui": __version__, "flux": _flux_qk_rope(pack), "ideogram4": _ideogram4_qk_rope(pack)}
 
 
 def test_flux_blocks_with_fused_qk_rope_on_the_current_comfyui(comfy_current):
@@ -205,6 +298,9 @@ def test_flux_blocks_with_fused_qk_rope_on_the_current_comfyui(comfy_current):
     res = run_body_in_current_comfy(__file__)
     assert res["flux"]["calls"] == res["flux"]["expected_calls"] and res["flux"]["finite"], res
     assert res["flux"]["rel"] <= 2e-3, res
+    ideo = res["ideogram4"]  # one split-half launch per block, the model as ComfyUI's ops compute it
+    assert ideo["calls"] == [True] * ideo["layers"] and ideo["finite"], ideo
+    assert ideo["rel"] <= 2e-3, ideo
 
 
 def _hopper_check() -> str:
@@ -217,14 +313,18 @@ def _hopper_check() -> str:
 
     import kernel.fused as kf
     fn = kf._qk_norm_rope_kernel
-    consts = {"D": 128, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "INTERPRET": False}
     types = {"src_ptr": "*bf16", "wq_ptr": "*bf16", "wk_ptr": "*bf16", "pe_ptr": "*fp32", "q_ptr": "*bf16",
              "k_ptr": "*bf16", "v_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32"}
     params = list(inspect.signature(fn.fn).parameters)
-    sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 8})
-    return "OK" if "cubin" in k.asm else "no cubin"
+    # Flux (24 heads, D 128, interleaved pairs) and Ideogram 4 (18 heads, D 256, split-half pairs)
+    for consts in ({"D": 128, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False, "INTERPRET": False},
+                   {"D": 256, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True, "INTERPRET": False}):
+        sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 8})
+        if "cubin" not in k.asm:
+            return f"no cubin for {consts}"
+    return "OK"
 
 
 def test_qk_norm_rope_compiles_for_hopper():
