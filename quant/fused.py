@@ -197,6 +197,15 @@ def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
 
 
+def qk_rope_on(arch: str) -> bool:
+    """Whether INT8_FUSED_QK_ROPE asks ``arch`` ("flux" / "ideogram4") to run its QK norm + RoPE in the pack's
+    kernel: ``flux`` (default; an unknown value too) Flux.1 only, ``all`` / ``1`` every architecture, ``0`` none."""
+    v = str(config.get("INT8_FUSED_QK_ROPE") or "flux").strip().lower()
+    if v in ("0", "off", "false", "no", "none"):
+        return False
+    return v in ("1", "all", "on", "true", "yes") or arch == "flux"
+
+
 def _norm_eps(norm: nn.Module, x: torch.Tensor) -> float:
     """The eps the norm's forward uses. ``eps=None`` (torch.nn.RMSNorm's default, which ComfyUI's ops.RMSNorm
     keeps unless told): F.rms_norm then takes the epsilon of its fp32 compute type for bf16 / fp16 / fp32

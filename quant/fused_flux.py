@@ -151,7 +151,7 @@ class _FusedFluxBlock(nn.Module):
 
     def _attention(self, streams, pe, attn_mask, transformer_options) -> torch.Tensor:
         """Attention over the streams' tokens, in order (txt first): ``streams`` = [(QKNorm, qkv [B, L, 3 * H * D])].
-        With INT8_FUSED_QK_ROPE one kernel per stream applies the QK norm and RoPE and writes q / k / v straight
+        With INT8_FUSED_QK_ROPE (default ``flux``) one kernel per stream applies the QK norm and RoPE and writes q / k / v straight
         into the concatenated layout, then ComfyUI's ``optimized_attention``; otherwise (or for a call that kernel
         does not cover) ComfyUI's ops: split, ``QKNorm``, ``torch.cat``, Flux's ``attention`` (RoPE inside)."""
         qkv = self._fused_qk_rope(streams, pe)
@@ -177,7 +177,7 @@ class _FusedFluxBlock(nn.Module):
         """(q, k, v) [B, H, L_all, D] from one ``qk_norm_rope`` launch per stream, or None where it does not apply:
         switch off, torch.compile tracing, training, ``pe`` not Flux's fp32 [B | 1, 1, L_all, D / 2, 2, 2],
         norms with weight functions (lowvram LoRA)."""
-        if (not qf.config.get("INT8_FUSED_QK_ROPE") or self.fn.optimized_attention is None or qf._compiling()
+        if (not qf.qk_rope_on("flux") or self.fn.optimized_attention is None or qf._compiling()
                 or (self.fn.in_training is not None and self.fn.in_training())):
             return None
         x0 = streams[0][1]

@@ -208,10 +208,10 @@ def test_empty_rows_write_nothing_and_bad_input_says_what_is_wrong(kf):
         kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, _rope_table(1, 4, d, 0).double(), q, k, v)
 
 
-# ------------------------------------------------------------------- in Flux.1's fused blocks (INT8_FUSED_QK_ROPE=1)
+# ------------------------------------------------------------------- in the fused blocks (INT8_FUSED_QK_ROPE)
 def _flux_qk_rope(pack) -> dict:
     """A tiny Flux.1 (tests/test_flux_fused.py's) with real RoPE (the model's own ``pe_embedder``): the fused model
-    with INT8_FUSED_QK_ROPE on vs off, and the kernel's launches counted (one per stream and block)."""
+    with INT8_FUSED_QK_ROPE at its default (on for Flux.1) vs 0, and the kernel's launches counted (one per stream and block)."""
     import test_flux_fused as tf
     A, cfg, qf = pack.adapters, pack.quant.fused.config, pack.quant.fused
     dm = tf.tiny_flux(torch.bfloat16)
@@ -225,10 +225,11 @@ def _flux_qk_rope(pack) -> dict:
         calls.append(a[0].shape)
         return real(*a, **kw)
     with torch.no_grad():
-        off = tf._swap(dm, patches)(x, t, ctx, y=y)
+        with cfg.override(INT8_FUSED_QK_ROPE="0"):
+            off = tf._swap(dm, patches)(x, t, ctx, y=y)
         qf._kf().qk_norm_rope = spy
         try:
-            with cfg.override(INT8_FUSED_QK_ROPE=True):
+            with cfg.override(INT8_FUSED_QK_ROPE=None):  # the default: Flux.1's blocks use the kernel
                 on = tf._swap(dm, patches)(x, t, ctx, y=y)
         finally:
             qf._kf().qk_norm_rope = real
@@ -246,7 +247,7 @@ def test_flux_blocks_with_fused_qk_rope_pinned(pack):
 
 def _ideogram4_qk_rope(pack) -> dict:
     """A 2-layer Ideogram 4 from ComfyUI's classes (current ComfyUI only): the fused blocks with
-    INT8_FUSED_QK_ROPE (one ``qk_norm_rope(split_half=True)`` launch per block, counted) against the per-linear
+    INT8_FUSED_QK_ROPE=all (one ``qk_norm_rope(split_half=True)`` launch per block, counted) against the per-linear
     INT8 model through ComfyUI's own ops (its torch path: ``norm_q`` / ``norm_k`` then
     ``_apply_rope_split_half1``; comfy_kitchen's fused op has no CPU kernel here)."""
     import comfy.ldm.ideogram4.model as im
@@ -279,12 +280,16 @@ def _ideogram4_qk_rope(pack) -> dict:
             ref = ta._swap(m, layers)(x, t, context=ctx)
             mm.in_training = False
             qf._kf().qk_norm_rope = spy
-            with cfg.override(INT8_FUSED_QK_ROPE=True):
+            with cfg.override(INT8_FUSED_QK_ROPE=None):  # default: Ideogram 4 keeps comfy_kitchen's op
+                default = ta._swap(m, patches)(x, t, context=ctx)
+            default_calls = len(calls)
+            with cfg.override(INT8_FUSED_QK_ROPE="all"):
                 got = ta._swap(m, patches)(x, t, context=ctx)
     finally:
         qf._kf().qk_norm_rope = real
         mm.in_training = before
-    return {"rel": ta._rel(got, ref), "calls": calls, "layers": 2, "finite": bool(torch.isfinite(got).all())}
+    return {"rel": ta._rel(got, ref), "calls": calls, "layers": 2, "finite": bool(torch.isfinite(got).all()),
+            "default_calls": default_calls, "default_finite": bool(torch.isfinite(default).all())}
 
 
 def body(pack, models) -> dict:
@@ -299,6 +304,7 @@ def test_flux_blocks_with_fused_qk_rope_on_the_current_comfyui(comfy_current):
     assert res["flux"]["calls"] == res["flux"]["expected_calls"] and res["flux"]["finite"], res
     assert res["flux"]["rel"] <= 2e-3, res
     ideo = res["ideogram4"]  # one split-half launch per block, the model as ComfyUI's ops compute it
+    assert ideo["default_calls"] == 0, ideo  # INT8_FUSED_QK_ROPE's default leaves Ideogram 4 to ComfyUI's ops
     assert ideo["calls"] == [True] * ideo["layers"] and ideo["finite"], ideo
     assert ideo["rel"] <= 2e-3, ideo
 
