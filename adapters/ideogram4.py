@@ -93,7 +93,7 @@ class FusedIdeogram4Attention(nn.Module):
         else:
             q_scale, k_scale = qf.norm_weight(self.norm_q, q), qf.norm_weight(self.norm_k, k)
             fused = self._fused_qk_rope(qkv, q_scale, k_scale, freqs_cis)
-            if fused is not None:  # q, k, v [B, H, L, D] (contiguous) from one kernel
+            if fused is not None:  # q, k, v [B, H, L, D] views of [B, L, H, D] memory
                 out = fn.attention(*fused, self.num_heads, attn_mask, skip_reshape=True,
                                    transformer_options=transformer_options)
                 return qf.linear(self.o, out)
@@ -111,8 +111,8 @@ class FusedIdeogram4Attention(nn.Module):
         return qf.linear(self.o, out)
 
     def _fused_qk_rope(self, qkv, q_scale, k_scale, freqs_cis):
-        """(q, k, v) [B, H, L, D] from one ``qk_norm_rope(split_half=True)`` launch (QK RMSNorm + split-half RoPE
-        + the attention layout, instead of comfy_kitchen's ``rms_rope_split_half`` and strided views), or None where
+        """(q, k, v) [B, H, L, D] views: q / k from one ``qk_norm_rope(split_half=True)`` launch (QK RMSNorm +
+        split-half RoPE, instead of comfy_kitchen's ``rms_rope_split_half``), v the qkv output's view, or None where
         it does not apply: INT8_FUSED_QK_ROPE not ``all``, torch.compile tracing, norms with weight functions (None scales),
         ``freqs_cis`` not ComfyUI's fp32 [1 | B, L, 1, D/2, 2, 2] matrices, a head_dim that is not a power of 2."""
         if q_scale is None or k_scale is None or not qf.qk_rope_on("ideogram4") or qf._compiling():
@@ -123,11 +123,13 @@ class FusedIdeogram4Attention(nn.Module):
                 or tuple(freqs_cis.shape[3:]) != (d // 2, 2, 2) or d < 2 or d & (d - 1)
                 or freqs_cis.device != qkv.device or not qkv.is_contiguous()):
             return None
-        q, k, v = (torch.empty((b, h, l, d), dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+        # q, k: [B, L, H, D] buffers seen as [B, H, L, D] (the layout ComfyUI's own path hands SDPA, so its output
+        # needs no copy); v: the qkv output's view, as ComfyUI passes it (not copied)
+        q, k = (torch.empty((b, l, h, d), dtype=qkv.dtype, device=qkv.device).transpose(1, 2) for _ in range(2))
         eps = qf._norm_eps(self.norm_q, qkv)  # ComfyUI hands norm_q's eps to both (rms_rope_split_half)
         qf._kf().qk_norm_rope(qkv.view(b, l, 3 * h * d), h, q_scale, k_scale, eps, eps, freqs_cis.transpose(1, 2),
-                              q, k, v, 0, split_half=True)
-        return q, k, v
+                              q, k, None, 0, split_half=True)
+        return q, k, qkv[:, :, 2].transpose(1, 2)
 
     def int8_layers(self) -> dict[str, Int8Linear]:
         return {n: m for n, m in (("qkv", self.qkv), ("o", self.o)) if isinstance(m, Int8Linear)}

@@ -20,10 +20,11 @@
 #   residual  Ideogram 4 with INT8_FUSED_RESIDUAL=1 (bf16 reference and the pack with auto attention)
 #   alu       bench/fused_sweep.py --quick with INT8_FUSED_ALU_ROUND off and on (time, same output digests)
 #   final     the committed defaults: Ideogram 4 dual (bf16, fp8_fast~cudnn, pack) and Flux / Z-Image / Wan (bf16, fp8_fast, pack)
+#   layout    q / k / v in [B, L, H, D] memory: Ideogram 4 with INT8_FUSED_QK_ROPE=all, Flux, Ideogram 4 default
 #   hostprof  cProfile of steady-state sampler steps: Flux with / without INT8_FUSED_QK_ROPE, Ideogram 4 dual
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -103,6 +104,15 @@ PY
     timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths bf16,fp8_fast,pack:fused_triton --profile pack:fused_triton --out "$OUT/h200-e2e-models-final.json" \
       2>&1 | tee -a "$OUT/last.log" ;;
+  layout)  # q / k / v in the [B, L, H, D] layout SDPA keeps: Ideogram 4 with INT8_FUSED_QK_ROPE=all (beside bf16,
+            # profiled), Flux (bf16, pack, profiled), then Ideogram 4's default pack for comparison
+    INT8_FUSED_QK_ROPE=all timeout 150 $sampler --profile pack:fused_triton --paths bf16,pack:fused_triton \
+      --out "$OUT/sampler-layout-all.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 110 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths bf16,pack:fused_triton --profile pack:fused_triton --out "$OUT/h200-e2e-models-layout.json" \
+      2>&1 | tee -a "$OUT/last.log"
+    timeout 100 $sampler --profile none --paths pack:fused_triton \
+      --out "$OUT/sampler-layout-default.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

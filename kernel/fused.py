@@ -736,7 +736,7 @@ def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
                          L, H, row_offset, eps_q, eps_k,
                          stride_sb, stride_sl, stride_pb, stride_pl, stride_ob, stride_oh, stride_ol,
                          D: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr, HAS_PE: tl.constexpr,
-                         SPLIT_HALF: tl.constexpr, INTERPRET: tl.constexpr):
+                         SPLIT_HALF: tl.constexpr, WRITE_V: tl.constexpr, INTERPRET: tl.constexpr):
     # One token: its [3, H, D] slice of the qkv GEMM output -> rows row_offset + l of q, k, v [B, H, L_all, D].
     # q, k: rms_norm over D with the norm's weight (rounded to the dtype, as F.rms_norm), then RoPE with the
     # token's [D/2, 2, 2] fp32 rotations, ``x_out[r] = f[r, 0] * x0 + f[r, 1] * x1`` rounded to the dtype (as
@@ -775,17 +775,21 @@ def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
             else:
                 n = tl.reshape(tl.join(o0, o1), (BLOCK_H, D))
         tl.store((q_ptr if part == 0 else k_ptr) + dst, n.to(q_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(src + 2 * H * D, mask=mask, other=0.0)
-    tl.store(v_ptr + dst, v, mask=mask)
+    if WRITE_V:
+        v = tl.load(src + 2 * H * D, mask=mask, other=0.0)
+        tl.store(v_ptr + dst, v, mask=mask)
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,
-                 eps_k: float, pe: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 eps_k: float, pe: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                  row_offset: int = 0, split_half: bool = False) -> None:
     """Flux's QK RMSNorm, RoPE and attention layout in one pass: ``qkv`` [B, L, 3 * heads * D] (the qkv GEMM
     output; unit stride along the last dim, rows may be strided, e.g. the first part of the single block's
     linear1 output) -> rows ``row_offset .. row_offset + L`` of ``q``, ``k``, ``v`` [B, heads, L_all, D]
-    (contiguous, ``qkv``'s dtype): ``q = rope(rms_norm(q_h, q_weight, eps_q))``, ``k`` likewise, ``v`` copied.
+    (``qkv``'s dtype; contiguous or, better for SDPA, the [B, L_all, heads, D] layout transposed: then cuDNN's
+    output is laid out so that ComfyUI's final ``transpose(1, 2).reshape`` copies nothing; k and v with q's
+    strides): ``q = rope(rms_norm(q_h, q_weight, eps_q))``, ``k`` likewise, ``v`` copied (``v`` None: not
+    written, the caller uses its view of ``qkv``).
     ``pe``: [B | 1, 1, L_all, D / 2, 2, 2] fp32 rotations (``comfy.ldm.flux.math.rope``) or None (no RoPE).
     Each step rounds to the dtype as ComfyUI's ops do (F.rms_norm; apply_rope1 in fp32, rounded once).
     ``split_half`` (Ideogram 4): RoPE pairs are (x[i], x[i + D/2]) (``rms_rope_split_half``), not (x[2i], x[2i+1])."""
@@ -800,10 +804,14 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight
         raise ValueError(f"head_dim {d} must be a power of two (>= 2) for the fused QK norm + RoPE")
     want = (bsz, heads, q.shape[2] if q.dim() == 4 else -1, d)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4 or tuple(t.shape) != want or not t.is_contiguous() or t.dtype != qkv.dtype \
-                or t.device != qkv.device:
-            raise ValueError(f"{name} must be a contiguous [B, heads, L_all, head_dim] = {want} {qkv.dtype} tensor "
-                             f"on {qkv.device}, got {tuple(t.shape)} {t.dtype}")
+        if t is None and name == "v":
+            continue
+        if t.dim() != 4 or tuple(t.shape) != want or t.stride(-1) != 1 or t.stride() != q.stride() \
+                or t.dtype != qkv.dtype or t.device != qkv.device:
+            raise ValueError(f"{name} must be a [B, heads, L_all, head_dim] = {want} {qkv.dtype} tensor on "
+                             f"{qkv.device} with unit stride along head_dim and q's strides (contiguous, or the "
+                             f"[B, L_all, heads, head_dim] layout transposed), got {tuple(t.shape)} {t.dtype} "
+                             f"strides {t.stride() if t.dim() == 4 else '-'}")
     if not 0 <= row_offset <= q.shape[2] - l:
         raise ValueError(f"rows {row_offset}..{row_offset + l} do not fit L_all = {q.shape[2]}")
     if pe is not None:
@@ -820,11 +828,11 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight
         qkv = qkv.contiguous()
     block_h = triton.next_power_of_2(heads)
     launch(_qk_norm_rope_kernel, (bsz * l,),
-           (qkv, wq, wk, pe if pe is not None else wq, q, k, v, l, heads, int(row_offset), float(eps_q), float(eps_k),
+           (qkv, wq, wk, pe if pe is not None else wq, q, k, v if v is not None else q, l, heads, int(row_offset), float(eps_q), float(eps_k),
             qkv.stride(0), qkv.stride(1), 0 if pe is None or pe.shape[0] == 1 else pe.stride(0),
             0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
            dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[qkv.dtype], HAS_PE=pe is not None, SPLIT_HALF=bool(split_half),
-                INTERPRET=INTERPRET),
+                WRITE_V=v is not None, INTERPRET=INTERPRET),
            4 if block_h * d <= 4096 else 8, 1, qkv.device)
 
 

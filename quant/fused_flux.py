@@ -196,7 +196,9 @@ class _FusedFluxBlock(nn.Module):
             if wq is None or wk is None:
                 return None
             ws.append((wq, wk, eq, ek))
-        q, k, v = (torch.empty((b, h, total, d), dtype=x0.dtype, device=x0.device) for _ in range(3))
+        # [B, L_all, H, D] buffers seen as [B, H, L_all, D]: SDPA (cuDNN, flash) then keeps that layout and the
+        # attention output's transpose(1, 2).reshape in ComfyUI is a view, not a copy
+        q, k, v = (torch.empty((b, total, h, d), dtype=x0.dtype, device=x0.device).transpose(1, 2) for _ in range(3))
         row = 0
         for (norm, x), (wq, wk, eq, ek) in zip(streams, ws):
             qf._kf().qk_norm_rope(x, h, wq, wk, eq, ek, pe, q, k, v, row)

@@ -172,6 +172,30 @@ def test_split_half_equals_ideogram4s_ops(kf, dtype, heads, d):
     assert bool(((q.transpose(1, 2).double() - r64).abs() <= tol).all())
 
 
+@pytest.mark.parametrize("split_half", [False, True])
+def test_blhd_layout_and_no_v(kf, split_half):
+    """Outputs may be [B, L, H, D] buffers seen as [B, H, L, D] (what the fused blocks pass, so SDPA's output needs
+    no copy): the same values as contiguous outputs; v None: v is not written; strides that differ from q's or a
+    strided head_dim are refused."""
+    g = torch.Generator().manual_seed(11)
+    heads, d, b, l = 3, 16, 2, 5
+    x = (torch.randn(b, l, 3 * heads * d, generator=g) * 2).to(torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(d, generator=g)).to(torch.bfloat16)
+    pe = _rope_table(b, l, d, seed=3)
+    flat = [torch.zeros(b, heads, l, d, dtype=torch.bfloat16) for _ in range(3)]
+    kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, *flat, 0, split_half=split_half)
+    blhd = [torch.zeros(b, l, heads, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, blhd[0], blhd[1], None, 0, split_half=split_half)
+    assert torch.equal(blhd[0], flat[0]) and torch.equal(blhd[1], flat[1])
+    assert not blhd[2].any()  # v None: untouched
+    assert torch.equal(flat[2], x.view(b, l, 3, heads, d)[:, :, 2].transpose(1, 2))
+    with pytest.raises(ValueError, match="q's strides"):
+        kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, blhd[0], flat[1], None)
+    with pytest.raises(ValueError, match="unit stride"):
+        kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, *(t.transpose(2, 3).contiguous().transpose(2, 3)
+                                                        for t in flat))
+
+
 def test_batch_broadcast_pe_and_no_pe(kf):
     g = torch.Generator().manual_seed(7)
     heads, d = 2, 16
@@ -323,8 +347,10 @@ def _hopper_check() -> str:
              "k_ptr": "*bf16", "v_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32"}
     params = list(inspect.signature(fn.fn).parameters)
     # Flux (24 heads, D 128, interleaved pairs) and Ideogram 4 (18 heads, D 256, split-half pairs)
-    for consts in ({"D": 128, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False, "INTERPRET": False},
-                   {"D": 256, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True, "INTERPRET": False}):
+    for consts in ({"D": 128, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False, "WRITE_V": True,
+                    "INTERPRET": False},
+                   {"D": 256, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True, "WRITE_V": False,
+                    "INTERPRET": False}):
         sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 8})
