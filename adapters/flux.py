@@ -19,7 +19,7 @@ twin (the per-linear path). fp16: the fused forwards clamp as ComfyUI's do (``na
 
 ComfyUI functions, imported explicitly in :func:`comfy_functions`: ``comfy.ldm.flux.math.attention`` (RoPE, then
 ``optimized_attention`` with ``transformer_options``: the pack's attention routing applies), that
-``optimized_attention`` itself (``INT8_FUSED_QK_ROPE``, default ``flux``, applies the QK norm and RoPE in its own kernel), and
+``optimized_attention`` itself (``INT8_FUSED_QK_ROPE``, on by default, applies the QK norm and RoPE in its own kernel), and
 ``comfy.ldm.flux.layers.DoubleStreamBlock.forward`` / ``SingleStreamBlock.forward`` (the fallback); the blocks'
 own ``Modulation`` and ``QKNorm`` modules are called as modules. 0.3.75 and 0.33.0 differ inside those (0.33.0:
 comfy_kitchen RoPE, attention patches, ``yak_mlp``, ``modulation_dims`` slicing), not in what the fused path runs.

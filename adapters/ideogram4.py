@@ -14,9 +14,9 @@ functions that body calls, imported explicitly in :func:`comfy_functions`:
 ``comfy.model_management.in_training`` (read per call), ``comfy.ops.cast_bias_weight`` / ``uncast_bias_weight``,
 ``comfy.quant_ops.ck.rms_rope_split_half`` (comfy_kitchen), ``comfy.ldm.modules.attention.
 optimized_attention_masked`` (so the pack's attention routing, ``transformer_options``' override, applies) and
-the module's ``_apply_rope_split_half1``. With ``INT8_FUSED_QK_ROPE=all`` the QK RMSNorm, the split-half RoPE and
-the [B, H, L, D] attention layout of q / k / v come from one ``kernel.fused.qk_norm_rope`` launch instead of
-comfy_kitchen's op; off by default: on the H200 the step was not faster with it (bench/RESULTS.md, run p). Where one of them is missing (ComfyUI 0.3.75 has neither the module,
+the module's ``_apply_rope_split_half1``. With ``INT8_FUSED_QK_ROPE`` at its default (``all``) the QK RMSNorm and the
+split-half RoPE of q / k come from one ``kernel.fused.qk_norm_rope`` launch instead of comfy_kitchen's op (H200:
+0.2048 vs 0.2084 s/step, bench/RESULTS.md run q). Where one of them is missing (ComfyUI 0.3.75 has neither the module,
 ``in_training`` nor ``quant_ops.ck``; a ComfyUI without comfy_kitchen has no ``ck``) no block is fused: one log
 line, the per-linear path (FeedForwards still fused).
 """
@@ -113,7 +113,7 @@ class FusedIdeogram4Attention(nn.Module):
     def _fused_qk_rope(self, qkv, q_scale, k_scale, freqs_cis):
         """(q, k, v) [B, H, L, D] views: q / k from one ``qk_norm_rope(split_half=True)`` launch (QK RMSNorm +
         split-half RoPE, instead of comfy_kitchen's ``rms_rope_split_half``), v the qkv output's view, or None where
-        it does not apply: INT8_FUSED_QK_ROPE not ``all``, torch.compile tracing, norms with weight functions (None scales),
+        it does not apply: INT8_FUSED_QK_ROPE ``flux`` or ``0``, torch.compile tracing, norms with weight functions (None scales),
         ``freqs_cis`` not ComfyUI's fp32 [1 | B, L, 1, D/2, 2, 2] matrices, a head_dim that is not a power of 2."""
         if q_scale is None or k_scale is None or not qf.qk_rope_on("ideogram4") or qf._compiling():
             return None

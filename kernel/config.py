@@ -47,10 +47,10 @@ SWITCHES = {s.name: s for s in (
            "`0`: run Ideogram 4's gated residual + RMSNorm tails as torch ops instead of one fused kernel "
            "(the kernel equals torch's y but for torch's reduction order: 1.5e-6 of elements on the H200)",
            at_import=True),
-    Switch("INT8_FUSED_QK_ROPE", str, "flux",
-           "QK RMSNorm + RoPE + attention layout in one kernel (`kernel/fused.py` `qk_norm_rope`) instead of "
-           "ComfyUI's ops: `flux` Flux.1's fused blocks (H200: fewer GPU ms a step), `all` Ideogram 4's too "
-           "(in place of comfy_kitchen's op; not faster on the H200, hence not default), `0` none"),
+    Switch("INT8_FUSED_QK_ROPE", str, "all",
+           "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/fused.py` `qk_norm_rope`) "
+           "instead of ComfyUI's ops: `all` Flux.1's and Ideogram 4's fused blocks (Ideogram 4: in place of "
+           "comfy_kitchen's op), `flux` Flux.1's only, `0` none (A/B runs)"),
     Switch("INT8_FUSED_ALU_ROUND", bool, False,
            "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
            "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",

@@ -199,11 +199,11 @@ def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def qk_rope_on(arch: str) -> bool:
     """Whether INT8_FUSED_QK_ROPE asks ``arch`` ("flux" / "ideogram4") to run its QK norm + RoPE in the pack's
-    kernel: ``flux`` (default; an unknown value too) Flux.1 only, ``all`` / ``1`` every architecture, ``0`` none."""
-    v = str(config.get("INT8_FUSED_QK_ROPE") or "flux").strip().lower()
+    kernel: ``all`` (default; ``1`` and an unknown value too) every architecture, ``flux`` Flux.1 only, ``0`` none."""
+    v = str(config.get("INT8_FUSED_QK_ROPE") or "all").strip().lower()
     if v in ("0", "off", "false", "no", "none"):
         return False
-    return v in ("1", "all", "on", "true", "yes") or arch == "flux"
+    return v != "flux" or arch == "flux"
 
 
 def _norm_eps(norm: nn.Module, x: torch.Tensor) -> float:

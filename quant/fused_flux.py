@@ -151,7 +151,7 @@ class _FusedFluxBlock(nn.Module):
 
     def _attention(self, streams, pe, attn_mask, transformer_options) -> torch.Tensor:
         """Attention over the streams' tokens, in order (txt first): ``streams`` = [(QKNorm, qkv [B, L, 3 * H * D])].
-        With INT8_FUSED_QK_ROPE (default ``flux``) one kernel per stream applies the QK norm and RoPE and writes q / k / v straight
+        With INT8_FUSED_QK_ROPE (default ``all``) one kernel per stream applies the QK norm and RoPE and writes q / k / v straight
         into the concatenated layout, then ComfyUI's ``optimized_attention``; otherwise (or for a call that kernel
         does not cover) ComfyUI's ops: split, ``QKNorm``, ``torch.cat``, Flux's ``attention`` (RoPE inside)."""
         qkv = self._fused_qk_rope(streams, pe)
