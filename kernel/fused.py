@@ -29,7 +29,8 @@ fp32 would flip ~5 % of the codes against the unfused path). With ``dt`` = the i
                        y = dt(s * b)                                 # (fp16 + clamp_fp16: nan->0, inf->+-65504)
     layernorm_modulate: n = dt(layer_norm(x, eps))                  # two-pass mean / variance, fp32
                        y = pt(n * st(1 + scale) + shift)             # torch.addcmul; st = scale's dtype
-    gelu_tanh:         y = dt(0.5 h (1 + tanh(b (h + k h^3))))       # F.gelu(approximate="tanh")
+    gelu_tanh:         y = dt(0.5 h (1 + tanh(b (h + k h^3))))       # F.gelu(approximate="tanh"); GELU_FAST
+                                                                     # (default): dt(h / (1 + exp(-2 b (h + k h^3))))
     then               quantize_per_token_ref(y, inv_smooth)          # quant/quantize.py rules, bit for bit
 
 (all arithmetic fp32). ``quant.fused.rmsnorm_modulate_quantize_ref`` / ``swiglu_quantize_ref`` /
