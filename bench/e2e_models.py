@@ -261,6 +261,8 @@ class ModelsBench(SamplerBench):
                 row["warmup_s"] = time.perf_counter() - t2
                 out, s, s_wall, peak = self.timed(g, m, latent, noise)
                 row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()))
+                if path.startswith("pack:"):
+                    row["dispatch"] = self.dispatch_line(m)
                 if path.split("~")[0] == "bf16" and name not in self.ref:  # bf16 with any attention
                     self.ref[name] = out
                 ref = self.ref.get(name)

@@ -310,6 +310,16 @@ class SamplerBench:
         return {"host_profile_wall_s_per_step": round(wall, 4), "host_own_ms_per_step": by_own,
                 "host_cum_ms_per_step": by_cum}
 
+    def dispatch_line(self, patcher) -> str | None:
+        """The pack's per-shape dispatch summary of ``patcher``'s model (which linears ran int8 / float), or None
+        for a model without fused_triton layers."""
+        import importlib
+        try:
+            dispatch = importlib.import_module(self.pack.__name__ + ".quant.dispatch")
+            return dispatch.report_line(patcher.model.diffusion_model)
+        except Exception as e:  # noqa: BLE001  (a summary must not end the run)
+            return f"unavailable: {type(e).__name__}: {e}"
+
     def maybe_host_profile(self, row: dict, path: str, guider, model, latent, noise) -> None:
         """``host_profiled`` for the paths of ``--host-profile`` (on a GPU), logged."""
         if self.dev.type != "cuda" or path not in getattr(self.a, "host_profile", "").split(","):
@@ -343,6 +353,8 @@ class SamplerBench:
                     ref = self.ref.get((wf, res))
                     row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
                     row["finite"] = bool(torch.isfinite(out).all())
+                    if path.startswith("pack:"):
+                        row["dispatch"] = self.dispatch_line(cond)
                     if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
                         row.update(self.profiled(g, cond, latent, noise))
                         self.maybe_host_profile(row, path, g, cond, latent, noise)
