@@ -155,17 +155,15 @@ def lumina2_equivalence(pack) -> dict:
         list(dm.noise_refiner)) + len(list(dm.context_refiner)), "same_layers": same_layers, "rel": _rel(got, ref)}
 
 
-def ideogram4_equivalence(pack) -> dict:
-    """A 1-layer Ideogram 4 from ComfyUI's classes (current ComfyUI): fused block vs per-linear INT8, and the
-    fused modules' ``int8_layers()`` give back every layer (the Save path)."""
+def tiny_ideogram4(pack, num_layers: int):
+    """An Ideogram 4 of ``num_layers`` blocks from ComfyUI's classes (current ComfyUI only), random weights (seed
+    0), its INT8 layers on fused_triton and the adapter's object patches, and inputs (x, t, context)."""
     import comfy.ldm.ideogram4.model as im
-    import comfy.model_management as mm
     import comfy.ops
     A = pack.adapters
-    mm.in_training = True  # the rms+rope path through comfy_kitchen's fused op needs its GPU backend
     torch.manual_seed(0)
-    m = im.Ideogram4Transformer2DModel(in_channels=16, num_layers=1, num_attention_heads=2, attention_head_dim=64,
-                                       intermediate_size=256, adaln_dim=32, llm_features_dim=64,
+    m = im.Ideogram4Transformer2DModel(in_channels=16, num_layers=num_layers, num_attention_heads=2,
+                                       attention_head_dim=64, intermediate_size=256, adaln_dim=32, llm_features_dim=64,
                                        dtype=torch.bfloat16, device="cpu", operations=comfy.ops.disable_weight_init)
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -173,11 +171,20 @@ def ideogram4_equivalence(pack) -> dict:
     pairs = pack.quant.select.select_linears(m, "blocks", rules=A.block_rules(m))
     layers, _ = pack.quant.patch.build_int8_layers(pairs, "fused_triton")
     patches = A.object_patches(m, layers)
+    inputs = (torch.randn(1, 16, 4, 4, dtype=torch.bfloat16), torch.full((1,), 0.4),
+              torch.randn(1, 5, 64, dtype=torch.bfloat16))
+    return m, layers, patches, inputs
+
+
+def ideogram4_equivalence(pack) -> dict:
+    """A 1-layer Ideogram 4 from ComfyUI's classes (current ComfyUI): fused block vs per-linear INT8, and the
+    fused modules' ``int8_layers()`` give back every layer (the Save path)."""
+    import comfy.model_management as mm
+    A = pack.adapters
+    mm.in_training = True  # the rms+rope path through comfy_kitchen's fused op needs its GPU backend
+    m, layers, patches, (x, t, ctx) = tiny_ideogram4(pack, 1)
     back = A.int8_layers_of(patches)
     same = back.keys() == layers.keys() and all(torch.equal(back[n].qweight, layers[n].qweight) for n in layers)
-    x = torch.randn(1, 16, 4, 4, dtype=torch.bfloat16)
-    ctx = torch.randn(1, 5, 64, dtype=torch.bfloat16)
-    t = torch.full((1,), 0.4)
     with torch.no_grad():
         ref, got = _swap(m, layers)(x, t, context=ctx), _swap(m, patches)(x, t, context=ctx)
     mm.in_training = False

@@ -88,6 +88,19 @@ def _ulps(a, b):
     return ((a.float() - b.float()).abs() / scale)
 
 
+def _assert_as_ops(got, want, dtype):
+    """q, k, v against ComfyUI's ops within the module doc's tolerance: every row written; fp32 within 2^-20
+    relative; bf16 / fp16 at most one ulp apart, in at most 1 % of the elements."""
+    for name, x, y in zip("qkv", got, want):
+        assert not torch.isnan(x).any(), name  # every row written
+        if dtype == torch.float32:
+            torch.testing.assert_close(x, y, rtol=2 ** -20, atol=1e-6, msg=name)
+        else:
+            u = _ulps(x, y)
+            assert float(u.max()) <= 1.0, (name, float(u.max()))
+            assert float((u > 0).float().mean()) <= 0.01, name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,d", [(3, 16), (4, 8), (2, 32)])
 def test_equals_comfyuis_ops(kf, dtype, heads, d):
@@ -102,14 +115,7 @@ def test_equals_comfyuis_ops(kf, dtype, heads, d):
     pe = _rope_table(b, lt + li, d, seed=d)
     got = _run(kf, [txt, img], heads, wq, wk, 1e-6, pe)
     want = _reference([txt, img], heads, wq, wk, 1e-6, pe)
-    for name, x, y in zip("qkv", got, want):
-        assert not torch.isnan(x).any(), name  # every row written
-        if dtype == torch.float32:
-            torch.testing.assert_close(x, y, rtol=2 ** -20, atol=1e-6, msg=name)
-        else:
-            u = _ulps(x, y)
-            assert float(u.max()) <= 1.0, (name, float(u.max()))
-            assert float((u > 0).float().mean()) <= 0.01, name
+    _assert_as_ops(got, want, dtype)
     # float64 evaluation of the same formula: within the dtype's two roundings
     q64 = torch.cat([p.view(b, p.shape[1], 3, heads, d).permute(2, 0, 3, 1, 4)[0].double() for p in (txt, img)], 2)
     n64 = q64 * torch.rsqrt(q64.pow(2).mean(-1, keepdim=True) + 1e-6) * wq.double()
@@ -155,14 +161,7 @@ def test_split_half_equals_ideogram4s_ops(kf, dtype, heads, d):
     q_, k_, v_ = qkv.view(b, l, 3, heads, d).unbind(2)
     want = (_apply_rope_split_half1(F.rms_norm(q_, (d,), wq, 1e-5), freqs).transpose(1, 2),
             _apply_rope_split_half1(F.rms_norm(k_, (d,), wk, 1e-5), freqs).transpose(1, 2), v_.transpose(1, 2))
-    for name, x, y in zip("qkv", (q, k, v), want):
-        assert not torch.isnan(x).any(), name
-        if dtype == torch.float32:
-            torch.testing.assert_close(x, y, rtol=2 ** -20, atol=1e-6, msg=name)
-        else:
-            u = _ulps(x, y)
-            assert float(u.max()) <= 1.0, (name, float(u.max()))
-            assert float((u > 0).float().mean()) <= 0.01, name
+    _assert_as_ops((q, k, v), want, dtype)
     # the pairing itself, in float64: element i rotates with element i + D/2 (not 2i with 2i + 1)
     n64 = q_.double() * torch.rsqrt(q_.double().pow(2).mean(-1, keepdim=True) + 1e-5) * wq.double()
     f = freqs.double()
@@ -274,24 +273,10 @@ def _ideogram4_qk_rope(pack) -> dict:
     INT8_FUSED_QK_ROPE at its default (one ``qk_norm_rope(split_half=True)`` launch per block, counted) against the per-linear
     INT8 model through ComfyUI's own ops (its torch path: ``norm_q`` / ``norm_k`` then
     ``_apply_rope_split_half1``; comfy_kitchen's fused op has no CPU kernel here)."""
-    import comfy.ldm.ideogram4.model as im
     import comfy.model_management as mm
-    import comfy.ops
     import test_adapters as ta
-    A, cfg, qf = pack.adapters, pack.quant.fused.config, pack.quant.fused
-    torch.manual_seed(0)
-    m = im.Ideogram4Transformer2DModel(in_channels=16, num_layers=2, num_attention_heads=2, attention_head_dim=64,
-                                       intermediate_size=256, adaln_dim=32, llm_features_dim=64,
-                                       dtype=torch.bfloat16, device="cpu", operations=comfy.ops.disable_weight_init)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else torch.randn_like(p) * p.shape[-1] ** -0.5)
-    pairs = pack.quant.select.select_linears(m, "blocks", rules=A.block_rules(m))
-    layers, _ = pack.quant.patch.build_int8_layers(pairs, "fused_triton")
-    patches = A.object_patches(m, layers)
-    x = torch.randn(1, 16, 4, 4, dtype=torch.bfloat16)
-    ctx = torch.randn(1, 5, 64, dtype=torch.bfloat16)
-    t = torch.full((1,), 0.4)
+    cfg, qf = pack.quant.fused.config, pack.quant.fused
+    m, layers, patches, (x, t, ctx) = ta.tiny_ideogram4(pack, 2)
     calls, real = [], qf._kf().qk_norm_rope
 
     def spy(*a, **kw):
