@@ -3,7 +3,9 @@
 Fused, on fused_triton (``fuse``, issue 13): every modulated ``JointTransformerBlock`` (``layers.N``,
 ``noise_refiner.N``) becomes a ``quant.fused_lumina2.FusedLumina2Block``: attention_norm1 * (1 + scale_msa) +
 quantization feed the qkv GEMM and ffn_norm1 * (1 + scale_mlp) + quantization the merged w1+w3 GEMM, each from
-one kernel (``rmsnorm_modulate_quantize``); SwiGLU + quantization feed w2 (``FusedFeedForward``); QK norms, RoPE,
+one kernel (``rmsnorm_modulate_quantize``), the residual tails ``x + tanh(gate) * norm(o)`` (the first with the
+next norm + quantization) one kernel each (``gated_residual_rmsnorm``); SwiGLU + quantization feed w2
+(``FusedFeedForward``); QK norms + RoPE one kernel where there is no GQA (``qk_norm_rope``); otherwise QK norms, RoPE,
 attention (``optimized_attention_masked`` with ``transformer_options``: the pack's routing applies), tanh gates,
 post-norms and fp16 clamps as ComfyUI runs them. Blocks without modulation (``context_refiner.N``, 0.33.0's
 ``siglip_refiner.N``) and blocks the fused module does not implement keep the FeedForward-only fusion: w1+w3 as one

@@ -31,7 +31,9 @@ the bf16 and pack paths compute in bf16; fp8_fast keeps ComfyUI's manual-cast ch
 Paths (bench/e2e_sampler.py's grammar, loaded by its ``SamplerBench.load_path``): bf16 | fp8_fast (UNETLoader
 ``fp8_e4m3fn_fast``) | pack:<backend> ("Apply Fused INT8 GEMM" with its defaults); ``~<attention>`` sets the
 Apply node's ``attention`` input for pack paths, or installs the pack's attention router on the others
-(``kitchen``: core's comfy-kitchen attention); ``@legacy`` loads with the legacy ModelPatcher.
+(``kitchen``: core's comfy-kitchen attention); ``@legacy`` loads with the legacy ModelPatcher. This bench also
+takes a trailing ``%SWITCH=value`` (one ``kernel.config`` switch read at call time, set for that row only: A/B
+rows in one process, e.g. ``pack:fused_triton%INT8_FUSED_QK_ROPE=flux``).
 
 Measurement: ComfyUI's sampler, CFGGuider with cfg 1.0 (ComfyUI then skips the unconditional pass: one model
 forward per step; s_per_step = one forward through ComfyUI's sampler), euler, 'simple' schedule, --steps steps:
@@ -231,59 +233,75 @@ class ModelsBench(SamplerBench):
         log(f"{name}: {cls}, {n_params / 1e9:.3f} B params, state dict in {time.perf_counter() - t0:.1f} s; "
             f"latent {list(latent.shape)}, text {list(ctx.shape)}")
         for req in self.a.paths.split(","):
-            path = self.smoke_path(name, req)
-            if path is None:
-                why = (f"CPU smoke run: {req} skipped on {name} (full width {WIDTH_FIXED[name]}: ~40 s of fp8 "
-                       f"casts on the CPU; the path is exercised on flux and wan13)")
-                log(why)
-                self.rows.append({"model": name, "path": req, "skipped": why})
-                continue
-            row = {"model": name, "path": path}
-            if path != req:
-                row["requested_path"] = req
-                log(f"{name}: CPU smoke run: {req} -> {path} (the Triton interpreter is too slow at width "
-                    f"{WIDTH_FIXED[name]}, which ComfyUI's detection fixes; the fused path is exercised on flux/wan13)")
-            t1 = time.perf_counter()
-            m = g = None
-            try:
-                log(f"{name}: building {path}")
-                m = self.load_path(path, sd, label=f"{name} {path}")
-                row.update(self.check_detection(name, m, cls, cfg))
-                row["patcher"] = type(m).__name__
-                row["build_s"] = time.perf_counter() - t1
-                import comfy.samplers
-                g = comfy.samplers.CFGGuider(m)
-                g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
-                g.set_cfg(1.0)
-                t2 = time.perf_counter()
-                # warm-up: autotune, DynamicVRAM faults (a CPU smoke run has neither: one step runs the code path)
-                self.sample(g, m, latent, noise, self.a.steps if self.dev.type == "cuda" else 1)
-                row["warmup_s"] = time.perf_counter() - t2
-                out, s, s_wall, peak = self.timed(g, m, latent, noise)
-                row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()))
-                if path.startswith("pack:"):
-                    row["dispatch"] = self.dispatch_line(m)
-                if path.split("~")[0] == "bf16" and name not in self.ref:  # bf16 with any attention
-                    self.ref[name] = out
-                ref = self.ref.get(name)
-                row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
-                if self.dev.type == "cuda" and path in self.a.profile.split(","):
-                    row.update(self.profiled(g, m, latent, noise))
-                    for k, ms, pct in row["top_kernels_ms_per_step"]:
-                        log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
-                self.maybe_host_profile(row, path, g, m, latent, noise)
-            except Exception as e:  # a path that cannot run is reported, not hidden
-                import traceback
-                traceback.print_exc()
-                row["error"] = f"{type(e).__name__}: {e}"[:500]
-            row["total_s"] = time.perf_counter() - t1
-            self.rows.append(row)
-            log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
-            self.write()
-            m = g = None  # the guider holds the patcher too: drop both before unloading
-            self.cleanup()
+            req, _, switch = req.partition("%")
+            with self.switch(switch):
+                self.run_row(name, req, switch, sd, cls, cfg, ctx, extra, latent, noise)
         del sd
         self.ref.pop(name, None)
+        self.cleanup()
+
+    def switch(self, spec: str):
+        """``kernel.config.override`` of ``NAME=value`` (a str switch) for one row; a no-op context for ''."""
+        import contextlib
+        import importlib
+        if not spec:
+            return contextlib.nullcontext()
+        k, _, v = spec.partition("=")
+        return importlib.import_module(self.pack.__name__ + ".kernel.config").override(**{k: v})
+
+    def run_row(self, name, req, switch, sd, cls, cfg, ctx, extra, latent, noise):
+        """One (model, path) row: build, warm up, time, compare with bf16, profile as asked; errors recorded."""
+        torch = self.torch
+        path = self.smoke_path(name, req)
+        if path is None:
+            why = (f"CPU smoke run: {req} skipped on {name} (full width {WIDTH_FIXED[name]}: ~40 s of fp8 "
+                   f"casts on the CPU; the path is exercised on flux and wan13)")
+            log(why)
+            self.rows.append({"model": name, "path": req, "skipped": why})
+            return
+        row = {"model": name, "path": path + (f"%{switch}" if switch else "")}
+        if path != req:
+            row["requested_path"] = req
+            log(f"{name}: CPU smoke run: {req} -> {path} (the Triton interpreter is too slow at width "
+                f"{WIDTH_FIXED[name]}, which ComfyUI's detection fixes; the fused path is exercised on flux/wan13)")
+        t1 = time.perf_counter()
+        m = g = None
+        try:
+            log(f"{name}: building {path}")
+            m = self.load_path(path, sd, label=f"{name} {path}")
+            row.update(self.check_detection(name, m, cls, cfg))
+            row["patcher"] = type(m).__name__
+            row["build_s"] = time.perf_counter() - t1
+            import comfy.samplers
+            g = comfy.samplers.CFGGuider(m)
+            g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
+            g.set_cfg(1.0)
+            t2 = time.perf_counter()
+            # warm-up: autotune, DynamicVRAM faults (a CPU smoke run has neither: one step runs the code path)
+            self.sample(g, m, latent, noise, self.a.steps if self.dev.type == "cuda" else 1)
+            row["warmup_s"] = time.perf_counter() - t2
+            out, s, s_wall, peak = self.timed(g, m, latent, noise)
+            row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()))
+            if path.startswith("pack:"):
+                row["dispatch"] = self.dispatch_line(m)
+            if path.split("~")[0] == "bf16" and name not in self.ref:  # bf16 with any attention
+                self.ref[name] = out
+            ref = self.ref.get(name)
+            row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
+            if self.dev.type == "cuda" and row["path"] in self.a.profile.split(","):
+                row.update(self.profiled(g, m, latent, noise))
+                for k, ms, pct in row["top_kernels_ms_per_step"]:
+                    log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
+            self.maybe_host_profile(row, row["path"], g, m, latent, noise)
+        except Exception as e:  # a path that cannot run is reported, not hidden
+            import traceback
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        row["total_s"] = time.perf_counter() - t1
+        self.rows.append(row)
+        log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+        self.write()
+        m = g = None  # the guider holds the patcher too: drop both before unloading
         self.cleanup()
 
     def run(self) -> int:

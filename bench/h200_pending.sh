@@ -22,9 +22,11 @@
 #   final     the committed defaults: Ideogram 4 dual (bf16, fp8_fast~cudnn, pack) and Flux / Z-Image / Wan (bf16, fp8_fast, pack)
 #   layout    q / k / v in [B, L, H, D] memory: Ideogram 4 with INT8_FUSED_QK_ROPE=all, Flux, Ideogram 4 default
 #   hostprof  cProfile of steady-state sampler steps: Flux with / without INT8_FUSED_QK_ROPE, Ideogram 4 dual
+#   qkmodels  Z-Image and Wan 1.3B with their QK norm + RoPE kernel (the default) and without it
+#             (`%INT8_FUSED_QK_ROPE=flux`, same process), beside bf16 and fp8_fast, the pack profiled
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -113,6 +115,10 @@ PY
       2>&1 | tee -a "$OUT/last.log"
     timeout 100 $sampler --profile none --paths pack:fused_triton \
       --out "$OUT/sampler-layout-default.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  qkmodels)
+    timeout 420 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage,wan13 \
+      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_QK_ROPE=flux,fp8_fast,pack:fused_triton" \
+      --profile pack:fused_triton --out "$OUT/h200-e2e-models-qk.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

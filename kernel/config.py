@@ -44,13 +44,15 @@ SWITCHES = {s.name: s for s in (
            "Ideogram 4's trailing padded text tokens dropped from the conditional pass: unset = on for "
            "`fused_triton` only, `0` off, `1` on for every backend"),
     Switch("INT8_FUSED_RESIDUAL", bool, True,
-           "`0`: run Ideogram 4's gated residual + RMSNorm tails as torch ops instead of one fused kernel "
-           "(the kernel equals torch's y but for torch's reduction order: 1.5e-6 of elements on the H200)",
+           "`0`: run Ideogram 4's and Lumina 2 / Z-Image's gated residual + RMSNorm tails as torch ops instead "
+           "of one fused kernel (the kernel equals torch's y but for torch's reduction order: 1.5e-6 of "
+           "elements on the H200)",
            at_import=True),
     Switch("INT8_FUSED_QK_ROPE", str, "all",
-           "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/fused.py` `qk_norm_rope`) "
-           "instead of ComfyUI's ops: `all` Flux.1's and Ideogram 4's fused blocks (Ideogram 4: in place of "
-           "comfy_kitchen's op), `flux` Flux.1's only, `0` none (A/B runs)"),
+           "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/fused.py` `qk_norm_rope`, "
+           "`qk_rmsnorm_rope_rows`) instead of ComfyUI's ops: `all` the fused blocks of Flux.1, Ideogram 4, "
+           "Lumina 2 / Z-Image and Wan 2.x (in place of comfy_kitchen's ops where ComfyUI calls them), `flux` "
+           "Flux.1's only, `0` none (A/B runs)"),
     Switch("INT8_FUSED_ALU_ROUND", bool, False,
            "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
            "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",

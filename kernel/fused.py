@@ -731,18 +731,20 @@ def concat_gelu_quantize(a: torch.Tensor, h: torch.Tensor, inv_smooth: torch.Ten
     return _concat_gelu(a, h, inv_smooth, "concat_gelu_quantize")
 
 
-# ------------------------------------------------------------------------- Flux.1 QK norm + RoPE (issue 14)
+# ------------------------------------------------------------------------- QK norm + RoPE (issue 14)
 @triton.jit
-def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
-                         L, H, row_offset, eps_q, eps_k,
+def _qk_norm_rope_kernel(src_ptr, ksrc_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
+                         L, H, row_offset, k_off, eps_q, eps_k,
                          stride_sb, stride_sl, stride_pb, stride_pl, stride_ob, stride_oh, stride_ol,
                          D: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr, HAS_PE: tl.constexpr,
-                         SPLIT_HALF: tl.constexpr, WRITE_V: tl.constexpr, INTERPRET: tl.constexpr):
-    # One token: its [3, H, D] slice of the qkv GEMM output -> rows row_offset + l of q, k, v [B, H, L_all, D].
-    # q, k: rms_norm over D with the norm's weight (rounded to the dtype, as F.rms_norm), then RoPE with the
-    # token's [D/2, 2, 2] fp32 rotations, ``x_out[r] = f[r, 0] * x0 + f[r, 1] * x1`` rounded to the dtype (as
-    # comfy.ldm.flux.math.apply_rope1); v copied. SPLIT_HALF (Ideogram 4): pair i is (x[i], x[i + D/2]) instead of
-    # (x[2i], x[2i + 1]), as comfy_kitchen's rms_rope_split_half and ComfyUI's _apply_rope_split_half1.
+                         SPLIT_HALF: tl.constexpr, NORM_ROW: tl.constexpr, WRITE_V: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    # One token: its q [H, D] (at src), k [H, D] (at ksrc + k_off) and v (at src + 2 H D) -> rows row_offset + l
+    # of q, k, v [B, H, L_all, D]. q, k: rms_norm with the norm's weight (rounded to the dtype, as F.rms_norm) over
+    # each head's D (per head, Flux / Ideogram 4 / Lumina 2) or over the whole H * D row (NORM_ROW, Wan), then RoPE
+    # with the token's [D/2, 2, 2] fp32 rotations, ``x_out[r] = f[r, 0] * x0 + f[r, 1] * x1`` rounded to the dtype
+    # (as comfy.ldm.flux.math.apply_rope1); v copied. SPLIT_HALF (Ideogram 4): pair i is (x[i], x[i + D/2])
+    # instead of (x[2i], x[2i + 1]), as comfy_kitchen's rms_rope_split_half and ComfyUI's _apply_rope_split_half1.
     pid = tl.program_id(0)
     b = pid // L
     l = pid % L
@@ -750,7 +752,8 @@ def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
     cols = tl.arange(0, D)
     half = tl.arange(0, D // 2)
     mask = (hs < H)[:, None]
-    src = src_ptr + b.to(tl.int64) * stride_sb + l.to(tl.int64) * stride_sl + hs[:, None] * D + cols[None, :]
+    tile = hs[:, None] * D + cols[None, :]
+    row = b.to(tl.int64) * stride_sb + l.to(tl.int64) * stride_sl + tile
     dst = (b.to(tl.int64) * stride_ob + hs[:, None].to(tl.int64) * stride_oh
            + (row_offset + l).to(tl.int64) * stride_ol + cols[None, :])
     if HAS_PE:
@@ -760,10 +763,18 @@ def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
         f10 = tl.load(pe + 2)[None, :]
         f11 = tl.load(pe + 3)[None, :]
     for part in tl.static_range(2):
-        x = tl.load(src + part * H * D, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load((wq_ptr if part == 0 else wk_ptr) + cols).to(tl.float32)
-        rstd = _rstd(tl.sum(x * x, axis=1), D, eps_q if part == 0 else eps_k, INTERPRET)
-        n = _round(x * rstd[:, None] * w[None, :], DT, INTERPRET)
+        if part == 0:
+            x = tl.load(src_ptr + row, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(ksrc_ptr + k_off + row, mask=mask, other=0.0).to(tl.float32)
+        if NORM_ROW:
+            w = tl.load((wq_ptr if part == 0 else wk_ptr) + tile, mask=mask, other=0.0).to(tl.float32)
+            rstd = _rstd(tl.sum(tl.sum(x * x, axis=1), axis=0), H * D, eps_q if part == 0 else eps_k, INTERPRET)
+            n = _round(x * rstd * w, DT, INTERPRET)
+        else:
+            w = tl.load((wq_ptr if part == 0 else wk_ptr) + cols).to(tl.float32)
+            rstd = _rstd(tl.sum(x * x, axis=1), D, eps_q if part == 0 else eps_k, INTERPRET)
+            n = _round(x * rstd[:, None] * w[None, :], DT, INTERPRET)
         if HAS_PE:
             if SPLIT_HALF:  # [h, r * D/2 + i] -> [h, i, r]
                 x0, x1 = tl.split(tl.permute(tl.reshape(n, (BLOCK_H, 2, D // 2)), (0, 2, 1)))
@@ -777,8 +788,52 @@ def _qk_norm_rope_kernel(src_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
                 n = tl.reshape(tl.join(o0, o1), (BLOCK_H, D))
         tl.store((q_ptr if part == 0 else k_ptr) + dst, n.to(q_ptr.dtype.element_ty), mask=mask)
     if WRITE_V:
-        v = tl.load(src + 2 * H * D, mask=mask, other=0.0)
+        v = tl.load(src_ptr + 2 * H * D + row, mask=mask, other=0.0)
         tl.store(v_ptr + dst, v, mask=mask)
+
+
+def _qk_outputs(bsz: int, heads: int, d: int, dtype, device, q, k, v) -> None:
+    want = (bsz, heads, q.shape[2] if q.dim() == 4 else -1, d)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is None and name == "v":
+            continue
+        if t.dim() != 4 or tuple(t.shape) != want or t.stride(-1) != 1 or t.stride() != q.stride() \
+                or t.dtype != dtype or t.device != device:
+            raise ValueError(f"{name} must be a [B, heads, L_all, head_dim] = {want} {dtype} tensor on "
+                             f"{device} with unit stride along head_dim and q's strides (contiguous, or the "
+                             f"[B, L_all, heads, head_dim] layout transposed), got {tuple(t.shape)} {t.dtype} "
+                             f"strides {t.stride() if t.dim() == 4 else '-'}")
+
+
+def _qk_launch(src, ksrc, k_off: int, heads: int, d: int, wq, wk, eps_q, eps_k, pe, q, k, v, row_offset: int,
+               split_half: bool, norm_row: bool) -> None:
+    """Checks shared by :func:`qk_norm_rope` and :func:`qk_rmsnorm_rope_rows`, then one launch (B * L programs)."""
+    bsz, l = src.shape[0], src.shape[1]
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two (>= 2) for the fused QK norm + RoPE")
+    _qk_outputs(bsz, heads, d, src.dtype, src.device, q, k, v)
+    if not 0 <= row_offset <= q.shape[2] - l:
+        raise ValueError(f"rows {row_offset}..{row_offset + l} do not fit L_all = {q.shape[2]}")
+    if pe is not None:
+        if (pe.dim() != 6 or pe.dtype != torch.float32 or tuple(pe.shape[3:]) != (d // 2, 2, 2)
+                or pe.shape[0] not in (1, bsz) or pe.shape[1] != 1 or pe.shape[2] < row_offset + l):
+            raise ValueError(f"pe must be fp32 [B | 1, 1, L_all, {d // 2}, 2, 2], got {tuple(pe.shape)} {pe.dtype}")
+        pe = pe if pe.stride(-1) == 1 and pe.stride(-2) == 2 and pe.stride(-3) == 4 else pe.contiguous()
+    n_w = heads * d if norm_row else d
+    wq = _row_major(_vector(wq, n_w, "q_weight", src.device, allow_scalar=False), "q_weight")
+    wk = _row_major(_vector(wk, n_w, "k_weight", src.device, allow_scalar=False), "k_weight")
+    if bsz == 0 or l == 0:
+        return
+    _check_usable(src, "qk_norm_rope")
+    block_h = triton.next_power_of_2(heads)
+    launch(_qk_norm_rope_kernel, (bsz * l,),
+           (src, ksrc, wq, wk, pe if pe is not None else wq, q, k, v if v is not None else q, l, heads,
+            int(row_offset), int(k_off), float(eps_q), float(eps_k),
+            src.stride(0), src.stride(1), 0 if pe is None or pe.shape[0] == 1 else pe.stride(0),
+            0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
+           dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[src.dtype], HAS_PE=pe is not None, SPLIT_HALF=bool(split_half),
+                NORM_ROW=bool(norm_row), WRITE_V=v is not None, INTERPRET=INTERPRET),
+           4 if block_h * d <= 4096 else 8, 1, src.device)
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,
@@ -789,52 +844,44 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight
     linear1 output) -> rows ``row_offset .. row_offset + L`` of ``q``, ``k``, ``v`` [B, heads, L_all, D]
     (``qkv``'s dtype; contiguous or, better for SDPA, the [B, L_all, heads, D] layout transposed: then cuDNN's
     output is laid out so that ComfyUI's final ``transpose(1, 2).reshape`` copies nothing; k and v with q's
-    strides): ``q = rope(rms_norm(q_h, q_weight, eps_q))``, ``k`` likewise, ``v`` copied (``v`` None: not
-    written, the caller uses its view of ``qkv``).
+    strides): ``q = rope(rms_norm(q_h, q_weight, eps_q))`` per head, ``k`` likewise, ``v`` copied (``v`` None:
+    not written, the caller uses its view of ``qkv``).
     ``pe``: [B | 1, 1, L_all, D / 2, 2, 2] fp32 rotations (``comfy.ldm.flux.math.rope``) or None (no RoPE).
     Each step rounds to the dtype as ComfyUI's ops do (F.rms_norm; apply_rope1 in fp32, rounded once).
     ``split_half`` (Ideogram 4): RoPE pairs are (x[i], x[i + D/2]) (``rms_rope_split_half``), not (x[2i], x[2i+1])."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.dtype not in _FLOAT:
         raise ValueError(f"qkv must be a [B, L, 3 * heads * D] float tensor, got "
                          f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
-    bsz, l, width = qkv.shape
+    width = qkv.shape[-1]
     if heads <= 0 or width % (3 * heads):
         raise ValueError(f"qkv's last dim {width} is not 3 * heads ({heads}) * head_dim")
-    d = width // (3 * heads)
-    if d < 2 or d & (d - 1):
-        raise ValueError(f"head_dim {d} must be a power of two (>= 2) for the fused QK norm + RoPE")
-    want = (bsz, heads, q.shape[2] if q.dim() == 4 else -1, d)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t is None and name == "v":
-            continue
-        if t.dim() != 4 or tuple(t.shape) != want or t.stride(-1) != 1 or t.stride() != q.stride() \
-                or t.dtype != qkv.dtype or t.device != qkv.device:
-            raise ValueError(f"{name} must be a [B, heads, L_all, head_dim] = {want} {qkv.dtype} tensor on "
-                             f"{qkv.device} with unit stride along head_dim and q's strides (contiguous, or the "
-                             f"[B, L_all, heads, head_dim] layout transposed), got {tuple(t.shape)} {t.dtype} "
-                             f"strides {t.stride() if t.dim() == 4 else '-'}")
-    if not 0 <= row_offset <= q.shape[2] - l:
-        raise ValueError(f"rows {row_offset}..{row_offset + l} do not fit L_all = {q.shape[2]}")
-    if pe is not None:
-        if (pe.dim() != 6 or pe.dtype != torch.float32 or tuple(pe.shape[3:]) != (d // 2, 2, 2)
-                or pe.shape[0] not in (1, bsz) or pe.shape[1] != 1 or pe.shape[2] < row_offset + l):
-            raise ValueError(f"pe must be fp32 [B | 1, 1, L_all, {d // 2}, 2, 2], got {tuple(pe.shape)} {pe.dtype}")
-        pe = pe if pe.stride(-1) == 1 and pe.stride(-2) == 2 and pe.stride(-3) == 4 else pe.contiguous()
-    wq = _row_major(_vector(q_weight, d, "q_weight", qkv.device, allow_scalar=False), "q_weight")
-    wk = _row_major(_vector(k_weight, d, "k_weight", qkv.device, allow_scalar=False), "k_weight")
-    if bsz == 0 or l == 0:
-        return
-    _check_usable(qkv, "qk_norm_rope")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    block_h = triton.next_power_of_2(heads)
-    launch(_qk_norm_rope_kernel, (bsz * l,),
-           (qkv, wq, wk, pe if pe is not None else wq, q, k, v if v is not None else q, l, heads, int(row_offset), float(eps_q), float(eps_k),
-            qkv.stride(0), qkv.stride(1), 0 if pe is None or pe.shape[0] == 1 else pe.stride(0),
-            0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
-           dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[qkv.dtype], HAS_PE=pe is not None, SPLIT_HALF=bool(split_half),
-                WRITE_V=v is not None, INTERPRET=INTERPRET),
-           4 if block_h * d <= 4096 else 8, 1, qkv.device)
+    d = width // (3 * heads)
+    _qk_launch(qkv, qkv, heads * d, heads, d, q_weight, k_weight, eps_q, eps_k, pe, q, k, v, row_offset,
+               split_half, norm_row=False)
+
+
+def qk_rmsnorm_rope_rows(xq: torch.Tensor, xk: torch.Tensor, heads: int, q_weight: torch.Tensor,
+                         k_weight: torch.Tensor, eps_q: float, eps_k: float, pe: torch.Tensor | None,
+                         q: torch.Tensor, k: torch.Tensor) -> None:
+    """Wan's QK norm + RoPE in one pass: ``xq``, ``xk`` [B, L, heads * D] (the q and k GEMM outputs, same shape,
+    dtype and strides, unit stride along the last dim) -> ``q``, ``k`` [B, heads, L, D] (layouts as in
+    :func:`qk_norm_rope`): ``q = rope(rms_norm(xq, q_weight [heads * D], eps_q))`` with the norm over the whole
+    row (``WanSelfAttention``'s ``norm_q`` / ``norm_k``), then the interleaved-pair RoPE of ``apply_rope1`` with
+    ``pe`` [B | 1, 1, L, D / 2, 2, 2] fp32; roundings as in :func:`qk_norm_rope`."""
+    for name, t in (("xq", xq), ("xk", xk)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in _FLOAT or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a [B, L, heads * D] float tensor with unit stride along the last dim, "
+                             f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if xk.shape != xq.shape or xk.stride() != xq.stride() or xk.dtype != xq.dtype or xk.device != xq.device:
+        raise ValueError(f"xk must match xq (shape, strides, dtype, device), got {tuple(xk.shape)} / "
+                         f"{tuple(xq.shape)}")
+    width = xq.shape[-1]
+    if heads <= 0 or width % heads:
+        raise ValueError(f"xq's last dim {width} is not heads ({heads}) * head_dim")
+    _qk_launch(xq, xk, 0, heads, width // heads, q_weight, k_weight, eps_q, eps_k, pe, q, k, None, 0,
+               split_half=False, norm_row=True)
 
 
 # ----------------------------------------------------------------------------------- torch.compile ops

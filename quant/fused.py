@@ -198,8 +198,8 @@ def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def qk_rope_on(arch: str) -> bool:
-    """Whether INT8_FUSED_QK_ROPE asks ``arch`` ("flux" / "ideogram4") to run its QK norm + RoPE in the pack's
-    kernel: ``all`` (default; ``1`` and an unknown value too) every architecture, ``flux`` Flux.1 only, ``0`` none."""
+    """Whether INT8_FUSED_QK_ROPE asks ``arch`` ("flux" / "ideogram4" / "lumina2" / "wan") to run its QK norm +
+    RoPE in the pack's kernel: ``all`` (default; ``1`` and an unknown value too) every architecture, ``flux`` Flux.1 only, ``0`` none."""
     v = str(config.get("INT8_FUSED_QK_ROPE") or "all").strip().lower()
     if v in ("0", "off", "false", "no", "none"):
         return False

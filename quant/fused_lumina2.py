@@ -6,19 +6,28 @@
     scale_msa, gate_msa, scale_mlp, gate_mlp = adaLN_modulation(adaln_input).chunk(4, dim=1)
     a  = quantize(attention_norm1(x) * (1 + scale_msa))        # one kernel (rmsnorm_modulate_quantize) -> qkv GEMM
     x  = x + tanh(gate_msa) * attention_norm2(clamp(attention(a)))   # QK norms, RoPE, optimized_attention_masked
-    h  = quantize(ffn_norm1(x) * (1 + scale_mlp))              # one kernel -> merged w1+w3 GEMM
-    x  = x + tanh(gate_mlp) * ffn_norm2(clamp(w2(swiglu+quantize(h))))   # FusedFeedForward
+    h  = quantize(ffn_norm1(x) * (1 + scale_mlp))              # one kernel with the line above -> w1+w3 GEMM
+    x  = x + tanh(gate_mlp) * ffn_norm2(clamp(w2(swiglu+quantize(h))))   # FusedFeedForward; the tail one kernel
+
+The two residual tails run as ``gated_residual_rmsnorm`` (Ideogram 4's kernel: the same arithmetic, roundings as
+torch's three ops; ``INT8_FUSED_RESIDUAL=0`` leaves them to torch), the first with ffn_norm1 * (1 + scale_mlp) +
+quantization of its result from the same registers.
 
 ``modulate`` in ComfyUI (both supported versions) is ``x * (1 + scale.unsqueeze(1))``: ``1 + scale`` rounds to the
 scale's dtype, the product to the promoted dtype, after ``F.rms_norm``'s one rounding to x's dtype: exactly the
 definition ``rmsnorm_modulate_quantize`` implements (kernel/fused.py), so the int8 inputs of qkv and w1+w3 equal
 what the per-linear Int8Linear quantizes (bit for bit in bf16 / fp16; fp32 up to the fp32 sum order of the norm).
 
-What stays as ComfyUI runs it: the adaLN ``nn.Sequential`` (called as a module), the QK norms and RoPE (0.3.75:
-``q_norm`` / ``k_norm`` modules then ``comfy.ldm.flux.math.apply_rope``; 0.33.0 outside training: comfy_kitchen's
-``rms_rope`` / ``rms_rope1`` with the norms' weights from ``comfy.ops.cast_bias_weight``), the GQA repeat,
+QK norms + RoPE: with ``INT8_FUSED_QK_ROPE=all`` (the default) and as many kv heads as heads (Z-Image), one
+``kernel.fused.qk_norm_rope`` launch writes q and k in the [B, L, H, D] layout attention reads, and v stays the
+qkv output's view (ComfyUI's ``repeat`` with n_rep 1 would copy k and v unchanged). Otherwise as ComfyUI runs them.
+
+What stays as ComfyUI runs it: the adaLN ``nn.Sequential`` (called as a module), the QK norms and RoPE where the
+kernel does not apply (0.3.75: ``q_norm`` / ``k_norm`` modules then ``comfy.ldm.flux.math.apply_rope``; 0.33.0
+outside training: comfy_kitchen's ``rms_rope`` / ``rms_rope1`` with the norms' weights from
+``comfy.ops.cast_bias_weight``), the GQA repeat,
 ``optimized_attention_masked`` with ``transformer_options`` (the pack's attention routing applies), the output
-projection, the tanh gates, the post-norms and 0.33.0's ``clamp_fp16`` of the attention / FeedForward outputs.
+projection and 0.33.0's ``clamp_fp16`` of the attention / FeedForward outputs (before the tail kernels).
 
 Calls the fused path does not implement run the running ComfyUI's own ``JointTransformerBlock.forward`` on this
 block (its twin: the same norms, the attention with INT8 qkv / out, the FusedFeedForward as drop-in FeedForward):
@@ -36,7 +45,7 @@ import torch
 from torch import nn
 
 from . import fused as qf
-from .fused_flux import _attn_patches, with_layers
+from .fused_flux import _attn_patches, _rms_weight, with_layers
 from .linear import Int8Linear
 
 log = logging.getLogger("int8_fused")
@@ -125,15 +134,25 @@ class FusedLumina2Block(nn.Module):
                             transformer_options)
         if fn.clamp_fp16 is not None:
             o = fn.clamp_fp16(o)
-        x = x + gate_msa.unsqueeze(1).tanh() * qf.rms(self.attention_norm2, o)
-        del o
         s_mlp = 1 + scale_mlp
         ff = self.feed_forward
-        a_q, a_s = qf.norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), s_mlp, l,
-                                             qf.inv_smooth_of(ff.w13, x.device))
+        inv13 = qf.inv_smooth_of(ff.w13, x.device)
+        # x + tanh(gate) * attention_norm2(o), then ffn_norm1 * (1 + s) + quantize: one kernel (torch otherwise)
+        tail = qf.gated_residual(x.reshape(-1, k), o.reshape(-1, k), self.attention_norm2, gate_msa.tanh(), l,
+                                 self.ffn_norm1, s_mlp, inv13)
+        if tail is not None:
+            x2, a_q, a_s = tail
+            x = x2.view(b, l, k)
+        else:
+            x = x + gate_msa.unsqueeze(1).tanh() * qf.rms(self.attention_norm2, o)
+            a_q, a_s = qf.norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), s_mlp, l, inv13)
+        del o
         h = ff.forward_quantized(a_q, a_s, torch.promote_types(x.dtype, s_mlp.dtype)).view(b, l, -1)
         if fn.clamp_fp16 is not None:
             h = fn.clamp_fp16(h)
+        tail = qf.gated_residual(x.reshape(-1, k), h.reshape(-1, k), self.ffn_norm2, gate_mlp.tanh(), l)
+        if tail is not None:
+            return tail[0].view(b, l, k)
         return x + gate_mlp.unsqueeze(1).tanh() * qf.rms(self.ffn_norm2, h)
 
     def _attention(self, a_q, a_s, bsz, seqlen, dtype, x_mask, freqs_cis, transformer_options):
@@ -145,6 +164,12 @@ class FusedLumina2Block(nn.Module):
         xq = xq.view(bsz, seqlen, nh, hd)
         xk = xk.view(bsz, seqlen, nkv, hd)
         xv = xv.view(bsz, seqlen, nkv, hd)
+        fused = self._fused_qk_rope(qkv, nh, nkv, hd, freqs_cis)
+        if fused is not None:  # q, k [B, L, H, D]; nh == nkv, so ComfyUI's repeat would copy k / v unchanged
+            xq, xk = fused
+            out = fn.attention(xq.movedim(1, 2), xk.movedim(1, 2), xv.movedim(1, 2), nh, x_mask, skip_reshape=True,
+                               transformer_options=transformer_options)
+            return qf.linear(attn.out, out)
         if fn.rms_rope is not None and getattr(attn, "qk_norm", False) and not fn.in_training():
             q_scale, _, q_stream = fn.cast_bias_weight(attn.q_norm, xq, offloadable=True)
             k_scale, _, k_stream = fn.cast_bias_weight(attn.k_norm, xk, offloadable=True)
@@ -167,3 +192,34 @@ class FusedLumina2Block(nn.Module):
         out = fn.attention(xq.movedim(1, 2), xk.movedim(1, 2), xv.movedim(1, 2), nh, x_mask, skip_reshape=True,
                            transformer_options=transformer_options)
         return qf.linear(attn.out, out)
+
+    def _fused_qk_rope(self, qkv, nh, nkv, hd, freqs_cis):
+        """(q, k) [B, L, H, D] from one ``qk_norm_rope`` launch (QK RMSNorm per head + interleaved-pair RoPE, in
+        place of comfy_kitchen's ``rms_rope`` / the norm modules + ``apply_rope``), or None where it does not
+        apply: INT8_FUSED_QK_ROPE not ``all``, torch.compile tracing, training, GQA (nh != nkv), QK norms that
+        are not RMSNorms over head_dim with a weight (``qk_norm=False``: Identity) or carry weight functions,
+        ``freqs_cis`` not ComfyUI's fp32 [B | 1, L, 1, D/2, 2, 2] rotations, a head_dim that is not a power of
+        2."""
+        attn, fn = self.attention, self.fn
+        if (not qf.qk_rope_on("lumina2") or qf._compiling() or nh != nkv
+                or (fn.in_training is not None and fn.in_training())):
+            return None
+        b, l, w = qkv.shape
+        if (not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dim() != 6 or freqs_cis.dtype != torch.float32
+                or freqs_cis.shape[0] not in (1, b) or freqs_cis.shape[1] != l or freqs_cis.shape[2] != 1
+                or tuple(freqs_cis.shape[3:]) != (hd // 2, 2, 2) or hd < 2 or hd & (hd - 1) or w != 3 * nh * hd
+                or freqs_cis.device != qkv.device or qkv.stride(-1) != 1):
+            return None
+        norms = (attn.q_norm, attn.k_norm)
+        if not all("weight" in nm._parameters and tuple(getattr(nm, "normalized_shape", ())) == (hd,)
+                   for nm in norms):
+            return None
+        (wq, eq), (wk, ek) = _rms_weight(norms[0], qkv), _rms_weight(norms[1], qkv)
+        if wq is None or wk is None:
+            return None
+        if fn.rms_rope is not None:  # 0.33.0 hands q_norm's eps to both (rms_rope)
+            ek = eq
+        q, k = (torch.empty((b, l, nh, hd), dtype=qkv.dtype, device=qkv.device) for _ in range(2))
+        qf._kf().qk_norm_rope(qkv, nh, wq, wk, eq, ek, freqs_cis.transpose(1, 2), q.transpose(1, 2),
+                              k.transpose(1, 2), None, 0)
+        return q, k

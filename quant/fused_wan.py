@@ -6,13 +6,16 @@ the Flux.1 kernels; no new kernel):
   that ``self_attn.q``, ``.k`` and ``.v`` all read (three GEMMs from the same int8 input; layers whose SmoothQuant
   vectors differ get one kernel per distinct vector);
 * ``LayerNorm(x) * (1 + e[4]) + e[3]`` + quantization feeds ``ffn.0``, ``gelu_tanh`` + quantization
-  (``gelu_tanh_quantize``) feeds ``ffn.2``.
+  (``gelu_tanh_quantize``) feeds ``ffn.2``;
+* ``norm_q`` / ``norm_k`` (RMSNorm over the width) and RoPE of q and k in one kernel (``qk_rmsnorm_rope_rows``,
+  ``INT8_FUSED_QK_ROPE=all``, the default), writing the [B, L, H, D] layout attention reads; otherwise the norm
+  modules and ComfyUI's ``apply_rope1``.
 
 Everything else runs as ComfyUI's block forward runs it: the modulation sum ``cast_to(modulation, x.dtype) + e``
-(fp32 when ``e`` is, as ComfyUI computes it), q/k RMSNorm modules, RoPE (ComfyUI's ``apply_rope1``), attention
-through ComfyUI's ``optimized_attention`` with ``transformer_options`` (the pack's attention routing applies), the
-output projection ``self_attn.o``, the gated residuals (``torch.addcmul``), and the cross-attention (``norm3`` +
-``cross_attn`` called as modules: per-linear INT8).
+(fp32 when ``e`` is, as ComfyUI computes it), attention through ComfyUI's ``optimized_attention`` with
+``transformer_options`` (the pack's attention routing applies), the output projection ``self_attn.o``, the gated
+residuals (``torch.addcmul``), and the cross-attention (``norm3`` + ``cross_attn`` called as modules: per-linear
+INT8).
 
 Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: ``adapters/wan.py`` decides which blocks
 are Wan 2.x ``WanAttentionBlock`` s and hands in what the forward calls from ComfyUI (:class:`WanFunctions`).
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 
 from . import fused as qf
-from .fused_flux import _cat_gelu_quant, _ln_mod_quant, _promote, with_layers
+from .fused_flux import _cat_gelu_quant, _ln_mod_quant, _promote, _rms_weight, with_layers
 from .linear import Int8Linear
 
 QKV = ("q", "k", "v")
@@ -124,12 +127,43 @@ class FusedWanBlock(nn.Module):
         attn = self.self_attn
         b, s, n, d = x.shape[0], x.shape[1], attn.num_heads, attn.head_dim
         q, k, v = self._mod_linears([attn.q, attn.k, attn.v], self.norm1, x, e0, e1, self._qkv_src)
-        q = self.fn.apply_rope1(attn.norm_q(q).view(b, s, n, d), freqs)
-        k = self.fn.apply_rope1(attn.norm_k(k).view(b, s, n, d), freqs)
+        qk = self._fused_qk_rope(q, k, freqs)
+        if qk is not None:
+            q, k = qk
+        else:
+            q = self.fn.apply_rope1(attn.norm_q(q).view(b, s, n, d), freqs)
+            k = self.fn.apply_rope1(attn.norm_k(k).view(b, s, n, d), freqs)
         out = self.fn.optimized_attention(q.view(b, s, n * d), k.view(b, s, n * d), v.view(b, s, n * d),
                                           heads=attn.num_heads, transformer_options=transformer_options)
         del q, k, v
         return qf.linear(attn.o, out)
+
+    def _fused_qk_rope(self, q, k, freqs):
+        """(q, k) [B, L, H, D] from one ``qk_rmsnorm_rope_rows`` launch (norm_q / norm_k over the row + RoPE,
+        instead of two RMSNorm modules and two ``apply_rope1`` calls), or None where it does not apply:
+        INT8_FUSED_QK_ROPE not ``all``, torch.compile tracing, norms that are not RMSNorms with a weight over the
+        width (``qk_norm=False``) or carry weight functions, ``freqs`` not ComfyUI's fp32 [B | 1, L, 1, D/2, 2, 2]
+        rotations, a head_dim that is not a power of 2, q / k of different layouts."""
+        if not qf.qk_rope_on("wan") or qf._compiling():
+            return None
+        attn = self.self_attn
+        b, s, w = q.shape
+        n, d = attn.num_heads, attn.head_dim
+        if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 6 or freqs.dtype != torch.float32
+                or freqs.shape[0] not in (1, b) or freqs.shape[1] != s or freqs.shape[2] != 1
+                or tuple(freqs.shape[3:]) != (d // 2, 2, 2) or d < 2 or d & (d - 1) or n * d != w
+                or freqs.device != q.device or k.shape != q.shape or k.stride() != q.stride() or q.stride(-1) != 1):
+            return None
+        norms = (attn.norm_q, attn.norm_k)
+        if not all("weight" in nm._parameters and tuple(getattr(nm, "normalized_shape", ())) == (w,) for nm in norms):
+            return None
+        (wq, eq), (wk, ek) = _rms_weight(norms[0], q), _rms_weight(norms[1], k)
+        if wq is None or wk is None:
+            return None
+        oq, ok = (torch.empty((b, s, n, d), dtype=q.dtype, device=q.device) for _ in range(2))
+        qf._kf().qk_rmsnorm_rope_rows(q, k, n, wq, wk, eq, ek, freqs.transpose(1, 2), oq.transpose(1, 2),
+                                      ok.transpose(1, 2))
+        return oq, ok
 
     def _ffn(self, x, e3, e4):
         """``ffn[2](gelu_tanh(ffn[0](addcmul(e3, norm2(x), 1 + e4))))``: two kernels feeding the int8 GEMMs."""

@@ -231,6 +231,67 @@ def test_empty_rows_write_nothing_and_bad_input_says_what_is_wrong(kf):
         kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, _rope_table(1, 4, d, 0).double(), q, k, v)
 
 
+def _wan_reference(xq, heads, w, eps, pe):
+    """WanSelfAttention's ``apply_rope1(norm_q(q).view(b, s, n, d), freqs)``: F.rms_norm over the whole row (one
+    rounding), then apply_rope1 (fp32, one rounding); as [B, H, L, D]."""
+    b, l, width = xq.shape
+    n = F.rms_norm(xq, (width,), w, eps).view(b, l, heads, -1)
+    return _rope_ref(n.transpose(1, 2), pe) if pe is not None else n.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,d", [(3, 16), (12, 8), (2, 32)])
+def test_row_norm_equals_wans_ops(kf, dtype, heads, d):
+    """Wan: ``norm_q`` / ``norm_k`` normalise the whole heads * D row (not each head), q and k come from two GEMMs;
+    3 and 12 heads leave masked lanes in the [next_pow2(H), D] tile, which must not enter the row's sum."""
+    g = torch.Generator().manual_seed(heads * 7 + d)
+    b, l, width = 2, 5, heads * d
+    xq = (torch.randn(b, l, width, generator=g) * 3).to(dtype)
+    xk = (torch.randn(b, l, width, generator=g) * 0.5 + 0.25).to(dtype)
+    wq = (1 + 0.2 * torch.randn(width, generator=g)).to(dtype)
+    wk = (1 + 0.2 * torch.randn(width, generator=g)).to(dtype)
+    pe = _rope_table(1, l, d, seed=d)  # Wan: one rotation table for the batch
+    # outputs as the fused Wan block allocates them: [B, L, H, D] buffers seen as [B, H, L, D]
+    q, k = (torch.full((b, l, heads, d), float("nan"), dtype=dtype).transpose(1, 2) for _ in range(2))
+    kf.qk_rmsnorm_rope_rows(xq, xk, heads, wq, wk, 1e-6, 1e-5, pe, q, k)
+    want = (_wan_reference(xq, heads, wq, 1e-6, pe), _wan_reference(xk, heads, wk, 1e-5, pe))
+    for name, x, y in zip("qk", (q, k), want):
+        assert not torch.isnan(x).any(), name
+        if dtype == torch.float32:
+            torch.testing.assert_close(x, y, rtol=2 ** -20, atol=1e-6, msg=name)
+        else:
+            u = _ulps(x, y)
+            assert float(u.max()) <= 1.0 and float((u > 0).float().mean()) <= 0.01, (name, float(u.max()))
+    # float64 of the row norm: a per-head norm would be off by the heads' differing rms, far beyond 2 roundings
+    x64 = xq.double()
+    n64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * wq.double()
+    n64 = n64.view(b, l, heads, d).transpose(1, 2)
+    x0, x1 = n64[..., 0::2], n64[..., 1::2]
+    f = pe.double()
+    r64 = torch.stack([f[..., 0, 0] * x0 + f[..., 0, 1] * x1, f[..., 1, 0] * x0 + f[..., 1, 1] * x1], -1)
+    r64 = r64.reshape(n64.shape)
+    tol = 4 * torch.finfo(dtype).eps * (n64.abs().amax(-1, keepdim=True) + r64.abs()) + 1e-30
+    assert bool(((q.double() - r64).abs() <= tol).all())
+
+
+def test_row_norm_bad_input_says_what_is_wrong(kf):
+    heads, d = 2, 8
+    xq = torch.randn(1, 4, heads * d).to(torch.bfloat16)
+    w = torch.ones(heads * d, dtype=torch.bfloat16)
+    q, k = (torch.zeros(1, heads, 4, d, dtype=torch.bfloat16) for _ in range(2))
+    with pytest.raises(ValueError, match="xk must match xq"):
+        kf.qk_rmsnorm_rope_rows(xq, xq[:, :3], heads, w, w, 1e-6, 1e-6, None, q, k)
+    with pytest.raises(ValueError, match="not heads"):
+        kf.qk_rmsnorm_rope_rows(xq, xq, 3, w, w, 1e-6, 1e-6, None, q, k)
+    with pytest.raises(ValueError, match="q_weight"):  # a per-head weight where the norm spans the row
+        kf.qk_rmsnorm_rope_rows(xq, xq, heads, w[:d], w, 1e-6, 1e-6, None, q, k)
+    with pytest.raises(ValueError, match="unit stride"):
+        kf.qk_rmsnorm_rope_rows(xq.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :4], xq, heads, w, w, 1e-6,
+                                1e-6, None, q, k)
+    kf.qk_rmsnorm_rope_rows(xq[:, :0], xq[:, :0], heads, w, w, 1e-6, 1e-6, None, q[:, :, :0], k[:, :, :0])
+    assert not q.any() and not k.any()  # no rows: nothing written
+
+
 # ------------------------------------------------------------------- in the fused blocks (INT8_FUSED_QK_ROPE)
 def _flux_qk_rope(pack) -> dict:
     """A tiny Flux.1 (tests/test_flux_fused.py's) with real RoPE (the model's own ``pe_embedder``): the fused model
@@ -328,14 +389,17 @@ def _hopper_check() -> str:
 
     import kernel.fused as kf
     fn = kf._qk_norm_rope_kernel
-    types = {"src_ptr": "*bf16", "wq_ptr": "*bf16", "wk_ptr": "*bf16", "pe_ptr": "*fp32", "q_ptr": "*bf16",
-             "k_ptr": "*bf16", "v_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32"}
     params = list(inspect.signature(fn.fn).parameters)
-    # Flux (24 heads, D 128, interleaved pairs) and Ideogram 4 (18 heads, D 256, split-half pairs)
-    for consts in ({"D": 128, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False, "WRITE_V": True,
-                    "INTERPRET": False},
-                   {"D": 256, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True, "WRITE_V": False,
-                    "INTERPRET": False}):
+    # Flux (24 heads, D 128, interleaved pairs), Ideogram 4 (18 heads, D 256, split-half pairs), Wan (12 heads,
+    # D 128, the norm over the row, fp16)
+    for ty, consts in (("bf16", {"D": 128, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False,
+                                 "NORM_ROW": False, "WRITE_V": True, "INTERPRET": False}),
+                       ("bf16", {"D": 256, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True,
+                                 "NORM_ROW": False, "WRITE_V": False, "INTERPRET": False}),
+                       ("fp16", {"D": 128, "BLOCK_H": 16, "DT": 2, "HAS_PE": True, "SPLIT_HALF": False,
+                                 "NORM_ROW": True, "WRITE_V": False, "INTERPRET": False})):
+        types = {p: f"*{ty}" for p in ("src_ptr", "ksrc_ptr", "wq_ptr", "wk_ptr", "q_ptr", "k_ptr", "v_ptr")}
+        types.update(pe_ptr="*fp32", eps_q="fp32", eps_k="fp32")
         sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 8})

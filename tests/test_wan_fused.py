@@ -10,7 +10,9 @@ in-process and the current ComfyUI (COMFYUI_CURRENT, 0.33.0: ``WanFeedForward``,
   ``quantize_per_token_ref``): bit for bit in bf16 (the LayerNorm output rounds to the model dtype; the modulation
   sum is computed by the same torch op as ComfyUI's), equal codes and scales within 2^-20 in fp32 (the LayerNorm's
   fp32 sum order). q, k and v read ONE activation: the LayerNorm kernel runs twice per block (norm1 for q/k/v,
-  norm2 for ffn.0), and the GELU kernel feeds ffn.2;
+  norm2 for ffn.0), and the GELU kernel feeds ffn.2; q and k get norm_q / norm_k and RoPE from one
+  ``qk_rmsnorm_rope_rows`` launch (its numerics: tests/test_qk_norm_rope.py), and with INT8_FUSED_QK_ROPE=0 the
+  same block through the norm modules and ComfyUI's ``apply_rope1`` is within the same tolerance;
 * whole-model output vs the per-linear path within ``REL_MODEL``: equal int8 GEMM inputs leave only fp32 op-order
   differences in the float glue (0 on the CPU); on a GPU a rare +-1 code (a LayerNorm / GELU result within an fp32
   ulp of a bf16 rounding midpoint: rate p < 1e-3, tests/test_flux_fused.py part 1) moves a GEMM output by about
@@ -143,13 +145,22 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
     def call(blk, ee=None, **over):
         return blk(x.clone(), *args[1:], e=e if ee is None else ee, **{**kwargs, **over})
 
-    qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant = spy, ln_spy, gelu_spy
+    kf = qf._kf()
+    real_qk, qk_calls = kf.qk_rmsnorm_rope_rows, []
+
+    def qk_spy(*a):
+        qk_calls.append(a[0].shape)
+        return real_qk(*a)
+
+    qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant, kf.qk_rmsnorm_rope_rows = spy, ln_spy, gelu_spy, qk_spy
     try:
         with torch.no_grad():
             ref, got = call(plain), call(fused)
             for h in hooks:
                 h.remove()
-            n_ln, n_gelu = len(ln_calls), len(gelu_calls)
+            n_ln, n_gelu, n_qk = len(ln_calls), len(gelu_calls), len(qk_calls)
+            with qf.config.override(INT8_FUSED_QK_ROPE="0"):  # the norm modules + ComfyUI's apply_rope1
+                got_ops = call(fused)
             # Wan 2.2 5B: per-token modulation [B, L, 6, C] (WanModel's e0 is [B, 1, 6, C])
             e4 = e.expand(e.shape[0], x.shape[1], *e.shape[2:]).contiguous()   # e: [B, 1, 6, C]
             ref4, got4 = call(plain, e4), call(fused, e4)
@@ -164,7 +175,7 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
             to = {"patches": {"attn2_patch": [lambda d: d["x"] * 0.5]}}
             ref_p, got_p = call(plain, transformer_options=to), call(fused, transformer_options=to)
     finally:
-        qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant = real_gemm, real_ln, real_gelu
+        qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant, kf.qk_rmsnorm_rope_rows = real_gemm, real_ln, real_gelu, real_qk
         for h in hooks:
             h.remove()
     sa = fused.self_attn
@@ -179,7 +190,8 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
             "qkv_one_activation": all(seen_fused[i][0] is not None and torch.equal(seen_fused[i][0],
                                                                                seen_fused[qkv_ids[0]][0])
                                       for i in qkv_ids if i in seen_fused),
-            "ln_kernels": n_ln, "gelu_kernels": n_gelu, "rel": _rel(got, ref),
+            "ln_kernels": n_ln, "gelu_kernels": n_gelu, "qk_kernels": n_qk, "rel": _rel(got, ref),
+            "rel_qk_ops": _rel(got_ops, ref),
             "e4_equal": torch.equal(got4, ref4), "e3_rel": _rel(got3, ref3),
             "e32_rel": _rel(got32, ref32) if e32 else None, "e32_dtype": got32.dtype == ref32.dtype, "patched_equal": torch.equal(got_p, ref_p),
             "patch_applied": not torch.equal(ref_p, ref)}
@@ -227,6 +239,9 @@ def _check_equivalence(res):
     # q, k, v, o, ffn.0, ffn.2 through the fused GEMM calls (cross-attention per-linear: 4 more int8 layers)
     assert b["same_activations"] and b["gemms_fused"] == 6 and b["int8_layers"] == 10, b
     assert b["qkv_fused"] and b["qkv_one_activation"] and b["ln_kernels"] == 2 and b["gelu_kernels"] == 1, b
+    # QK norm + RoPE: one kernel launch for q and k (INT8_FUSED_QK_ROPE=all, the default); with it off the same
+    # block through the norm modules and ComfyUI's apply_rope1 is as close to the per-linear path
+    assert b["qk_kernels"] == 1 and b["rel_qk_ops"] <= REL_MODEL, b
     assert b["rel"] <= REL_MODEL and b["e3_rel"] <= REL_MODEL and (b["e32_rel"] is None or b["e32_rel"] <= REL_MODEL) and b["e32_dtype"] and b["e4_equal"] and b["patched_equal"], b
 
 
