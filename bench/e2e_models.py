@@ -241,13 +241,15 @@ class ModelsBench(SamplerBench):
         self.cleanup()
 
     def switch(self, spec: str):
-        """``kernel.config.override`` of ``NAME=value`` (a str switch) for one row; a no-op context for ''."""
+        """``kernel.config.override`` of ``NAME=value`` (parsed as the switch's type) for one row; a no-op context
+        for ''."""
         import contextlib
         import importlib
         if not spec:
             return contextlib.nullcontext()
         k, _, v = spec.partition("=")
-        return importlib.import_module(self.pack.__name__ + ".kernel.config").override(**{k: v})
+        config = importlib.import_module(self.pack.__name__ + ".kernel.config")
+        return config.override(**{k: config._parse(config._switch(k), v)})
 
     def run_row(self, name, req, switch, sd, cls, cfg, ctx, extra, latent, noise):
         """One (model, path) row: build, warm up, time, compare with bf16, profile as asked; errors recorded."""
@@ -281,7 +283,8 @@ class ModelsBench(SamplerBench):
             self.sample(g, m, latent, noise, self.a.steps if self.dev.type == "cuda" else 1)
             row["warmup_s"] = time.perf_counter() - t2
             out, s, s_wall, peak = self.timed(g, m, latent, noise)
-            row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()))
+            row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()),
+                       **self.last_gc)
             if path.startswith("pack:"):
                 row["dispatch"] = self.dispatch_line(m)
             if path.split("~")[0] == "bf16" and name not in self.ref:  # bf16 with any attention

@@ -238,17 +238,41 @@ class SamplerBench:
                 marks.append(time.perf_counter())
         if cuda:
             torch.cuda.synchronize()
+        gc_t, gc_n = self._gc_watch()
         t0 = time.perf_counter()
-        out = self.sample(guider, model, latent, noise, steps, cb)
-        if cuda:
-            torch.cuda.synchronize()
+        try:
+            out = self.sample(guider, model, latent, noise, steps, cb)
+            if cuda:
+                torch.cuda.synchronize()
+        finally:
+            gc.callbacks.remove(self._gc_cb)
         wall = time.perf_counter() - t0
+        self.last_gc = {"gc_s_per_step": sum(gc_t) / steps, "gc_collections": dict(gc_n),
+                        "gc_tracked_objects": len(gc.get_objects()),
+                        "loaded_models": len(getattr(self.mm, "current_loaded_models", []) or [])}
         if cuda:
             deltas = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
         else:
             deltas = [b - a for a, b in zip(marks, marks[1:])]
         return out.float().cpu(), statistics.median(deltas) if deltas else wall / steps, wall / steps, \
             (max(used) / 2 ** 30 if used else 0.0)
+
+    last_gc: dict = {}
+
+    def _gc_watch(self):
+        """Time spent in Python's garbage collector (and collections per generation) while sampling: a host cost
+        that grows with every object the process keeps alive (models not freed, caches)."""
+        spent, counts, start = [], {}, [0.0]
+
+        def cb(phase, info):
+            if phase == "start":
+                start[0] = time.perf_counter()
+            else:
+                spent.append(time.perf_counter() - start[0])
+                counts[info["generation"]] = counts.get(info["generation"], 0) + 1
+        self._gc_cb = cb
+        gc.callbacks.append(cb)
+        return spent, counts
 
     def profiled(self, guider, model, latent, noise) -> dict:
         """A 2-step run under the profiler: host->device copies per step and the top GEMM kernels."""
@@ -346,7 +370,7 @@ class SamplerBench:
                 try:
                     self.sample(g, cond, latent, noise, self.a.steps)  # warm-up: autotune, vbar faults
                     out, s, s_wall, peak = self.timed(g, cond, latent, noise)
-                    row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak)
+                    row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, **self.last_gc)
                     base = path.split("@")[0]
                     if base == "bf16" and not pressure:
                         self.ref.setdefault((wf, res), out)

@@ -24,9 +24,11 @@
 #   hostprof  cProfile of steady-state sampler steps: Flux with / without INT8_FUSED_QK_ROPE, Ideogram 4 dual
 #   qkmodels  Z-Image and Wan 1.3B with their QK norm + RoPE kernel (the default) and without it
 #             (`%INT8_FUSED_QK_ROPE=flux`, same process), beside bf16 and fp8_fast, the pack profiled
+#   hostgap   Z-Image: the pack three times in one process (twice in a row, then after fp8_fast), host-profiled,
+#             with the time in Python's GC; Wan 1.3B: the pack with dispatch auto and forced int8, profiled
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -119,6 +121,14 @@ PY
     timeout 420 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage,wan13 \
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_QK_ROPE=flux,fp8_fast,pack:fused_triton" \
       --profile pack:fused_triton --out "$OUT/h200-e2e-models-qk.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  hostgap)
+    timeout 300 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage \
+      --paths "bf16,pack:fused_triton,pack:fused_triton,fp8_fast,pack:fused_triton" \
+      --host-profile pack:fused_triton --out "$OUT/h200-e2e-models-gap.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 200 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models wan13 \
+      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_DISPATCH=int8" \
+      --profile "pack:fused_triton%INT8_FUSED_DISPATCH=int8" --out "$OUT/h200-e2e-models-wanint8.json" \
+      2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
