@@ -6,7 +6,9 @@ Wan's block modulation is a parameter, not a linear, so ``blocks+modulation`` ad
 Fused, on fused_triton (``fuse``, issue 13): each ``blocks.N`` that is exactly ComfyUI's ``WanAttentionBlock`` (Wan
 2.1 / 2.2 T2V and I2V; also the main blocks of VACE and camera models, which call them as WanModel does) becomes a
 ``quant.fused_wan.FusedWanBlock``: norm1 LayerNorm * (1 + scale) + shift + quantization gives one int8 activation
-for ``self_attn.q``, ``.k`` and ``.v``; norm2's the same for ``ffn.0``; GELU(tanh) + quantization feeds ``ffn.2``.
+for ``self_attn.q``, ``.k`` and ``.v``; the residual sum before norm2 and norm2's the same for ``ffn.0`` in one
+kernel; GELU(tanh) + quantization feeds ``ffn.2``; the other residual tails (with norm3) and QK norm + RoPE one
+kernel each.
 Cross-attention stays per-linear (called as ComfyUI's module on the INT8 layers). A block is fused only with Wan
 2.x's structure: ``WanSelfAttention``, norm1 / norm2 LayerNorms without affine over the width, the FFN
 ``[Linear, GELU(tanh), Linear]`` (0.3.75: ``nn.Sequential``; 0.33.0: ``WanFeedForward``, whose forward is

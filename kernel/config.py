@@ -44,9 +44,9 @@ SWITCHES = {s.name: s for s in (
            "Ideogram 4's trailing padded text tokens dropped from the conditional pass: unset = on for "
            "`fused_triton` only, `0` off, `1` on for every backend"),
     Switch("INT8_FUSED_RESIDUAL", bool, True,
-           "`0`: run Ideogram 4's and Lumina 2 / Z-Image's gated residual + RMSNorm tails as torch ops instead "
-           "of one fused kernel (the kernel equals torch's y but for torch's reduction order: 1.5e-6 of "
-           "elements on the H200)",
+           "`0`: run the residual tails of Ideogram 4, Lumina 2 / Z-Image (gated residual + RMSNorm) and Wan "
+           "(residual + LayerNorm) as torch ops instead of one fused kernel each (Ideogram 4's kernel equals "
+           "torch's y but for torch's reduction order: 1.5e-6 of elements on the H200)",
            at_import=True),
     Switch("INT8_FUSED_QK_ROPE", str, "all",
            "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/fused.py` `qk_norm_rope`, "

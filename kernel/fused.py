@@ -16,7 +16,11 @@ once and written once, as int8, instead of being written in bf16 and re-read by 
   (the single block's linear2 input); ``qk_norm_rope(qkv [B, L, 3 H D], heads, q_weight, k_weight, eps_q, eps_k,
   pe, q, k, v, row_offset)`` (issue 14, optional): the QK RMSNorm + RoPE written straight into the concatenated
   [B, H, L_all, D] attention layout (no quantization; ``n = dt(x * rstd * w)``, then ``dt(f0 * n0 + f1 * n1)``
-  as ComfyUI's ``apply_rope1``). ``gated_residual_rmsnorm`` is built without FMA contraction
+  as ComfyUI's ``apply_rope1``); ``qk_rmsnorm_rope_rows(xq, xk, heads, ...)``: the same for Wan, whose norm
+  spans the row. Wan (issue 13): ``residual_add(x, y, gate)`` (``torch.addcmul``), ``residual_add_layernorm``
+  (with the LayerNorm after it, affine) and ``residual_add_layernorm_modulate_quantize`` (with the modulated,
+  quantized LayerNorm feeding the next GEMM), one row in registers. ``gated_residual_rmsnorm`` is built without
+  FMA contraction
   (``enable_fp_fusion=False``): torch rounds ``gate * norm(o)`` to the dtype before the add.
 
 Numerics. Each kernel reproduces the unfused torch sequence *including its roundings to the model dtype*
@@ -729,6 +733,133 @@ def concat_gelu_quantize(a: torch.Tensor, h: torch.Tensor, inv_smooth: torch.Ten
     per row over both parts (Flux's single block: attention output and MLP activation feeding ``linear2``).
     ``h`` may be a column slice of a wider tensor (unit stride along the row)."""
     return _concat_gelu(a, h, inv_smooth, "concat_gelu_quantize")
+
+
+# ------------------------------------------------------------------- Wan's residual + LayerNorm (issue 13)
+@triton.jit
+def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, sh_ptr, inv_ptr, n_ptr, q_ptr,
+                               qs_ptr, K, tokens_per_batch, eps,
+                               stride_xm, stride_ym, stride_gb, stride_rm, stride_sb, stride_shb, stride_nm,
+                               HAS_GATE: tl.constexpr, MODE: tl.constexpr, HAS_W: tl.constexpr,
+                               HAS_B: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
+                               SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, SCALE_RECIP: tl.constexpr,
+                               BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    # One row in registers. r = dt(x + y * g[row // tokens_per_batch]) (torch.addcmul: fp32 inside, one rounding)
+    # or dt(x + y) -> r_ptr. MODE 1: n = dt(layer_norm(r) * w + b) (F.layer_norm with its affine, one rounding)
+    # -> n_ptr. MODE 2: the int8 input of the next GEMM, addcmul(shift, dt(layer_norm(r)), 1 + scale) quantized
+    # per row (as _layernorm_modulate_quant_kernel). Mean and variance: two passes over the registers, fp32.
+    row = tl.program_id(0)
+    bidx = (row // tokens_per_batch).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row.to(tl.int64) * stride_ym + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        r = _round(x + y * tl.load(g_ptr + bidx * stride_gb + cols, mask=mask, other=0.0).to(tl.float32), DT,
+                   INTERPRET)
+    else:
+        r = _round(x + y, DT, INTERPRET)
+    tl.store(r_ptr + row.to(tl.int64) * stride_rm + cols, r.to(r_ptr.dtype.element_ty), mask=mask)
+    if MODE > 0:
+        mean = tl.math.div_rn(tl.sum(r, axis=0), K * 1.0)  # masked lanes hold 0
+        d = tl.where(mask, r - mean, 0.0)
+        rstd = _rstd(tl.sum(d * d, axis=0), K, eps, INTERPRET)
+        if MODE == 1:
+            n = (r - mean) * rstd
+            if HAS_W:
+                n = n * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                n = n + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(n_ptr + row.to(tl.int64) * stride_nm + cols, _round(n, DT, INTERPRET).to(n_ptr.dtype.element_ty),
+                     mask=mask)
+        else:
+            yq = _lnmod_tile(r, s_ptr + bidx * stride_sb, sh_ptr + bidx * stride_shb, inv_ptr, cols, mask, mean,
+                             rstd, HAS_SMOOTH, DT, SCALE_DT, PROD_DT, INTERPRET)
+            ay = tl.abs(yq)
+            bad = tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0  # NaN fails `< inf` as Inf does
+            scale, mult, usable = _quant_params(tl.max(ay, axis=0), bad, SCALE_RECIP)
+            tl.store(qs_ptr + row, scale)
+            _store_q(q_ptr + row.to(tl.int64) * stride_nm + cols, yq, mult, usable, mask, INTERPRET)
+
+
+def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, weight=None, bias=None, scale=None,
+              shift=None, inv_smooth=None, what: str = "residual_add"):
+    """Checks and one launch of ``_residual_layernorm_kernel`` (see the public functions below)."""
+    _check_2d(x, "x", _FLOAT, "pass the residual stream as [tokens, K]")
+    _check_2d(y, "y", _FLOAT, "pass the branch output as [tokens, K]")
+    m, k = x.shape
+    if y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
+        raise ValueError(f"{what}: y {tuple(y.shape)} {y.dtype} on {y.device} must match x {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device} (torch would promote a mixed dtype)")
+    if not fits(k):
+        raise ValueError(f"{what} keeps a row in registers: K={k} > {MAX_SINGLE}")
+    tpb = max(int(tokens_per_batch), 1)
+    g2 = None
+    if gate is not None:
+        g2 = _batch_rows(gate, k, m, tpb, "gate", x.device)
+        if g2.dtype != x.dtype:
+            raise ValueError(f"{what}: gate is {g2.dtype} but x is {x.dtype} (torch would promote the result)")
+    r = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    n = q = qs = None
+    w = b = s2 = sh2 = inv = None
+    if mode == 1:
+        n = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        w = None if weight is None else _row_major(_vector(weight, k, "weight", x.device, False), "weight")
+        b = None if bias is None else _row_major(_vector(bias, k, "bias", x.device, False), "bias")
+    elif mode == 2:
+        s2 = _batch_rows(scale, k, m, tpb, "scale", x.device)
+        sh2 = _batch_rows(shift, k, m, tpb, "shift", x.device)
+        inv = _inv_smooth(inv_smooth, k, x.device)
+        q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+        qs = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return r, n, q, (qs.zero_() if qs is not None else None)
+    _check_usable(x, what)
+    x, y = _row_major(x, "x"), _row_major(y, "y")
+    dummy = r
+    prod = torch.promote_types(torch.promote_types(x.dtype, s2.dtype), sh2.dtype) if mode == 2 else x.dtype
+    block, _, warps = _plan(k)
+    out2 = n if mode == 1 else q if mode == 2 else dummy
+    launch(_residual_layernorm_kernel, (m,),
+           (x, y, g2 if g2 is not None else dummy, r, w if w is not None else dummy, b if b is not None else dummy,
+            s2 if s2 is not None else dummy, sh2 if sh2 is not None else dummy, inv if inv is not None else dummy,
+            out2, out2, qs if qs is not None else dummy, k, tpb, float(eps),
+            x.stride(0), y.stride(0), 0 if g2 is None or g2.shape[0] == 1 else g2.stride(0), r.stride(0),
+            0 if s2 is None or s2.shape[0] == 1 else s2.stride(0),
+            0 if sh2 is None or sh2.shape[0] == 1 else sh2.stride(0), out2.stride(0)),
+           dict(HAS_GATE=g2 is not None, MODE=mode, HAS_W=w is not None, HAS_B=b is not None,
+                HAS_SMOOTH=inv is not None, DT=_DT_CODE[x.dtype],
+                SCALE_DT=_DT_CODE[s2.dtype] if s2 is not None else 0, PROD_DT=_DT_CODE[prod],
+                SCALE_RECIP=x.is_cuda, BLOCK=block, INTERPRET=INTERPRET), warps, 1, x.device)
+    return r, n, q, qs
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None = None, tokens_per_batch: int = 1
+                 ) -> torch.Tensor:
+    """``torch.addcmul(x, y, gate[row // tokens_per_batch])`` (gate [B | 1, K] or [B, 1, K]) or ``x + y``: x, y
+    [M, K] of one dtype (gate too), one rounding to it (fp32 inside, as torch). Rows up to MAX_SINGLE."""
+    return _residual(x, y, gate, tokens_per_batch, 0)[0]
+
+
+def residual_add_layernorm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, tokens_per_batch: int,
+                           eps: float, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, n): ``r = residual_add(x, y, gate)`` and ``n = F.layer_norm(r, (K,), weight, bias, eps)`` from the same
+    registers (Wan's ``x = addcmul(x, y, e[2])`` then ``norm3(x)``), each rounded once to x's dtype."""
+    r, n, _, _ = _residual(x, y, gate, tokens_per_batch, 1, eps, weight, bias, what="residual_add_layernorm")
+    return r, n
+
+
+def residual_add_layernorm_modulate_quantize(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None,
+                                             tokens_per_batch: int, eps: float, scale: torch.Tensor,
+                                             shift: torch.Tensor, inv_smooth: torch.Tensor | None = None
+                                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(r, int8 [M, K], fp32 [M]): ``r = residual_add(x, y, gate)`` and the next GEMM's int8 input
+    ``layernorm_modulate_quantize(r, scale, shift, tokens_per_batch, inv_smooth, eps)`` from the same registers
+    (Wan's ``x = x + cross_attn(...)`` then ``norm2(x) * (1 + e[4]) + e[3]`` feeding ``ffn.0``)."""
+    r, _, q, qs = _residual(x, y, gate, tokens_per_batch, 2, eps, scale=scale, shift=shift, inv_smooth=inv_smooth,
+                            what="residual_add_layernorm_modulate_quantize")
+    return r, q, qs
 
 
 # ------------------------------------------------------------------------- QK norm + RoPE (issue 14)

@@ -184,9 +184,21 @@ def norm_weight(norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     w = norm.weight
     if w is None:
         return torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
-    if w.device == x.device and w.dtype == x.dtype:
-        return w
-    return derived(_SMALL.setdefault(norm, {}), (x.device, x.dtype), w, lambda t: t.detach().to(x.device, x.dtype))
+    return _small_param(norm, "weight", w, x)
+
+
+def norm_bias(norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A LayerNorm's bias like :func:`norm_weight` its weight (None: no bias; callers check weight functions
+    through :func:`norm_weight` first)."""
+    b = getattr(norm, "bias", None)
+    return None if b is None else _small_param(norm, "bias", b, x)
+
+
+def _small_param(norm: nn.Module, name: str, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if t.device == x.device and t.dtype == x.dtype:
+        return t
+    return derived(_SMALL.setdefault(norm, {}), (name, x.device, x.dtype), t,
+                   lambda v: v.detach().to(x.device, x.dtype))
 
 
 def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

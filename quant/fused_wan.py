@@ -1,6 +1,6 @@
 """Fused Wan 2.x attention blocks (issue 13): ``WanAttentionBlock`` of ComfyUI's ``comfy/ldm/wan/model.py`` on INT8
-layers, with the activation quantization folded into the kernels that produce each GEMM input (``kernel/fused.py``,
-the Flux.1 kernels; no new kernel):
+layers, with the activation quantization folded into the kernels that produce each GEMM input (``kernel/fused.py``:
+Flux.1's LayerNorm and GELU kernels, and Wan's QK norm + RoPE and residual-tail kernels):
 
 * ``LayerNorm(x) * (1 + e[1]) + e[0]`` + quantization (``layernorm_modulate_quantize``) gives ONE int8 activation
   that ``self_attn.q``, ``.k`` and ``.v`` all read (three GEMMs from the same int8 input; layers whose SmoothQuant
@@ -9,13 +9,16 @@ the Flux.1 kernels; no new kernel):
   (``gelu_tanh_quantize``) feeds ``ffn.2``;
 * ``norm_q`` / ``norm_k`` (RMSNorm over the width) and RoPE of q and k in one kernel (``qk_rmsnorm_rope_rows``,
   ``INT8_FUSED_QK_ROPE=all``, the default), writing the [B, L, H, D] layout attention reads; otherwise the norm
-  modules and ComfyUI's ``apply_rope1``.
+  modules and ComfyUI's ``apply_rope1``;
+* the residual tails (``INT8_FUSED_RESIDUAL``, on by default; operands of one dtype): ``x = addcmul(x, y, e[2])``
+  with ``norm3(x)`` (a LayerNorm with its affine, or Identity) from one kernel (``residual_add_layernorm``); ``x = x
+  + cross_attn(...)`` with norm2 * (1 + e[4]) + e[3] + quantization for ``ffn.0``
+  (``residual_add_layernorm_modulate_quantize``); the last ``addcmul(x, y, e[5])`` (``residual_add``).
 
 Everything else runs as ComfyUI's block forward runs it: the modulation sum ``cast_to(modulation, x.dtype) + e``
-(fp32 when ``e`` is, as ComfyUI computes it), attention through ComfyUI's ``optimized_attention`` with
-``transformer_options`` (the pack's attention routing applies), the output projection ``self_attn.o``, the gated
-residuals (``torch.addcmul``), and the cross-attention (``norm3`` + ``cross_attn`` called as modules: per-linear
-INT8).
+(fp32 when ``e`` is, as ComfyUI computes it: then the tails run as torch ops), attention through ComfyUI's
+``optimized_attention`` with ``transformer_options`` (the pack's attention routing applies), the output projection
+``self_attn.o`` and the cross-attention (``cross_attn`` called as a module: per-linear INT8).
 
 Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: ``adapters/wan.py`` decides which blocks
 are Wan 2.x ``WanAttentionBlock`` s and hands in what the forward calls from ComfyUI (:class:`WanFunctions`).
@@ -24,9 +27,10 @@ The fused block is a structural twin of the original (``quant.fused_flux.with_la
 in place, every other module shared). ``e`` is [B, 6, C] (VACE, camera models) or [B, 1, 6, C] (WanModel): one
 modulation row per sample, broadcast over the tokens by the kernels. Calls it does not implement run the running
 ComfyUI's own ``WanAttentionBlock.forward`` on the twin, i.e. the per-linear INT8 path exactly: Wan 2.2 5B's
-per-token modulation (``e`` [B, T, 6, C] with T > 1, ``repeat_e`` over the frames), ``attn1_patch`` / ``attn2_patch`` in ``transformer_options`` (applied by current ComfyUI,
-ignored by 0.3.75: its own forward decides), and extra keyword arguments. A layer that is not INT8 on fused_triton
-(kept float, another backend) takes its input from torch. Numerics equal the per-linear INT8 path within rounding.
+per-token modulation (``e`` [B, T, 6, C] with T > 1, ``repeat_e`` over the frames), ``attn1_patch`` /
+``attn2_patch`` in ``transformer_options`` (applied by current ComfyUI, ignored by 0.3.75: its own forward decides),
+and extra keyword arguments. A layer that is not INT8 on fused_triton (kept float, another backend) takes its input
+from torch. Numerics equal the per-linear INT8 path within rounding.
 """
 from __future__ import annotations
 
@@ -165,10 +169,64 @@ class FusedWanBlock(nn.Module):
                                       ok.transpose(1, 2))
         return oq, ok
 
+    # ---------------------------------------------------------------- residual tails (one kernel each)
+    @staticmethod
+    def _tail_fusable(x, *ts) -> bool:
+        """Whether the residual-tail kernels take these operands: INT8_FUSED_RESIDUAL on, not under torch.compile,
+        [B, L, K] of one dtype (torch would promote a mixed one: then torch runs it), one modulation row per
+        sample, rows that fit in registers."""
+        if not qf.FUSE_RESIDUAL or qf._compiling() or x.dim() != 3 or not qf._kf().fits(x.shape[-1]):
+            return False
+        b, _, k = x.shape
+        return all(t.dtype == x.dtype and t.device == x.device and (
+            t.shape == x.shape or (t.dim() == 3 and t.shape[1] == 1 and t.shape[0] in (1, b) and t.shape[2] == k))
+            for t in ts)
+
+    def _add(self, x, y, gate):
+        """``torch.addcmul(x, y, gate)``: one kernel where :meth:`_tail_fusable`, else torch."""
+        if not self._tail_fusable(x, y, gate):
+            return torch.addcmul(x, y, gate)
+        b, l, k = x.shape
+        return qf._kf().residual_add(x.reshape(-1, k), y.reshape(-1, k), gate, l).view(b, l, k)
+
+    def _add_norm3(self, x, y, gate):
+        """(x', norm3(x')) with x' = addcmul(x, y, gate): one kernel for both when norm3 is a LayerNorm over the
+        width (its affine from cached device copies) or Identity; else torch."""
+        norm = self.norm3
+        if isinstance(norm, nn.Identity):
+            x = self._add(x, y, gate)
+            return x, x
+        w = qf.norm_weight(norm, x) if isinstance(norm, nn.LayerNorm) else None
+        if (w is None or tuple(norm.normalized_shape) != (x.shape[-1],) or not self._tail_fusable(x, y, gate)):
+            x = torch.addcmul(x, y, gate)
+            return x, norm(x)
+        b, l, k = x.shape
+        r, n = qf._kf().residual_add_layernorm(x.reshape(-1, k), y.reshape(-1, k), gate, l, float(norm.eps),
+                                               w if norm.weight is not None else None, qf.norm_bias(norm, x))
+        return r.view(b, l, k), n.view(b, l, k)
+
+    def _add_ffn(self, x, c, e3, e4):
+        """(x', ffn(addcmul(e3, norm2(x'), 1 + e4))) with x' = x + c; x' and ffn.0's int8 input from one kernel
+        where it applies (else torch for the sum, then :meth:`_ffn`)."""
+        ffn0 = self.ffn[0]
+        if not (qf.fusable(ffn0) and self._tail_fusable(x, c, e3, e4)):
+            x = x + c
+            return x, self._ffn(x, e3, e4)
+        b, l, k = x.shape
+        r, a_q, a_s = qf._kf().residual_add_layernorm_modulate_quantize(
+            x.reshape(-1, k), c.reshape(-1, k), None, l, float(self.norm2.eps), e4, e3,
+            qf.inv_smooth_of(ffn0, x.device))
+        h = qf.gemm(a_q, a_s, ffn0, _promote(x, e4, e3)).view(b, l, -1)
+        return r.view(b, l, k), self._ffn_hidden(h)
+
     def _ffn(self, x, e3, e4):
         """``ffn[2](gelu_tanh(ffn[0](addcmul(e3, norm2(x), 1 + e4))))``: two kernels feeding the int8 GEMMs."""
+        (h,) = self._mod_linears([self.ffn[0]], self.norm2, x, e3, e4)
+        return self._ffn_hidden(h)
+
+    def _ffn_hidden(self, h):
+        """``ffn[2](gelu_tanh(h))``: the GELU + quantization kernel feeding ffn.2's int8 GEMM, or torch."""
         ffn = self.ffn
-        (h,) = self._mod_linears([ffn[0]], self.norm2, x, e3, e4)
         if not qf.fusable(ffn[2]):
             return ffn[2](ffn[1](h))
         a_q, a_s = _cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qf.inv_smooth_of(ffn[2], h.device))
@@ -189,10 +247,10 @@ class FusedWanBlock(nn.Module):
         x = x.contiguous()
         re = self.fn.repeat_e
         y = self._self_attention(x, re(e[0], x), re(e[1], x), freqs, transformer_options)
-        x = torch.addcmul(x, y, re(e[2], x))
+        x, n3 = self._add_norm3(x, y, re(e[2], x))   # x = addcmul(x, y, e[2]); norm3(x)
         del y
-        x = x + self.cross_attn(self.norm3(x), context, context_img_len=context_img_len,
-                                transformer_options=transformer_options)
-        y = self._ffn(x, re(e[3], x), re(e[4], x))
-        x = torch.addcmul(x, y, re(e[5], x))
-        return x
+        c = self.cross_attn(n3, context, context_img_len=context_img_len, transformer_options=transformer_options)
+        del n3
+        x, y = self._add_ffn(x, c, re(e[3], x), re(e[4], x))   # x = x + c; the FFN on norm2(x) * (1 + e4) + e3
+        del c
+        return self._add(x, y, re(e[5], x))   # addcmul(x, y, e[5])

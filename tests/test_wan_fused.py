@@ -9,8 +9,10 @@ in-process and the current ComfyUI (COMFYUI_CURRENT, 0.33.0: ``WanFeedForward``,
   receives equals what the per-linear INT8 block quantizes (its Int8Linear inputs through
   ``quantize_per_token_ref``): bit for bit in bf16 (the LayerNorm output rounds to the model dtype; the modulation
   sum is computed by the same torch op as ComfyUI's), equal codes and scales within 2^-20 in fp32 (the LayerNorm's
-  fp32 sum order). q, k and v read ONE activation: the LayerNorm kernel runs twice per block (norm1 for q/k/v,
-  norm2 for ffn.0), and the GELU kernel feeds ffn.2; q and k get norm_q / norm_k and RoPE from one
+  fp32 sum order). q, k and v read ONE activation: the LayerNorm kernel runs once per block (norm1 for q/k/v),
+  ffn.0's input comes with the residual sum before it (``residual_add_layernorm_modulate_quantize``), and the GELU
+  kernel feeds ffn.2; the other two residual tails run as one kernel each (``residual_add_layernorm`` with norm3,
+  ``residual_add``; tests/test_wan_residual.py); q and k get norm_q / norm_k and RoPE from one
   ``qk_rmsnorm_rope_rows`` launch (its numerics: tests/test_qk_norm_rope.py), and with INT8_FUSED_QK_ROPE=0 the
   same block through the norm modules and ComfyUI's ``apply_rope1`` is within the same tolerance;
 * whole-model output vs the per-linear path within ``REL_MODEL``: equal int8 GEMM inputs leave only fp32 op-order
@@ -147,18 +149,28 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
 
     kf = qf._kf()
     real_qk, qk_calls = kf.qk_rmsnorm_rope_rows, []
+    tails = ("residual_add", "residual_add_layernorm", "residual_add_layernorm_modulate_quantize")
+    real_tails, tail_calls = {n: getattr(kf, n) for n in tails}, {n: 0 for n in tails}
 
     def qk_spy(*a):
         qk_calls.append(a[0].shape)
         return real_qk(*a)
 
+    def tail_spy(name):
+        def f(*a, **kw):
+            tail_calls[name] += 1
+            return real_tails[name](*a, **kw)
+        return f
+
+    for n in tails:
+        setattr(kf, n, tail_spy(n))
     qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant, kf.qk_rmsnorm_rope_rows = spy, ln_spy, gelu_spy, qk_spy
     try:
         with torch.no_grad():
             ref, got = call(plain), call(fused)
             for h in hooks:
                 h.remove()
-            n_ln, n_gelu, n_qk = len(ln_calls), len(gelu_calls), len(qk_calls)
+            n_ln, n_gelu, n_qk, n_tails = len(ln_calls), len(gelu_calls), len(qk_calls), dict(tail_calls)
             with qf.config.override(INT8_FUSED_QK_ROPE="0"):  # the norm modules + ComfyUI's apply_rope1
                 got_ops = call(fused)
             # Wan 2.2 5B: per-token modulation [B, L, 6, C] (WanModel's e0 is [B, 1, 6, C])
@@ -176,6 +188,8 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
             ref_p, got_p = call(plain, transformer_options=to), call(fused, transformer_options=to)
     finally:
         qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant, kf.qk_rmsnorm_rope_rows = real_gemm, real_ln, real_gelu, real_qk
+        for n in tails:
+            setattr(kf, n, real_tails[n])
         for h in hooks:
             h.remove()
     sa = fused.self_attn
@@ -190,7 +204,8 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
             "qkv_one_activation": all(seen_fused[i][0] is not None and torch.equal(seen_fused[i][0],
                                                                                seen_fused[qkv_ids[0]][0])
                                       for i in qkv_ids if i in seen_fused),
-            "ln_kernels": n_ln, "gelu_kernels": n_gelu, "qk_kernels": n_qk, "rel": _rel(got, ref),
+            "ln_kernels": n_ln, "gelu_kernels": n_gelu, "qk_kernels": n_qk, "tail_kernels": n_tails,
+            "norm3_affine": isinstance(fused.norm3, torch.nn.LayerNorm), "rel": _rel(got, ref),
             "rel_qk_ops": _rel(got_ops, ref),
             "e4_equal": torch.equal(got4, ref4), "e3_rel": _rel(got3, ref3),
             "e32_rel": _rel(got32, ref32) if e32 else None, "e32_dtype": got32.dtype == ref32.dtype, "patched_equal": torch.equal(got_p, ref_p),
@@ -238,7 +253,12 @@ def _check_equivalence(res):
     b = res["block"]
     # q, k, v, o, ffn.0, ffn.2 through the fused GEMM calls (cross-attention per-linear: 4 more int8 layers)
     assert b["same_activations"] and b["gemms_fused"] == 6 and b["int8_layers"] == 10, b
-    assert b["qkv_fused"] and b["qkv_one_activation"] and b["ln_kernels"] == 2 and b["gelu_kernels"] == 1, b
+    assert b["qkv_fused"] and b["qkv_one_activation"] and b["ln_kernels"] == 1 and b["gelu_kernels"] == 1, b
+    # the residual tails: addcmul + norm3 (a LayerNorm: one kernel; Identity: the sum alone), x + cross-attention +
+    # norm2 * (1 + e4) + e3 + quantization for ffn.0 (one kernel), the last addcmul (one kernel)
+    affine = b["norm3_affine"]
+    assert b["tail_kernels"] == {"residual_add": 1 if affine else 2, "residual_add_layernorm": 1 if affine else 0,
+                                 "residual_add_layernorm_modulate_quantize": 1}, b
     # QK norm + RoPE: one kernel launch for q and k (INT8_FUSED_QK_ROPE=all, the default); with it off the same
     # block through the norm modules and ComfyUI's apply_rope1 is as close to the per-linear path
     assert b["qk_kernels"] == 1 and b["rel_qk_ops"] <= REL_MODEL, b

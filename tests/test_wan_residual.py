@@ -1,0 +1,175 @@
+"""``kernel.fused.residual_add`` / ``residual_add_layernorm`` / ``residual_add_layernorm_modulate_quantize`` (Wan's
+residual tails, issue 13) on the CPU (TRITON_INTERPRET=1), against torch and float64:
+
+* the sum: ``torch.addcmul(x, y, gate)`` (``x + y`` without a gate) computes ``x + y * g`` in fp32 and rounds
+  once, as the kernel does; the two agree exactly except where fp32's ``y * g`` rounding (an FMA on one side, not
+  the other) moves the result across a rounding midpoint of the dtype: at most one ulp, in at most 1 % of elements
+  (without a gate: no product, always equal);
+* the LayerNorm with affine against ``F.layer_norm`` of torch's sum: one ulp at most, rarely (the mean / variance
+  sum in another order); against float64: within two roundings of the dtype;
+* the modulated, quantized LayerNorm against the float64 definition with the tie analysis of
+  tests/test_flux_fused.py (``check_within_ties``: codes differ by one only at a rounding tie);
+* bad input: mixed dtypes (torch would promote) and rows too long for registers raise ValueError naming the fix;
+  no rows: empty outputs;
+* the compiled kernel builds for sm_90 in its three modes (fp16, Wan's width).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT, ROOT / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+kernel_tests = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="the CPU tests of the Triton kernels need TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="module")
+def kf():
+    import kernel.fused
+    return kernel.fused
+
+
+def _ulps(a, b):
+    eps = torch.finfo(a.dtype).eps
+    return (a.double() - b.double()).abs() / (b.double().abs().clamp_min(torch.finfo(a.dtype).tiny) * eps)
+
+
+def _close_to_torch(got, want, what, scale=None):
+    """Equal, or one ulp apart in at most 1 % of the elements (module doc). fp32 (no rounding after fp32's):
+    within 2^-23 of ``scale`` (the operands' magnitude; an FMA's skipped rounding is that large)."""
+    if got.dtype == FP32:
+        assert bool(((got.double() - want.double()).abs() <= 2.0 ** -23 * scale.double()).all()), what
+        return
+    u = _ulps(got, want)
+    assert float(u.max()) <= 1.0, (what, float(u.max()))
+    assert float((u > 0).float().mean()) <= 0.01, (what, float((u > 0).float().mean()))
+
+
+def _operands(dtype, m, k, b, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 3 + 0.5).to(dtype)
+    y = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    gate = (torch.randn(b, 1, k, generator=g) * 0.5).to(dtype)   # Wan's e[i]: [B, 1, C]
+    return x, y, gate, g
+
+
+@kernel_tests
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+@pytest.mark.parametrize("m,k,b", [(12, 96, 2), (5, 200, 1)])
+def test_residual_add(kf, dtype, m, k, b):
+    x, y, gate, _ = _operands(dtype, m, k, b, m * 31 + k)
+    tpb = m // b
+    got = kf.residual_add(x, y, gate, tpb)
+    want = torch.addcmul(x.view(b, tpb, k), y.view(b, tpb, k), gate).view(m, k)
+    assert got.dtype == dtype and got.shape == (m, k)
+    yg = y.double() * gate.double().expand(b, tpb, k).reshape(m, k)
+    mag = x.double().abs() + yg.abs()
+    _close_to_torch(got, want, "addcmul", mag)
+    # float64: the exact value rounded once to the dtype (fp32: plus the product's rounding, if not fused)
+    want64 = x.double() + yg
+    tol = torch.finfo(dtype).eps * (want64.abs() if dtype != FP32 else mag)
+    assert bool(((got.double() - want64).abs() <= tol).all())
+    assert torch.equal(kf.residual_add(x, y), x + y)  # no gate: one fp32 add, one rounding: bit for bit
+
+
+@kernel_tests
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+@pytest.mark.parametrize("affine", [True, False])
+def test_residual_add_layernorm(kf, dtype, affine):
+    m, k, b = 10, 160, 2
+    x, y, gate, g = _operands(dtype, m, k, b, 5 + affine)
+    w = (1 + 0.3 * torch.randn(k, generator=g)).to(dtype) if affine else None
+    bias = (0.2 * torch.randn(k, generator=g)).to(dtype) if affine else None
+    r, n = kf.residual_add_layernorm(x, y, gate, m // b, 1e-6, w, bias)
+    r_t = torch.addcmul(x.view(b, -1, k), y.view(b, -1, k), gate).view(m, k)
+    _close_to_torch(r, r_t, "sum", x.double().abs() + (y.double().view(b, -1, k) * gate.double()).abs().view(m, k))
+    want = F.layer_norm(r, (k,), w, bias, 1e-6)  # of the kernel's own sum: the norm alone
+    # fp32: the mean / variance add K terms in another order: ~log2(K) ulps of the data's scale (|r| / std ~ 4,
+    # after the normalization ~1) on top of the value's own ulps
+    _close_to_torch(n, want, "layer_norm", 2 * want.double().abs() + 32)
+    r64 = r.double()
+    n64 = (r64 - r64.mean(-1, keepdim=True)) / torch.sqrt(r64.var(-1, unbiased=False, keepdim=True) + 1e-6)
+    if affine:
+        n64 = n64 * w.double() + bias.double()
+    # bf16 / fp16: the fp32 math's error is far below one rounding (two roundings allowed); fp32: as above
+    eps = torch.finfo(dtype).eps
+    tol = 2 * eps * (n64.abs() + 1e-3) if dtype != FP32 else 32 * eps * (n64.abs() + 1)
+    assert bool(((n.double() - n64).abs() <= tol).all())
+
+
+@kernel_tests
+@pytest.mark.parametrize("dtype,smooth", [(BF16, False), (FP16, True), (FP32, False)])
+def test_residual_add_layernorm_modulate_quantize(kf, dtype, smooth):
+    import test_flux_fused as tf
+    m, k, b = 12, 192, 3
+    x, c, _, g = _operands(dtype, m, k, b, 17)
+    mod = (torch.randn(b, 1, 2 * k, generator=g) * 0.4).to(dtype)
+    shift, scale = mod[..., :k], mod[..., k:]                  # views of one modulation tensor, as Wan's chunks
+    inv = (0.5 + torch.rand(k, generator=g)) if smooth else None
+    r, q, s = kf.residual_add_layernorm_modulate_quantize(x, c, None, m // b, 1e-6, scale, shift, inv)
+    assert torch.equal(r, x + c)
+    y_ideal, marked = tf.layernorm_modulate_ideal(x + c, scale, shift, m // b)
+    tf.check_within_ties(q, s, y_ideal, marked, dtype, inv, "residual + layernorm_modulate")
+    # and what the separate kernel gives on torch's sum (the fused blocks' unfused twin): the same codes but at ties
+    q2, s2 = kf.layernorm_modulate_quantize(x + c, scale, shift, m // b, inv, 1e-6)
+    assert int((q.int() - q2.int()).abs().max()) <= 1
+
+
+@kernel_tests
+def test_bad_input_and_empty_rows(kf):
+    x = torch.randn(4, 32).to(BF16)
+    with pytest.raises(ValueError, match="promote"):
+        kf.residual_add(x, x.half())
+    with pytest.raises(ValueError, match="promote"):
+        kf.residual_add(x, x, torch.ones(1, 32, dtype=FP32), 4)
+    with pytest.raises(ValueError, match="registers"):
+        big = torch.zeros(1, kf.MAX_SINGLE + 1, dtype=BF16)
+        kf.residual_add_layernorm(big, big, None, 1, 1e-6)
+    with pytest.raises(ValueError, match="batch rows"):
+        kf.residual_add(x, x, torch.ones(3, 32, dtype=BF16), 2)
+    e = torch.empty(0, 32, dtype=BF16)
+    r, q, s = kf.residual_add_layernorm_modulate_quantize(e, e, None, 1, 1e-6, torch.zeros(1, 32, dtype=BF16),
+                                                          torch.zeros(1, 32, dtype=BF16))
+    assert r.shape == (0, 32) and q.shape == (0, 32) and s.shape == (0,)
+
+
+def _hopper_check() -> str:
+    """Builds ``_residual_layernorm_kernel`` for sm_90 in its three modes (fp16, K 1536 -> one 2048 tile)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernel.fused as kf
+    fn = kf._residual_layernorm_kernel
+    params = list(inspect.signature(fn.fn).parameters)
+    ptrs = {p: "*fp16" for p in params if p.endswith("_ptr")}
+    ptrs.update(inv_ptr="*fp32", q_ptr="*i8", qs_ptr="*fp32", eps="fp32")
+    for mode, extra in ((0, {}), (1, {"HAS_W": True, "HAS_B": True}), (2, {"HAS_SMOOTH": True})):
+        consts = {"HAS_GATE": mode != 2, "MODE": mode, "HAS_W": False, "HAS_B": False, "HAS_SMOOTH": False,
+                  "DT": 2, "SCALE_DT": 2, "PROD_DT": 2, "SCALE_RECIP": True, "BLOCK": 2048, "INTERPRET": False}
+        consts.update(extra)
+        sig = {p: "constexpr" if p in consts else ptrs.get(p, "i32") for p in params}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4})
+        if "cubin" not in k.asm:
+            return f"no cubin for mode {mode}"
+    return "OK"
+
+
+def test_residual_kernel_compiles_for_hopper():
+    """In a subprocess without TRITON_INTERPRET (under it kernels are not compilable); skipped without ptxas."""
+    fbh.hopper_check_in_subprocess("test_wan_residual")
