@@ -132,7 +132,7 @@ PY
       --profile "pack:fused_triton%INT8_FUSED_DISPATCH=int8" --out "$OUT/h200-e2e-models-wanint8.json" \
       2>&1 | tee -a "$OUT/last.log" ;;
   tails)
-    timeout 200 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models wan13,zimage \
+    timeout 260 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models wan13,zimage \
       --paths "bf16,pack:fused_triton,fp8_fast,pack:fused_triton" --profile pack:fused_triton \
       --out "$OUT/h200-e2e-models-tails.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 200 $sampler --profile pack:fused_triton --paths bf16,pack:fused_triton \
