@@ -381,6 +381,7 @@ class SamplerBench:
                         row["dispatch"] = self.dispatch_line(cond)
                     if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
                         row.update(self.profiled(g, cond, latent, noise))
+                    if i == 0:  # its own flag (--host-profile), with or without --profile
                         self.maybe_host_profile(row, path, g, cond, latent, noise)
                     self.latents[(path, wf, res, pressure)] = out
                 except Exception as e:  # a path that cannot run is reported, not hidden
