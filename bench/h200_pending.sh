@@ -29,9 +29,11 @@
 #   tails     Wan 1.3B with its residual-tail kernels (bf16, pack profiled, fp8_fast, pack), Z-Image (bf16, pack
 #             profiled), then Ideogram 4 dual (bf16, pack profiled)
 #   ideohost  Ideogram 4 dual: the pack, bf16, the pack again in one process, the pack rows host-profiled
+#   closing   the defaults, every anchor in one call: Flux / Z-Image / Wan (bf16, pack, fp8_fast, pack again), then
+#             Ideogram 4 dual (bf16, pack, fp8_fast with cuDNN first); no profiles
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -141,6 +143,12 @@ PY
   ideohost)
     timeout 330 $sampler --profile none --host-profile pack:fused_triton \
       --paths pack:fused_triton,bf16,pack:fused_triton --out "$OUT/sampler-ideohost.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  closing)
+    timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "bf16,pack:fused_triton,fp8_fast,pack:fused_triton" --out "$OUT/h200-e2e-models-closing.json" \
+      2>&1 | tee -a "$OUT/last.log"
+    timeout 200 $sampler --profile none --paths bf16,pack:fused_triton,fp8_fast~cudnn \
+      --out "$OUT/sampler-closing.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
