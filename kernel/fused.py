@@ -659,6 +659,16 @@ def _batch_rows(t: torch.Tensor, k: int, m: int, tokens_per_batch: int, name: st
     return _row_major(t2, name)
 
 
+def _modulation_operands(scale, shift, inv_smooth, m: int, k: int, tpb: int, device):
+    """(scale [B, K], shift [B, K], inv_smooth | None, int8 [M, K], fp32 [M]): the checked modulation rows and the
+    empty outputs of a LayerNorm-modulate-quantize kernel."""
+    s2 = _batch_rows(scale, k, m, tpb, "scale", device)
+    sh2 = _batch_rows(shift, k, m, tpb, "shift", device)
+    inv = _inv_smooth(inv_smooth, k, device)
+    return (s2, sh2, inv, torch.empty((m, k), dtype=torch.int8, device=device),
+            torch.empty((m,), dtype=torch.float32, device=device))
+
+
 def layernorm_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, tokens_per_batch: int,
                                 inv_smooth: torch.Tensor | None = None, eps: float = 1e-6
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -671,11 +681,7 @@ def layernorm_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: tor
     _check_2d(x, "x", _FLOAT, "pass the hidden states as [tokens, K] in bf16, fp16 or fp32")
     m, k = x.shape
     tpb = max(int(tokens_per_batch), 1)
-    s2 = _batch_rows(scale, k, m, tpb, "scale", x.device)
-    sh2 = _batch_rows(shift, k, m, tpb, "shift", x.device)
-    inv = _inv_smooth(inv_smooth, k, x.device)
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    qs = torch.empty((m,), dtype=torch.float32, device=x.device)
+    s2, sh2, inv, q, qs = _modulation_operands(scale, shift, inv_smooth, m, k, tpb, x.device)
     if m == 0 or k == 0:
         return q, qs.zero_()
     _check_usable(x, "layernorm_modulate_quantize")
@@ -807,11 +813,7 @@ def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, w
         w = None if weight is None else _row_major(_vector(weight, k, "weight", x.device, False), "weight")
         b = None if bias is None else _row_major(_vector(bias, k, "bias", x.device, False), "bias")
     elif mode == 2:
-        s2 = _batch_rows(scale, k, m, tpb, "scale", x.device)
-        sh2 = _batch_rows(shift, k, m, tpb, "shift", x.device)
-        inv = _inv_smooth(inv_smooth, k, x.device)
-        q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-        qs = torch.empty((m,), dtype=torch.float32, device=x.device)
+        s2, sh2, inv, q, qs = _modulation_operands(scale, shift, inv_smooth, m, k, tpb, x.device)
     if m == 0 or k == 0:
         return r, n, q, (qs.zero_() if qs is not None else None)
     _check_usable(x, what)

@@ -1,6 +1,6 @@
 """Helpers shared by the fused-block tests (test_flux_fused, test_wan_fused, test_lumina2_fused): the model's INT8
-layers as Apply selects them, a copy of a module with patches swapped in, and relative L2 error; and the sm_90 build
-check of the kernel tests (test_fused, test_flux_fused, test_qk_norm_rope)."""
+layers as Apply selects them, a copy of a module with patches swapped in, relative L2 error and ulp distance; and the
+sm_90 build checks of the kernel tests (test_fused, test_flux_fused, test_qk_norm_rope, test_wan_residual)."""
 import copy
 
 import torch
@@ -22,9 +22,31 @@ def swapped(module, patches: dict):
     return m
 
 
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of a's dtype's ulp at b (0 where equal), float64."""
+    eps = torch.finfo(a.dtype).eps
+    return (a.double() - b.double()).abs() / (b.double().abs().clamp_min(torch.finfo(a.dtype).tiny) * eps)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in float64."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8) -> str | None:
+    """Compiles the Triton kernel ``fn`` for sm_90 (Triton's bundled ptxas; no GPU needed): ``types`` the Triton
+    types of its pointer / float parameters (the others i32), ``consts`` its constexprs. None when a cubin came out,
+    else what is missing (call it in a process without TRITON_INTERPRET)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps})
+    return None if "cubin" in k.asm else f"no cubin for {fn.fn.__name__} {consts}"
 
 
 def hopper_check_in_subprocess(module: str, env: dict | None = None) -> None:

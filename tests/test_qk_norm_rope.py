@@ -81,11 +81,7 @@ def _run(kf, parts, heads, wq, wk, eps, pe):
     return q, k, v
 
 
-def _ulps(a, b):
-    """|a - b| in units of the dtype's ulp at b (0 where equal)."""
-    eps = torch.finfo(a.dtype).eps
-    scale = b.float().abs().clamp_min(torch.finfo(a.dtype).tiny) * eps
-    return ((a.float() - b.float()).abs() / scale)
+_ulps = fbh.ulps
 
 
 def _assert_as_ops(got, want, dtype):
@@ -380,16 +376,8 @@ def test_flux_blocks_with_fused_qk_rope_on_the_current_comfyui(comfy_current):
 
 
 def _hopper_check() -> str:
-    """Builds the compiled branch of ``_qk_norm_rope_kernel`` for sm_90 (Flux: 24 heads -> BLOCK_H 32, D 128)."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Builds the compiled branch of ``_qk_norm_rope_kernel`` for sm_90."""
     import kernel.fused as kf
-    fn = kf._qk_norm_rope_kernel
-    params = list(inspect.signature(fn.fn).parameters)
     # Flux (24 heads, D 128, interleaved pairs), Ideogram 4 (18 heads, D 256, split-half pairs), Wan (12 heads,
     # D 128, the norm over the row, fp16)
     for ty, consts in (("bf16", {"D": 128, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False,
@@ -400,11 +388,9 @@ def _hopper_check() -> str:
                                  "NORM_ROW": True, "WRITE_V": False, "INTERPRET": False})):
         types = {p: f"*{ty}" for p in ("src_ptr", "ksrc_ptr", "wq_ptr", "wk_ptr", "q_ptr", "k_ptr", "v_ptr")}
         types.update(pe_ptr="*fp32", eps_q="fp32", eps_k="fp32")
-        sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 8})
-        if "cubin" not in k.asm:
-            return f"no cubin for {consts}"
+        problem = fbh.build_sm90(kf._qk_norm_rope_kernel, types, consts)
+        if problem:
+            return problem
     return "OK"
 
 

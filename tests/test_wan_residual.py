@@ -41,9 +41,7 @@ def kf():
     return kernel.fused
 
 
-def _ulps(a, b):
-    eps = torch.finfo(a.dtype).eps
-    return (a.double() - b.double()).abs() / (b.double().abs().clamp_min(torch.finfo(a.dtype).tiny) * eps)
+_ulps = fbh.ulps
 
 
 def _close_to_torch(got, want, what, scale=None):
@@ -149,24 +147,16 @@ def _hopper_check() -> str:
     """Builds ``_residual_layernorm_kernel`` for sm_90 in its three modes (fp16, K 1536 -> one 2048 tile)."""
     import inspect
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     import kernel.fused as kf
     fn = kf._residual_layernorm_kernel
-    params = list(inspect.signature(fn.fn).parameters)
-    ptrs = {p: "*fp16" for p in params if p.endswith("_ptr")}
-    ptrs.update(inv_ptr="*fp32", q_ptr="*i8", qs_ptr="*fp32", eps="fp32")
+    types = {p: "*fp16" for p in inspect.signature(fn.fn).parameters if p.endswith("_ptr")}
+    types.update(inv_ptr="*fp32", q_ptr="*i8", qs_ptr="*fp32", eps="fp32")
     for mode, extra in ((0, {}), (1, {"HAS_W": True, "HAS_B": True}), (2, {"HAS_SMOOTH": True})):
         consts = {"HAS_GATE": mode != 2, "MODE": mode, "HAS_W": False, "HAS_B": False, "HAS_SMOOTH": False,
                   "DT": 2, "SCALE_DT": 2, "PROD_DT": 2, "SCALE_RECIP": True, "BLOCK": 2048, "INTERPRET": False}
-        consts.update(extra)
-        sig = {p: "constexpr" if p in consts else ptrs.get(p, "i32") for p in params}
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4})
-        if "cubin" not in k.asm:
-            return f"no cubin for mode {mode}"
+        problem = fbh.build_sm90(fn, types, {**consts, **extra}, num_warps=4)
+        if problem:
+            return problem
     return "OK"
 
 
