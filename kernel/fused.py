@@ -746,12 +746,15 @@ def concat_gelu_quantize(a: torch.Tensor, h: torch.Tensor, inv_smooth: torch.Ten
 def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, sh_ptr, inv_ptr, n_ptr, q_ptr,
                                qs_ptr, K, tokens_per_batch, eps,
                                stride_xm, stride_ym, stride_gb, stride_rm, stride_sb, stride_shb, stride_nm,
-                               HAS_GATE: tl.constexpr, MODE: tl.constexpr, HAS_W: tl.constexpr,
+                               HAS_GATE: tl.constexpr, ROUND_PRODUCT: tl.constexpr, MODE: tl.constexpr,
+                               HAS_W: tl.constexpr,
                                HAS_B: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
                                SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, SCALE_RECIP: tl.constexpr,
                                BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    # One row in registers. r = dt(x + y * g[row // tokens_per_batch]) (torch.addcmul: fp32 inside, one rounding)
-    # or dt(x + y) -> r_ptr. MODE 1: n = dt(layer_norm(r) * w + b) (F.layer_norm with its affine, one rounding)
+    # One row in registers. r = dt(x + y * g[row // tokens_per_batch]) (torch.addcmul: fp32 inside, one rounding),
+    # dt(x + dt(y * g)) with ROUND_PRODUCT (``x += y * g``: two torch ops, two roundings), or dt(x + y) -> r_ptr
+    # (which may be x_ptr: the row is read before it is written).
+    # MODE 1: n = dt(layer_norm(r) * w + b) (F.layer_norm with its affine, one rounding)
     # -> n_ptr. MODE 2: the int8 input of the next GEMM, addcmul(shift, dt(layer_norm(r)), 1 + scale) quantized
     # per row (as _layernorm_modulate_quant_kernel). Mean and variance: two passes over the registers, fp32.
     row = tl.program_id(0)
@@ -761,8 +764,11 @@ def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, 
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + row.to(tl.int64) * stride_ym + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_GATE:
-        r = _round(x + y * tl.load(g_ptr + bidx * stride_gb + cols, mask=mask, other=0.0).to(tl.float32), DT,
-                   INTERPRET)
+        gv = tl.load(g_ptr + bidx * stride_gb + cols, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_PRODUCT:
+            r = _round(x + _round(y * gv, DT, INTERPRET), DT, INTERPRET)
+        else:
+            r = _round(x + y * gv, DT, INTERPRET)
     else:
         r = _round(x + y, DT, INTERPRET)
     tl.store(r_ptr + row.to(tl.int64) * stride_rm + cols, r.to(r_ptr.dtype.element_ty), mask=mask)
@@ -789,8 +795,9 @@ def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, 
 
 
 def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, weight=None, bias=None, scale=None,
-              shift=None, inv_smooth=None, what: str = "residual_add"):
-    """Checks and one launch of ``_residual_layernorm_kernel`` (see the public functions below)."""
+              shift=None, inv_smooth=None, what: str = "residual_add", round_product: bool = False, out=None):
+    """Checks and one launch of ``_residual_layernorm_kernel`` (see the public functions below); ``out``: where the
+    sum goes (x itself for ``x += ...``; default a new tensor)."""
     _check_2d(x, "x", _FLOAT, "pass the residual stream as [tokens, K]")
     _check_2d(y, "y", _FLOAT, "pass the branch output as [tokens, K]")
     m, k = x.shape
@@ -805,7 +812,12 @@ def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, w
         g2 = _batch_rows(gate, k, m, tpb, "gate", x.device)
         if g2.dtype != x.dtype:
             raise ValueError(f"{what}: gate is {g2.dtype} but x is {x.dtype} (torch would promote the result)")
-    r = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if out is None:
+        r = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"{what}: out must be a row-major {tuple(x.shape)} {x.dtype} tensor on {x.device}")
+    else:
+        r = out
     n = q = qs = None
     w = b = s2 = sh2 = inv = None
     if mode == 1:
@@ -829,18 +841,21 @@ def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, w
             x.stride(0), y.stride(0), 0 if g2 is None or g2.shape[0] == 1 else g2.stride(0), r.stride(0),
             0 if s2 is None or s2.shape[0] == 1 else s2.stride(0),
             0 if sh2 is None or sh2.shape[0] == 1 else sh2.stride(0), out2.stride(0)),
-           dict(HAS_GATE=g2 is not None, MODE=mode, HAS_W=w is not None, HAS_B=b is not None,
+           dict(HAS_GATE=g2 is not None, ROUND_PRODUCT=bool(round_product), MODE=mode, HAS_W=w is not None,
+                HAS_B=b is not None,
                 HAS_SMOOTH=inv is not None, DT=_DT_CODE[x.dtype],
                 SCALE_DT=_DT_CODE[s2.dtype] if s2 is not None else 0, PROD_DT=_DT_CODE[prod],
                 SCALE_RECIP=x.is_cuda, BLOCK=block, INTERPRET=INTERPRET), warps, 1, x.device)
     return r, n, q, qs
 
 
-def residual_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None = None, tokens_per_batch: int = 1
-                 ) -> torch.Tensor:
+def residual_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None = None, tokens_per_batch: int = 1,
+                 round_product: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.addcmul(x, y, gate[row // tokens_per_batch])`` (gate [B | 1, K] or [B, 1, K]) or ``x + y``: x, y
-    [M, K] of one dtype (gate too), one rounding to it (fp32 inside, as torch). Rows up to MAX_SINGLE."""
-    return _residual(x, y, gate, tokens_per_batch, 0)[0]
+    [M, K] of one dtype (gate too), one rounding to it (fp32 inside, as torch). ``round_product``: ``x + y * gate``
+    as two torch ops (the product rounded to the dtype first: Flux's ``img += y * gate``). ``out``: the result's
+    tensor (``x`` for in place). Rows up to MAX_SINGLE."""
+    return _residual(x, y, gate, tokens_per_batch, 0, round_product=round_product, out=out)[0]
 
 
 def residual_add_layernorm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, tokens_per_batch: int,
@@ -854,13 +869,15 @@ def residual_add_layernorm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor 
 
 def residual_add_layernorm_modulate_quantize(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None,
                                              tokens_per_batch: int, eps: float, scale: torch.Tensor,
-                                             shift: torch.Tensor, inv_smooth: torch.Tensor | None = None
+                                             shift: torch.Tensor, inv_smooth: torch.Tensor | None = None,
+                                             round_product: bool = False, out: torch.Tensor | None = None
                                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(r, int8 [M, K], fp32 [M]): ``r = residual_add(x, y, gate)`` and the next GEMM's int8 input
     ``layernorm_modulate_quantize(r, scale, shift, tokens_per_batch, inv_smooth, eps)`` from the same registers
-    (Wan's ``x = x + cross_attn(...)`` then ``norm2(x) * (1 + e[4]) + e[3]`` feeding ``ffn.0``)."""
+    (Wan's ``x = x + cross_attn(...)`` then ``norm2(x) * (1 + e[4]) + e[3]`` feeding ``ffn.0``; Flux's
+    ``img += proj * gate`` then ``img_norm2`` with ``round_product`` and ``out=x``)."""
     r, _, q, qs = _residual(x, y, gate, tokens_per_batch, 2, eps, scale=scale, shift=shift, inv_smooth=inv_smooth,
-                            what="residual_add_layernorm_modulate_quantize")
+                            what="residual_add_layernorm_modulate_quantize", round_product=round_product, out=out)
     return r, q, qs
 
 

@@ -234,13 +234,12 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
         del img_qkv, txt_qkv
         txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
 
-        img += qf.linear(self.img_attn.proj, img_attn) * img_mod1.gate
+        img = self._tails(img, qf.linear(self.img_attn.proj, img_attn), img_mod1, self.img_mlp, self.img_norm2,
+                          img_mod2)
         del img_attn
-        img += self._mlp(self.img_mlp, self.img_norm2, img, img_mod2) * img_mod2.gate
-
-        txt += qf.linear(self.txt_attn.proj, txt_attn) * txt_mod1.gate
+        txt = self._tails(txt, qf.linear(self.txt_attn.proj, txt_attn), txt_mod1, self.txt_mlp, self.txt_norm2,
+                          txt_mod2)
         del txt_attn
-        txt += self._mlp(self.txt_mlp, self.txt_norm2, txt, txt_mod2) * txt_mod2.gate
 
         if txt.dtype == torch.float16:
             txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
@@ -248,6 +247,44 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
 
     def _mlp(self, mlp: nn.Sequential, norm: nn.Module, x: torch.Tensor, mod) -> torch.Tensor:
         return self._gelu_linear(mlp[2], mlp[1], self._mod_linear(mlp[0], norm, x, mod))
+
+    def _tails(self, x, proj, mod1, mlp: nn.Sequential, norm: nn.Module, mod2) -> torch.Tensor:
+        """``x += proj * mod1.gate; x += mlp(apply_mod(norm(x), mod2)) * mod2.gate`` (in place, as ComfyUI). With
+        INT8_FUSED_FLUX_TAILS the first sum and mlp.0's int8 input come from one kernel and the second sum from
+        another (:func:`_residual_fusable`); else torch's ops."""
+        if not (qf.fusable(mlp[0]) and getattr(norm, "weight", None) is None and proj.shape == x.shape
+                and _residual_fusable(x, proj, mod1.gate, mod2.scale, mod2.shift)):
+            x += proj * mod1.gate
+            x += self._mlp(mlp, norm, x, mod2) * mod2.gate
+            return x
+        b, l, k = x.shape
+        x2 = x.view(-1, k)
+        _, a_q, a_s = qf._kf().residual_add_layernorm_modulate_quantize(
+            x2, proj.reshape(-1, k), mod1.gate, l, float(norm.eps), mod2.scale, mod2.shift,
+            qf.inv_smooth_of(mlp[0], x.device), round_product=True, out=x2)
+        h = qf.gemm(a_q, a_s, mlp[0], _promote(x, mod2.scale, mod2.shift)).view(b, l, -1)
+        return _residual_add(x, self._gelu_linear(mlp[2], mlp[1], h), mod2.gate)
+
+
+def _residual_fusable(x, *ts) -> bool:
+    """Whether INT8_FUSED_FLUX_TAILS runs Flux's residual tails in the residual kernels on these operands: the
+    switch on, not under torch.compile, a contiguous [B, L, K] x and operands of its dtype (torch would promote
+    a mixed one), rows that fit in registers."""
+    if (not qf.config.get("INT8_FUSED_FLUX_TAILS") or qf._compiling() or x.dim() != 3 or not x.is_contiguous()
+            or not qf._kf().fits(x.shape[-1])):
+        return False
+    return all(t.dtype == x.dtype and t.device == x.device and t.shape[-1] == x.shape[-1] for t in ts)
+
+
+def _residual_add(x, y, gate):
+    """``x += y * gate`` (in place, two roundings as torch's two ops): one kernel where it applies."""
+    if not _residual_fusable(x, y, gate) or y.shape != x.shape:
+        x += y * gate
+        return x
+    b, l, k = x.shape
+    x2 = x.view(-1, k)
+    qf._kf().residual_add(x2, y.reshape(-1, k), gate, l, round_product=True, out=x2)
+    return x
 
 
 class FusedFluxSingleBlock(_FusedFluxBlock):
@@ -269,7 +306,7 @@ class FusedFluxSingleBlock(_FusedFluxBlock):
             output = qf.gemm(a_q, a_s, self.linear2, attn.dtype).view(*attn.shape[:-1], -1)
         else:
             output = self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
-        x += output * mod.gate
+        x = _residual_add(x, output, mod.gate)
         if x.dtype == torch.float16:
             x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
         return x

@@ -392,13 +392,33 @@ def flux_equivalence(pack, dtype=BF16) -> dict:
                                                        for n in layers)
     covered = sorted(n for m in patches.values() for n in getattr(m, "covers", ()))
     x, t, ctx, y = _inputs(dtype)
+    kf = pack.quant.fused._kf()
+    tails = ("residual_add", "residual_add_layernorm_modulate_quantize")
+    real, calls = {n: getattr(kf, n) for n in tails}, {n: 0 for n in tails}
+
+    def spy(name):
+        def f(*a, **kw):
+            calls[name] += 1
+            return real[name](*a, **kw)
+        return f
+
     with torch.no_grad():
         ref = _swap(dm, plain)(x, t, ctx, y=y)
         got = _swap(dm, patches)(x, t, ctx, y=y)
         flt = dm(x, t, ctx, y=y)
+        for n in tails:
+            setattr(kf, n, spy(n))
+        try:  # INT8_FUSED_FLUX_TAILS: the residual tails in the residual kernels (two roundings, as torch's ops)
+            with cfg.override(INT8_FUSED_FLUX_TAILS=True):
+                tails_on = _swap(dm, patches)(x, t, ctx, y=y)
+        finally:
+            for n in tails:
+                setattr(kf, n, real[n])
     return {"adapter": A.adapter_for(dm).name, "kinds": sorted({type(m).__name__ for m in patches.values()}),
             "fused": sorted(patches), "plain_is_per_linear": plain == layers, "covered_all": covered == sorted(layers),
             "same_layers": same_layers, "rel": _rel(got, ref), "rel_float": _rel(ref, flt),
+            "tails_rel": _rel(tails_on, got), "tail_calls": calls,
+            "depth": (dm.params.depth, dm.params.depth_single_blocks),
             "blocks": block_activations(pack, dm, layers, patches, dtype)}
 
 
@@ -428,6 +448,12 @@ def _check_equivalence(res):
     assert res["fused"] == ["double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"], res
     assert res["plain_is_per_linear"] and res["covered_all"] and res["same_layers"], res
     assert res["rel"] <= REL_MODEL and res["rel_float"] < 5e-2, res
+    # INT8_FUSED_FLUX_TAILS: per double block two streams x (one sum + mlp.0 input, one sum), per single block one
+    # sum; within REL_MODEL of the torch tails (the same two roundings; the LayerNorm's sum order may differ)
+    double, single = res["depth"]
+    assert res["tail_calls"] == {"residual_add": 2 * double + single,
+                                 "residual_add_layernorm_modulate_quantize": 2 * double}, res
+    assert res["tails_rel"] <= REL_MODEL, res
     for name, b in res["blocks"].items():
         assert b["same_activations"] and b["gemms_fused"] >= (6 if "double" in name else 2), (name, b)
         assert b["rel"] <= REL_MODEL, (name, b)

@@ -9,9 +9,10 @@ residual tails, issue 13) on the CPU (TRITON_INTERPRET=1), against torch and flo
   sum in another order); against float64: within two roundings of the dtype;
 * the modulated, quantized LayerNorm against the float64 definition with the tie analysis of
   tests/test_flux_fused.py (``check_within_ties``: codes differ by one only at a rounding tie);
+* ``round_product`` (Flux's ``x += y * gate``: two roundings) bit for bit against torch's two ops, in place;
 * bad input: mixed dtypes (torch would promote) and rows too long for registers raise ValueError naming the fix;
   no rows: empty outputs;
-* the compiled kernel builds for sm_90 in its three modes (fp16, Wan's width).
+* the compiled kernel builds for sm_90 in its three modes and both roundings of the sum (fp16, Wan's width).
 """
 from __future__ import annotations
 
@@ -126,6 +127,29 @@ def test_residual_add_layernorm_modulate_quantize(kf, dtype, smooth):
 
 
 @kernel_tests
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+def test_round_product_in_place(kf, dtype):
+    """Flux's ``x += y * gate`` (two torch ops: the product rounds to the dtype, then the sum): bit for bit, written
+    into x itself (``out=x``); and with the next LayerNorm · modulation + quantization, codes as the separate kernel
+    gives them on torch's sum."""
+    m, k, b = 8, 96, 2
+    x, y, gate, g = _operands(dtype, m, k, b, 23)
+    want = (x.view(b, -1, k) + y.view(b, -1, k) * gate).view(m, k)  # torch's two ops
+    x1 = x.clone()
+    r = kf.residual_add(x1, y, gate, m // b, round_product=True, out=x1)
+    assert r.data_ptr() == x1.data_ptr() and torch.equal(x1, want)
+    mod = (torch.randn(b, 1, 2 * k, generator=g) * 0.4).to(dtype)
+    x2 = x.clone()
+    r, q, s = kf.residual_add_layernorm_modulate_quantize(x2, y, gate, m // b, 1e-6, mod[..., k:], mod[..., :k],
+                                                          None, round_product=True, out=x2)
+    assert torch.equal(x2, want)
+    q2, s2 = kf.layernorm_modulate_quantize(want, mod[..., k:], mod[..., :k], m // b, None, 1e-6)
+    assert int((q.int() - q2.int()).abs().max()) <= 1 and torch.allclose(s, s2, rtol=2.0 ** -7, atol=0)
+    with pytest.raises(ValueError, match="out must be"):
+        kf.residual_add(x, y, gate, m // b, out=x.t())
+
+
+@kernel_tests
 def test_bad_input_and_empty_rows(kf):
     x = torch.randn(4, 32).to(BF16)
     with pytest.raises(ValueError, match="promote"):
@@ -144,16 +168,19 @@ def test_bad_input_and_empty_rows(kf):
 
 
 def _hopper_check() -> str:
-    """Builds ``_residual_layernorm_kernel`` for sm_90 in its three modes (fp16, K 1536 -> one 2048 tile)."""
+    """Builds ``_residual_layernorm_kernel`` for sm_90 in its three modes, the sum with one or two roundings (fp16,
+    K 1536 -> one 2048 tile)."""
     import inspect
 
     import kernel.fused as kf
     fn = kf._residual_layernorm_kernel
     types = {p: "*fp16" for p in inspect.signature(fn.fn).parameters if p.endswith("_ptr")}
     types.update(inv_ptr="*fp32", q_ptr="*i8", qs_ptr="*fp32", eps="fp32")
-    for mode, extra in ((0, {}), (1, {"HAS_W": True, "HAS_B": True}), (2, {"HAS_SMOOTH": True})):
-        consts = {"HAS_GATE": mode != 2, "MODE": mode, "HAS_W": False, "HAS_B": False, "HAS_SMOOTH": False,
-                  "DT": 2, "SCALE_DT": 2, "PROD_DT": 2, "SCALE_RECIP": True, "BLOCK": 2048, "INTERPRET": False}
+    for mode, extra in ((0, {}), (0, {"ROUND_PRODUCT": True}), (1, {"HAS_W": True, "HAS_B": True}),
+                        (2, {"HAS_SMOOTH": True, "HAS_GATE": True, "ROUND_PRODUCT": True})):
+        consts = {"HAS_GATE": mode != 2, "ROUND_PRODUCT": False, "MODE": mode, "HAS_W": False, "HAS_B": False,
+                  "HAS_SMOOTH": False, "DT": 2, "SCALE_DT": 2, "PROD_DT": 2, "SCALE_RECIP": True, "BLOCK": 2048,
+                  "INTERPRET": False}
         problem = fbh.build_sm90(fn, types, {**consts, **extra}, num_warps=4)
         if problem:
             return problem
