@@ -118,17 +118,15 @@ class FusedIdeogram4Attention(nn.Module):
         if q_scale is None or k_scale is None or not qf.qk_rope_on("ideogram4") or qf._compiling():
             return None
         b, l, _, h, d = qkv.shape
-        if (not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dim() != 6 or freqs_cis.dtype != torch.float32
-                or freqs_cis.shape[0] not in (1, b) or freqs_cis.shape[1] < l or freqs_cis.shape[2] != 1
-                or tuple(freqs_cis.shape[3:]) != (d // 2, 2, 2) or d < 2 or d & (d - 1)
-                or freqs_cis.device != qkv.device or not qkv.is_contiguous()):
+        pe = qf.rope_rows(freqs_cis, b, l, d, qkv.device, at_least=True)
+        if pe is None or not qkv.is_contiguous():
             return None
         # q, k: [B, L, H, D] buffers seen as [B, H, L, D] (the layout ComfyUI's own path hands SDPA, so its output
         # needs no copy); v: the qkv output's view, as ComfyUI passes it (not copied)
         q, k = (torch.empty((b, l, h, d), dtype=qkv.dtype, device=qkv.device).transpose(1, 2) for _ in range(2))
         eps = qf._norm_eps(self.norm_q, qkv)  # ComfyUI hands norm_q's eps to both (rms_rope_split_half)
-        qf._kf().qk_norm_rope(qkv.view(b, l, 3 * h * d), h, q_scale, k_scale, eps, eps, freqs_cis.transpose(1, 2),
-                              q, k, None, 0, split_half=True)
+        qf._kf().qk_norm_rope(qkv.view(b, l, 3 * h * d), h, q_scale, k_scale, eps, eps, pe, q, k, None, 0,
+                              split_half=True)
         return q, k, qkv[:, :, 2].transpose(1, 2)
 
     def int8_layers(self) -> dict[str, Int8Linear]:

@@ -218,6 +218,30 @@ def qk_rope_on(arch: str) -> bool:
     return v != "flux" or arch == "flux"
 
 
+def rope_rows(freqs: torch.Tensor, b: int, l: int, d: int, device, at_least: bool = False):
+    """ComfyUI's RoPE rotations ``freqs`` [B | 1, L, 1, D/2, 2, 2] fp32 (Lumina 2, Wan, Ideogram 4) as the QK
+    kernel's ``pe`` [B | 1, 1, L, D/2, 2, 2] (a view), or None when they are not that for a batch of ``b``, ``l``
+    tokens (``at_least``: L >= l) and a power-of-2 head_dim ``d``: the caller then runs ComfyUI's ops."""
+    if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 6 or freqs.dtype != torch.float32
+            or freqs.shape[0] not in (1, b) or freqs.shape[2] != 1 or tuple(freqs.shape[3:]) != (d // 2, 2, 2)
+            or d < 2 or d & (d - 1) or freqs.device != device
+            or (freqs.shape[1] < l if at_least else freqs.shape[1] != l)):
+        return None
+    return freqs.transpose(1, 2)
+
+
+def residual_operands(x: torch.Tensor, *ts: torch.Tensor) -> bool:
+    """Whether the residual-tail kernels take these operands: not under torch.compile, x [B, L, K] with rows that
+    fit in registers, each other operand of x's dtype and device (torch would promote a mixed one) and either x's
+    shape or one modulation row per sample ([B | 1, 1, K]). The callers add their switch."""
+    if _compiling() or x.dim() != 3 or not _kf().fits(x.shape[-1]):
+        return False
+    b, _, k = x.shape
+    return all(t.dtype == x.dtype and t.device == x.device and (
+        t.shape == x.shape or (t.dim() == 3 and t.shape[1] == 1 and t.shape[0] in (1, b) and t.shape[2] == k))
+        for t in ts)
+
+
 def _norm_eps(norm: nn.Module, x: torch.Tensor) -> float:
     """The eps the norm's forward uses. ``eps=None`` (torch.nn.RMSNorm's default, which ComfyUI's ops.RMSNorm
     keeps unless told): F.rms_norm then takes the epsilon of its fp32 compute type for bf16 / fp16 / fp32

@@ -86,6 +86,16 @@ def _rms_weight(norm: nn.Module, x: torch.Tensor):
     return (s if s.device == x.device and s.dtype == x.dtype else s.detach().to(x.device, x.dtype)), 1e-6
 
 
+def _qk_norm_weights(norm_q: nn.Module, norm_k: nn.Module, x: torch.Tensor, width: int):
+    """(wq, eps_q, wk, eps_k) of two RMSNorms with a weight over ``width`` (ComfyUI's ``ops.RMSNorm``), as their
+    forwards apply them; None when either is something else (Identity: no QK norm) or carries weight functions."""
+    for nm in (norm_q, norm_k):
+        if "weight" not in nm._parameters or tuple(getattr(nm, "normalized_shape", ())) != (width,):
+            return None
+    (wq, eq), (wk, ek) = _rms_weight(norm_q, x), _rms_weight(norm_k, x)
+    return None if wq is None or wk is None else (wq, eq, wk, ek)
+
+
 def _attn_patches(transformer_options) -> bool:
     """Whether the call carries attention patches (applied by current ComfyUI's block forwards, ignored by
     0.3.75's): such calls run the block's own forward."""
@@ -273,17 +283,13 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
 
 def _residual_fusable(x, *ts) -> bool:
     """Whether INT8_FUSED_FLUX_TAILS runs Flux's residual tails in the residual kernels on these operands: the
-    switch on, not under torch.compile, a contiguous [B, L, K] x and operands of its dtype (torch would promote
-    a mixed one), rows that fit in registers."""
-    if (not qf.config.get("INT8_FUSED_FLUX_TAILS") or qf._compiling() or x.dim() != 3 or not x.is_contiguous()
-            or not qf._kf().fits(x.shape[-1])):
-        return False
-    return all(t.dtype == x.dtype and t.device == x.device and t.shape[-1] == x.shape[-1] for t in ts)
+    switch on, x contiguous (written in place), ``qf.residual_operands``."""
+    return bool(qf.config.get("INT8_FUSED_FLUX_TAILS")) and x.is_contiguous() and qf.residual_operands(x, *ts)
 
 
 def _residual_add(x, y, gate):
     """``x += y * gate`` (in place, two roundings as torch's two ops): one kernel where it applies."""
-    if not _residual_fusable(x, y, gate) or y.shape != x.shape:
+    if y.shape != x.shape or not _residual_fusable(x, y, gate):
         x += y * gate
         return x
     b, l, k = x.shape

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from . import fused as qf
-from .fused_flux import _attn_patches, _rms_weight, with_layers
+from .fused_flux import _attn_patches, _qk_norm_weights, with_layers
 from .linear import Int8Linear
 
 log = logging.getLogger("int8_fused")
@@ -205,21 +205,13 @@ class FusedLumina2Block(nn.Module):
                 or (fn.in_training is not None and fn.in_training())):
             return None
         b, l, w = qkv.shape
-        if (not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dim() != 6 or freqs_cis.dtype != torch.float32
-                or freqs_cis.shape[0] not in (1, b) or freqs_cis.shape[1] != l or freqs_cis.shape[2] != 1
-                or tuple(freqs_cis.shape[3:]) != (hd // 2, 2, 2) or hd < 2 or hd & (hd - 1) or w != 3 * nh * hd
-                or freqs_cis.device != qkv.device or qkv.stride(-1) != 1):
+        pe = qf.rope_rows(freqs_cis, b, l, hd, qkv.device)
+        weights = _qk_norm_weights(attn.q_norm, attn.k_norm, qkv, hd)
+        if pe is None or weights is None or w != 3 * nh * hd or qkv.stride(-1) != 1:
             return None
-        norms = (attn.q_norm, attn.k_norm)
-        if not all("weight" in nm._parameters and tuple(getattr(nm, "normalized_shape", ())) == (hd,)
-                   for nm in norms):
-            return None
-        (wq, eq), (wk, ek) = _rms_weight(norms[0], qkv), _rms_weight(norms[1], qkv)
-        if wq is None or wk is None:
-            return None
+        wq, eq, wk, ek = weights
         if fn.rms_rope is not None:  # 0.33.0 hands q_norm's eps to both (rms_rope)
             ek = eq
         q, k = (torch.empty((b, l, nh, hd), dtype=qkv.dtype, device=qkv.device) for _ in range(2))
-        qf._kf().qk_norm_rope(qkv, nh, wq, wk, eq, ek, freqs_cis.transpose(1, 2), q.transpose(1, 2),
-                              k.transpose(1, 2), None, 0)
+        qf._kf().qk_norm_rope(qkv, nh, wq, wk, eq, ek, pe, q.transpose(1, 2), k.transpose(1, 2), None, 0)
         return q, k

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import fused as qf
-from .fused_flux import _cat_gelu_quant, _ln_mod_quant, _promote, _rms_weight, with_layers
+from .fused_flux import _cat_gelu_quant, _ln_mod_quant, _promote, _qk_norm_weights, with_layers
 from .linear import Int8Linear
 
 QKV = ("q", "k", "v")
@@ -153,34 +153,22 @@ class FusedWanBlock(nn.Module):
         attn = self.self_attn
         b, s, w = q.shape
         n, d = attn.num_heads, attn.head_dim
-        if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 6 or freqs.dtype != torch.float32
-                or freqs.shape[0] not in (1, b) or freqs.shape[1] != s or freqs.shape[2] != 1
-                or tuple(freqs.shape[3:]) != (d // 2, 2, 2) or d < 2 or d & (d - 1) or n * d != w
-                or freqs.device != q.device or k.shape != q.shape or k.stride() != q.stride() or q.stride(-1) != 1):
+        pe = qf.rope_rows(freqs, b, s, d, q.device)
+        weights = _qk_norm_weights(attn.norm_q, attn.norm_k, q, w)
+        if (pe is None or weights is None or n * d != w or k.shape != q.shape or k.stride() != q.stride()
+                or q.stride(-1) != 1):
             return None
-        norms = (attn.norm_q, attn.norm_k)
-        if not all("weight" in nm._parameters and tuple(getattr(nm, "normalized_shape", ())) == (w,) for nm in norms):
-            return None
-        (wq, eq), (wk, ek) = _rms_weight(norms[0], q), _rms_weight(norms[1], k)
-        if wq is None or wk is None:
-            return None
+        wq, eq, wk, ek = weights
         oq, ok = (torch.empty((b, s, n, d), dtype=q.dtype, device=q.device) for _ in range(2))
-        qf._kf().qk_rmsnorm_rope_rows(q, k, n, wq, wk, eq, ek, freqs.transpose(1, 2), oq.transpose(1, 2),
-                                      ok.transpose(1, 2))
+        qf._kf().qk_rmsnorm_rope_rows(q, k, n, wq, wk, eq, ek, pe, oq.transpose(1, 2), ok.transpose(1, 2))
         return oq, ok
 
     # ---------------------------------------------------------------- residual tails (one kernel each)
     @staticmethod
     def _tail_fusable(x, *ts) -> bool:
-        """Whether the residual-tail kernels take these operands: INT8_FUSED_RESIDUAL on, not under torch.compile,
-        [B, L, K] of one dtype (torch would promote a mixed one: then torch runs it), one modulation row per
-        sample, rows that fit in registers."""
-        if not qf.FUSE_RESIDUAL or qf._compiling() or x.dim() != 3 or not qf._kf().fits(x.shape[-1]):
-            return False
-        b, _, k = x.shape
-        return all(t.dtype == x.dtype and t.device == x.device and (
-            t.shape == x.shape or (t.dim() == 3 and t.shape[1] == 1 and t.shape[0] in (1, b) and t.shape[2] == k))
-            for t in ts)
+        """Whether the residual-tail kernels run: INT8_FUSED_RESIDUAL on and ``qf.residual_operands`` (else torch,
+        e.g. for a mixed dtype torch would promote)."""
+        return qf.FUSE_RESIDUAL and qf.residual_operands(x, *ts)
 
     def _add(self, x, y, gate):
         """``torch.addcmul(x, y, gate)``: one kernel where :meth:`_tail_fusable`, else torch."""
