@@ -747,16 +747,15 @@ def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, 
                                qs_ptr, K, tokens_per_batch, eps,
                                stride_xm, stride_ym, stride_gb, stride_rm, stride_sb, stride_shb, stride_nm,
                                HAS_GATE: tl.constexpr, ROUND_PRODUCT: tl.constexpr, MODE: tl.constexpr,
-                               HAS_W: tl.constexpr,
-                               HAS_B: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
+                               HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
                                SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, SCALE_RECIP: tl.constexpr,
                                BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     # One row in registers. r = dt(x + y * g[row // tokens_per_batch]) (torch.addcmul: fp32 inside, one rounding),
     # dt(x + dt(y * g)) with ROUND_PRODUCT (``x += y * g``: two torch ops, two roundings), or dt(x + y) -> r_ptr
     # (which may be x_ptr: the row is read before it is written).
-    # MODE 1: n = dt(layer_norm(r) * w + b) (F.layer_norm with its affine, one rounding)
-    # -> n_ptr. MODE 2: the int8 input of the next GEMM, addcmul(shift, dt(layer_norm(r)), 1 + scale) quantized
-    # per row (as _layernorm_modulate_quant_kernel). Mean and variance: two passes over the registers, fp32.
+    # MODE 1: n = dt(layer_norm(r) * w + b) (F.layer_norm with its affine, one rounding) -> n_ptr.
+    # MODE 2: the int8 input of the next GEMM, addcmul(shift, dt(layer_norm(r)), 1 + scale) quantized per row
+    # (as _layernorm_modulate_quant_kernel). Mean and variance: two passes over the registers, fp32.
     row = tl.program_id(0)
     bidx = (row // tokens_per_batch).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -782,8 +781,8 @@ def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, 
                 n = n * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_B:
                 n = n + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(n_ptr + row.to(tl.int64) * stride_nm + cols, _round(n, DT, INTERPRET).to(n_ptr.dtype.element_ty),
-                     mask=mask)
+            tl.store(n_ptr + row.to(tl.int64) * stride_nm + cols,
+                     _round(n, DT, INTERPRET).to(n_ptr.dtype.element_ty), mask=mask)
         else:
             yq = _lnmod_tile(r, s_ptr + bidx * stride_sb, sh_ptr + bidx * stride_shb, inv_ptr, cols, mask, mean,
                              rstd, HAS_SMOOTH, DT, SCALE_DT, PROD_DT, INTERPRET)
