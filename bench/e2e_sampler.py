@@ -295,7 +295,7 @@ class SamplerBench:
         top = sorted(kern.items(), key=lambda kv: -kv[1])[:14]
         src = _h2d_sources(ev, h2d)
         run_start = [r for r in src if any(k in r[0] for k in _RUN_START)]
-        return {"h2d_sources": src,
+        return {**_idle_gaps(ev, steps=2), "h2d_sources": src,
                 # per step of the sampling loop: without the copies made once per sampling run (ComfyUI's
                 # load at the start of a run, the sampler's setup), which a 2-step window counts half each
                 "h2d_copies_per_step": sum(r[1] for r in src) - sum(r[1] for r in run_start),
@@ -512,6 +512,94 @@ def _h2d_sources(ev: list, h2d: list) -> list:
         c, b = out.get(name, (0, 0))
         out[name] = (c + 1, b + m.get("args", {}).get("bytes", 0))
     return [[n, c / 2, round(b / 2 / 1024, 1)] for n, (c, b) in sorted(out.items(), key=lambda kv: -kv[1][0])]
+
+
+def _pack_frames(ev: list) -> dict:
+    """{tid: [python_function events of ComfyUI or this pack, by start]} (profiler ``with_stack``)."""
+    by_tid: dict = {}
+    for e in ev:
+        n = e.get("name", "")
+        if e.get("cat") == "python_function" and "site-packages/torch" not in n and (
+                "comfy" in n or "quant/" in n or "nodes/" in n or "kernel/" in n or "adapters/" in n):
+            by_tid.setdefault(e.get("tid"), []).append(e)
+    for fs in by_tid.values():
+        fs.sort(key=lambda f: f["ts"])
+    return by_tid
+
+
+def _frames_at(by_tid: dict, queries: list) -> dict:
+    """{id(query): the three innermost frames around each query event's start, innermost first}: one sweep per
+    thread with a stack (Python frames nest)."""
+    out: dict = {}
+    for tid, qs in _group(queries, lambda e: e.get("tid")).items():
+        fs, fi, stack = by_tid.get(tid, []), 0, []
+        for q in sorted(qs, key=lambda e: e["ts"]):
+            while fi < len(fs) and fs[fi]["ts"] <= q["ts"]:
+                f = fs[fi]
+                while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < f["ts"]:
+                    stack.pop()
+                stack.append(f)
+                fi += 1
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < q["ts"]:
+                stack.pop()
+            out[id(q)] = " < ".join(f["name"].split("/")[-1][:60] for f in reversed(stack[-3:])) or "?"
+    return out
+
+
+def _group(items: list, key) -> dict:
+    g: dict = {}
+    for it in items:
+        g.setdefault(key(it), []).append(it)
+    return g
+
+
+def _idle_gaps(ev: list, steps: int, min_us: float = 2.0, top: int = 12) -> dict:
+    """Where the GPU waits inside the sampling steps: the window from the first to the last model call
+    (``_apply_model`` frames), the union of GPU activity (kernels, copies, memsets, any stream) in it, and each
+    idle gap of at least ``min_us`` charged to the host frames that launched the work after it (the CUDA runtime
+    call of the gap's next GPU event). Also the synchronising runtime calls in the window, by frame. Per step."""
+    calls = [e for e in ev if e.get("cat") == "python_function" and "_apply_model" in e.get("name", "")]
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not calls or not gpu:
+        return {}
+    t0 = min(c["ts"] for c in calls)
+    t1 = max(c["ts"] + c.get("dur", 0) for c in calls)
+    gpu = [g for g in gpu if t0 <= g["ts"] <= t1]
+    if not gpu:
+        return {}
+    runtime = {e.get("args", {}).get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
+    busy, end, gaps = 0.0, gpu[0]["ts"], []
+    start = gpu[0]["ts"]
+    for g in gpu:
+        if g["ts"] > end:
+            busy += end - start
+            if g["ts"] - end >= min_us:
+                gaps.append((g["ts"] - end, g))
+            start = g["ts"]
+        end = max(end, g["ts"] + g.get("dur", 0))
+    busy += end - start
+    launchers = [runtime.get(g.get("args", {}).get("correlation")) for _, g in gaps]
+    syncs = [e for e in ev if e.get("cat") == "cuda_runtime" and t0 <= e["ts"] <= t1
+             and ("Synchronize" in e.get("name", "") or e.get("name", "") in ("cudaMemcpy", "cudaMemGetInfo"))]
+    where = _frames_at(_pack_frames(ev), [r for r in launchers if r is not None] + syncs)
+    by: dict = {}
+    for (us, g), r in zip(gaps, launchers):
+        k = where.get(id(r), "?") if r is not None else "? (no runtime call)"
+        n, t = by.get(k, (0, 0.0))
+        by[k] = (n + 1, t + us)
+    sy: dict = {}
+    for e in syncs:
+        k = f"{e['name']} @ {where.get(id(e), '?')}"
+        n, t = sy.get(k, (0, 0.0))
+        sy[k] = (n + 1, t + e.get("dur", 0))
+    return {"window_ms_per_step": round((t1 - t0) / 1e3 / steps, 2),
+            "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 2),
+            "gpu_idle_ms_per_step": round((t1 - t0 - busy) / 1e3 / steps, 2),
+            "idle_gaps_per_step": round(len(gaps) / steps, 1),
+            "idle_by_launcher": [[k, round(n / steps, 1), round(t / 1e3 / steps, 3)]
+                                 for k, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]],
+            "syncs_per_step": [[k, round(n / steps, 1), round(t / 1e3 / steps, 3)]
+                               for k, (n, t) in sorted(sy.items(), key=lambda kv: -kv[1][1])[:top]]}
 
 
 def torch_zeros_like(t):

@@ -31,9 +31,12 @@
 #   ideohost  Ideogram 4 dual: the pack, bf16, the pack again in one process, the pack rows host-profiled
 #   closing   the defaults, every anchor in one call: Flux / Z-Image / Wan (bf16, pack, fp8_fast, pack again), then
 #             Ideogram 4 dual (bf16, pack, fp8_fast with cuDNN first); no profiles
+#   gaps      where the GPU waits inside a step (idle gaps charged to the host frames that launch the next work,
+#             synchronising calls): Ideogram 4 dual, the pack profiled; Flux.1 with INT8_FUSED_FLUX_TAILS off
+#             and on (bf16, pack, pack%tails, pack again), the pack rows profiled
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -143,6 +146,13 @@ PY
   ideohost)
     timeout 330 $sampler --profile none --host-profile pack:fused_triton \
       --paths pack:fused_triton,bf16,pack:fused_triton --out "$OUT/sampler-ideohost.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  gaps)
+    timeout 150 $sampler --profile pack:fused_triton --paths pack:fused_triton \
+      --out "$OUT/sampler-gaps.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_FLUX_TAILS=1,pack:fused_triton" \
+      --profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_FLUX_TAILS=1" \
+      --out "$OUT/h200-e2e-models-gaps.json" 2>&1 | tee -a "$OUT/last.log" ;;
   closing)
     timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "bf16,pack:fused_triton,fp8_fast,pack:fused_triton" --out "$OUT/h200-e2e-models-closing.json" \
