@@ -225,12 +225,13 @@ class SamplerBench:
     def timed(self, guider, model, latent, noise):
         torch, steps = self.torch, self.a.steps
         cuda = self.dev.type == "cuda"
-        marks, used = [], []
+        marks, used, host = [], [], []
 
         def cb(step, x0, x, total):
             if cuda:
                 e = torch.cuda.Event(enable_timing=True)
                 e.record()
+                host.append(time.perf_counter())
                 marks.append(e)
                 free, total_b = torch.cuda.mem_get_info(self.dev)
                 used.append(total_b - free)
@@ -238,6 +239,9 @@ class SamplerBench:
                 marks.append(time.perf_counter())
         if cuda:
             torch.cuda.synchronize()
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record()
+            h_ref = time.perf_counter()  # the GPU reaches ``ref`` about now: its queue is empty
         gc_t, gc_n = self._gc_watch()
         t0 = time.perf_counter()
         try:
@@ -252,6 +256,12 @@ class SamplerBench:
                         "loaded_models": len(getattr(self.mm, "current_loaded_models", []) or [])}
         if cuda:
             deltas = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+            # how far the GPU lags the host at each step's end (ms): about 0 when the host is what paces the
+            # step (the GPU finishes what it was given and waits), large and growing when the GPU does
+            lags = [(h_ref + ref.elapsed_time(e) / 1e3 - h) * 1e3 for e, h in zip(marks, host)]
+            self.last_gc.update(gpu_lag_ms_at_step_end=[round(v, 1) for v in lags],
+                                host_s_per_step=statistics.median(b - a for a, b in zip(host, host[1:]))
+                                if len(host) > 1 else None)
         else:
             deltas = [b - a for a, b in zip(marks, marks[1:])]
         return out.float().cpu(), statistics.median(deltas) if deltas else wall / steps, wall / steps, \
@@ -567,7 +577,8 @@ def _idle_gaps(ev: list, steps: int, min_us: float = 2.0, top: int = 12) -> dict
     gpu = [g for g in gpu if t0 <= g["ts"] <= t1]
     if not gpu:
         return {}
-    runtime = {e.get("args", {}).get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
+    runtime = {e.get("args", {}).get("correlation"): e for e in ev
+               if e.get("cat") in ("cuda_runtime", "cuda_driver")}  # Triton launches through the driver API
     busy, end, gaps = 0.0, gpu[0]["ts"], []
     start = gpu[0]["ts"]
     for g in gpu:

@@ -21,10 +21,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=4608)
     ap.add_argument("--quick", action="store_true", help="each kernel's default plan only (A/B runs of a switch)")
+    ap.add_argument("--only", default="", help="comma-separated substrings: the cases whose names contain one")
     a = ap.parse_args()
     import torch.nn.functional as F
     import triton.testing
     from kernel import fused as kf
+    from quant.fused import swiglu_quantize_ref
     from quant.quantize import quantize_per_token_ref
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -40,20 +42,21 @@ def main() -> int:
     wh = (2 * torch.randn(14040, 8960, device=dev, generator=g)).to(torch.float16)  # Wan 1.3B, 480p 33 frames
     lx = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
     ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
-    default_plan, gelu_fast = kf._plan, kf.GELU_FAST
+    default_plan, gelu_fast, one_pass, res_pass = kf._plan, kf.GELU_FAST, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS
     import kernel.quantize
     print(f"INT8_FUSED_ALU_ROUND: {bool(kernel.quantize.ALU_ROUND)}", flush=True)
     torch_ref = {  # the unfused torch sequence the GELU kernels replace
         "flux concat+gelu+quant": lambda: quantize_per_token_ref(torch.cat((fa, F.gelu(fh, approximate="tanh")), -1)),
         "wan gelu+quant F=8960": lambda: quantize_per_token_ref(F.gelu(wh, approximate="tanh")),
+        "swiglu_quant F=12288": lambda: swiglu_quantize_ref(*h13.chunk(2, dim=1)),
     }
     cases = {
         "rmsnorm_mod_quant K=4608": (lambda: kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, m), 2 * m * k + m * k,
                                      [(8192, True, 16), (8192, True, 8), (8192, True, 32), (4096, False, 4),
                                       (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
         "swiglu_quant F=12288": (lambda: kf.swiglu_quantize(h13), 2 * m * 2 * f + m * f,
-                                 [(16384, True, 16), (16384, True, 32), (8192, False, 8), (4096, False, 4),
-                                  (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
+                                 [("seg", 8), ("seg", 16), ("seg", 32), (16384, True, 16), (8192, False, 8),
+                                  (4096, False, 4), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
         "flux concat+gelu+quant": (lambda: kf.concat_gelu_quantize(fa, fh), 2 * 4608 * (3072 + 12288) * 3 // 2,
                                    wide),
         "wan gelu+quant F=8960": (lambda: kf.gelu_tanh_quantize(wh), 14040 * 8960 * 3, wide),
@@ -62,18 +65,42 @@ def main() -> int:
                                      [(4096, True, 8), (4096, True, 16), (2048, False, 4), (1024, False, 4),
                                       (1024, False, 8)]),
     }
+    ro = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)  # Ideogram 4's residual tail, K 4608
+    rg = torch.tanh(torch.randn(1, k, device=dev, generator=g)).to(torch.bfloat16)
+    cases["gated_residual+next K=4608"] = (
+        lambda: kf.gated_residual_rmsnorm(x, ro, w, 1e-5, rg, m, w, 1e-6, s)[1:], 2 * m * k * 2 + m * k * 3,
+        [("seg", 4), ("seg", 8), ("seg", 16), (8192, True, 16), (8192, True, 8)])
+    # QK RMSNorm + RoPE into [B, L, H, D] buffers: Ideogram 4 (18 heads of 256, split-half pairs), Flux (24 of 128)
+    for label, hh, dd, split in (("ideogram4", 18, 256, True), ("flux", 24, 128, False)):
+        qkv = torch.randn(1, m, 3 * hh * dd, device=dev, generator=g).to(torch.bfloat16)
+        pe = torch.randn(1, 1, m, dd // 2, 2, 2, device=dev, generator=g)
+        wqk = (1 + 0.1 * torch.randn(dd, device=dev, generator=g)).to(torch.bfloat16)
+        qo, ko = (torch.empty(1, m, hh, dd, device=dev, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+
+        def run(qkv=qkv, pe=pe, wqk=wqk, qo=qo, ko=ko, hh=hh, split=split):
+            kf.qk_norm_rope(qkv, hh, wqk, wqk, 1e-6, 1e-6, pe, qo, ko, None, 0, split_half=split)
+            return qo, ko
+        cases[f"qk_norm_rope {label} H={hh} D={dd}"] = (run, 2 * m * hh * dd * 2 * 2 + m * dd * 8, [None])
     from kernel import quantize_per_token
     xq = torch.randn(4608, 12288, device=dev, generator=g).to(torch.bfloat16)
     cases["quant_rows K=4608"] = (lambda: quantize_per_token(x), 3 * m * k, [None])
     cases["quant_rows K=12288"] = (lambda: quantize_per_token(xq), 3 * 4608 * 12288, [None])
+    only = [w for w in a.only.split(",") if w]
     for name, (fn, nbytes, plans) in cases.items():
-        kf._plan = default_plan
+        if only and not any(w in name for w in only):
+            continue
+        kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
         ref_q, ref_s = fn()
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
-        for fast in ((False, True) if name in torch_ref and not a.quick else (gelu_fast,)):
+        for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
             kf.GELU_FAST = fast
             for plan in ([None] if a.quick else plans):
-                kf._plan = default_plan if plan is None else (lambda n, *args, _p=plan, **kw: _p)
+                seg = plan is not None and plan[0] == "seg"  # the one-pass segmented SwiGLU with plan[1] warps
+                kf.SWIGLU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1]) if seg else
+                                      one_pass if plan is None else None)
+                kf.RESIDUAL_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1]) if seg else
+                                        res_pass if plan is None else None)
+                kf._plan = default_plan if plan is None or seg else (lambda n, *args, _p=plan, **kw: _p)
                 try:
                     q, sc = fn()
                     same = torch.equal(q, ref_q) and torch.equal(sc, ref_s)
@@ -82,16 +109,21 @@ def main() -> int:
                         d = (q.int() - tq.int()).abs()
                         vs_torch = (f"  vs torch: codes differ {(d > 0).float().mean().item():.2e} max {d.max().item()}"
                                     f" scales differ {(sc != ts).float().mean().item():.2e}")
-                    digest = hashlib.sha1(q.cpu().numpy().tobytes() + sc.cpu().numpy().tobytes()).hexdigest()[:10]
+                    digest = hashlib.sha1(_bytes(q) + _bytes(sc)).hexdigest()[:10]
                     us = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
                     print(f"{name:26s} fast={fast!s:5s} " + ("own plan: " if plan is None else
+                          f"one pass, segments, warps={plan[1]:2d}: " if seg else
                           f"BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: ") +
                           f"{us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  equal={same} sha1 {digest}{vs_torch}", flush=True)
                 except Exception as e:  # a plan that does not compile (registers) is reported, not fatal
                     print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
         kf.GELU_FAST = gelu_fast
-    kf._plan = default_plan
+    kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
     return 0
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()  # any dtype (numpy has no bf16)
 
 
 if __name__ == "__main__":

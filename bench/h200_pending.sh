@@ -34,9 +34,12 @@
 #   gaps      where the GPU waits inside a step (idle gaps charged to the host frames that launch the next work,
 #             synchronising calls): Ideogram 4 dual, the pack profiled; Flux.1 with INT8_FUSED_FLUX_TAILS off
 #             and on (bf16, pack, pack%tails, pack again), the pack rows profiled
+#   segments  the one-pass segmented SwiGLU and residual-tail kernels against the chunked / one-tile ones
+#             (bench/fused_sweep.py), then Ideogram 4 dual (bf16, pack profiled and host-profiled) and Flux.1
+#             (bf16, pack), each row with the GPU's lag behind the host at each step's end
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -153,6 +156,12 @@ PY
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_FLUX_TAILS=1,pack:fused_triton" \
       --profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_FLUX_TAILS=1" \
       --out "$OUT/h200-e2e-models-gaps.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  segments)
+    timeout 150 python3 bench/fused_sweep.py --only swiglu,gated_residual,qk_norm 2>&1 | tee -a "$OUT/last.log"
+    timeout 260 $sampler --profile pack:fused_triton --host-profile pack:fused_triton --paths bf16,pack:fused_triton \
+      --out "$OUT/sampler-seg.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 150 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths "bf16,pack:fused_triton" --out "$OUT/h200-e2e-models-seg.json" 2>&1 | tee -a "$OUT/last.log" ;;
   closing)
     timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "bf16,pack:fused_triton,fp8_fast,pack:fused_triton" --out "$OUT/h200-e2e-models-closing.json" \

@@ -46,8 +46,10 @@ tests/test_flux_fused.py bound them).
 Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton specialises the unit stride
 away). Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``, ``LN_PLAN``, ``GELU_PLAN``): a row of up to
 ``max_single`` elements stays in registers (one DRAM read, one int8 write); longer rows run in ``chunk``-wide tiles
-and the later passes re-read the row from L2. ``gated_residual_rmsnorm`` has only the one-pass form, for rows up to
-``MAX_SINGLE``. fp32 division and exp use the IEEE / libdevice versions torch's CUDA kernels use, so compiled
+and the later passes re-read the row from L2. ``swiglu_quantize`` and ``gated_residual_rmsnorm`` also have a
+one-pass form over up to three power-of-2 segments (``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``: 12288 = 8192 + 4096,
+4608 = 4096 + 512), which keeps the row in registers without masked lanes; ``gated_residual_rmsnorm`` has no chunked
+form (rows up to ``MAX_SINGLE``). fp32 division and exp use the IEEE / libdevice versions torch's CUDA kernels use, so compiled
 results match torch's bit for bit more often.
 Importing this module imports triton.
 """
@@ -77,6 +79,24 @@ class TilePlan:
 # Module data, read at each call (tests set smaller plans). Measured on the H200, see _plan.
 RMS_PLAN = TilePlan(max_single=1024, chunk=1024, chunk_warps=4)     # K = 4608: 1024-wide chunks, 3 passes
 SWIGLU_PLAN = TilePlan(max_single=2048, chunk=2048, chunk_warps=8)  # F = 12288: 2048-wide chunks, 2 passes
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """A one-pass row kernel over up to three power-of-2 segments (``_segments``): rows up to ``max_row``
+    elements, segments of at least ``min_seg``, ``warps`` warps a row."""
+    max_row: int
+    min_seg: int
+    warps: int
+
+
+# SwiGLU in one pass (silu(a) * b computed once, kept in registers in the model dtype) for rows up to 16384;
+# None: the chunked two-pass kernel of SWIGLU_PLAN. Module data, read at each call (the sweep sets it).
+SWIGLU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=16)
+# gated_residual_rmsnorm over segments (K = 4608: 4096 + 512) for rows up to MAX_SINGLE; None: one tile.
+RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=16)
+# qk_norm_rope (per-head norms): heads per program, a power of 2 dividing H with at most this many elements
+QK_GROUP_ELEMS = 1024
 MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K = 4608 -> one 8192 tile)
 # Flux.1 (not yet measured on a GPU): K = 3072 in one 4096-wide pass (the row in registers); the MLP width
 # (12288, and 3072 + 12288 in the single block's concatenation) in 2048-wide chunks, as SWIGLU_PLAN measured best.
@@ -205,9 +225,8 @@ def _rmsnorm_modulate_quant_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_ptr,
 
 
 @triton.jit
-def _swiglu_tile(a_row, b_row, inv_ptr, ks, mask,
-                 HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+def _swiglu_vals(a_row, b_row, ks, mask, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``dt(silu(a) * b)`` (clamped for fp16 when asked) as fp32, before the smoothing."""
     a = tl.load(a_row + ks, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_row + ks, mask=mask, other=0.0).to(tl.float32)
     if INTERPRET:
@@ -218,9 +237,74 @@ def _swiglu_tile(a_row, b_row, inv_ptr, ks, mask,
     y = _round(s * b, DT, INTERPRET)
     if CLAMP_FP16:  # comfy.ldm.lumina.model.clamp_fp16: nan_to_num(nan=0, posinf=65504, neginf=-65504)
         y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -65504.0), 65504.0))
+    return y
+
+
+@triton.jit
+def _smooth(y, inv_ptr, ks, mask, HAS_SMOOTH: tl.constexpr):
     if HAS_SMOOTH:
         y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
     return y
+
+
+@triton.jit
+def _swiglu_tile(a_row, b_row, inv_ptr, ks, mask,
+                 HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    return _smooth(_swiglu_vals(a_row, b_row, ks, mask, DT, CLAMP_FP16, INTERPRET), inv_ptr, ks, mask, HAS_SMOOTH)
+
+
+@triton.jit
+def _swiglu_seg(a_row, b_row, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad,
+                HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """One segment of the one-pass SwiGLU: its values in the model dtype (exact: they are rounded to it), with
+    the row's running |max| and non-finite flag updated."""
+    ks = OFF + tl.arange(0, SEG)
+    mask = ks < F
+    y = _swiglu_vals(a_row, b_row, ks, mask, DT, CLAMP_FP16, INTERPRET)
+    ay = tl.abs(_smooth(y, inv_ptr, ks, mask, HAS_SMOOTH))
+    amax = tl.maximum(amax, tl.max(ay, axis=0))
+    bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0, 1), axis=0))  # NaN fails `< inf` as Inf does
+    return y.to(a_row.dtype.element_ty), amax, bad
+
+
+@triton.jit
+def _swiglu_seg_store(q_row, y, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, mult, usable,
+                      HAS_SMOOTH: tl.constexpr, INTERPRET: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    mask = ks < F
+    _store_q(q_row + ks, _smooth(y.to(tl.float32), inv_ptr, ks, mask, HAS_SMOOTH), mult, usable, mask, INTERPRET)
+
+
+@triton.jit
+def _swiglu_quant_seg_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
+                             F, stride_am, stride_bm, stride_qm,
+                             HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
+                             SCALE_RECIP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                             INTERPRET: tl.constexpr):
+    # One pass over a row split into up to three power-of-2 segments (F = 12288: 8192 + 4096, no masked lanes):
+    # silu(a) * b is computed once and kept in registers in the model dtype until the row's scale is known
+    # (the chunked kernel computes it twice: its exp and IEEE division bound it, not DRAM).
+    row = tl.program_id(0)
+    a_row = a_ptr + row.to(tl.int64) * stride_am
+    b_row = b_ptr + row.to(tl.int64) * stride_bm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    amax = tl.zeros([], dtype=tl.float32)
+    bad = tl.zeros([], dtype=tl.int32)
+    y0, amax, bad = _swiglu_seg(a_row, b_row, inv_ptr, F, 0, S0, amax, bad, HAS_SMOOTH, DT, CLAMP_FP16, INTERPRET)
+    if S1 > 0:
+        y1, amax, bad = _swiglu_seg(a_row, b_row, inv_ptr, F, S0, S1, amax, bad, HAS_SMOOTH, DT, CLAMP_FP16,
+                                    INTERPRET)
+    if S2 > 0:
+        y2, amax, bad = _swiglu_seg(a_row, b_row, inv_ptr, F, S0 + S1, S2, amax, bad, HAS_SMOOTH, DT, CLAMP_FP16,
+                                    INTERPRET)
+    scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
+    tl.store(qs_ptr + row, scale)
+    _swiglu_seg_store(q_row, y0, inv_ptr, F, 0, S0, mult, usable, HAS_SMOOTH, INTERPRET)
+    if S1 > 0:
+        _swiglu_seg_store(q_row, y1, inv_ptr, F, S0, S1, mult, usable, HAS_SMOOTH, INTERPRET)
+    if S2 > 0:
+        _swiglu_seg_store(q_row, y2, inv_ptr, F, S0 + S1, S2, mult, usable, HAS_SMOOTH, INTERPRET)
 
 
 @triton.jit
@@ -289,6 +373,94 @@ def _gated_residual_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, i
         scale, mult, usable = _quant_params(tl.max(az, axis=0), bad, SCALE_RECIP)
         tl.store(qs_ptr + row, scale)
         _store_q(q_ptr + row.to(tl.int64) * stride_qm + cols, z, mult, usable, mask, INTERPRET)
+
+
+@triton.jit
+def _gr_seg_o(o_row, K, OFF: tl.constexpr, SEG: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    o = tl.load(o_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+    return o, tl.sum(o * o, axis=0)
+
+
+@triton.jit
+def _gr_seg_y(o, x_row, wn_ptr, g_row, y_row, K, rstd, OFF: tl.constexpr, SEG: tl.constexpr,
+              NORM_DT: tl.constexpr, GATE_DT: tl.constexpr, OUT_DT: tl.constexpr, INTERPRET: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    mask = ks < K
+    wn = tl.load(wn_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+    n = _round(o * rstd * wn, NORM_DT, INTERPRET)
+    t = _round(tl.load(g_row + ks, mask=mask, other=0.0).to(tl.float32) * n, GATE_DT, INTERPRET)
+    y = _round(tl.load(x_row + ks, mask=mask, other=0.0).to(tl.float32) + t, OUT_DT, INTERPRET)
+    tl.store(y_row + ks, y.to(y_row.dtype.element_ty), mask=mask)
+    return y, tl.sum(y * y, axis=0)
+
+
+@triton.jit
+def _gr_seg_z(y, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, OFF: tl.constexpr, SEG: tl.constexpr,
+              HAS_SMOOTH: tl.constexpr, OUT_DT: tl.constexpr, NEXT_PROD_DT: tl.constexpr, INTERPRET: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    z = _rmsmod_tile(y, w2_ptr, s2_row, inv_ptr, ks, ks < K, rstd2, HAS_SMOOTH, OUT_DT, NEXT_PROD_DT, INTERPRET)
+    az = tl.abs(z)
+    amax = tl.maximum(amax, tl.max(az, axis=0))
+    bad = tl.maximum(bad, tl.max(tl.where(az < float("inf"), 0, 1), axis=0))  # NaN fails `< inf` as Inf does
+    return z, amax, bad
+
+
+@triton.jit
+def _gated_residual_seg_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, inv_ptr, q_ptr, qs_ptr,
+                               K, tokens_per_batch, eps, eps2,
+                               stride_xm, stride_om, stride_gb, stride_ym, stride_sb, stride_qm,
+                               NORM_DT: tl.constexpr, GATE_DT: tl.constexpr, OUT_DT: tl.constexpr,
+                               HAS_NEXT: tl.constexpr, HAS_SMOOTH: tl.constexpr, NEXT_PROD_DT: tl.constexpr,
+                               SCALE_RECIP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                               INTERPRET: tl.constexpr):
+    # _gated_residual_kernel over up to three power-of-2 segments of the row (K = 4608: 4096 + 512, where the
+    # one-tile kernel masks 3584 of 8192 lanes); the row stays in registers. The sums of squares add per segment.
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    bidx = (row // tokens_per_batch).to(tl.int64)
+    o_row, x_row, y_row = o_ptr + r64 * stride_om, x_ptr + r64 * stride_xm, y_ptr + r64 * stride_ym
+    g_row = g_ptr + bidx * stride_gb
+    o0, ssq = _gr_seg_o(o_row, K, 0, S0)
+    if S1 > 0:
+        o1, ssq1 = _gr_seg_o(o_row, K, S0, S1)
+        ssq += ssq1
+    if S2 > 0:
+        o2, ssq2 = _gr_seg_o(o_row, K, S0 + S1, S2)
+        ssq += ssq2
+    rstd = _rstd(ssq, K, eps, INTERPRET)
+    y0, ysq = _gr_seg_y(o0, x_row, wn_ptr, g_row, y_row, K, rstd, 0, S0, NORM_DT, GATE_DT, OUT_DT, INTERPRET)
+    if S1 > 0:
+        y1, ysq1 = _gr_seg_y(o1, x_row, wn_ptr, g_row, y_row, K, rstd, S0, S1, NORM_DT, GATE_DT, OUT_DT, INTERPRET)
+        ysq += ysq1
+    if S2 > 0:
+        y2, ysq2 = _gr_seg_y(o2, x_row, wn_ptr, g_row, y_row, K, rstd, S0 + S1, S2, NORM_DT, GATE_DT, OUT_DT,
+                             INTERPRET)
+        ysq += ysq2
+    if HAS_NEXT:
+        rstd2 = _rstd(ysq, K, eps2, INTERPRET)
+        s2_row = s2_ptr + bidx * stride_sb
+        q_row = q_ptr + r64 * stride_qm
+        amax = tl.zeros([], dtype=tl.float32)
+        bad = tl.zeros([], dtype=tl.int32)
+        z0, amax, bad = _gr_seg_z(y0, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, 0, S0, HAS_SMOOTH, OUT_DT,
+                                  NEXT_PROD_DT, INTERPRET)
+        if S1 > 0:
+            z1, amax, bad = _gr_seg_z(y1, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, S0, S1, HAS_SMOOTH, OUT_DT,
+                                      NEXT_PROD_DT, INTERPRET)
+        if S2 > 0:
+            z2, amax, bad = _gr_seg_z(y2, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, S0 + S1, S2, HAS_SMOOTH,
+                                      OUT_DT, NEXT_PROD_DT, INTERPRET)
+        scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
+        tl.store(qs_ptr + row, scale)
+        ks = tl.arange(0, S0)
+        _store_q(q_row + ks, z0, mult, usable, ks < K, INTERPRET)
+        if S1 > 0:
+            ks1 = S0 + tl.arange(0, S1)
+            _store_q(q_row + ks1, z1, mult, usable, ks1 < K, INTERPRET)
+        if S2 > 0:
+            ks2 = S0 + S1 + tl.arange(0, S2)
+            _store_q(q_row + ks2, z2, mult, usable, ks2 < K, INTERPRET)
 
 
 # ------------------------------------------------------------------------------------ Flux.1 (issue 13)
@@ -497,6 +669,29 @@ def _plan(n: int, plan: TilePlan | None = None) -> tuple[int, bool, int]:
     return plan.chunk, False, plan.chunk_warps
 
 
+def _segments(n: int, plan: "SegmentPlan | None") -> tuple[int, int, int] | None:
+    """Up to three power-of-2 widths, largest first (0 = unused), that cover a row of n elements with at most
+    ``plan.min_seg`` - 1 masked lanes beyond the last full power of 2 (12288 -> 8192 + 4096; 13824 -> 8192 +
+    4096 + 2048); None when there is no plan or n is above ``plan.max_row`` (the chunked kernel runs)."""
+    if plan is None or not 0 < n <= plan.max_row:
+        return None
+    segs, rem = [], n
+    while rem > 0 and len(segs) < 2:
+        s = 1 << (rem.bit_length() - 1)
+        if s < plan.min_seg:
+            break
+        segs.append(s)
+        rem -= s
+    if rem > 0:
+        segs.append(max(triton.next_power_of_2(rem), plan.min_seg))
+    return tuple(segs + [0] * (3 - len(segs)))
+
+
+def _seg_warps(segs: tuple, plan: SegmentPlan) -> int:
+    """Warps for a segmented row: one per 512 elements rounded down to a power of 2, 4 to ``plan.warps``."""
+    return max(4, min(plan.warps, 1 << max(0, (sum(segs) // 512).bit_length() - 1)))
+
+
 def _row_major(t: torch.Tensor, name: str) -> torch.Tensor:
     """Unit stride along the row (the 16-byte vector loads rely on it); copies only when it is not."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
@@ -573,6 +768,15 @@ def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: boo
         return q, qs.zero_()
     _check_usable(a, "swiglu_quantize")
     a, b = _row_major(a, "a"), _row_major(b, "b")
+    segs = _segments(f, SWIGLU_ONE_PASS)
+    if segs is not None:
+        launch(_swiglu_quant_seg_kernel, (m,),
+               (a, b, inv if inv is not None else qs, q, qs, f, a.stride(0), b.stride(0), q.stride(0)),
+               dict(HAS_SMOOTH=inv is not None, DT=_DT_CODE[a.dtype],
+                    CLAMP_FP16=bool(clamp_fp16) and a.dtype == torch.float16, SCALE_RECIP=a.is_cuda,
+                    S0=segs[0], S1=segs[1], S2=segs[2], INTERPRET=INTERPRET),
+               _seg_warps(segs, SWIGLU_ONE_PASS), 1, a.device)
+        return q, qs
     block, single, warps = _plan(f, SWIGLU_PLAN)
     launch(_swiglu_quant_kernel, (m,),
            (a, b, inv if inv is not None else qs, q, qs, f, a.stride(0), b.stride(0), q.stride(0)),
@@ -622,16 +826,24 @@ def gated_residual_rmsnorm(x: torch.Tensor, o: torch.Tensor, norm_weight: torch.
     else:
         w2, s2, inv = wn, g2, None
     dummy = y
-    block, _, warps = _plan(k)
-    launch(_gated_residual_kernel, (m,),
+    consts = dict(NORM_DT=_DT_CODE[o.dtype], GATE_DT=_DT_CODE[gate_dt], OUT_DT=_DT_CODE[out_dt], HAS_NEXT=nxt,
+                  HAS_SMOOTH=inv is not None,
+                  NEXT_PROD_DT=_DT_CODE[torch.promote_types(out_dt, s2.dtype)] if nxt else 0,
+                  SCALE_RECIP=x.is_cuda)
+    segs = _segments(k, RESIDUAL_ONE_PASS)
+    if segs is not None:
+        fn, warps = _gated_residual_seg_kernel, _seg_warps(segs, RESIDUAL_ONE_PASS)
+        consts.update(S0=segs[0], S1=segs[1], S2=segs[2])
+    else:
+        block, _, warps = _plan(k)
+        fn = _gated_residual_kernel
+        consts.update(BLOCK=block)
+    launch(fn, (m,),
            (x, o, wn, g2, y, w2, s2, inv if inv is not None else dummy, q if nxt else dummy,
             qs if nxt else dummy, k, max(int(tokens_per_batch), 1), float(eps), float(next_eps),
             x.stride(0), o.stride(0), 0 if nb == 1 else g2.stride(0), y.stride(0),
             0 if s2.shape[0] == 1 else s2.stride(0), q.stride(0) if nxt else 0),
-           dict(NORM_DT=_DT_CODE[o.dtype], GATE_DT=_DT_CODE[gate_dt], OUT_DT=_DT_CODE[out_dt], HAS_NEXT=nxt,
-                HAS_SMOOTH=inv is not None,
-                NEXT_PROD_DT=_DT_CODE[torch.promote_types(out_dt, s2.dtype)] if nxt else 0,
-                SCALE_RECIP=x.is_cuda, BLOCK=block, INTERPRET=INTERPRET,
+           dict(consts, INTERPRET=INTERPRET,
                 # no FMA contraction: torch rounds gate * norm(o) to the gate dtype before the add, so the
                 # compiler must not fuse that multiply into x + t (with it, 22 % of y's elements differed from
                 # torch's on the H200; without, 1.5e-6, bench/RESULTS.md)
@@ -894,51 +1106,73 @@ def _qk_norm_rope_kernel(src_ptr, ksrc_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr
     # with the token's [D/2, 2, 2] fp32 rotations, ``x_out[r] = f[r, 0] * x0 + f[r, 1] * x1`` rounded to the dtype
     # (as comfy.ldm.flux.math.apply_rope1); v copied. SPLIT_HALF (Ideogram 4): pair i is (x[i], x[i + D/2])
     # instead of (x[2i], x[2i + 1]), as comfy_kitchen's rms_rope_split_half and ComfyUI's _apply_rope_split_half1.
+    # Programs: (token, group of BLOCK_H heads); NORM_ROW takes all heads in one group (its norm spans them).
     pid = tl.program_id(0)
     b = pid // L
     l = pid % L
-    hs = tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, D)
-    half = tl.arange(0, D // 2)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (hs < H)[:, None]
-    tile = hs[:, None] * D + cols[None, :]
-    row = b.to(tl.int64) * stride_sb + l.to(tl.int64) * stride_sl + tile
-    dst = (b.to(tl.int64) * stride_ob + hs[:, None].to(tl.int64) * stride_oh
-           + (row_offset + l).to(tl.int64) * stride_ol + cols[None, :])
+    src_row = b.to(tl.int64) * stride_sb + l.to(tl.int64) * stride_sl
+    dst_row = (b.to(tl.int64) * stride_ob + hs[:, None].to(tl.int64) * stride_oh
+               + (row_offset + l).to(tl.int64) * stride_ol)
+    half = tl.arange(0, D // 2)
     if HAS_PE:
         pe = pe_ptr + (b.to(tl.int64) * stride_pb + (row_offset + l).to(tl.int64) * stride_pl) + half * 4
         f00 = tl.load(pe)[None, :]
         f01 = tl.load(pe + 1)[None, :]
         f10 = tl.load(pe + 2)[None, :]
         f11 = tl.load(pe + 3)[None, :]
-    for part in tl.static_range(2):
-        if part == 0:
-            x = tl.load(src_ptr + row, mask=mask, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(ksrc_ptr + k_off + row, mask=mask, other=0.0).to(tl.float32)
-        if NORM_ROW:
-            w = tl.load((wq_ptr if part == 0 else wk_ptr) + tile, mask=mask, other=0.0).to(tl.float32)
-            rstd = _rstd(tl.sum(tl.sum(x * x, axis=1), axis=0), H * D, eps_q if part == 0 else eps_k, INTERPRET)
-            n = _round(x * rstd * w, DT, INTERPRET)
-        else:
-            w = tl.load((wq_ptr if part == 0 else wk_ptr) + cols).to(tl.float32)
-            rstd = _rstd(tl.sum(x * x, axis=1), D, eps_q if part == 0 else eps_k, INTERPRET)
-            n = _round(x * rstd[:, None] * w[None, :], DT, INTERPRET)
-        if HAS_PE:
-            if SPLIT_HALF:  # [h, r * D/2 + i] -> [h, i, r]
-                x0, x1 = tl.split(tl.permute(tl.reshape(n, (BLOCK_H, 2, D // 2)), (0, 2, 1)))
+    if SPLIT_HALF and HAS_PE and not NORM_ROW:
+        # Ideogram 4's split-half pairs (x[i], x[i + D/2]): the two halves of each head loaded as two tiles,
+        # so the rotation needs no register shuffles
+        t0 = hs[:, None] * D + half[None, :]
+        for part in tl.static_range(2):
+            base = src_ptr + src_row if part == 0 else ksrc_ptr + k_off + src_row
+            x0 = tl.load(base + t0, mask=mask, other=0.0).to(tl.float32)
+            x1 = tl.load(base + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
+            wp = wq_ptr if part == 0 else wk_ptr
+            w0 = tl.load(wp + half).to(tl.float32)[None, :]
+            w1 = tl.load(wp + D // 2 + half).to(tl.float32)[None, :]
+            rstd = _rstd(tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1), D, eps_q if part == 0 else eps_k,
+                         INTERPRET)[:, None]
+            n0 = _round(x0 * rstd * w0, DT, INTERPRET)
+            n1 = _round(x1 * rstd * w1, DT, INTERPRET)
+            out = (q_ptr if part == 0 else k_ptr) + dst_row + half[None, :]
+            tl.store(out, _round(f00 * n0 + f01 * n1, DT, INTERPRET).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(out + D // 2, _round(f10 * n0 + f11 * n1, DT, INTERPRET).to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        cols = tl.arange(0, D)
+        tile = hs[:, None] * D + cols[None, :]
+        for part in tl.static_range(2):
+            if part == 0:
+                x = tl.load(src_ptr + src_row + tile, mask=mask, other=0.0).to(tl.float32)
             else:
-                x0, x1 = tl.split(tl.reshape(n, (BLOCK_H, D // 2, 2)))
-            o0 = _round(f00 * x0 + f01 * x1, DT, INTERPRET)
-            o1 = _round(f10 * x0 + f11 * x1, DT, INTERPRET)
-            if SPLIT_HALF:
-                n = tl.reshape(tl.permute(tl.join(o0, o1), (0, 2, 1)), (BLOCK_H, D))
+                x = tl.load(ksrc_ptr + k_off + src_row + tile, mask=mask, other=0.0).to(tl.float32)
+            if NORM_ROW:
+                w = tl.load((wq_ptr if part == 0 else wk_ptr) + tile, mask=mask, other=0.0).to(tl.float32)
+                rstd = _rstd(tl.sum(tl.sum(x * x, axis=1), axis=0), H * D, eps_q if part == 0 else eps_k, INTERPRET)
+                n = _round(x * rstd * w, DT, INTERPRET)
             else:
-                n = tl.reshape(tl.join(o0, o1), (BLOCK_H, D))
-        tl.store((q_ptr if part == 0 else k_ptr) + dst, n.to(q_ptr.dtype.element_ty), mask=mask)
+                w = tl.load((wq_ptr if part == 0 else wk_ptr) + cols).to(tl.float32)
+                rstd = _rstd(tl.sum(x * x, axis=1), D, eps_q if part == 0 else eps_k, INTERPRET)
+                n = _round(x * rstd[:, None] * w[None, :], DT, INTERPRET)
+            if HAS_PE:
+                if SPLIT_HALF:  # [h, r * D/2 + i] -> [h, i, r]
+                    x0, x1 = tl.split(tl.permute(tl.reshape(n, (BLOCK_H, 2, D // 2)), (0, 2, 1)))
+                else:
+                    x0, x1 = tl.split(tl.reshape(n, (BLOCK_H, D // 2, 2)))
+                o0 = _round(f00 * x0 + f01 * x1, DT, INTERPRET)
+                o1 = _round(f10 * x0 + f11 * x1, DT, INTERPRET)
+                if SPLIT_HALF:
+                    n = tl.reshape(tl.permute(tl.join(o0, o1), (0, 2, 1)), (BLOCK_H, D))
+                else:
+                    n = tl.reshape(tl.join(o0, o1), (BLOCK_H, D))
+            tl.store((q_ptr if part == 0 else k_ptr) + dst_row + cols[None, :], n.to(q_ptr.dtype.element_ty),
+                     mask=mask)
     if WRITE_V:
-        v = tl.load(src_ptr + 2 * H * D + row, mask=mask, other=0.0)
-        tl.store(v_ptr + dst, v, mask=mask)
+        cv = tl.arange(0, D)
+        v = tl.load(src_ptr + src_row + 2 * H * D + hs[:, None] * D + cv[None, :], mask=mask, other=0.0)
+        tl.store(v_ptr + dst_row + cv[None, :], v, mask=mask)
 
 
 def _qk_outputs(bsz: int, heads: int, d: int, dtype, device, q, k, v) -> None:
@@ -974,15 +1208,19 @@ def _qk_launch(src, ksrc, k_off: int, heads: int, d: int, wq, wk, eps_q, eps_k, 
     if bsz == 0 or l == 0:
         return
     _check_usable(src, "qk_norm_rope")
-    block_h = triton.next_power_of_2(heads)
-    launch(_qk_norm_rope_kernel, (bsz * l,),
+    if norm_row:  # the norm spans every head: one program a token
+        block_h = triton.next_power_of_2(heads)
+    else:  # a power-of-2 group of heads that divides H (no masked heads: Ideogram 4's 18 -> 9 groups of 2)
+        block_h = max(1, min(heads & -heads, QK_GROUP_ELEMS // d))
+    groups = -(-heads // block_h)
+    launch(_qk_norm_rope_kernel, (bsz * l, groups),
            (src, ksrc, wq, wk, pe if pe is not None else wq, q, k, v if v is not None else q, l, heads,
             int(row_offset), int(k_off), float(eps_q), float(eps_k),
             src.stride(0), src.stride(1), 0 if pe is None or pe.shape[0] == 1 else pe.stride(0),
             0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
            dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[src.dtype], HAS_PE=pe is not None, SPLIT_HALF=bool(split_half),
                 NORM_ROW=bool(norm_row), WRITE_V=v is not None, INTERPRET=INTERPRET),
-           4 if block_h * d <= 4096 else 8, 1, src.device)
+           max(1, min(8, block_h * d // 256)), 1, src.device)
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,

@@ -104,5 +104,6 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         return
     compiled, tail = hit
     stream = torch._C._cuda_getCurrentRawStream(device.index)
-    compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *tail)
+    n = len(grid)
+    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *tail)

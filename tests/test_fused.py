@@ -178,11 +178,18 @@ def test_norm_without_eps_uses_torchs_fp32_epsilon(kf, dtype):
     assert torch.equal(q, rq) and torch.allclose(qs, rs, rtol=2 ** -20, atol=0)
 
 
-@pytest.mark.parametrize("dtype,m,f,smooth,pair,chunked", [
-    (BF16, 5, 160, False, False, False), (BF16, 1, 48, True, True, False), (BF16, 6, 100, True, False, True),
-    (FP16, 4, 70, False, True, True), (FP16, 3, 100, True, False, False), (FP32, 4, 70, True, False, True)])
-def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
-    if chunked:  # the two-pass path on small rows: 32-wide chunks, the last one partial
+@pytest.mark.parametrize("dtype,m,f,smooth,pair,path", [
+    (BF16, 5, 160, False, False, "one_pass"), (BF16, 1, 48, True, True, "single"),
+    (BF16, 6, 100, True, False, "chunked"), (BF16, 6, 100, True, False, "one_pass"),
+    (FP16, 4, 70, False, True, "chunked"), (FP16, 3, 100, True, False, "one_pass"),
+    (FP16, 3, 100, True, False, "single"), (FP32, 4, 70, True, False, "chunked"), (FP32, 4, 70, True, True, "one_pass")])
+def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, path):
+    # one_pass: the segmented kernel with 16-wide minimum segments (160 -> 128 + 32; 100 -> 64 + 32 + 16, the
+    # last partial; 70 -> 64 + 16); single: the register-resident tile of the two-pass kernel; chunked: its
+    # 32-wide chunks, the last one partial
+    monkeypatch.setattr(kf, "SWIGLU_ONE_PASS", kf.SegmentPlan(max_row=16384, min_seg=16, warps=4)
+                        if path == "one_pass" else None)
+    if path == "chunked":
         monkeypatch.setattr(kf, "SWIGLU_PLAN", kf.TilePlan(max_single=32, chunk=32, chunk_warps=8))
     seen = _spy_launches(kf, monkeypatch)
     g = torch.Generator().manual_seed(m * 100 + f)
@@ -190,7 +197,9 @@ def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
     a, b = h.chunk(2, dim=1)
     inv = (0.5 + torch.rand(f, generator=g)).to(DEV) if smooth else None
     q, qs = kf.swiglu_quantize((a, b) if pair else h, inv)
-    assert [(c["SINGLE"], c["BLOCK"]) for c in seen] == [(False, 32) if chunked else (True, _pow2(f))]
+    want = {"one_pass": {160: (128, 32, 0), 100: (64, 32, 16), 70: (64, 16, 0)}.get(f),
+            "single": (True, _pow2(f)), "chunked": (False, 32)}[path]
+    assert [(c["S0"], c["S1"], c["S2"]) if path == "one_pass" else (c["SINGLE"], c["BLOCK"]) for c in seen] == [want]
     rq, rs = qf.swiglu_quantize_ref(a, b, inv)
     uq, us = quantize_per_token_ref(F.silu(a) * b, inv)       # the unfused torch sequence
     for ref_q, ref_s in ((rq, rs), (uq, us)):
@@ -201,7 +210,10 @@ def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, chunked):
         assert torch.equal(q, rq) and torch.equal(qs, rs)
 
 
-def test_swiglu_quantize_zero_nan_and_fp16_clamp(kf):
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "two_pass"])
+def test_swiglu_quantize_zero_nan_and_fp16_clamp(kf, monkeypatch, one_pass):
+    if not one_pass:
+        monkeypatch.setattr(kf, "SWIGLU_ONE_PASS", None)
     g = torch.Generator().manual_seed(5)
     h = _rand((4, 64), torch.float16, g)
     h[0] = 0
@@ -218,11 +230,16 @@ def test_swiglu_quantize_zero_nan_and_fp16_clamp(kf):
         kf.swiglu_quantize(h[:, :63])
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["segments", "one_tile"])
 @pytest.mark.parametrize("dtype,m,k,b,nxt", [(BF16, 6, 64, 2, True), (BF16, 5, 100, 1, False),
-                                             (FP16, 6, 48, 3, True), (FP32, 4, 64, 2, True)])
-def test_gated_residual_rmsnorm(kf, dtype, m, k, b, nxt):
+                                             (BF16, 5, 100, 5, True), (FP16, 6, 48, 3, True),
+                                             (FP32, 4, 64, 2, True)])
+def test_gated_residual_rmsnorm(kf, monkeypatch, dtype, m, k, b, nxt, one_pass):
     """``x + gate * rms_norm(o)`` (the block's residual tail) and the next norm * (1 + s) quantized, against
-    ComfyUI's torch sequence."""
+    ComfyUI's torch sequence; segments of at least 16 (100 -> 64 + 32 + 16, the last partial) or one tile."""
+    monkeypatch.setattr(kf, "RESIDUAL_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4)
+                        if one_pass else None)
+    seen = _spy_launches(kf, monkeypatch)
     g = torch.Generator().manual_seed(m * 10 + k)
     x, o = _rand((m, k), dtype, g), _rand((m, k), dtype, g, 5.0)
     wn, w2 = [(1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEV) for _ in range(2)]
@@ -231,6 +248,8 @@ def test_gated_residual_rmsnorm(kf, dtype, m, k, b, nxt):
     inv = (0.5 + torch.rand(k, generator=g)).to(DEV)
     tpb = m // b
     y, q, qs = kf.gated_residual_rmsnorm(x, o, wn, 1e-5, gate, tpb, *((w2, 1e-6, s2, inv) if nxt else ()))
+    assert [("S0" in c, c.get("S1"), c.get("S2")) for c in seen] == (
+        [(True, {64: 0, 100: 32, 48: 16}[k], {64: 0, 100: 16, 48: 0}[k])] if one_pass else [(False, None, None)])
     yr = (x.reshape(b, tpb, k) + gate.reshape(b, 1, k) * F.rms_norm(o, (k,), wn, 1e-5).reshape(b, tpb, k))
     yr = yr.reshape(m, k)
     if EXACT and dtype != FP32:
@@ -739,8 +758,16 @@ def _hopper_check() -> str:
                                    "SINGLE": True}),
         (kf._swiglu_quant_kernel, {"HAS_SMOOTH": False, "DT": 2, "CLAMP_FP16": True, "BLOCK": 4096,
                                    "SINGLE": False}),
+        (kf._swiglu_quant_seg_kernel, {"HAS_SMOOTH": True, "DT": 1, "CLAMP_FP16": False, "S0": 8192, "S1": 4096,
+                                       "S2": 0}),
+        (kf._swiglu_quant_seg_kernel, {"HAS_SMOOTH": False, "DT": 2, "CLAMP_FP16": True, "S0": 8192, "S1": 1024,
+                                       "S2": 512}),
         (kf._gated_residual_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True, "HAS_SMOOTH": True,
                                      "NEXT_PROD_DT": 1, "BLOCK": 8192}),
+        (kf._gated_residual_seg_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
+                                         "HAS_SMOOTH": True, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 512, "S2": 0}),
+        (kf._gated_residual_seg_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
+                                         "HAS_SMOOTH": False, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 2048, "S2": 1024}),
     ]
     for fn, consts in cases:
         v4, cubin, ptx = _sm90_compile(kf, fn, {**consts, **common}, 16)
@@ -748,7 +775,8 @@ def _hopper_check() -> str:
             return f"{fn.fn.__name__} {consts}: cubin={cubin}, 16-byte loads={v4}"
         # INT8_FUSED_ALU_ROUND: the int8 codes (and the bf16 roundings) come from adds, not cvt.rni / cvt.rn.bf16
         if kf.ALU_ROUND and ("cvt.rni" in ptx or (consts.get("NORM_DT") == 1 and "cvt.rn.bf16.f32" in ptx
-                                                   and fn is not kf._gated_residual_kernel)):
+                                                   and fn not in (kf._gated_residual_kernel,
+                                                                  kf._gated_residual_seg_kernel))):
             return f"{fn.fn.__name__} {consts}: ALU_ROUND on but the PTX still rounds with cvt"
         if not kf.ALU_ROUND and "cvt.rni" not in ptx:
             return f"{fn.fn.__name__} {consts}: no cvt.rni in the default build"

@@ -98,6 +98,16 @@ def test_second_launch_takes_the_direct_path(fast):
     assert c.runs[0] == (3, 1, 1, 4242, c.function, c.packed_metadata, None, None, None, x, 100, 64, True)
 
 
+@pytest.mark.parametrize("grid", [(3, 9), (3, 9, 2)])
+def test_direct_path_keeps_every_grid_dimension(fast, grid):
+    """A 2-D / 3-D grid (the QK kernel's (tokens, head groups)) reaches the launcher whole, not as (grid[0], 1, 1)."""
+    jit, x = _Jit(), torch.zeros(8)
+    for _ in range(2):
+        kl.launch(jit, grid, (x, 100), dict(BLOCK=64, SINGLE=True), 4, 1, CUDA0)
+    assert jit.slow[0][0] == grid and len(jit.compiled.runs) == 1
+    assert jit.compiled.runs[0][:3] == (grid + (1,))[:3]
+
+
 def test_new_specialization_goes_through_triton(fast):
     jit = _Jit()
     _go(jit, torch.zeros(8))

@@ -98,7 +98,7 @@ def _assert_as_ops(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("heads,d", [(3, 16), (4, 8), (2, 32)])
+@pytest.mark.parametrize("heads,d", [(3, 16), (4, 8), (2, 32), (6, 16)])  # 6: three programs of 2 heads
 def test_equals_comfyuis_ops(kf, dtype, heads, d):
     g = torch.Generator().manual_seed(heads * 100 + d)
     b, lt, li = 2, 3, 5
@@ -142,7 +142,7 @@ def _split_half_table(length, d, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("heads,d", [(3, 16), (2, 64)])
+@pytest.mark.parametrize("heads,d", [(3, 16), (2, 64), (6, 16)])
 def test_split_half_equals_ideogram4s_ops(kf, dtype, heads, d):
     """Ideogram 4: ``rms_rope_split_half`` = F.rms_norm per head, then the split-half RoPE, on q / k of the
     [B, L, 3, H, D] qkv output; here written [B, H, L, D] (the attention layout) by one launch."""
@@ -378,11 +378,11 @@ def test_flux_blocks_with_fused_qk_rope_on_the_current_comfyui(comfy_current):
 def _hopper_check() -> str:
     """Builds the compiled branch of ``_qk_norm_rope_kernel`` for sm_90."""
     import kernel.fused as kf
-    # Flux (24 heads, D 128, interleaved pairs), Ideogram 4 (18 heads, D 256, split-half pairs), Wan (12 heads,
-    # D 128, the norm over the row, fp16)
-    for ty, consts in (("bf16", {"D": 128, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False,
+    # Flux (24 heads in groups of 8, D 128, interleaved pairs), Ideogram 4 (18 heads in groups of 2, D 256,
+    # split-half pairs), Wan (12 heads, D 128, the norm over the row, fp16)
+    for ty, consts in (("bf16", {"D": 128, "BLOCK_H": 8, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False,
                                  "NORM_ROW": False, "WRITE_V": True, "INTERPRET": False}),
-                       ("bf16", {"D": 256, "BLOCK_H": 32, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True,
+                       ("bf16", {"D": 256, "BLOCK_H": 2, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True,
                                  "NORM_ROW": False, "WRITE_V": False, "INTERPRET": False}),
                        ("fp16", {"D": 128, "BLOCK_H": 16, "DT": 2, "HAS_PE": True, "SPLIT_HALF": False,
                                  "NORM_ROW": True, "WRITE_V": False, "INTERPRET": False})):
