@@ -240,16 +240,7 @@ class ModelsBench(SamplerBench):
         self.ref.pop(name, None)
         self.cleanup()
 
-    def switch(self, spec: str):
-        """``kernel.config.override`` of ``NAME=value`` (parsed as the switch's type) for one row; a no-op context
-        for ''."""
-        import contextlib
-        import importlib
-        if not spec:
-            return contextlib.nullcontext()
-        k, _, v = spec.partition("=")
-        config = importlib.import_module(self.pack.__name__ + ".kernel.config")
-        return config.override(**{k: config._parse(config._switch(k), v)})
+    ref_pack: dict = {}
 
     def run_row(self, name, req, switch, sd, cls, cfg, ctx, extra, latent, noise):
         """One (model, path) row: build, warm up, time, compare with bf16, profile as asked; errors recorded."""
@@ -291,6 +282,12 @@ class ModelsBench(SamplerBench):
                 self.ref[name] = out
             ref = self.ref.get(name)
             row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
+            if path.startswith("pack:"):
+                if not switch:
+                    self.ref_pack.setdefault(name, out)
+                elif name in self.ref_pack:  # a switched row against the plain pack row of this process
+                    row["bit_identical_vs_pack"] = bool(torch.equal(out, self.ref_pack[name]))
+                row.update(self.graph_stats(m))
             if self.dev.type == "cuda" and row["path"] in self.a.profile.split(","):
                 row.update(self.profiled(g, m, latent, noise))
                 for k, ms, pct in row["top_kernels_ms_per_step"]:

@@ -344,6 +344,31 @@ class SamplerBench:
         return {"host_profile_wall_s_per_step": round(wall, 4), "host_own_ms_per_step": by_own,
                 "host_cum_ms_per_step": by_cum}
 
+    def switch(self, spec: str):
+        """``kernel.config.override`` of ``NAME=value`` (parsed as the switch's type) for one row (a path's
+        ``%NAME=value`` suffix); a no-op context for ''."""
+        import contextlib
+        import importlib
+        if not spec:
+            return contextlib.nullcontext()
+        k, _, v = spec.partition("=")
+        config = importlib.import_module(self.pack.__name__ + ".kernel.config")
+        return config.override(**{k: config._parse(config._switch(k), v)})
+
+    @staticmethod
+    def graph_stats(*patchers) -> dict:
+        """CUDA graph counters of the fused blocks (INT8_FUSED_CUDA_GRAPHS), when any block captured or gave up."""
+        try:
+            gs = [g for p in patchers for m in p.model.diffusion_model.modules()
+                  if type(g := getattr(m, "graphs", None)).__name__ == "BlockGraphs"]
+        except Exception as e:  # noqa: BLE001  (a summary must not end the run)
+            return {"graphs": f"unavailable: {type(e).__name__}: {e}"}
+        if not any(g.captures or g.off for g in gs):
+            return {}
+        off = sorted({g.off for g in gs if g.off})
+        return {"graph_blocks": len(gs), "graph_captures": sum(g.captures for g in gs),
+                "graph_replays": sum(g.replays for g in gs), "graph_off": off[:3]}
+
     def dispatch_line(self, patcher) -> str | None:
         """The pack's per-shape dispatch summary of ``patcher``'s model (which linears ran int8 / float), or None
         for a model without fused_triton layers."""
@@ -389,6 +414,10 @@ class SamplerBench:
                     row["finite"] = bool(torch.isfinite(out).all())
                     if path.startswith("pack:"):
                         row["dispatch"] = self.dispatch_line(cond)
+                        row.update(self.graph_stats(cond, uncond))
+                        plain = self.latents.get((path.split("%")[0], wf, res, pressure))
+                        if "%" in path and plain is not None:  # a switched row against the plain pack row
+                            row["bit_identical_vs_pack"] = bool(torch_equal(out, plain))
                     if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
                         row.update(self.profiled(g, cond, latent, noise))
                     if i == 0:  # its own flag (--host-profile), with or without --profile
@@ -417,15 +446,17 @@ class SamplerBench:
         log(f"DynamicVRAM {'on' if self.dynamic else 'off'}; state dicts built")
         for path in a.paths.split(","):
             log(f"building {path}")
-            try:
-                cond, uncond, patcher = self.build(path, sds)
-            except Exception as e:
-                import traceback
-                traceback.print_exc()
-                self.rows.append({"path": path, "error": f"build: {type(e).__name__}: {e}"[:500]})
-                self.write()
-                continue
-            self.measure(path, patcher, cond, uncond)
+            base, _, sw = path.partition("%")  # a %SWITCH=value suffix: that kernel.config switch for this row
+            with self.switch(sw):
+                try:
+                    cond, uncond, patcher = self.build(base, sds)
+                except Exception as e:
+                    import traceback
+                    traceback.print_exc()
+                    self.rows.append({"path": path, "error": f"build: {type(e).__name__}: {e}"[:500]})
+                    self.write()
+                    continue
+                self.measure(path, patcher, cond, uncond)
             del cond, uncond
             self.cleanup()
         if a.pressure and self.dev.type == "cuda":

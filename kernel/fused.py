@@ -92,9 +92,12 @@ class SegmentPlan:
 
 # SwiGLU in one pass (silu(a) * b computed once, kept in registers in the model dtype) for rows up to 16384;
 # None: the chunked two-pass kernel of SWIGLU_PLAN. Module data, read at each call (the sweep sets it).
+# H200 (bench/fused_sweep.py, run y, M 4608, F 12288): 117 us with 16 or 32 warps, 124 with 8; the chunked kernel's
+# best plan 156 us (2048-wide, 8 warps); output identical.
 SWIGLU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=16)
 # gated_residual_rmsnorm over segments (K = 4608: 4096 + 512) for rows up to MAX_SINGLE; None: one tile.
-RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=16)
+# H200 (run y, with the next norm + quantization): 57.5 us with 4 warps, 70 with 8 or 16; one 8192 tile 89-96 us.
+RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
 # qk_norm_rope (per-head norms): heads per program, a power of 2 dividing H with at most this many elements
 QK_GROUP_ELEMS = 1024
 MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K = 4608 -> one 8192 tile)
