@@ -12,10 +12,11 @@ How (``BlockGraphs.run``), per call of a block with tensor inputs ``inputs``:
    tensor the block's kernels read: fetched weights and the block's other parameters and buffers. A captured graph
    only replays when every address is the one it was captured with; otherwise the block runs eagerly (a weight
    ComfyUI moved, evicted and re-placed, or patched).
-2. The first call of an input signature (shapes, dtypes, strides, device) runs eagerly: it autotunes, times the
-   dispatch and attention choices and warms the caches, so capture sees no host synchronisation.
-3. The second call captures ``fn`` on static copies of the inputs (a pool shared by every block of the process:
-   their temporaries reuse one region), then replays.
+2. The first call of an input signature (shapes, dtypes, strides, device) runs eagerly, on the capture stream: it
+   autotunes, times the dispatch and attention choices, warms the caches and that stream's cuBLAS workspace, so
+   capture sees no host synchronisation and allocates nothing that outlives it.
+3. The second call captures ``fn`` on static copies of the inputs (on the one capture stream; a pool shared by
+   every block of the process: their temporaries reuse one region), then replays.
 4. Later calls copy the inputs into the static inputs, replay, and return copies of the static outputs (a caller
    that keeps an output across steps never sees it overwritten).
 The weights are released (ComfyUI's uncast) after the replay is queued, as the eager layers release theirs.
@@ -36,13 +37,34 @@ from . import kernel_module, linear
 config = kernel_module("config")
 log = logging.getLogger("int8_fused")
 
-_POOLS: dict = {}  # device -> graph memory pool shared by every captured block (their temporaries alias)
+_POOLS: dict = {}    # device -> graph memory pool shared by every captured block (their temporaries alias)
+_STREAMS: dict = {}  # device -> the one stream every capture and warm-up of the process runs on
 
 
 def _pool(device: torch.device):
     if device not in _POOLS:
         _POOLS[device] = torch.cuda.graph_pool_handle()
     return _POOLS[device]
+
+
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    """The capture stream. One for every capture, with the warm-up calls on it too: cuBLAS keeps a workspace per
+    stream, and a workspace first made inside a capture and freed outside it aborts the process under the
+    cudaMallocAsync allocator ComfyUI selects (bench/graph_probe.py on the H200: a new side stream per capture
+    aborts at the second capture; one warmed stream captures and replays bit-exactly)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device=device)
+    return _STREAMS[device]
+
+
+def _on_capture_stream(device: torch.device, fn: Callable, inputs: tuple):
+    """``fn(*inputs)`` eagerly on the capture stream, ordered after and before the current stream's work."""
+    main, side = torch.cuda.current_stream(device), _stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn(*inputs)
+    main.wait_stream(side)
+    return out
 
 
 def _flat(out) -> tuple:
@@ -138,9 +160,9 @@ class BlockGraphs:
                 cap.graph.replay()
                 self.replays += 1
                 return _like(cap.outputs, [o.clone() for o in _flat(cap.outputs)])
-            if key not in self._seen:  # first call of this signature: eager (autotune, dispatch timing, probes)
-                self._seen.add(key)
-                return fn(*inputs)
+            if key not in self._seen:  # first call of this signature: eager on the capture stream (autotune,
+                self._seen.add(key)        # dispatch timing, attention probes, the stream's cuBLAS workspace)
+                return _on_capture_stream(x0.device, fn, inputs)
             return self._capture(block, fn, inputs, key, ptrs)
         finally:
             held.release()
@@ -149,7 +171,7 @@ class BlockGraphs:
         static = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=_pool(inputs[0].device)):
+            with torch.cuda.graph(graph, pool=_pool(inputs[0].device), stream=_stream(inputs[0].device)):
                 outputs = fn(*static)
         except Exception as e:  # noqa: BLE001 - an op a graph cannot record: this block stays eager
             self.off = f"{type(e).__name__}: {e}"[:300]
