@@ -26,6 +26,7 @@ off CUDA.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Callable
 
@@ -173,6 +174,10 @@ class BlockGraphs:
         try:
             with torch.cuda.graph(graph, pool=_pool(inputs[0].device), stream=_stream(inputs[0].device)):
                 outputs = fn(*static)
+                # cyclic garbage made during the capture (closures, frames) is freed here, inside it: the
+                # gc.collect() of the next capture would free its tensors outside, which aborts the process
+                # under the cudaMallocAsync allocator (run z2 on the H200)
+                gc.collect()
         except Exception as e:  # noqa: BLE001 - an op a graph cannot record: this block stays eager
             self.off = f"{type(e).__name__}: {e}"[:300]
             log.warning("INT8 CUDA graphs: block %s cannot be captured (%s); it runs without a graph",
