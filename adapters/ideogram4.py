@@ -18,8 +18,7 @@ the module's ``_apply_rope_split_half1``. With ``INT8_FUSED_QK_ROPE`` at its def
 split-half RoPE of q / k come from one ``kernel.fused.qk_norm_rope`` launch instead of comfy_kitchen's op (H200:
 0.2048 vs 0.2084 s/step, bench/RESULTS.md run q). Where one of them is missing (ComfyUI 0.3.75 has neither the module,
 ``in_training`` nor ``quant_ops.ck``; a ComfyUI without comfy_kitchen has no ``ck``) no block is fused: one log
-line, the per-linear path (FeedForwards still fused). With ``INT8_FUSED_CUDA_GRAPHS=1`` (opt-in) each fused block
-replays a CUDA graph (``quant/graphs.py``).
+line, the per-linear path (FeedForwards still fused).
 """
 from __future__ import annotations
 
@@ -31,9 +30,6 @@ import torch
 from torch import nn
 
 from .base import Adapter, Int8Linear, fused as qf, pack_module, select
-
-_graphs = pack_module("quant.graphs")
-BlockGraphs, run_block = _graphs.BlockGraphs, _graphs.run_block
 
 pad_elision = pack_module("quant.pad_elision")
 
@@ -151,13 +147,8 @@ class FusedIdeogram4Block(nn.Module):
         self.ffn_norm1, self.ffn_norm2 = block.ffn_norm1, block.ffn_norm2
         self.adaln_modulation = adaln_modulation
         self.covers = tuple(covers)
-        self.graphs = BlockGraphs(type(block).__name__)
 
     def forward(self, x, attn_mask, freqs_cis, adaln_input, transformer_options={}):
-        return run_block(self, lambda x_, f, a: self._forward(x_, attn_mask, f, a, transformer_options),
-                         (x, freqs_cis, adaln_input), attn_mask, transformer_options, self.attention.fn.in_training())
-
-    def _forward(self, x, attn_mask, freqs_cis, adaln_input, transformer_options):
         mod = qf.linear(self.adaln_modulation, adaln_input)
         scale_msa, gate_msa, scale_mlp, gate_mlp = mod.chunk(4, dim=-1)
         gate_msa, gate_mlp = torch.tanh(gate_msa), torch.tanh(gate_mlp)

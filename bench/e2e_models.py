@@ -287,7 +287,6 @@ class ModelsBench(SamplerBench):
                     self.ref_pack.setdefault(name, out)
                 elif name in self.ref_pack:  # a switched row against the plain pack row of this process
                     row["bit_identical_vs_pack"] = bool(torch.equal(out, self.ref_pack[name]))
-                row.update(self.graph_stats(m))
             if self.dev.type == "cuda" and row["path"] in self.a.profile.split(","):
                 row.update(self.profiled(g, m, latent, noise))
                 for k, ms, pct in row["top_kernels_ms_per_step"]:

@@ -355,20 +355,6 @@ class SamplerBench:
         config = importlib.import_module(self.pack.__name__ + ".kernel.config")
         return config.override(**{k: config._parse(config._switch(k), v)})
 
-    @staticmethod
-    def graph_stats(*patchers) -> dict:
-        """CUDA graph counters of the fused blocks (INT8_FUSED_CUDA_GRAPHS), when any block captured or gave up."""
-        try:
-            gs = [g for p in patchers for m in p.model.diffusion_model.modules()
-                  if type(g := getattr(m, "graphs", None)).__name__ == "BlockGraphs"]
-        except Exception as e:  # noqa: BLE001  (a summary must not end the run)
-            return {"graphs": f"unavailable: {type(e).__name__}: {e}"}
-        if not any(g.captures or g.off for g in gs):
-            return {}
-        off = sorted({g.off for g in gs if g.off})
-        return {"graph_blocks": len(gs), "graph_captures": sum(g.captures for g in gs),
-                "graph_replays": sum(g.replays for g in gs), "graph_off": off[:3]}
-
     def dispatch_line(self, patcher) -> str | None:
         """The pack's per-shape dispatch summary of ``patcher``'s model (which linears ran int8 / float), or None
         for a model without fused_triton layers."""
@@ -414,7 +400,6 @@ class SamplerBench:
                     row["finite"] = bool(torch.isfinite(out).all())
                     if path.startswith("pack:"):
                         row["dispatch"] = self.dispatch_line(cond)
-                        row.update(self.graph_stats(cond, uncond))
                         plain = self.latents.get((path.split("%")[0], wf, res, pressure))
                         if "%" in path and plain is not None:  # a switched row against the plain pack row
                             row["bit_identical_vs_pack"] = bool(torch_equal(out, plain))

@@ -114,7 +114,8 @@ def main() -> int:
                     print(f"{name:26s} fast={fast!s:5s} " + ("own plan: " if plan is None else
                           f"one pass, segments, warps={plan[1]:2d}: " if seg else
                           f"BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: ") +
-                          f"{us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  equal={same} sha1 {digest}{vs_torch}", flush=True)
+                          f"{us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  equal={same} sha1 {digest}{vs_torch}",
+                          flush=True)
                 except Exception as e:  # a plan that does not compile (registers) is reported, not fatal
                     print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
         kf.GELU_FAST = gelu_fast

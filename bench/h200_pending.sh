@@ -37,12 +37,9 @@
 #   segments  the one-pass segmented SwiGLU and residual-tail kernels against the chunked / one-tile ones
 #             (bench/fused_sweep.py), then Ideogram 4 dual (bf16, pack profiled and host-profiled) and Flux.1
 #             (bf16, pack), each row with the GPU's lag behind the host at each step's end
-#   graphs    INT8_FUSED_CUDA_GRAPHS (per-block CUDA graphs) against the eager pack in one process: Flux.1 (bf16,
-#             pack, pack%graphs, pack again), then Ideogram 4 dual (bf16, pack, pack%graphs); the graph rows
-#             checked bit for bit against the eager pack row
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|graphs ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -165,12 +162,6 @@ PY
       --out "$OUT/sampler-seg.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 150 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
       --paths "bf16,pack:fused_triton" --out "$OUT/h200-e2e-models-seg.json" 2>&1 | tee -a "$OUT/last.log" ;;
-  graphs)
-    timeout 250 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
-      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_CUDA_GRAPHS=1,pack:fused_triton" \
-      --out "$OUT/h200-e2e-models-graphs.json" 2>&1 | tee -a "$OUT/last.log"
-    timeout 280 $sampler --profile none --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_CUDA_GRAPHS=1" \
-      --out "$OUT/sampler-graphs.json" 2>&1 | tee -a "$OUT/last.log" ;;
   closing)
     timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "bf16,pack:fused_triton,fp8_fast,pack:fused_triton" --out "$OUT/h200-e2e-models-closing.json" \

@@ -53,12 +53,6 @@ SWITCHES = {s.name: s for s in (
            "quantization) as one kernel each (`kernel/fused.py` `residual_add*`, `round_product`: the same two "
            "roundings as torch's ops); opt-in: 3.3 ms less GPU work a Flux step on the H200, but the step is "
            "paced by the host and was not faster (bench/RESULTS.md, run x)"),
-    Switch("INT8_FUSED_CUDA_GRAPHS", bool, False,
-           "`1`: the fused blocks of Flux.1 and Ideogram 4 run as CUDA graphs from the second call of a shape on "
-           "(`quant/graphs.py`): "
-           "the host issues one replay per block instead of every kernel; more VRAM (each block keeps its "
-           "output buffer); falls back to the eager block whenever a weight moved, a patch or mask is present "
-           "or capture fails"),
     Switch("INT8_FUSED_QK_ROPE", str, "all",
            "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/fused.py` `qk_norm_rope`, "
            "`qk_rmsnorm_rope_rows`) instead of ComfyUI's ops: `all` the fused blocks of Flux.1, Ideogram 4, "

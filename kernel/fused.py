@@ -43,15 +43,14 @@ definition in torch. The kernels agree with them exactly except where the fp32 `
 ``exp`` or ``tanh`` differ by an ulp and that moves a dt rounding: rare ±1 code flips (tests/test_fused.py and
 tests/test_flux_fused.py bound them).
 
-Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton specialises the unit stride
-away). Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``, ``LN_PLAN``, ``GELU_PLAN``): a row of up to
+Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton specialises the unit stride away).
+Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``, ``LN_PLAN``, ``GELU_PLAN``): a row of up to
 ``max_single`` elements stays in registers (one DRAM read, one int8 write); longer rows run in ``chunk``-wide tiles
 and the later passes re-read the row from L2. ``swiglu_quantize`` and ``gated_residual_rmsnorm`` also have a
-one-pass form over up to three power-of-2 segments (``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``: 12288 = 8192 + 4096,
-4608 = 4096 + 512), which keeps the row in registers without masked lanes; ``gated_residual_rmsnorm`` has no chunked
-form (rows up to ``MAX_SINGLE``). fp32 division and exp use the IEEE / libdevice versions torch's CUDA kernels use, so compiled
-results match torch's bit for bit more often.
-Importing this module imports triton.
+one-pass form over up to three power-of-2 segments (``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``: 12288 = 8192 +
+4096, 4608 = 4096 + 512), which keeps the row in registers without masked lanes; ``gated_residual_rmsnorm`` has no
+chunked form (rows up to ``MAX_SINGLE``). fp32 division and exp use the IEEE / libdevice versions torch's CUDA
+kernels use, so compiled results match torch's bit for bit more often. Importing this module imports triton.
 """
 from __future__ import annotations
 

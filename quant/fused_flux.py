@@ -8,11 +8,10 @@ each GEMM input (``kernel/fused.py``):
 * ``cat(attn, gelu_tanh(mlp))`` + quantization (``concat_gelu_quantize``, one absmax over both parts, the
   concatenation never written) feeds the single block's ``linear2``;
 * QK RMSNorm + RoPE + the txt / img concatenation (``qk_norm_rope``, ``INT8_FUSED_QK_ROPE``, on by default);
-* with ``INT8_FUSED_FLUX_TAILS=1`` (opt-in: measured, not faster) the residual tails ``x += y * gate`` (in place, the
-  product rounded first as torch's two ops) in ``residual_add``, and the double block's first one together with
+* with ``INT8_FUSED_FLUX_TAILS=1`` (opt-in: measured in run x, not faster) the residual tails ``x += y * gate`` (in
+  place, the product rounded first as torch's two ops) in ``residual_add``, and the double block's first one together with
   ``img_norm2`` / ``txt_norm2`` · modulation + quantization for ``mlp.0``
-  (``residual_add_layernorm_modulate_quantize``);
-* with ``INT8_FUSED_CUDA_GRAPHS=1`` (opt-in) each block replays a CUDA graph (``quant/graphs.py``).
+  (``residual_add_layernorm_modulate_quantize``).
 
 Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: ``adapters/flux.py`` decides which
 blocks are Flux.1 blocks and hands in what the forwards call from ComfyUI (:class:`FluxFunctions`: Flux's
@@ -36,7 +35,6 @@ import torch
 from torch import nn
 
 from . import fused as qf
-from .graphs import BlockGraphs, run_block
 from .linear import Int8Linear
 
 
@@ -148,12 +146,7 @@ class _FusedFluxBlock(nn.Module):
             self._modules[k] = with_layers(m, f"{prefix}.{k}", layers) if m is not None else None
         self.fn = fn
         self.covers = tuple(n for n in layers if n.startswith(f"{prefix}."))
-        self.graphs = BlockGraphs(prefix)
         qf._kf().register_ops()
-
-    def _run(self, fn, inputs: tuple, attn_mask, transformer_options):
-        return run_block(self, fn, inputs, attn_mask, transformer_options,
-                         self.fn.in_training is not None and self.fn.in_training())
 
     def int8_layers(self) -> dict[str, Int8Linear]:
         return {n: m for n, m in self.named_modules() if isinstance(m, Int8Linear)}
@@ -247,10 +240,6 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
                                           modulation_dims_img=modulation_dims_img,
                                           modulation_dims_txt=modulation_dims_txt,
                                           transformer_options=transformer_options)
-        return self._run(lambda i, t, v, p: self._double(i, t, v, p, attn_mask, transformer_options),
-                         (img, txt, vec, pe), attn_mask, transformer_options)
-
-    def _double(self, img, txt, vec, pe, attn_mask, transformer_options):
         img_mod1, img_mod2 = self.img_mod(vec)
         txt_mod1, txt_mod2 = self.txt_mod(vec)
         img_qkv = self._mod_linear(self.img_attn.qkv, self.img_norm1, img, img_mod1)
@@ -317,10 +306,6 @@ class FusedFluxSingleBlock(_FusedFluxBlock):
         if modulation_dims is not None or _attn_patches(transformer_options) or not isinstance(vec, torch.Tensor):
             return self.fn.single_forward(self, x, vec, pe, attn_mask=attn_mask, modulation_dims=modulation_dims,
                                           transformer_options=transformer_options)
-        return self._run(lambda x_, v, p: self._single(x_, v, p, attn_mask, transformer_options),
-                         (x, vec, pe), attn_mask, transformer_options)
-
-    def _single(self, x, vec, pe, attn_mask, transformer_options):
         mod, _ = self.modulation(vec)
         h = self._mod_linear(self.linear1, self.pre_norm, x, mod)
         qkv, mlp = torch.split(h, [3 * self.hidden_size, self.mlp_hidden_dim_first], dim=-1)

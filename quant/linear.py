@@ -48,11 +48,6 @@ def set_comfy_cast(fn: Callable | None) -> None:
     _COMFY_CAST = fn
 
 
-def comfy_cast() -> Callable | None:
-    """The installed fetch (``set_comfy_cast``), or None without ComfyUI."""
-    return _COMFY_CAST
-
-
 _TENSORS = ("weight", "weight_scale", "bias", "smooth")
 LORA_AFTER_APPLY = ("weight patches (a LoRA loaded after this layer was quantized) target the INT8 layer "
                     "{name}: int8 weights cannot take them. Put LoRA loaders BEFORE 'Apply Fused INT8 GEMM' "

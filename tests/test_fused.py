@@ -182,7 +182,8 @@ def test_norm_without_eps_uses_torchs_fp32_epsilon(kf, dtype):
     (BF16, 5, 160, False, False, "one_pass"), (BF16, 1, 48, True, True, "single"),
     (BF16, 6, 100, True, False, "chunked"), (BF16, 6, 100, True, False, "one_pass"),
     (FP16, 4, 70, False, True, "chunked"), (FP16, 3, 100, True, False, "one_pass"),
-    (FP16, 3, 100, True, False, "single"), (FP32, 4, 70, True, False, "chunked"), (FP32, 4, 70, True, True, "one_pass")])
+    (FP16, 3, 100, True, False, "single"), (FP32, 4, 70, True, False, "chunked"),
+    (FP32, 4, 70, True, True, "one_pass")])
 def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, path):
     # one_pass: the segmented kernel with 16-wide minimum segments (160 -> 128 + 32; 100 -> 64 + 32 + 16, the
     # last partial; 70 -> 64 + 16); single: the register-resident tile of the two-pass kernel; chunked: its
