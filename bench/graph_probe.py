@@ -6,7 +6,10 @@ Each variant runs in its own process (a failure aborts the process) and captures
   shared    one capture stream for every capture, one eager warm-up of the region on that stream first
   shared_nc as shared, with cuBLAS kept out of the captured region (its GEMM eager, before the replay)
 Prints one line per variant: exit code and the last line of its output.
-``python bench/graph_probe.py`` on a GPU machine.
+``python bench/graph_probe.py`` on a GPU machine. H200, torch 2.11 (bench/results/graph-probe.log): side aborts at the
+second capture (CUDA error: invalid argument in the allocator's free); shared and shared_nc capture and replay
+bit-exactly. The fused blocks still aborted with one warmed capture stream (bench/RESULTS.md, runs z-z3), so the pack
+has no CUDA-graph path; this probe stays as the record of what was measured.
 """
 from __future__ import annotations
 
