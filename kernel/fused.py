@@ -1222,7 +1222,7 @@ def _qk_launch(src, ksrc, k_off: int, heads: int, d: int, wq, wk, eps_q, eps_k, 
             0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
            dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[src.dtype], HAS_PE=pe is not None, SPLIT_HALF=bool(split_half),
                 NORM_ROW=bool(norm_row), WRITE_V=v is not None, INTERPRET=INTERPRET),
-           max(1, min(8, block_h * d // 256)), 1, src.device)
+           max(2, min(8, block_h * d // 256)), 1, src.device)  # H200, run y: 2 warps for 2 x 256, 4 for 8 x 128
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,
