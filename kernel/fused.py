@@ -257,6 +257,15 @@ def _swiglu_tile(a_row, b_row, inv_ptr, ks, mask,
 
 
 @triton.jit
+def _amax_bad(y, amax, bad):
+    """The running row |max| and non-finite flag of a one-pass segmented kernel, updated with segment ``y``."""
+    ay = tl.abs(y)
+    amax = tl.maximum(amax, tl.max(ay, axis=0))
+    bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0, 1), axis=0))  # NaN fails `< inf` as Inf does
+    return amax, bad
+
+
+@triton.jit
 def _swiglu_seg(a_row, b_row, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad,
                 HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
     """One segment of the one-pass SwiGLU: its values in the model dtype (exact: they are rounded to it), with
@@ -264,9 +273,7 @@ def _swiglu_seg(a_row, b_row, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, 
     ks = OFF + tl.arange(0, SEG)
     mask = ks < F
     y = _swiglu_vals(a_row, b_row, ks, mask, DT, CLAMP_FP16, INTERPRET)
-    ay = tl.abs(_smooth(y, inv_ptr, ks, mask, HAS_SMOOTH))
-    amax = tl.maximum(amax, tl.max(ay, axis=0))
-    bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0, 1), axis=0))  # NaN fails `< inf` as Inf does
+    amax, bad = _amax_bad(_smooth(y, inv_ptr, ks, mask, HAS_SMOOTH), amax, bad)
     return y.to(a_row.dtype.element_ty), amax, bad
 
 
@@ -402,9 +409,7 @@ def _gr_seg_z(y, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, OFF: tl.constexpr
               HAS_SMOOTH: tl.constexpr, OUT_DT: tl.constexpr, NEXT_PROD_DT: tl.constexpr, INTERPRET: tl.constexpr):
     ks = OFF + tl.arange(0, SEG)
     z = _rmsmod_tile(y, w2_ptr, s2_row, inv_ptr, ks, ks < K, rstd2, HAS_SMOOTH, OUT_DT, NEXT_PROD_DT, INTERPRET)
-    az = tl.abs(z)
-    amax = tl.maximum(amax, tl.max(az, axis=0))
-    bad = tl.maximum(bad, tl.max(tl.where(az < float("inf"), 0, 1), axis=0))  # NaN fails `< inf` as Inf does
+    amax, bad = _amax_bad(z, amax, bad)
     return z, amax, bad
 
 
