@@ -162,6 +162,7 @@ class ModelsBench(SamplerBench):
     def __init__(self, a, dynamic: bool, e2e):
         super().__init__(a, dynamic, e2e)
         self.ref = {}  # model -> bf16 final latent
+        self.ref_pack = {}  # model -> the plain pack row's final latent (switched rows compare against it)
         self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "models": {}}
 
     # ------------------------------------------------------------------ per model
@@ -239,8 +240,6 @@ class ModelsBench(SamplerBench):
         del sd
         self.ref.pop(name, None)
         self.cleanup()
-
-    ref_pack: dict = {}
 
     def run_row(self, name, req, switch, sd, cls, cfg, ctx, extra, latent, noise):
         """One (model, path) row: build, warm up, time, compare with bf16, profile as asked; errors recorded."""

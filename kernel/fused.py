@@ -1197,7 +1197,8 @@ def _qk_outputs(bsz: int, heads: int, d: int, dtype, device, q, k, v) -> None:
 
 def _qk_launch(src, ksrc, k_off: int, heads: int, d: int, wq, wk, eps_q, eps_k, pe, q, k, v, row_offset: int,
                split_half: bool, norm_row: bool) -> None:
-    """Checks shared by :func:`qk_norm_rope` and :func:`qk_rmsnorm_rope_rows`, then one launch (B * L programs)."""
+    """Checks shared by :func:`qk_norm_rope` and :func:`qk_rmsnorm_rope_rows`, then one launch: a program per token
+    and group of heads (per-head norms), or per token (``norm_row``)."""
     bsz, l = src.shape[0], src.shape[1]
     if d < 2 or d & (d - 1):
         raise ValueError(f"head_dim {d} must be a power of two (>= 2) for the fused QK norm + RoPE")
@@ -1215,10 +1216,12 @@ def _qk_launch(src, ksrc, k_off: int, heads: int, d: int, wq, wk, eps_q, eps_k, 
     if bsz == 0 or l == 0:
         return
     _check_usable(src, "qk_norm_rope")
-    if norm_row:  # the norm spans every head: one program a token
+    if norm_row:  # the norm spans every head: one program a token (Wan: 4 warps up to 4096 elements, as measured)
         block_h = triton.next_power_of_2(heads)
+        warps = 4 if block_h * d <= 4096 else 8
     else:  # a power-of-2 group of heads that divides H (no masked heads: Ideogram 4's 18 -> 9 groups of 2)
         block_h = max(1, min(heads & -heads, QK_GROUP_ELEMS // d))
+        warps = max(2, min(8, block_h * d // 256))  # H200, run y: 2 warps for 2 x 256, 4 for 8 x 128
     groups = -(-heads // block_h)
     launch(_qk_norm_rope_kernel, (bsz * l, groups),
            (src, ksrc, wq, wk, pe if pe is not None else wq, q, k, v if v is not None else q, l, heads,
@@ -1227,7 +1230,7 @@ def _qk_launch(src, ksrc, k_off: int, heads: int, d: int, wq, wk, eps_q, eps_k, 
             0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
            dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[src.dtype], HAS_PE=pe is not None, SPLIT_HALF=bool(split_half),
                 NORM_ROW=bool(norm_row), WRITE_V=v is not None, INTERPRET=INTERPRET),
-           max(2, min(8, block_h * d // 256)), 1, src.device)  # H200, run y: 2 warps for 2 x 256, 4 for 8 x 128
+           warps, 1, src.device)
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,
