@@ -243,6 +243,7 @@ class SamplerBench:
             ref.record()
             h_ref = time.perf_counter()  # the GPU reaches ``ref`` about now: its queue is empty
         gc_t, gc_n = self._gc_watch()
+        moved0 = self._conds_moved()
         t0 = time.perf_counter()
         try:
             out = self.sample(guider, model, latent, noise, steps, cb)
@@ -253,7 +254,9 @@ class SamplerBench:
         wall = time.perf_counter() - t0
         self.last_gc = {"gc_s_per_step": sum(gc_t) / steps, "gc_collections": dict(gc_n),
                         "gc_tracked_objects": len(gc.get_objects()),
-                        "loaded_models": len(getattr(self.mm, "current_loaded_models", []) or [])}
+                        "loaded_models": len(getattr(self.mm, "current_loaded_models", []) or []),
+                        # the pack's conditioning-on-GPU wrapper (nodes/resident_conds.py): MiB it moved this run
+                        "conds_moved_mib": round((self._conds_moved() - moved0) / 2 ** 20, 2)}
         if cuda:
             deltas = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
             # how far the GPU lags the host at each step's end (ms): about 0 when the host is what paces the
@@ -268,6 +271,12 @@ class SamplerBench:
             (max(used) / 2 ** 30 if used else 0.0)
 
     last_gc: dict = {}
+
+    def _conds_moved(self) -> int:
+        """Bytes the pack's ``resident_conds`` wrapper has moved to the GPU in this process (0 before the pack is
+        imported)."""
+        mod = sys.modules.get(f"{self.pack.__name__}.nodes.resident_conds") if getattr(self, "pack", None) else None
+        return mod.stats["moved_bytes"] if mod is not None else 0
 
     def _gc_watch(self):
         """Time spent in Python's garbage collector (and collections per generation) while sampling: a host cost

@@ -58,6 +58,10 @@ SWITCHES = {s.name: s for s in (
            "`qk_rmsnorm_rope_rows`) instead of ComfyUI's ops: `all` the fused blocks of Flux.1, Ideogram 4, "
            "Lumina 2 / Z-Image and Wan 2.x (in place of comfy_kitchen's ops where ComfyUI calls them), `flux` "
            "Flux.1's only, `0` none (A/B runs)"),
+    Switch("INT8_FUSED_GPU_CONDS", bool, True,
+           "`0`: leave the sampling run's conditioning on the CPU, where ComfyUI concatenates it and copies it "
+           "to the GPU from pageable memory in every model call (a copy that drains the GPU queue); unset, the "
+           "pack's models move it to the GPU once per run (`nodes/resident_conds.py`)"),
     Switch("INT8_FUSED_ALU_ROUND", bool, False,
            "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
            "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",

@@ -36,7 +36,7 @@ from ..quant import backends, dispatch, fused, select
 from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
-from . import attention as attention_routing, pad_elision, timing
+from . import attention as attention_routing, pad_elision, resident_conds, timing
 
 log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
@@ -68,10 +68,13 @@ def _fuse(model, layers: dict, adapter) -> dict:
 
 def install_patches(out, patches: dict) -> None:
     """Add ``patches`` ({name relative to the diffusion model: module}) to the ModelPatcher ``out`` as object
-    patches, and the per-run cache wrappers when a fused module needs them (Apply and the Ideogram 4 loader)."""
+    patches, the conditioning-on-GPU wrapper (``resident_conds``), and the per-run cache wrappers when a fused
+    module needs them (Apply and the Ideogram 4 loader)."""
     from comfy.patcher_extension import WrappersMP
     for name, module in patches.items():
         out.add_object_patch(PREFIX + name, module)
+    out.remove_wrappers_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY)
+    out.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY, resident_conds.sampler_sample_wrapper)
     if any(isinstance(m, fused.CachedLinear) for m in patches.values()):
         out.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, _CALLBACK_KEY, fused.diffusion_model_wrapper)
         out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _CALLBACK_KEY, fused.outer_sample_wrapper)
