@@ -291,6 +291,8 @@ class ModelsBench(SamplerBench):
                 for k, ms, pct in row["top_kernels_ms_per_step"]:
                     log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
             self.maybe_host_profile(row, row["path"], g, m, latent, noise)
+            if self.dev.type == "cuda" and row["path"] in self.a.gpu_gaps.split(","):
+                row.update(self.gpu_gaps(g, m, latent, noise))
         except Exception as e:  # a path that cannot run is reported, not hidden
             import traceback
             traceback.print_exc()
@@ -372,6 +374,8 @@ def main() -> int:
     ap.add_argument("--ideogram-layers", type=int, default=34)
     ap.add_argument("--profile", default="", help="comma-separated paths to profile (a 2-step run each)")
     ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
+    ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only, "
+                                                   "idle gaps by size (e2e_sampler's gpu_gaps)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")

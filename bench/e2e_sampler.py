@@ -42,6 +42,7 @@ tiny --layers/--res; no timing claims).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -104,6 +105,8 @@ def main() -> int:
                                         "core_int8+pack:fused_triton,bf16@legacy,pack:fused_triton@legacy")
     ap.add_argument("--profile", default="all", help="'all', 'none' or comma-separated paths to profile")
     ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
+    ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only "
+                                                   "(no host events: the host stays ahead), idle gaps by size")
     ap.add_argument("--pressure", type=float, default=0.0, help="GiB left free for the pressure rows (0: none)")
     ap.add_argument("--pressure-paths", default="core_int8,pack:fused_triton")
     ap.add_argument("--device", default="cuda")
@@ -244,11 +247,13 @@ class SamplerBench:
             h_ref = time.perf_counter()  # the GPU reaches ``ref`` about now: its queue is empty
         gc_t, gc_n = self._gc_watch()
         moved0 = self._conds_moved()
+        clocks = _Clocks() if cuda else contextlib.nullcontext()
         t0 = time.perf_counter()
         try:
-            out = self.sample(guider, model, latent, noise, steps, cb)
-            if cuda:
-                torch.cuda.synchronize()
+            with clocks:
+                out = self.sample(guider, model, latent, noise, steps, cb)
+                if cuda:
+                    torch.cuda.synchronize()
         finally:
             gc.callbacks.remove(self._gc_cb)
         wall = time.perf_counter() - t0
@@ -258,6 +263,7 @@ class SamplerBench:
                         # the pack's conditioning-on-GPU wrapper (nodes/resident_conds.py): MiB it moved this run
                         "conds_moved_mib": round((self._conds_moved() - moved0) / 2 ** 20, 2)}
         if cuda:
+            self.last_gc.update(clocks.summary())
             deltas = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
             # how far the GPU lags the host at each step's end (ms): about 0 when the host is what paces the
             # step (the GPU finishes what it was given and waits), large and growing when the GPU does
@@ -324,6 +330,56 @@ class SamplerBench:
                 "h2d_pageable_per_step_raw": sum("Pageable" in e["name"] for e in h2d) / 2,
                 "top_kernels_ms_per_step": [[n, round(ms / 2, 2), round(100 * ms / total, 1)] for n, ms in top]}
 
+    def gpu_gaps(self, guider, model, latent, noise, steps: int = 4) -> dict:
+        """A ``steps``-step run traced with CUDA activity only (no host events, no Python stacks: the host keeps
+        its pace), then the GPU's idle gaps between the end of the first step's work and the last kernel: their
+        total per step by size, and the kernels that follow the gaps of 10 µs and more. Tells kernel-to-kernel
+        latency on a fed queue (many µs-gaps) from a starved GPU (few long gaps), and ``nvidia-smi``'s SM clock
+        and power while it runs (a power-capped clock makes kernels slower than in a sparse profiled window)."""
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+        marks = []
+        clocks = _Clocks()
+        with clocks, profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.sample(guider, model, latent, noise, steps, lambda *a: marks.append(time.perf_counter()))
+            torch.cuda.synchronize()
+        trace = Path(self.a.out).with_suffix(".gaps.json")
+        prof.export_chrome_trace(str(trace))
+        ev = json.loads(trace.read_text()).get("traceEvents", [])
+        trace.unlink()
+        gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+        if len(gpu) < 8:
+            return {"gpu_gaps": "too few GPU events"}
+        skip = len(gpu) // steps  # the first step's share: its start waits for the host
+        gpu = gpu[skip:]
+        bins = [(0, 2), (2, 5), (5, 10), (10, 50), (50, 500), (500, 1e12)]
+        idle = {f"{a}-{b if b < 1e12 else 'inf'}us": [0, 0.0] for a, b in bins}
+        after: dict = {}
+        busy, end, start = 0.0, gpu[0]["ts"], gpu[0]["ts"]
+        for g in gpu:
+            if g["ts"] > end:
+                gap = g["ts"] - end
+                busy += end - start
+                for (a, b), k in zip(bins, idle):
+                    if a <= gap < b:
+                        idle[k][0] += 1
+                        idle[k][1] += gap
+                if gap >= 10:
+                    n = g.get("name", "")[:70]
+                    c, t = after.get(n, (0, 0.0))
+                    after[n] = (c + 1, t + gap)
+                start = g["ts"]
+            end = max(end, g["ts"] + g.get("dur", 0))
+        busy += end - start
+        per = (steps - 1)
+        span = (end - gpu[0]["ts"]) / 1e3 / per
+        return {"gaps_span_ms_per_step": round(span, 2), "gaps_busy_ms_per_step": round(busy / 1e3 / per, 2),
+                "gaps_idle_by_size": {k: [round(n / per, 1), round(t / 1e3 / per, 3)] for k, (n, t) in idle.items()},
+                "gaps_10us_before": [[k, round(n / per, 1), round(t / 1e3 / per, 3)]
+                                     for k, (n, t) in sorted(after.items(), key=lambda kv: -kv[1][1])[:10]],
+                "gaps_s_per_step": round(statistics.median(b - a for a, b in zip(marks, marks[1:])), 4)
+                if len(marks) > 1 else None, **clocks.summary()}
+
     def host_profiled(self, guider, model, latent, noise, top: int = 28) -> dict:
         """Steps 1 and 2 of a 3-step run under cProfile: where the host's time per step goes (Python functions by own time, and
         by cumulative time), to tell a host-bound step (GPU idle between kernels) from a GPU-bound one. cProfile
@@ -356,7 +412,6 @@ class SamplerBench:
     def switch(self, spec: str):
         """``kernel.config.override`` of ``NAME=value`` (parsed as the switch's type) for one row (a path's
         ``%NAME=value`` suffix); a no-op context for ''."""
-        import contextlib
         import importlib
         if not spec:
             return contextlib.nullcontext()
@@ -416,6 +471,8 @@ class SamplerBench:
                         row.update(self.profiled(g, cond, latent, noise))
                     if i == 0:  # its own flag (--host-profile), with or without --profile
                         self.maybe_host_profile(row, path, g, cond, latent, noise)
+                    if i == 0 and self.dev.type == "cuda" and path in self.a.gpu_gaps.split(","):
+                        row.update(self.gpu_gaps(g, cond, latent, noise))
                     self.latents[(path, wf, res, pressure)] = out
                 except Exception as e:  # a path that cannot run is reported, not hidden
                     import traceback
@@ -586,6 +643,40 @@ def _group(items: list, key) -> dict:
     for it in items:
         g.setdefault(key(it), []).append(it)
     return g
+
+
+class _Clocks:
+    """``nvidia-smi`` sampling SM clock (MHz), power (W) and temperature every 50 ms while the block runs."""
+
+    def __enter__(self):
+        import subprocess
+        try:
+            self.p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                                       "--format=csv,noheader,nounits", "-lms", "50"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.p = None
+        return self
+
+    def __exit__(self, *exc):
+        self.out = ""
+        if self.p is not None:
+            self.p.terminate()
+            self.out = self.p.communicate(timeout=10)[0]
+
+    def summary(self) -> dict:
+        rows = []
+        for ln in getattr(self, "out", "").splitlines():
+            try:
+                rows.append([float(x) for x in ln.split(",")])
+            except ValueError:
+                continue
+        if not rows:
+            return {}
+        col = list(zip(*rows))
+        return {"sm_clock_mhz_median": statistics.median(col[0]), "sm_clock_mhz_min": min(col[0]),
+                "power_w_median": statistics.median(col[1]), "power_w_max": max(col[1]),
+                "temp_c_max": max(col[2]), "clock_samples": len(rows)}
 
 
 def _idle_gaps(ev: list, steps: int, min_us: float = 2.0, top: int = 12) -> dict:
