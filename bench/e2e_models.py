@@ -376,6 +376,7 @@ def main() -> int:
     ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
     ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only, "
                                                    "idle gaps by size (e2e_sampler's gpu_gaps)")
+    ap.add_argument("--clocks", action="store_true", help="sample nvidia-smi's SM clock / power in timed rows")
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")

@@ -107,6 +107,7 @@ def main() -> int:
     ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
     ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only "
                                                    "(no host events: the host stays ahead), idle gaps by size")
+    ap.add_argument("--clocks", action="store_true", help="sample nvidia-smi's SM clock / power in timed rows")
     ap.add_argument("--pressure", type=float, default=0.0, help="GiB left free for the pressure rows (0: none)")
     ap.add_argument("--pressure-paths", default="core_int8,pack:fused_triton")
     ap.add_argument("--device", default="cuda")
@@ -247,7 +248,8 @@ class SamplerBench:
             h_ref = time.perf_counter()  # the GPU reaches ``ref`` about now: its queue is empty
         gc_t, gc_n = self._gc_watch()
         moved0 = self._conds_moved()
-        clocks = _Clocks() if cuda else contextlib.nullcontext()
+        # nvidia-smi polling only when asked (--clocks): an NVML query every 50 ms may slow the host's launches
+        clocks = _Clocks() if cuda and getattr(self.a, "clocks", False) else contextlib.nullcontext()
         t0 = time.perf_counter()
         try:
             with clocks:
@@ -262,7 +264,7 @@ class SamplerBench:
                         "loaded_models": len(getattr(self.mm, "current_loaded_models", []) or []),
                         # the pack's conditioning-on-GPU wrapper (nodes/resident_conds.py): MiB it moved this run
                         "conds_moved_mib": round((self._conds_moved() - moved0) / 2 ** 20, 2)}
-        if cuda:
+        if isinstance(clocks, _Clocks):
             self.last_gc.update(clocks.summary())
             deltas = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
             # how far the GPU lags the host at each step's end (ms): about 0 when the host is what paces the

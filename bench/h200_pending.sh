@@ -42,9 +42,10 @@
 #   anchors   the defaults with every anchor: Ideogram 4 dual (bf16, pack GPU-traced, fp8_fast~cudnn, ~kitchen),
 #             Flux / Z-Image / Wan (bf16, pack GPU-traced, fp8_fast); SM clock and power per timed row
 #   zhost     Z-Image: bf16, the pack, the pack cProfiled (host time a step)
+#   closing2  Flux / Z-Image / Wan: bf16, pack, fp8_fast, pack again (no polling, no profiles)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2 ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -185,16 +186,20 @@ PY
   anchors)  # the defaults, every anchor in one call: Ideogram 4 dual (bf16, the pack traced on the GPU only,
             # fp8_fast with cuDNN first, fp8_fast with comfy-kitchen attention), then Flux / Z-Image / Wan (bf16,
             # pack, fp8_fast; Flux's pack traced); every timed row samples nvidia-smi's SM clock and power
-    timeout 250 $sampler --profile none --gpu-gaps pack:fused_triton \
+    timeout 250 $sampler --profile none --gpu-gaps pack:fused_triton --clocks \
       --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen" \
       --out "$OUT/sampler-anchors2.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 290 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
-      --paths "bf16,pack:fused_triton,fp8_fast" --gpu-gaps pack:fused_triton \
+      --paths "bf16,pack:fused_triton,fp8_fast" --gpu-gaps pack:fused_triton --clocks \
       --out "$OUT/h200-e2e-models-anchors.json" 2>&1 | tee -a "$OUT/last.log" ;;
   zhost)  # Z-Image's host time a step (host-bound in run ab): the pack twice, the second cProfiled
     timeout 200 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage \
       --paths "bf16,pack:fused_triton,pack:fused_triton" --host-profile pack:fused_triton \
       --out "$OUT/h200-e2e-models-zhost.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  closing2)  # the defaults without nvidia-smi polling: Flux / Z-Image / Wan (bf16, pack, fp8_fast, pack again)
+    timeout 340 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "bf16,pack:fused_triton,fp8_fast,pack:fused_triton" --out "$OUT/h200-e2e-models-closing2.json" \
+      2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
