@@ -266,6 +266,7 @@ class SamplerBench:
                         "conds_moved_mib": round((self._conds_moved() - moved0) / 2 ** 20, 2)}
         if isinstance(clocks, _Clocks):
             self.last_gc.update(clocks.summary())
+        if cuda:
             deltas = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
             # how far the GPU lags the host at each step's end (ms): about 0 when the host is what paces the
             # step (the GPU finishes what it was given and waits), large and growing when the GPU does
