@@ -330,7 +330,7 @@ class ModelsBench(SamplerBench):
     def targets(self) -> list[dict]:
         """Issue 13's targets for each pack path measured: x bf16, x fp8_fast, s/step (None: no target)."""
         out = []
-        for r in self.rows:
+        for i, r in enumerate(self.rows):
             if not r.get("path", "").startswith("pack:") or "s_per_step" not in r or r["model"] not in TARGETS:
                 continue
             min_bf, min_fp8, max_s = TARGETS[r["model"]]
@@ -342,15 +342,15 @@ class ModelsBench(SamplerBench):
                 checks[f"x_fp8_fast>={min_fp8}"] = xf >= min_fp8
             if max_s is not None:
                 checks[f"s_per_step<={max_s}"] = r["s_per_step"] <= max_s
-            out.append({"check": "issue13", "model": r["model"], "path": r["path"], "x_bf16": xb, "x_fp8_fast": xf,
-                        "checks": checks, "pass": all(checks.values()) if checks else None})
+            out.append({"check": "issue13", "model": r["model"], "path": r["path"], "row": i, "x_bf16": xb,
+                        "x_fp8_fast": xf, "checks": checks, "pass": all(checks.values()) if checks else None})
         return out
 
     def table(self):
         print(f"\n{NOTE}\n{'model':<10} {'path':<24} {'s/step':>8} {'x bf16':>7} {'x fp8':>7} {'rel L2':>8} "
               f"{'peak GiB':>8} {'build s':>7} {'compute':>8}  targets")
-        tg = {(r["model"], r["path"]): r for r in self.rows if r.get("check") == "issue13"}
-        for r in self.rows:
+        tg = {r["row"]: r for r in self.rows if r.get("check") == "issue13"}  # by row: a path can repeat
+        for i, r in enumerate(self.rows):
             if "path" not in r or "check" in r:
                 continue
             if "s_per_step" not in r:
@@ -358,7 +358,7 @@ class ModelsBench(SamplerBench):
                 continue
             xb, xf = self.speedups(r)
             f = lambda v, n=7, d=2: f"{v:{n}.{d}f}" if v is not None else f"{'-':>{n}}"  # noqa: E731
-            t = tg.get((r["model"], r["path"]))
+            t = tg.get(i)
             ts = "" if not t else " ".join(f"{k}:{'PASS' if v else 'FAIL'}" for k, v in t["checks"].items())
             print(f"{r['model']:<10} {r['path']:<24} {r['s_per_step']:8.4f} {f(xb)} {f(xf)} "
                   f"{f(r.get('rel_l2_vs_bf16'), 8, 4)} {r.get('peak_gib', 0):8.1f} {f(r.get('build_s'), 7, 1)} "
