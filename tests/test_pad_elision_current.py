@@ -61,7 +61,6 @@ class _Record:
 def body(pack, models) -> dict:
     """Runs inside the current ComfyUI (subprocess)."""
     import comfy.patcher_extension
-    import comfy.samplers
     import comfy.sd
     i4 = importlib.import_module("comfyui_int8_fused.quant.fmt_ideogram4")
     pe = importlib.import_module("comfyui_int8_fused.quant.pad_elision")
@@ -112,14 +111,8 @@ def body(pack, models) -> dict:
     ref2, _ = call(model, ctx2, mask2, x2)
     got2, batch2_calls = call(elided, ctx2, mask2, x2)
 
-    def sample(patcher):
-        guider = comfy.samplers.CFGGuider(patcher)
-        guider.set_conds([[ctx, {"attention_mask": mask}]], [[None, {}]])
-        guider.set_cfg(3.0)
-        sigmas = comfy.samplers.calculate_sigmas(patcher.get_model_object("model_sampling"), "simple", 2)
-        noise = torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(0))
-        return guider.sample(noise, torch.zeros(1, 128, 4, 4), comfy.samplers.sampler_object("euler"), sigmas,
-                             disable_pbar=True, seed=0)
+    def sample(patcher):  # the harness' CFG sampling (euler, 2 steps, image-only negative)
+        return sample_image_only_cfg(patcher, [[ctx, {"attention_mask": mask}]], torch.zeros(1, 128, 4, 4), cfg=3.0)
 
     s_ref = sample(model)
     pe.stats.clear()

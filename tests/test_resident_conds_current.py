@@ -35,7 +35,6 @@ def body(pack, models) -> dict:
     """Runs inside the current ComfyUI (subprocess)."""
     import comfy.conds
     import comfy.patcher_extension as pe
-    import comfy.samplers
     import comfy.sd
     i4 = importlib.import_module("comfyui_int8_fused.quant.fmt_ideogram4")
     rc = pack.nodes.resident_conds
@@ -72,14 +71,8 @@ def body(pack, models) -> dict:
         seen["dual_device"] = str(dual._uncond_conds[0]["model_conds"]["c_crossattn"].cond.device)
         return executor(guider, *args, **kwargs)
 
-    def sample(patcher):
-        guider = comfy.samplers.CFGGuider(patcher)
-        guider.set_conds([[ctx, {"attention_mask": mask}]], [[None, {}]])
-        guider.set_cfg(3.0)
-        sigmas = comfy.samplers.calculate_sigmas(patcher.get_model_object("model_sampling"), "simple", 2)
-        noise = torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(0))
-        return guider.sample(noise, torch.zeros(1, 128, 4, 4), comfy.samplers.sampler_object("euler"), sigmas,
-                             disable_pbar=True, seed=0)
+    def sample(patcher):  # the harness' CFG sampling (euler, 2 steps, image-only negative)
+        return sample_image_only_cfg(patcher, [[ctx, {"attention_mask": mask}]], torch.zeros(1, 128, 4, 4), cfg=3.0)
 
     spied = applied.clone()
     spied.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, "test_spy", spy)
