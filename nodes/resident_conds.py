@@ -10,7 +10,8 @@ This SAMPLER_SAMPLE wrapper moves the tensors of the run's processed conditionin
 before the first step. ComfyUI's per-call concat then runs on the GPU, and its cast is a no-op when the dtype
 already matches, or a GPU-side conversion otherwise (the same round-to-nearest as the conversion during a copy).
 Only the run's own copies change: ``process_conds`` builds new ``model_conds`` dicts for every run, and the
-wrapper replaces their entries with new objects, so the user's CONDITIONING stays as it was, on the CPU.
+wrapper replaces their entries with new objects (and puts the originals back when the run ends), so the user's
+CONDITIONING stays as it was, on the CPU, and no GPU copy outlives the run.
 """
 from __future__ import annotations
 
@@ -26,26 +27,28 @@ stats = {"runs": 0, "moved_bytes": 0}  # sampling runs the wrapper saw, bytes it
 
 
 def _on(t, device: torch.device):
-    """``t`` (a tensor, or a list of tensors) on ``device``; None when nothing has to move."""
+    """``t`` (a tensor, or a list of tensors) on ``device``; None when nothing moved."""
     if torch.is_tensor(t):
-        return t.to(device) if t.device != device else None
+        new = t.to(device)
+        return None if new is t else new
     if isinstance(t, list) and t and all(torch.is_tensor(x) for x in t):
-        if all(x.device == device for x in t):
-            return None
-        return [x.to(device) for x in t]
+        new = [x.to(device) for x in t]
+        return None if all(a is b for a, b in zip(new, t)) else new
     return None
 
 
-def move_conds(guider, device: torch.device) -> int:
+def move_conds(guider, device: torch.device):
     """Replace the tensors of ``guider``'s processed conditioning (``guider.conds``, and the uncond conds of
-    ComfyUI's ``Guider_DualModel``) by copies on ``device``; returns the bytes moved. Constants
-    (``CONDConstant``: numbers, flags, Python-side values) are left where they are."""
+    ComfyUI's ``Guider_DualModel``) by copies on ``device``. Constants (``CONDConstant``: numbers, flags,
+    Python-side values) are left where they are. Returns (bytes moved, ``undo``): ``undo()`` puts the original
+    objects back, so no copy outlives the run (ComfyUI keeps a guider's conds after an interrupted run, and
+    Guider_DualModel its uncond conds after every run)."""
     import comfy.conds
     lists = list((getattr(guider, "conds", None) or {}).values())
     uncond = getattr(guider, "_uncond_conds", None)
     if isinstance(uncond, list):
         lists.append(uncond)
-    moved = 0
+    moved, replaced = 0, []
     for conds in lists:
         for c in conds or ():
             mc = c.get("model_conds") if isinstance(c, dict) else None
@@ -56,17 +59,28 @@ def move_conds(guider, device: torch.device) -> int:
                 if new is None:
                     continue
                 mc[k] = obj._copy_with(new)
+                replaced.append((mc, k, obj))
                 moved += sum(x.numel() * x.element_size() for x in (new if isinstance(new, list) else [new]))
-    return moved
+
+    def undo():
+        for mc, k, obj in replaced:
+            mc[k] = obj
+        replaced.clear()
+    return moved, undo
 
 
 def sampler_sample_wrapper(executor, guider, *args, **kwargs):
-    """ComfyUI SAMPLER_SAMPLE wrapper (runs after ``process_conds``, before the first step)."""
+    """ComfyUI SAMPLER_SAMPLE wrapper (runs after ``process_conds``, before the first step; the CPU originals are
+    put back when the run ends, however it ends)."""
     stats["runs"] += 1
     device = getattr(getattr(guider, "model_patcher", None), "load_device", None)
-    if config.get("INT8_FUSED_GPU_CONDS") and device is not None and torch.device(device).type != "cpu":
-        n = move_conds(guider, torch.device(device))
-        stats["moved_bytes"] += n
-        if n:
-            log.debug("INT8: %.1f MiB of conditioning moved to %s for the sampling run", n / 2 ** 20, device)
-    return executor(guider, *args, **kwargs)
+    if not config.get("INT8_FUSED_GPU_CONDS") or device is None or torch.device(device).type == "cpu":
+        return executor(guider, *args, **kwargs)
+    n, undo = move_conds(guider, torch.device(device))
+    stats["moved_bytes"] += n
+    if n:
+        log.debug("INT8: %.1f MiB of conditioning moved to %s for the sampling run", n / 2 ** 20, device)
+    try:
+        return executor(guider, *args, **kwargs)
+    finally:
+        undo()

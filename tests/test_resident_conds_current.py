@@ -5,7 +5,8 @@ The CPU machine has no second device, so the move is checked on ComfyUI's own pr
 SAMPLER_SAMPLE wrapper inside a real sampling run) moved to the ``meta`` device: every tensor of a
 ``model_conds`` entry (here Ideogram 4's one: the 12 × 53248 text features) is replaced by a new object of
 the same class holding a tensor of the same shape and dtype on the target device; constants stay; the run's
-originals and the user's CONDITIONING tensors are untouched; the byte count is the one derived by hand. The
+originals and the user's CONDITIONING tensors are untouched; the byte count is the one derived by hand; ``undo`` puts the
+original objects back (the wrapper does at the end of every run). The
 DualModel guider's uncond conds are moved too. A real CFG sampling run with the wrapper installed by "Apply Fused
 INT8 GEMM" (backend torch_int_mm; the bf16 control does not get it) returns the same latent as with ``INT8_FUSED_GPU_CONDS=0`` (on the CPU the wrapper moves nothing: the
 model's device is the conds' device).
@@ -24,7 +25,7 @@ def test_conds_move_once_and_leave_the_users_conditioning(comfy_current):
     assert res["classes"] == res["classes_after"]
     assert res["moved_bytes"] == text_bytes  # Ideogram 4's extra_conds: the text (an all-ones mask is dropped)
     assert res["moved_devices"] == ["meta"] and res["moved_shapes_equal"]
-    assert res["originals_on_cpu"] and res["user_cond_on_cpu"] and res["constants_kept"]
+    assert res["originals_on_cpu"] and res["user_cond_on_cpu"] and res["constants_kept"] and res["undone"]
     assert res["dual_moved_bytes"] == text_bytes and res["dual_device"] == "meta"
     assert res["runs_seen"] == 2 and res["moved_in_cpu_run"] == 0
     assert res["same_latent"] and res["latent_finite"]
@@ -55,10 +56,13 @@ def body(pack, models) -> dict:
         # A copy of the run's conds structure (lists, dicts), moved to meta; the run itself goes on, on the CPU.
         conds = {k: [dict(c, model_conds=dict(c["model_conds"])) for c in v] for k, v in guider.conds.items()}
         before = {k: [dict(c["model_conds"]) for c in v] for k, v in conds.items()}
-        n = rc.move_conds(types.SimpleNamespace(conds=conds), torch.device("meta"))
+        n, undo = rc.move_conds(types.SimpleNamespace(conds=conds), torch.device("meta"))
         after = [(b[k], c["model_conds"][k]) for key in conds for b, c in zip(before[key], conds[key])
                  for k in b]
         moved = [(o, m) for o, m in after if o is not m]
+        undo()
+        seen["undone"] = all(c["model_conds"][k] is b[k] for key in conds for b, c in zip(before[key], conds[key])
+                             for k in b)
         seen.update(
             moved_bytes=n, classes=sorted(type(o).__name__ for o, _ in after),
             classes_after=sorted(type(m).__name__ for _, m in after),
@@ -67,7 +71,7 @@ def body(pack, models) -> dict:
             originals_on_cpu=all(o.cond.device.type == "cpu" for o, _ in moved),
             constants_kept=all(o is m for o, m in after if isinstance(o, comfy.conds.CONDConstant)))
         dual = types.SimpleNamespace(_uncond_conds=[{"model_conds": {"c_crossattn": comfy.conds.CONDCrossAttn(ctx)}}])
-        seen["dual_moved_bytes"] = rc.move_conds(dual, torch.device("meta"))
+        seen["dual_moved_bytes"] = rc.move_conds(dual, torch.device("meta"))[0]
         seen["dual_device"] = str(dual._uncond_conds[0]["model_conds"]["c_crossattn"].cond.device)
         return executor(guider, *args, **kwargs)
 
