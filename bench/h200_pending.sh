@@ -44,9 +44,10 @@
 #   zhost     Z-Image: bf16, the pack, the pack cProfiled (host time a step)
 #   closing2  Flux / Z-Image / Wan: bf16, pack, fp8_fast, pack again (no polling, no profiles)
 #   ideoanchors  Ideogram 4 dual: bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack again (no polling)
+#   condscheck  Flux.1: pack, pack%INT8_FUSED_GPU_CONDS=0, pack again (the committed conditioning move)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -206,6 +207,11 @@ PY
     timeout 300 $sampler --profile none \
       --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
       --out "$OUT/sampler-ideoanchors.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  condscheck)  # the conditioning move as committed last (originals restored after the run): Flux.1 pack,
+               # pack%GPU_CONDS=0, pack again, outputs compared bit for bit
+    timeout 150 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths "pack:fused_triton,pack:fused_triton%INT8_FUSED_GPU_CONDS=0,pack:fused_triton" \
+      --out "$OUT/h200-e2e-models-condscheck.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
