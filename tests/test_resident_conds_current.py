@@ -5,11 +5,11 @@ The CPU machine has no second device, so the move is checked on ComfyUI's own pr
 SAMPLER_SAMPLE wrapper inside a real sampling run) moved to the ``meta`` device: every tensor of a
 ``model_conds`` entry (here Ideogram 4's one: the 12 × 53248 text features) is replaced by a new object of
 the same class holding a tensor of the same shape and dtype on the target device; constants stay; the run's
-originals and the user's CONDITIONING tensors are untouched; the byte count is the one derived by hand; ``undo`` puts the
-original objects back (the wrapper does at the end of every run). The
-DualModel guider's uncond conds are moved too. A real CFG sampling run with the wrapper installed by "Apply Fused
-INT8 GEMM" (backend torch_int_mm; the bf16 control does not get it) returns the same latent as with ``INT8_FUSED_GPU_CONDS=0`` (on the CPU the wrapper moves nothing: the
-model's device is the conds' device).
+originals and the user's CONDITIONING tensors are untouched; the byte count is the one derived by hand;
+``undo`` puts the original objects back (the wrapper does at the end of every run). The DualModel guider's
+uncond conds are moved too. A real CFG sampling run with the wrapper installed by "Apply Fused INT8 GEMM"
+(backend torch_int_mm; the bf16 control does not get it) returns the same latent as with
+``INT8_FUSED_GPU_CONDS=0`` (on the CPU the wrapper moves nothing: the model's device is the conds' device).
 """
 import importlib
 import types
