@@ -350,7 +350,7 @@ class SamplerBench:
         prof.export_chrome_trace(str(trace))
         ev = json.loads(trace.read_text()).get("traceEvents", [])
         trace.unlink()
-        gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+        gpu = _gpu_events(ev)
         if len(gpu) < 8:
             return {"gpu_gaps": "too few GPU events"}
         skip = len(gpu) // steps  # the first step's share: its start waits for the host
@@ -358,23 +358,17 @@ class SamplerBench:
         bins = [(0, 2), (2, 5), (5, 10), (10, 50), (50, 500), (500, 1e12)]
         idle = {f"{a}-{b if b < 1e12 else 'inf'}us": [0, 0.0] for a, b in bins}
         after: dict = {}
-        busy, end, start = 0.0, gpu[0]["ts"], gpu[0]["ts"]
-        for g in gpu:
-            if g["ts"] > end:
-                gap = g["ts"] - end
-                busy += end - start
-                for (a, b), k in zip(bins, idle):
-                    if a <= gap < b:
-                        idle[k][0] += 1
-                        idle[k][1] += gap
-                if gap >= 10:
-                    n = g.get("name", "")[:70]
-                    c, t = after.get(n, (0, 0.0))
-                    after[n] = (c + 1, t + gap)
-                start = g["ts"]
-            end = max(end, g["ts"] + g.get("dur", 0))
-        busy += end - start
-        per = (steps - 1)
+        busy, end, gaps = _sweep(gpu)
+        for gap, g in gaps:
+            for (a, b), k in zip(bins, idle):
+                if a <= gap < b:
+                    idle[k][0] += 1
+                    idle[k][1] += gap
+            if gap >= 10:
+                n = g.get("name", "")[:70]
+                c, t = after.get(n, (0, 0.0))
+                after[n] = (c + 1, t + gap)
+        per = steps - 1
         span = (end - gpu[0]["ts"]) / 1e3 / per
         return {"gaps_span_ms_per_step": round(span, 2), "gaps_busy_ms_per_step": round(busy / 1e3 / per, 2),
                 "gaps_idle_by_size": {k: [round(n / per, 1), round(t / 1e3 / per, 3)] for k, (n, t) in idle.items()},
@@ -682,13 +676,32 @@ class _Clocks:
                 "temp_c_max": max(col[2]), "clock_samples": len(rows)}
 
 
+def _gpu_events(ev: list) -> list:
+    """The trace's GPU work (kernels, copies, memsets, any stream) by start time."""
+    return sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+
+
+def _sweep(gpu: list, min_us: float = 0.0) -> tuple[float, float, list]:
+    """(busy µs, end µs, [(gap µs, next event)] for gaps of at least ``min_us``) over the union of ``gpu``'s
+    intervals (sorted by start)."""
+    busy, end, start, gaps = 0.0, gpu[0]["ts"], gpu[0]["ts"], []
+    for g in gpu:
+        if g["ts"] > end:
+            busy += end - start
+            if g["ts"] - end >= min_us:
+                gaps.append((g["ts"] - end, g))
+            start = g["ts"]
+        end = max(end, g["ts"] + g.get("dur", 0))
+    return busy + end - start, end, gaps
+
+
 def _idle_gaps(ev: list, steps: int, min_us: float = 2.0, top: int = 12) -> dict:
     """Where the GPU waits inside the sampling steps: the window from the first to the last model call
     (``_apply_model`` frames), the union of GPU activity (kernels, copies, memsets, any stream) in it, and each
     idle gap of at least ``min_us`` charged to the host frames that launched the work after it (the CUDA runtime
     call of the gap's next GPU event). Also the synchronising runtime calls in the window, by frame. Per step."""
     calls = [e for e in ev if e.get("cat") == "python_function" and "_apply_model" in e.get("name", "")]
-    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    gpu = _gpu_events(ev)
     if not calls or not gpu:
         return {}
     t0 = min(c["ts"] for c in calls)
@@ -698,16 +711,7 @@ def _idle_gaps(ev: list, steps: int, min_us: float = 2.0, top: int = 12) -> dict
         return {}
     runtime = {e.get("args", {}).get("correlation"): e for e in ev
                if e.get("cat") in ("cuda_runtime", "cuda_driver")}  # Triton launches through the driver API
-    busy, end, gaps = 0.0, gpu[0]["ts"], []
-    start = gpu[0]["ts"]
-    for g in gpu:
-        if g["ts"] > end:
-            busy += end - start
-            if g["ts"] - end >= min_us:
-                gaps.append((g["ts"] - end, g))
-            start = g["ts"]
-        end = max(end, g["ts"] + g.get("dur", 0))
-    busy += end - start
+    busy, _, gaps = _sweep(gpu, min_us)
     launchers = [runtime.get(g.get("args", {}).get("correlation")) for _, g in gaps]
     syncs = [e for e in ev if e.get("cat") == "cuda_runtime" and t0 <= e["ts"] <= t1
              and ("Synchronize" in e.get("name", "") or e.get("name", "") in ("cudaMemcpy", "cudaMemGetInfo"))]
