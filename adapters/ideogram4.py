@@ -133,7 +133,7 @@ class FusedIdeogram4Attention(nn.Module):
         return {n: m for n, m in (("qkv", self.qkv), ("o", self.o)) if isinstance(m, Int8Linear)}
 
 
-class FusedIdeogram4Block(nn.Module):
+class FusedIdeogram4Block(qf.FetchedBlock):
     """Ideogram4TransformerBlock with the norm * (1 + s) + quantization fused into the qkv and w1+w3 inputs.
 
     Same forward signature and result as the original (within rounding). Holds the original norms and adaLN

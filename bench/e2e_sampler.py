@@ -248,6 +248,7 @@ class SamplerBench:
             h_ref = time.perf_counter()  # the GPU reaches ``ref`` about now: its queue is empty
         gc_t, gc_n = self._gc_watch()
         moved0 = self._conds_moved()
+        fetched0 = self._block_fetches()
         # nvidia-smi polling only when asked (--clocks): an NVML query every 50 ms may slow the host's launches
         clocks = _Clocks() if cuda and getattr(self.a, "clocks", False) else contextlib.nullcontext()
         t0 = time.perf_counter()
@@ -264,6 +265,10 @@ class SamplerBench:
                         "loaded_models": len(getattr(self.mm, "current_loaded_models", []) or []),
                         # the pack's conditioning-on-GPU wrapper (nodes/resident_conds.py): MiB it moved this run
                         "conds_moved_mib": round((self._conds_moved() - moved0) / 2 ** 20, 2)}
+        # the pack's one-fetch-per-block (nodes/comfy_cast.py): fused-block calls and modules fetched per step
+        fetched = self._block_fetches()
+        self.last_gc.update(block_fetches_per_step=round((fetched[0] - fetched0[0]) / steps, 1),
+                            block_fetch_modules_per_step=round((fetched[1] - fetched0[1]) / steps, 1))
         if isinstance(clocks, _Clocks):
             self.last_gc.update(clocks.summary())
         if cuda:
@@ -286,6 +291,11 @@ class SamplerBench:
         imported)."""
         mod = sys.modules.get(f"{self.pack.__name__}.nodes.resident_conds") if getattr(self, "pack", None) else None
         return mod.stats["moved_bytes"] if mod is not None else 0
+
+    def _block_fetches(self) -> tuple[int, int]:
+        """(fused-block fetches, modules fetched) by the pack's ``comfy_cast.fetch_block`` in this process."""
+        mod = sys.modules.get(f"{self.pack.__name__}.nodes.comfy_cast") if getattr(self, "pack", None) else None
+        return (mod.STATS["blocks"], mod.STATS["modules"]) if mod is not None else (0, 0)
 
     def _gc_watch(self):
         """Time spent in Python's garbage collector (and collections per generation) while sampling: a host cost

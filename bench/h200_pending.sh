@@ -45,9 +45,12 @@
 #   closing2  Flux / Z-Image / Wan: bf16, pack, fp8_fast, pack again (no polling, no profiles)
 #   ideoanchors  Ideogram 4 dual: bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack again (no polling)
 #   condscheck  Flux.1: pack, pack%INT8_FUSED_GPU_CONDS=0, pack again (the committed conditioning move)
+#   fetch     one fetch of a fused block's weights a call (INT8_FUSED_BLOCK_FETCH) against a fetch per layer:
+#             Flux / Z-Image / Wan (bf16, pack, pack%=0, pack again, fp8_fast), outputs compared bit for bit
+#   ideofetch Ideogram 4 dual: bf16, pack, pack%INT8_FUSED_BLOCK_FETCH=0, fp8_fast~cudnn, fp8_fast~kitchen, pack
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -212,6 +215,14 @@ PY
     timeout 150 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
       --paths "pack:fused_triton,pack:fused_triton%INT8_FUSED_GPU_CONDS=0,pack:fused_triton" \
       --out "$OUT/h200-e2e-models-condscheck.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  fetch)  # the fused blocks' one weight fetch a call against ComfyUI's fetch per layer (=0), same process
+    timeout 500 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_BLOCK_FETCH=0,pack:fused_triton,fp8_fast" \
+      --out "$OUT/h200-e2e-models-fetch.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  ideofetch)  # Ideogram 4 dual with every anchor of issue 14 and the block fetch off once (=0), same process
+    timeout 420 $sampler --profile none \
+      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_BLOCK_FETCH=0,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
+      --out "$OUT/sampler-ideofetch.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

@@ -62,6 +62,10 @@ SWITCHES = {s.name: s for s in (
            "`0`: leave the sampling run's conditioning on the CPU, where ComfyUI concatenates it and copies it "
            "to the GPU from pageable memory in every model call (a copy that drains the GPU queue); unset, the "
            "pack's models move it to the GPU once per run (`nodes/resident_conds.py`)"),
+    Switch("INT8_FUSED_BLOCK_FETCH", bool, True,
+           "`0`: under DynamicVRAM every layer of a fused block fetches its own weights through ComfyUI "
+           "(stream syncs and a vbar fault per layer); unset, one ComfyUI fetch a block call fetches them all "
+           "(`nodes/comfy_cast.py`: host time only, the same weights and kernels)"),
     Switch("INT8_FUSED_ALU_ROUND", bool, False,
            "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
            "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",

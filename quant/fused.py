@@ -12,6 +12,7 @@ which fused module, and build it from the pieces here.
   ``layernorm_modulate_quantize_ref``, ``gelu_tanh_quantize_ref``, ``concat_gelu_quantize_ref``; the Flux.1 blocks
   built on them are in quant/fused_flux.py).
 * ``CachedLinear``: a per-run cache for a linear whose input is constant within a sampling run.
+* ``FetchedBlock``: the base of the fused blocks (one fetch of a block's ComfyUI-managed weights a call).
 * ``act_quant`` / ``gemm`` / ``linear``: the quantizer and GEMM a fused_triton ``Int8Linear`` launches, as custom
   ops under torch.compile.
 Numerics equal the unfused INT8 path within rounding (see kernel/fused.py). Only layers on the ``fused_triton``
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernel_module
-from .linear import Int8Linear, derived
+from .linear import Int8Linear, block_fetch, derived
 from .quantize import quantize_per_token_ref
 
 config = kernel_module("config")
@@ -310,6 +311,27 @@ def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Lin
 
 
 # ------------------------------------------------------------------------------------ modules
+class FetchedBlock(nn.Module):
+    """Base of the fused blocks: when ComfyUI manages the block's weights (DynamicVRAM), one call fetches all
+    of them before the forward and releases them after it (``quant.linear.set_block_fetch``, installed by
+    nodes/comfy_cast.py), so that each layer's own fetch inside finds its weights already fetched and skips
+    the per-layer stream synchronisation and vbar fault. The same weights, the same kernels: only host time
+    changes. Without ComfyUI (or with INT8_FUSED_BLOCK_FETCH=0) a plain module call."""
+
+    def __call__(self, *args, **kwargs):
+        fetch = block_fetch()
+        if fetch is None or _compiling():
+            return super().__call__(*args, **kwargs)
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        release = fetch(self, x.device) if isinstance(x, torch.Tensor) else None
+        if release is None:
+            return super().__call__(*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            release()
+
+
 class FusedFeedForward(nn.Module):
     """``w2(silu(w1 x) * w3 x)`` with w1+w3 as one int8 GEMM and SwiGLU fused with w2's quantization.
 

@@ -133,7 +133,7 @@ def with_layers(module: nn.Module, prefix: str, layers: dict) -> nn.Module:
     return rebind(module, {k: with_layers(m, p + k, layers) for k, m in module._modules.items() if m is not None})
 
 
-class _FusedFluxBlock(nn.Module):
+class _FusedFluxBlock(qf.FetchedBlock):
     """The twin of ``block`` (named ``prefix``) on ``layers`` ({name relative to the diffusion model:
     Int8Linear}); ``covers``: the names of ``layers`` under the block."""
 

@@ -75,7 +75,7 @@ def _log_once(reason: str) -> None:
                  "calls with %s", reason)
 
 
-class FusedLumina2Block(nn.Module):
+class FusedLumina2Block(qf.FetchedBlock):
     """A modulated JointTransformerBlock (named ``prefix``) with its norm * (1 + scale) + quantization fused into
     the qkv and w1+w3 inputs. Children: the block's own norms, ``attention`` (a twin of its JointAttention with
     the INT8 linears of ``layers``), ``adaLN_modulation`` (twin, INT8 where ``layers`` has it) and

@@ -70,7 +70,7 @@ def _same_smooth(a: Int8Linear, b: Int8Linear) -> bool:
                                            and torch.equal(sa.detach().cpu(), sb.detach().cpu()))
 
 
-class FusedWanBlock(nn.Module):
+class FusedWanBlock(qf.FetchedBlock):
     """The twin of ComfyUI's ``WanAttentionBlock`` ``block`` (named ``prefix``) on ``layers`` ({name relative to
     the diffusion model: Int8Linear}); ``covers``: the names of ``layers`` under the block."""
 

@@ -48,6 +48,22 @@ def set_comfy_cast(fn: Callable | None) -> None:
     _COMFY_CAST = fn
 
 
+# (module, device) -> release() or None: ComfyUI's fetch of every weight it manages under a fused block, in one
+# call before the block runs (quant.fused.FetchedBlock; nodes/comfy_cast.py). None in plain torch.
+_BLOCK_FETCH: Callable | None = None
+
+
+def set_block_fetch(fn: Callable | None) -> None:
+    """Install the function that fetches a whole fused block's ComfyUI-managed weights at once."""
+    global _BLOCK_FETCH
+    _BLOCK_FETCH = fn
+
+
+def block_fetch() -> Callable | None:
+    """The installed block fetch (None: each layer fetches its own weights)."""
+    return _BLOCK_FETCH
+
+
 _TENSORS = ("weight", "weight_scale", "bias", "smooth")
 LORA_AFTER_APPLY = ("weight patches (a LoRA loaded after this layer was quantized) target the INT8 layer "
                     "{name}: int8 weights cannot take them. Put LoRA loaders BEFORE 'Apply Fused INT8 GEMM' "
