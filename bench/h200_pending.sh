@@ -46,7 +46,8 @@
 #   ideoanchors  Ideogram 4 dual: bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack again (no polling)
 #   condscheck  Flux.1: pack, pack%INT8_FUSED_GPU_CONDS=0, pack again (the committed conditioning move)
 #   fetch     one fetch of a fused block's weights a call (INT8_FUSED_BLOCK_FETCH) against a fetch per layer:
-#             Flux / Z-Image / Wan (bf16, pack, pack%=0, pack again, fp8_fast), outputs compared bit for bit
+#             Flux / Z-Image / Wan (bf16, pack, pack%=0, pack again, fp8_fast), outputs compared bit for bit;
+#             then the GELU kernels' tile plans with the one-pass segmented kernel (bench/fused_sweep.py --only gelu)
 #   ideofetch Ideogram 4 dual: bf16, pack, pack%INT8_FUSED_BLOCK_FETCH=0, fp8_fast~cudnn, fp8_fast~kitchen, pack
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
@@ -218,7 +219,8 @@ PY
   fetch)  # the fused blocks' one weight fetch a call against ComfyUI's fetch per layer (=0), same process
     timeout 500 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_BLOCK_FETCH=0,pack:fused_triton,fp8_fast" \
-      --out "$OUT/h200-e2e-models-fetch.json" 2>&1 | tee -a "$OUT/last.log" ;;
+      --out "$OUT/h200-e2e-models-fetch.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 80 python3 bench/fused_sweep.py --only gelu 2>&1 | tee "$OUT/sweep-gelu.log" ;;
   ideofetch)  # Ideogram 4 dual with every anchor of issue 14 and the block fetch off once (=0), same process
     timeout 420 $sampler --profile none \
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_BLOCK_FETCH=0,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \

@@ -46,9 +46,10 @@ tests/test_flux_fused.py bound them).
 Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton specialises the unit stride away).
 Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``, ``LN_PLAN``, ``GELU_PLAN``): a row of up to
 ``max_single`` elements stays in registers (one DRAM read, one int8 write); longer rows run in ``chunk``-wide tiles
-and the later passes re-read the row from L2. ``swiglu_quantize`` and ``gated_residual_rmsnorm`` also have a
-one-pass form over up to three power-of-2 segments (``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``: 12288 = 8192 +
-4096, 4608 = 4096 + 512), which keeps the row in registers without masked lanes; ``gated_residual_rmsnorm`` has no
+and the later passes re-read the row from L2. ``swiglu_quantize``, ``gated_residual_rmsnorm`` and the GELU kernels
+also have a one-pass form over up to three power-of-2 segments (``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``,
+``GELU_ONE_PASS``: 12288 = 8192 + 4096, 4608 = 4096 + 512, 8960 = 8192 + 512 + 256), which keeps the row in
+registers without masked lanes; ``gated_residual_rmsnorm`` has no
 chunked form (rows up to ``MAX_SINGLE``). fp32 division and exp use the IEEE / libdevice versions torch's CUDA
 kernels use, so compiled results match torch's bit for bit more often. Importing this module imports triton.
 """
@@ -110,6 +111,10 @@ LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
 # differed by 1 in 1.0e-7 of Wan's. Both module data, read at each call.
 GELU_PLAN = TilePlan(max_single=2048, chunk=1024, chunk_warps=4)
 GELU_FAST = True
+# (concat +) GELU + quantize in one pass (each part over up to three / two power-of-2 segments, gelu(h) computed
+# once and kept in registers in the model dtype) for parts up to 16384 wide; None: the chunked kernel of GELU_PLAN,
+# which computes gelu twice (its exp and IEEE division bound it, as they bound the chunked SwiGLU). Read at each call.
+GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=16)
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT = tuple(_DT_CODE)
@@ -278,8 +283,9 @@ def _swiglu_seg(a_row, b_row, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, 
 
 
 @triton.jit
-def _swiglu_seg_store(q_row, y, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, mult, usable,
-                      HAS_SMOOTH: tl.constexpr, INTERPRET: tl.constexpr):
+def _seg_store(q_row, y, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, mult, usable,
+               HAS_SMOOTH: tl.constexpr, INTERPRET: tl.constexpr):
+    """Quantize and store one segment of a one-pass row (``y`` in the model dtype, smoothed here)."""
     ks = OFF + tl.arange(0, SEG)
     mask = ks < F
     _store_q(q_row + ks, _smooth(y.to(tl.float32), inv_ptr, ks, mask, HAS_SMOOTH), mult, usable, mask, INTERPRET)
@@ -309,11 +315,11 @@ def _swiglu_quant_seg_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
                                     INTERPRET)
     scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
     tl.store(qs_ptr + row, scale)
-    _swiglu_seg_store(q_row, y0, inv_ptr, F, 0, S0, mult, usable, HAS_SMOOTH, INTERPRET)
+    _seg_store(q_row, y0, inv_ptr, F, 0, S0, mult, usable, HAS_SMOOTH, INTERPRET)
     if S1 > 0:
-        _swiglu_seg_store(q_row, y1, inv_ptr, F, S0, S1, mult, usable, HAS_SMOOTH, INTERPRET)
+        _seg_store(q_row, y1, inv_ptr, F, S0, S1, mult, usable, HAS_SMOOTH, INTERPRET)
     if S2 > 0:
-        _swiglu_seg_store(q_row, y2, inv_ptr, F, S0 + S1, S2, mult, usable, HAS_SMOOTH, INTERPRET)
+        _seg_store(q_row, y2, inv_ptr, F, S0 + S1, S2, mult, usable, HAS_SMOOTH, INTERPRET)
 
 
 @triton.jit
@@ -661,6 +667,61 @@ def _concat_gelu_quant_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
                     INTERPRET, FAST)
 
 
+@triton.jit
+def _gelu_seg(p_row, inv_ptr, n, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad, GELU: tl.constexpr,
+              HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr, FAST: tl.constexpr):
+    """One segment of a part of the one-pass (concat +) GELU row: gelu(h) rounded to DT (GELU) or the values as
+    they are, in the part's dtype (exact: they are values of it), with the row's running |max| and non-finite
+    flag updated; the same values as ``_part_tile``."""
+    ks = OFF + tl.arange(0, SEG)
+    mask = ks < n
+    y = tl.load(p_row + ks, mask=mask, other=0.0).to(tl.float32)
+    if GELU:
+        y = _round(_gelu_tanh(y, INTERPRET, FAST), DT, INTERPRET)  # gelu(0) = 0: masked lanes stay 0
+    amax, bad = _amax_bad(_smooth(y, inv_ptr, ks, mask, HAS_SMOOTH), amax, bad)
+    return y.to(p_row.dtype.element_ty), amax, bad
+
+
+@triton.jit
+def _concat_gelu_quant_seg_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
+                                  KA, F, stride_am, stride_hm, stride_qm,
+                                  HAS_A: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
+                                  SCALE_RECIP: tl.constexpr, A0: tl.constexpr, A1: tl.constexpr,
+                                  S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                                  INTERPRET: tl.constexpr, FAST: tl.constexpr):
+    # q = quantize(cat(a, dt(gelu(h)))) per row in one pass: a over segments A0 (+ A1), h over S0 (+ S1 + S2)
+    # (Flux's single block: 2048 + 1024 and 8192 + 4096; Wan 1.3B's F = 8960: 8192 + 512 + 256, no masked lanes).
+    row = tl.program_id(0)
+    a_row = a_ptr + row.to(tl.int64) * stride_am
+    h_row = h_ptr + row.to(tl.int64) * stride_hm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    amax = tl.zeros([], dtype=tl.float32)
+    bad = tl.zeros([], dtype=tl.int32)
+    if HAS_A:
+        a0, amax, bad = _gelu_seg(a_row, inv_ptr, KA, 0, A0, amax, bad, False, HAS_SMOOTH, DT, INTERPRET, FAST)
+        if A1 > 0:
+            a1, amax, bad = _gelu_seg(a_row, inv_ptr, KA, A0, A1, amax, bad, False, HAS_SMOOTH, DT, INTERPRET, FAST)
+    ih = inv_ptr + KA
+    y0, amax, bad = _gelu_seg(h_row, ih, F, 0, S0, amax, bad, True, HAS_SMOOTH, DT, INTERPRET, FAST)
+    if S1 > 0:
+        y1, amax, bad = _gelu_seg(h_row, ih, F, S0, S1, amax, bad, True, HAS_SMOOTH, DT, INTERPRET, FAST)
+    if S2 > 0:
+        y2, amax, bad = _gelu_seg(h_row, ih, F, S0 + S1, S2, amax, bad, True, HAS_SMOOTH, DT, INTERPRET, FAST)
+    scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
+    tl.store(qs_ptr + row, scale)
+    if HAS_A:
+        _seg_store(q_row, a0, inv_ptr, KA, 0, A0, mult, usable, HAS_SMOOTH, INTERPRET)
+        if A1 > 0:
+            _seg_store(q_row, a1, inv_ptr, KA, A0, A1, mult, usable, HAS_SMOOTH, INTERPRET)
+    qh = q_row + KA
+    _seg_store(qh, y0, ih, F, 0, S0, mult, usable, HAS_SMOOTH, INTERPRET)
+    if S1 > 0:
+        _seg_store(qh, y1, ih, F, S0, S1, mult, usable, HAS_SMOOTH, INTERPRET)
+    if S2 > 0:
+        _seg_store(qh, y2, ih, F, S0 + S1, S2, mult, usable, HAS_SMOOTH, INTERPRET)
+
+
+
 # ----------------------------------------------------------------------------------------------- launchers
 def _plan(n: int, plan: TilePlan | None = None) -> tuple[int, bool, int]:
     """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers (BLOCK = next power of 2, 4 / 8 / 16
@@ -935,6 +996,16 @@ def _concat_gelu(a: torch.Tensor | None, h: torch.Tensor, inv_smooth, what: str)
     _check_usable(h, what)
     h = _row_major(h, "h")
     a = _row_major(a, "a") if a is not None else None
+    segs = _segments(f, GELU_ONE_PASS)
+    asegs = _segments(ka, GELU_ONE_PASS) if ka else (0, 0, 0)
+    if segs is not None and asegs is not None and asegs[2] == 0:
+        launch(_concat_gelu_quant_seg_kernel, (m,),
+               (a if a is not None else h, h, inv if inv is not None else qs, q, qs, ka, f,
+                a.stride(0) if a is not None else 0, h.stride(0), q.stride(0)),
+               dict(HAS_A=a is not None, HAS_SMOOTH=inv is not None, DT=_DT_CODE[h.dtype], SCALE_RECIP=h.is_cuda,
+                    A0=asegs[0], A1=asegs[1], S0=segs[0], S1=segs[1], S2=segs[2], INTERPRET=INTERPRET,
+                    FAST=GELU_FAST), _seg_warps(tuple(asegs) + tuple(segs), GELU_ONE_PASS), 1, h.device)
+        return q, qs
     block, single, warps = _plan(max(ka, f), GELU_PLAN)
     launch(_concat_gelu_quant_kernel, (m,),
            (a if a is not None else h, h, inv if inv is not None else qs, q, qs, ka, f,

@@ -219,15 +219,27 @@ def test_layernorm_modulate_quantize_zero_nan_and_errors(kf, qf):
         kf.layernorm_modulate_quantize(x, zero, torch.zeros(1, 63), 6)
 
 
+def _gelu_form(kf, monkeypatch, form):
+    """Which GELU kernel runs: ``seg`` the one-pass segmented one (segments of 16 and up, so that small rows
+    take two or three of them: 300 = 256 + 32 + 16, 96 = 64 + 32), ``single`` one register tile,
+    ``chunked`` 64-wide chunks read twice."""
+    if form == "seg":
+        monkeypatch.setattr(kf, "GELU_ONE_PASS", kf.SegmentPlan(max_row=16384, min_seg=16, warps=4))
+    else:
+        monkeypatch.setattr(kf, "GELU_ONE_PASS", None)
+    if form == "chunked":
+        monkeypatch.setattr(kf, "GELU_PLAN", kf.TilePlan(max_single=64, chunk=64, chunk_warps=4))
+
+
 @kernel_tests
 @pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
-@pytest.mark.parametrize("dtype,m,f,smooth,chunked", [
-    (BF16, 12, 512, False, False), (BF16, 7, 300, True, True), (FP16, 8, 256, True, False),
-    (FP16, 5, 200, False, True), (FP32, 6, 200, True, False)])
-def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, chunked, fast):
+@pytest.mark.parametrize("dtype,m,f,smooth,form", [
+    (BF16, 12, 512, False, "single"), (BF16, 7, 300, True, "chunked"), (FP16, 8, 256, True, "single"),
+    (FP16, 5, 200, False, "chunked"), (FP32, 6, 200, True, "single"), (BF16, 7, 300, True, "seg"),
+    (FP16, 5, 200, False, "seg"), (FP32, 6, 200, True, "seg")])
+def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, form, fast):
     monkeypatch.setattr(kf, "GELU_FAST", fast)  # h * sigmoid(2u): the same function, other fp32 roundings
-    if chunked:
-        monkeypatch.setattr(kf, "GELU_PLAN", kf.TilePlan(max_single=64, chunk=64, chunk_warps=4))
+    _gelu_form(kf, monkeypatch, form)
     g = torch.Generator().manual_seed(m * 100 + f)
     h = _rand((m, f), dtype, g, 3.0)
     inv = (0.5 + torch.rand(f, generator=g)) if smooth else None
@@ -240,14 +252,14 @@ def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, chunked, f
 
 @kernel_tests
 @pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
-@pytest.mark.parametrize("dtype,m,ka,f,smooth,chunked", [
-    (BF16, 10, 128, 512, True, False), (BF16, 6, 96, 200, False, True), (BF16, 4, 300, 100, True, True),
-    (FP16, 6, 64, 256, True, False), (FP32, 5, 64, 160, False, False)])
-def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, chunked, fast):
+@pytest.mark.parametrize("dtype,m,ka,f,smooth,form", [
+    (BF16, 10, 128, 512, True, "single"), (BF16, 6, 96, 200, False, "chunked"), (BF16, 4, 300, 100, True, "chunked"),
+    (FP16, 6, 64, 256, True, "single"), (FP32, 5, 64, 160, False, "single"), (BF16, 6, 96, 200, False, "seg"),
+    (BF16, 4, 300, 100, True, "seg"), (FP16, 6, 64, 256, True, "seg")])
+def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, form, fast):
     """Flux's single block: ``linear2(cat(attn, gelu(mlp)))`` with mlp a column slice of linear1's output."""
     monkeypatch.setattr(kf, "GELU_FAST", fast)
-    if chunked:
-        monkeypatch.setattr(kf, "GELU_PLAN", kf.TilePlan(max_single=64, chunk=64, chunk_warps=4))
+    _gelu_form(kf, monkeypatch, form)
     g = torch.Generator().manual_seed(m * 10 + ka + f)
     attn = _rand((m, ka), dtype, g, 1.0)
     lin1 = _rand((m, 3 * ka + f), dtype, g, 3.0)
@@ -266,9 +278,11 @@ def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, chun
 
 @kernel_tests
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
+@pytest.mark.parametrize("form", ["seg", "single"])
 @pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
-def test_gelu_kernels_zero_nan_and_errors(kf, qf, monkeypatch, fast):
+def test_gelu_kernels_zero_nan_and_errors(kf, qf, monkeypatch, fast, form):
     monkeypatch.setattr(kf, "GELU_FAST", fast)  # fast: gelu(-inf) = -inf (torch: NaN); the row is bad either way
+    _gelu_form(kf, monkeypatch, form)
     g = torch.Generator().manual_seed(5)
     h = _rand((5, 80), BF16, g)
     a = _rand((5, 32), BF16, g)
@@ -290,6 +304,27 @@ def test_gelu_kernels_zero_nan_and_errors(kf, qf, monkeypatch, fast):
         kf.concat_gelu_quantize(a.float(), h)
     with pytest.raises(ValueError, match="inv_smooth"):
         kf.concat_gelu_quantize(a, h, torch.ones(80))
+
+
+@kernel_tests
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_gelu_one_pass_equals_chunked(kf, monkeypatch, dtype):
+    """The one-pass kernel computes the same values as the two-pass chunked one (gelu once instead of twice, an
+    order-free max): codes and scales equal bit for bit, with a strided GELU part, smoothing and a NaN row."""
+    g = torch.Generator().manual_seed(11)
+    a = _rand((9, 96), dtype, g, 1.0)
+    h = _rand((9, 2 * 300), dtype, g, 3.0)[:, 300:]
+    h[4, 7] = float("nan")
+    inv = 0.5 + torch.rand(396, generator=g)
+    out = {}
+    for form in ("seg", "chunked"):
+        with monkeypatch.context() as mp:
+            _gelu_form(kf, mp, form)
+            out[form] = (*kf.concat_gelu_quantize(a, h, inv), *kf.gelu_tanh_quantize(h, inv[96:]))
+    for got, ref in zip(out["seg"], out["chunked"]):
+        assert torch.equal(got, ref) or (got.isnan().any() and torch.equal(got.isnan(), ref.isnan())
+                                         and torch.equal(got.nan_to_num(), ref.nan_to_num()))
+    assert out["seg"][1][4].isnan() and not out["seg"][0][4].any()
 
 
 # ----------------------------------------------------------------------------------- 2. tiny Flux.1, ComfyUI classes
@@ -615,6 +650,10 @@ def _hopper_check() -> str:
                                         "SINGLE": True, "FAST": False}, 8),
         (kf._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": False, "DT": 1, "BLOCK": 16384,
                                         "SINGLE": True, "FAST": True}, 16),
+        (kf._concat_gelu_quant_seg_kernel, {"HAS_A": True, "HAS_SMOOTH": True, "DT": 1, "A0": 2048, "A1": 1024,
+                                            "S0": 8192, "S1": 4096, "S2": 0, "FAST": True}, 16),  # Flux single
+        (kf._concat_gelu_quant_seg_kernel, {"HAS_A": False, "HAS_SMOOTH": False, "DT": 2, "A0": 0, "A1": 0,
+                                            "S0": 8192, "S1": 512, "S2": 256, "FAST": True}, 16),  # Wan 1.3B
     ]
     for fn, consts, warps in cases:
         consts = {**consts, **common}
