@@ -291,6 +291,7 @@ class ModelsBench(SamplerBench):
                 for k, ms, pct in row["top_kernels_ms_per_step"]:
                     log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
             self.maybe_host_profile(row, row["path"], g, m, latent, noise)
+            self.maybe_ab(row, row["path"], g, m, latent, noise)
             if self.dev.type == "cuda" and row["path"] in self.a.gpu_gaps.split(","):
                 row.update(self.gpu_gaps(g, m, latent, noise))
         except Exception as e:  # a path that cannot run is reported, not hidden
@@ -377,6 +378,8 @@ def main() -> int:
     ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only, "
                                                    "idle gaps by size (e2e_sampler's gpu_gaps)")
     ap.add_argument("--clocks", action="store_true", help="sample nvidia-smi's SM clock / power in timed rows")
+    ap.add_argument("--ab", default="", help="NAME=value: pack rows also run 4 timed runs with that switch "
+                                             "interleaved with 4 without (host-time A/B on one loaded model)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")

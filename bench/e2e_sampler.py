@@ -108,6 +108,8 @@ def main() -> int:
     ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only "
                                                    "(no host events: the host stays ahead), idle gaps by size")
     ap.add_argument("--clocks", action="store_true", help="sample nvidia-smi's SM clock / power in timed rows")
+    ap.add_argument("--ab", default="", help="NAME=value: pack rows also run 4 timed runs with that switch "
+                                             "interleaved with 4 without (host-time A/B on one loaded model)")
     ap.add_argument("--pressure", type=float, default=0.0, help="GiB left free for the pressure rows (0: none)")
     ap.add_argument("--pressure-paths", default="core_int8,pack:fused_triton")
     ap.add_argument("--device", default="cuda")
@@ -416,6 +418,37 @@ class SamplerBench:
         return {"host_profile_wall_s_per_step": round(wall, 4), "host_own_ms_per_step": by_own,
                 "host_cum_ms_per_step": by_cum}
 
+    def ab(self, guider, model, latent, noise, reps: int = 4) -> dict:
+        """``--ab NAME=value``: timed runs of this row's model alternating that switch with the row's setting,
+        ``reps`` of each (switched first). The host's speed drifts within a process (bench/RESULTS.md), so only
+        interleaved runs of one loaded model compare a host-time change; medians of s/step and host time a step
+        of each, and whether every run's output equals the first's."""
+        spec, torch = self.a.ab, self.torch
+        runs = {"switched": [], "plain": []}
+        first, same = None, True
+        for _ in range(reps):
+            for key in ("switched", "plain"):
+                with self.switch(spec if key == "switched" else ""):
+                    out, s, _, _ = self.timed(guider, model, latent, noise)
+                runs[key].append((round(s, 5), round(self.last_gc.get("host_s_per_step") or 0.0, 5)))
+                if first is None:
+                    first = out
+                else:
+                    same = same and bool(torch_equal(out, first))
+        res = {"ab_switch": spec, "ab_same_output": same}
+        for key, v in runs.items():
+            res[f"ab_{key}_s_per_step"] = [a for a, _ in v]
+            res[f"ab_{key}_host_s_per_step"] = [b for _, b in v]
+            res[f"ab_{key}_median"] = [statistics.median(a for a, _ in v), statistics.median(b for _, b in v)]
+        log(f"    A/B {spec}: switched {res['ab_switched_median']} plain {res['ab_plain_median']} (s/step, host s/step;"
+            f" medians of {reps}), same output {same}")
+        return res
+
+    def maybe_ab(self, row: dict, path: str, guider, model, latent, noise) -> None:
+        """``ab`` for the plain pack rows when ``--ab`` names a switch (on a GPU)."""
+        if self.dev.type == "cuda" and getattr(self.a, "ab", "") and path.startswith("pack:") and "%" not in path:
+            row.update(self.ab(guider, model, latent, noise))
+
     def switch(self, spec: str):
         """``kernel.config.override`` of ``NAME=value`` (parsed as the switch's type) for one row (a path's
         ``%NAME=value`` suffix); a no-op context for ''."""
@@ -478,6 +511,7 @@ class SamplerBench:
                         row.update(self.profiled(g, cond, latent, noise))
                     if i == 0:  # its own flag (--host-profile), with or without --profile
                         self.maybe_host_profile(row, path, g, cond, latent, noise)
+                        self.maybe_ab(row, path, g, cond, latent, noise)
                     if i == 0 and self.dev.type == "cuda" and path in self.a.gpu_gaps.split(","):
                         row.update(self.gpu_gaps(g, cond, latent, noise))
                     self.latents[(path, wf, res, pressure)] = out

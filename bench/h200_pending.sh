@@ -48,10 +48,11 @@
 #   fetch     one fetch of a fused block's weights a call (INT8_FUSED_BLOCK_FETCH) against a fetch per layer:
 #             Flux / Z-Image / Wan (bf16, pack, pack%=0, pack again, fp8_fast), outputs compared bit for bit;
 #             then the GELU kernels' tile plans with the one-pass segmented kernel (bench/fused_sweep.py --only gelu)
-#   ideofetch Ideogram 4 dual: bf16, pack, pack%INT8_FUSED_BLOCK_FETCH=0, fp8_fast~cudnn, fp8_fast~kitchen, pack
+#   ideofetch Ideogram 4 dual: bf16, pack (block fetch A/B'd, --ab), fp8_fast~cudnn, fp8_fast~kitchen
+#   fetchab   Flux / Z-Image / Wan: bf16, pack (block fetch A/B'd on the loaded model, --ab), fp8_fast
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -221,10 +222,15 @@ PY
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_BLOCK_FETCH=0,pack:fused_triton,fp8_fast" \
       --out "$OUT/h200-e2e-models-fetch.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 80 python3 bench/fused_sweep.py --only gelu 2>&1 | tee "$OUT/sweep-gelu.log" ;;
-  ideofetch)  # Ideogram 4 dual with every anchor of issue 14 and the block fetch off once (=0), same process
-    timeout 420 $sampler --profile none \
-      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_BLOCK_FETCH=0,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
+  ideofetch)  # Ideogram 4 dual with every anchor of issue 14; the pack row also A/B's the block fetch (4 + 4
+              # interleaved timed runs of the loaded model)
+    timeout 420 $sampler --profile none --ab INT8_FUSED_BLOCK_FETCH=0 \
+      --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen" \
       --out "$OUT/sampler-ideofetch.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  fetchab)  # Flux / Z-Image / Wan: bf16, pack (with the block fetch A/B'd on the loaded model), fp8_fast
+    timeout 420 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "bf16,pack:fused_triton,fp8_fast" --ab INT8_FUSED_BLOCK_FETCH=0 \
+      --out "$OUT/h200-e2e-models-fetchab.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

@@ -114,7 +114,9 @@ GELU_FAST = True
 # (concat +) GELU + quantize in one pass (each part over up to three / two power-of-2 segments, gelu(h) computed
 # once and kept in registers in the model dtype) for parts up to 16384 wide; None: the chunked kernel of GELU_PLAN,
 # which computes gelu twice (its exp and IEEE division bound it, as they bound the chunked SwiGLU). Read at each call.
-GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=16)
+# H200 (bench/fused_sweep.py, run ah, GELU_FAST): Flux's concat 125.0 us with 8 warps (16: 144.7; the chunked
+# kernel's best 138.1), Wan 1.3B's F = 8960 190.1 us (16: 228.0; chunked best 256.1); codes and scales identical.
+GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8)
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT = tuple(_DT_CODE)
