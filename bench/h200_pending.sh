@@ -50,9 +50,10 @@
 #             then the GELU kernels' tile plans with the one-pass segmented kernel (bench/fused_sweep.py --only gelu)
 #   ideofetch Ideogram 4 dual: bf16, pack (block fetch A/B'd, --ab), fp8_fast~cudnn, fp8_fast~kitchen
 #   fetchab   Flux / Z-Image / Wan: bf16, pack (block fetch A/B'd on the loaded model, --ab), fp8_fast
+#   floors    Flux / Z-Image / Wan: the pack's kernel sums a step (profiled) and its host time by function (cProfile)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -231,6 +232,11 @@ PY
     timeout 420 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "bf16,pack:fused_triton,fp8_fast" --ab INT8_FUSED_BLOCK_FETCH=0 \
       --out "$OUT/h200-e2e-models-fetchab.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  floors)  # where the host-bound steps go: Flux / Z-Image / Wan, the pack profiled on the GPU (kernel sums a step)
+           # and, in a second run, under cProfile (host time a step by function)
+    timeout 300 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "pack:fused_triton" --profile pack:fused_triton --host-profile pack:fused_triton \
+      --out "$OUT/h200-e2e-models-floors.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
