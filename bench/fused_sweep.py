@@ -1,8 +1,8 @@
 """Tile sweep for the row kernels of kernel/fused.py (H200): Ideogram 4's RMSNorm and SwiGLU kernels at its
 shapes, and the GELU kernels where the Flux / Wan profiles found them far off their memory floor (2026-12-01:
 Flux's single-block concat + GELU + quantize 282 us a call, Wan 1.3B's FFN GELU + quantize 400 us). Each (BLOCK,
-one register-resident pass or chunked passes, num_warps) plan, and the one-pass segmented kernels (``seg``), timed with do_bench, output checked bit-equal to
-the default plan's; the GELU kernels also with ``GELU_FAST`` (h * sigmoid(2u) instead of tanhf), each compared
+one register-resident pass or chunked passes, num_warps) plan, and the one-pass segmented kernels (``seg``),
+timed with do_bench, output checked bit-equal to the default plan's; the GELU kernels also with ``GELU_FAST`` (h * sigmoid(2u) instead of tanhf), each compared
 with torch's unfused ``quantize_per_token_ref(F.gelu(...))`` (codes that differ, largest difference, scales
 that differ). ``python bench/fused_sweep.py [--m 4608]``; prints one line a plan."""
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main() -> int:
     w = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(torch.bfloat16)
     s = (1 + 0.1 * torch.randn(1, k, device=dev, generator=g)).to(torch.bfloat16)
     h13 = (2 * torch.randn(m, 2 * f, device=dev, generator=g)).to(torch.bfloat16)
-    wide = [("seg", 8), ("seg", 16), ("seg", 32), (16384, True, 16), (16384, True, 32), (8192, False, 8), (8192, False, 16), (4096, False, 4),
-            (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]
+    wide = [("seg", 8), ("seg", 16), ("seg", 32), (16384, True, 16), (16384, True, 32), (8192, False, 8),
+            (8192, False, 16), (4096, False, 4), (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]
     fa = (torch.randn(4608, 3072, device=dev, generator=g)).to(torch.bfloat16)  # Flux single block, 1024²
     fh = (2 * torch.randn(4608, 12288, device=dev, generator=g)).to(torch.bfloat16)
     wh = (2 * torch.randn(14040, 8960, device=dev, generator=g)).to(torch.float16)  # Wan 1.3B, 480p 33 frames
@@ -90,7 +90,8 @@ def main() -> int:
     for name, (fn, nbytes, plans) in cases.items():
         if only and not any(w in name for w in only):
             continue
-        kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS, kf.GELU_ONE_PASS = default_plan, one_pass, res_pass, gelu_pass
+        kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
+        kf.GELU_ONE_PASS = gelu_pass
         ref_q, ref_s = fn()
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
         for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
@@ -122,7 +123,8 @@ def main() -> int:
                 except Exception as e:  # a plan that does not compile (registers) is reported, not fatal
                     print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
         kf.GELU_FAST = gelu_fast
-    kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS, kf.GELU_ONE_PASS = default_plan, one_pass, res_pass, gelu_pass
+    kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
+    kf.GELU_ONE_PASS = gelu_pass
     return 0
 
 
