@@ -2,8 +2,8 @@
 shapes, and the GELU kernels where the Flux / Wan profiles found them far off their memory floor (2026-12-01:
 Flux's single-block concat + GELU + quantize 282 us a call, Wan 1.3B's FFN GELU + quantize 400 us). Each (BLOCK,
 one register-resident pass or chunked passes, num_warps) plan, and the one-pass segmented kernels (``seg``),
-timed with do_bench, output checked bit-equal to the default plan's; the GELU kernels also with ``GELU_FAST`` (h * sigmoid(2u) instead of tanhf), each compared
-with torch's unfused ``quantize_per_token_ref(F.gelu(...))`` (codes that differ, largest difference, scales
+timed with do_bench, output checked bit-equal to the default plan's; the GELU kernels also with ``GELU_FAST``
+(h * sigmoid(2u) instead of tanhf), each compared with torch's unfused ``quantize_per_token_ref(F.gelu(...))`` (codes that differ, largest difference, scales
 that differ). ``python bench/fused_sweep.py [--m 4608]``; prints one line a plan."""
 from __future__ import annotations
 

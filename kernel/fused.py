@@ -273,6 +273,13 @@ def _amax_bad(y, amax, bad):
 
 
 @triton.jit
+def _row_ptrs(a_ptr, b_ptr, q_ptr, stride_am, stride_bm, stride_qm):
+    """This program's row of two inputs and of the int8 output (one program a row)."""
+    row = tl.program_id(0).to(tl.int64)
+    return a_ptr + row * stride_am, b_ptr + row * stride_bm, q_ptr + row * stride_qm
+
+
+@triton.jit
 def _swiglu_seg(a_row, b_row, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad,
                 HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
     """One segment of the one-pass SwiGLU: its values in the model dtype (exact: they are rounded to it), with
@@ -303,9 +310,7 @@ def _swiglu_quant_seg_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
     # silu(a) * b is computed once and kept in registers in the model dtype until the row's scale is known
     # (the chunked kernel computes it twice: its exp and IEEE division bound it, not DRAM).
     row = tl.program_id(0)
-    a_row = a_ptr + row.to(tl.int64) * stride_am
-    b_row = b_ptr + row.to(tl.int64) * stride_bm
-    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    a_row, b_row, q_row = _row_ptrs(a_ptr, b_ptr, q_ptr, stride_am, stride_bm, stride_qm)
     amax = tl.zeros([], dtype=tl.float32)
     bad = tl.zeros([], dtype=tl.int32)
     y0, amax, bad = _swiglu_seg(a_row, b_row, inv_ptr, F, 0, S0, amax, bad, HAS_SMOOTH, DT, CLAMP_FP16, INTERPRET)
@@ -331,9 +336,7 @@ def _swiglu_quant_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
                          SCALE_RECIP: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
                          INTERPRET: tl.constexpr):
     row = tl.program_id(0)
-    a_row = a_ptr + row.to(tl.int64) * stride_am
-    b_row = b_ptr + row.to(tl.int64) * stride_bm
-    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    a_row, b_row, q_row = _row_ptrs(a_ptr, b_ptr, q_ptr, stride_am, stride_bm, stride_qm)
     cols = tl.arange(0, BLOCK)
     if SINGLE:
         mask = cols < F
@@ -632,9 +635,7 @@ def _concat_gelu_quant_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
     # q = quantize(cat(a, dt(gelu(h)))) per row, one absmax over both parts; HAS_A False: gelu(h) alone.
     # SINGLE: each part fits one BLOCK-wide tile held in registers; else BLOCK-wide chunks, read twice.
     row = tl.program_id(0)
-    a_row = a_ptr + row.to(tl.int64) * stride_am
-    h_row = h_ptr + row.to(tl.int64) * stride_hm
-    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    a_row, h_row, q_row = _row_ptrs(a_ptr, h_ptr, q_ptr, stride_am, stride_hm, stride_qm)
     cols = tl.arange(0, BLOCK)
     if SINGLE:
         mh = cols < F
@@ -694,9 +695,7 @@ def _concat_gelu_quant_seg_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
     # q = quantize(cat(a, dt(gelu(h)))) per row in one pass: a over segments A0 (+ A1), h over S0 (+ S1 + S2)
     # (Flux's single block: 2048 + 1024 and 8192 + 4096; Wan 1.3B's F = 8960: 8192 + 512 + 256, no masked lanes).
     row = tl.program_id(0)
-    a_row = a_ptr + row.to(tl.int64) * stride_am
-    h_row = h_ptr + row.to(tl.int64) * stride_hm
-    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    a_row, h_row, q_row = _row_ptrs(a_ptr, h_ptr, q_ptr, stride_am, stride_hm, stride_qm)
     amax = tl.zeros([], dtype=tl.float32)
     bad = tl.zeros([], dtype=tl.int32)
     if HAS_A:
