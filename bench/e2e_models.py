@@ -290,10 +290,7 @@ class ModelsBench(SamplerBench):
                 row.update(self.profiled(g, m, latent, noise))
                 for k, ms, pct in row["top_kernels_ms_per_step"]:
                     log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
-            self.maybe_host_profile(row, row["path"], g, m, latent, noise)
-            self.maybe_ab(row, row["path"], g, m, latent, noise)
-            if self.dev.type == "cuda" and row["path"] in self.a.gpu_gaps.split(","):
-                row.update(self.gpu_gaps(g, m, latent, noise))
+            self.row_extras(row, row["path"], g, m, latent, noise)
         except Exception as e:  # a path that cannot run is reported, not hidden
             import traceback
             traceback.print_exc()

@@ -288,16 +288,19 @@ class SamplerBench:
 
     last_gc: dict = {}
 
+    def _pack_stats(self, module: str) -> dict:
+        """The ``stats`` counters of the pack's ``nodes.<module>`` in this process ({} before the pack is imported)."""
+        mod = sys.modules.get(f"{self.pack.__name__}.nodes.{module}") if getattr(self, "pack", None) else None
+        return mod.stats if mod is not None else {}
+
     def _conds_moved(self) -> int:
-        """Bytes the pack's ``resident_conds`` wrapper has moved to the GPU in this process (0 before the pack is
-        imported)."""
-        mod = sys.modules.get(f"{self.pack.__name__}.nodes.resident_conds") if getattr(self, "pack", None) else None
-        return mod.stats["moved_bytes"] if mod is not None else 0
+        """Bytes the pack's ``resident_conds`` wrapper has moved to the GPU in this process."""
+        return self._pack_stats("resident_conds").get("moved_bytes", 0)
 
     def _block_fetches(self) -> tuple[int, int]:
         """(fused-block fetches, modules fetched) by the pack's ``comfy_cast.fetch_block`` in this process."""
-        mod = sys.modules.get(f"{self.pack.__name__}.nodes.comfy_cast") if getattr(self, "pack", None) else None
-        return (mod.STATS["blocks"], mod.STATS["modules"]) if mod is not None else (0, 0)
+        st = self._pack_stats("comfy_cast")
+        return st.get("blocks", 0), st.get("modules", 0)
 
     def _gc_watch(self):
         """Time spent in Python's garbage collector (and collections per generation) while sampling: a host cost
@@ -444,10 +447,17 @@ class SamplerBench:
             f" medians of {reps}), same output {same}")
         return res
 
-    def maybe_ab(self, row: dict, path: str, guider, model, latent, noise) -> None:
-        """``ab`` for the plain pack rows when ``--ab`` names a switch (on a GPU)."""
-        if self.dev.type == "cuda" and getattr(self.a, "ab", "") and path.startswith("pack:") and "%" not in path:
+    def row_extras(self, row: dict, path: str, guider, model, latent, noise) -> None:
+        """What the flags ask for a timed row beyond its timing: ``--host-profile`` (cProfile), ``--ab`` (a switch
+        A/B'd on the loaded model, plain pack rows only) and ``--gpu-gaps`` (a GPU-only trace); the last two on a
+        GPU only."""
+        self.maybe_host_profile(row, path, guider, model, latent, noise)
+        if self.dev.type != "cuda":
+            return
+        if getattr(self.a, "ab", "") and path.startswith("pack:") and "%" not in path:
             row.update(self.ab(guider, model, latent, noise))
+        if path in self.a.gpu_gaps.split(","):
+            row.update(self.gpu_gaps(guider, model, latent, noise))
 
     def switch(self, spec: str):
         """``kernel.config.override`` of ``NAME=value`` (parsed as the switch's type) for one row (a path's
@@ -509,11 +519,8 @@ class SamplerBench:
                             row["bit_identical_vs_pack"] = bool(torch_equal(out, plain))
                     if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
                         row.update(self.profiled(g, cond, latent, noise))
-                    if i == 0:  # its own flag (--host-profile), with or without --profile
-                        self.maybe_host_profile(row, path, g, cond, latent, noise)
-                        self.maybe_ab(row, path, g, cond, latent, noise)
-                    if i == 0 and self.dev.type == "cuda" and path in self.a.gpu_gaps.split(","):
-                        row.update(self.gpu_gaps(g, cond, latent, noise))
+                    if i == 0:  # their own flags (--host-profile, --ab, --gpu-gaps), with or without --profile
+                        self.row_extras(row, path, g, cond, latent, noise)
                     self.latents[(path, wf, res, pressure)] = out
                 except Exception as e:  # a path that cannot run is reported, not hidden
                     import traceback

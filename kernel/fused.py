@@ -49,9 +49,9 @@ Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``, ``LN_PLAN``, ``G
 and the later passes re-read the row from L2. ``swiglu_quantize``, ``gated_residual_rmsnorm`` and the GELU kernels
 also have a one-pass form over up to three power-of-2 segments (``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``,
 ``GELU_ONE_PASS``: 12288 = 8192 + 4096, 4608 = 4096 + 512, 8960 = 8192 + 512 + 256), which keeps the row in
-registers without masked lanes; ``gated_residual_rmsnorm`` has no
-chunked form (rows up to ``MAX_SINGLE``). fp32 division and exp use the IEEE / libdevice versions torch's CUDA
-kernels use, so compiled results match torch's bit for bit more often. Importing this module imports triton.
+registers without masked lanes; ``gated_residual_rmsnorm`` has no chunked form (rows up to ``MAX_SINGLE``). fp32
+division and exp use the IEEE / libdevice versions torch's CUDA kernels use, so compiled results match torch's bit
+for bit more often. Importing this module imports triton.
 """
 from __future__ import annotations
 
@@ -287,8 +287,15 @@ def _swiglu_seg(a_row, b_row, inv_ptr, F, OFF: tl.constexpr, SEG: tl.constexpr, 
     ks = OFF + tl.arange(0, SEG)
     mask = ks < F
     y = _swiglu_vals(a_row, b_row, ks, mask, DT, CLAMP_FP16, INTERPRET)
+    return _seg_keep(y, a_row, inv_ptr, ks, mask, amax, bad, HAS_SMOOTH)
+
+
+@triton.jit
+def _seg_keep(y, like_row, inv_ptr, ks, mask, amax, bad, HAS_SMOOTH: tl.constexpr):
+    """A one-pass segment's values ``y`` (fp32) kept in ``like_row``'s dtype (exact: values of it), with the row's
+    running |max| (of the smoothed values) and non-finite flag updated."""
     amax, bad = _amax_bad(_smooth(y, inv_ptr, ks, mask, HAS_SMOOTH), amax, bad)
-    return y.to(a_row.dtype.element_ty), amax, bad
+    return y.to(like_row.dtype.element_ty), amax, bad
 
 
 @triton.jit
@@ -583,26 +590,27 @@ def _layernorm_modulate_quant_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, qs_pt
 
 
 @triton.jit
+def _part_vals(p_row, ks, mask, GELU: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr,
+               FAST: tl.constexpr):
+    """One tile of a part of the concatenated row, fp32, before the smoothing: the values as they are (GELU
+    False) or gelu(h) rounded to DT (gelu(0) = 0: masked lanes stay 0)."""
+    y = tl.load(p_row + ks, mask=mask, other=0.0).to(tl.float32)
+    if GELU:
+        y = _round(_gelu_tanh(y, INTERPRET, FAST), DT, INTERPRET)
+    return y
+
+
+@triton.jit
 def _gelu_tile(h_row, inv_ptr, ks, mask, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr,
                FAST: tl.constexpr):
-    h = tl.load(h_row + ks, mask=mask, other=0.0).to(tl.float32)
-    y = _round(_gelu_tanh(h, INTERPRET, FAST), DT, INTERPRET)  # gelu(0) = 0: masked lanes stay 0
-    if HAS_SMOOTH:
-        y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
-    return y
+    return _smooth(_part_vals(h_row, ks, mask, True, DT, INTERPRET, FAST), inv_ptr, ks, mask, HAS_SMOOTH)
 
 
 @triton.jit
 def _part_tile(p_row, inv_ptr, ks, mask, GELU: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr,
                INTERPRET: tl.constexpr, FAST: tl.constexpr):
-    # one segment of the concatenated row: the values as they are (GELU False) or gelu(h) rounded to DT
-    if GELU:
-        return _gelu_tile(p_row, inv_ptr, ks, mask, HAS_SMOOTH, DT, INTERPRET, FAST)
-    else:
-        y = tl.load(p_row + ks, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SMOOTH:
-            y = y * tl.load(inv_ptr + ks, mask=mask, other=1.0)
-        return y
+    # one segment of the concatenated row, smoothed
+    return _smooth(_part_vals(p_row, ks, mask, GELU, DT, INTERPRET, FAST), inv_ptr, ks, mask, HAS_SMOOTH)
 
 
 @triton.jit
@@ -678,11 +686,8 @@ def _gelu_seg(p_row, inv_ptr, n, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad
     flag updated; the same values as ``_part_tile``."""
     ks = OFF + tl.arange(0, SEG)
     mask = ks < n
-    y = tl.load(p_row + ks, mask=mask, other=0.0).to(tl.float32)
-    if GELU:
-        y = _round(_gelu_tanh(y, INTERPRET, FAST), DT, INTERPRET)  # gelu(0) = 0: masked lanes stay 0
-    amax, bad = _amax_bad(_smooth(y, inv_ptr, ks, mask, HAS_SMOOTH), amax, bad)
-    return y.to(p_row.dtype.element_ty), amax, bad
+    return _seg_keep(_part_vals(p_row, ks, mask, GELU, DT, INTERPRET, FAST), p_row, inv_ptr, ks, mask, amax, bad,
+                     HAS_SMOOTH)
 
 
 @triton.jit
@@ -720,7 +725,6 @@ def _concat_gelu_quant_seg_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
         _seg_store(qh, y1, ih, F, S0, S1, mult, usable, HAS_SMOOTH, INTERPRET)
     if S2 > 0:
         _seg_store(qh, y2, ih, F, S0 + S1, S2, mult, usable, HAS_SMOOTH, INTERPRET)
-
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -997,22 +1001,19 @@ def _concat_gelu(a: torch.Tensor | None, h: torch.Tensor, inv_smooth, what: str)
     _check_usable(h, what)
     h = _row_major(h, "h")
     a = _row_major(a, "a") if a is not None else None
+    args = (a if a is not None else h, h, inv if inv is not None else qs, q, qs, ka, f,
+            a.stride(0) if a is not None else 0, h.stride(0), q.stride(0))
+    common = dict(HAS_A=a is not None, HAS_SMOOTH=inv is not None, DT=_DT_CODE[h.dtype], SCALE_RECIP=h.is_cuda)
     segs = _segments(f, GELU_ONE_PASS)
     asegs = _segments(ka, GELU_ONE_PASS) if ka else (0, 0, 0)
     if segs is not None and asegs is not None and asegs[2] == 0:
-        launch(_concat_gelu_quant_seg_kernel, (m,),
-               (a if a is not None else h, h, inv if inv is not None else qs, q, qs, ka, f,
-                a.stride(0) if a is not None else 0, h.stride(0), q.stride(0)),
-               dict(HAS_A=a is not None, HAS_SMOOTH=inv is not None, DT=_DT_CODE[h.dtype], SCALE_RECIP=h.is_cuda,
-                    A0=asegs[0], A1=asegs[1], S0=segs[0], S1=segs[1], S2=segs[2], INTERPRET=INTERPRET,
+        launch(_concat_gelu_quant_seg_kernel, (m,), args,
+               dict(common, A0=asegs[0], A1=asegs[1], S0=segs[0], S1=segs[1], S2=segs[2], INTERPRET=INTERPRET,
                     FAST=GELU_FAST), _seg_warps(tuple(asegs) + tuple(segs), GELU_ONE_PASS), 1, h.device)
         return q, qs
     block, single, warps = _plan(max(ka, f), GELU_PLAN)
-    launch(_concat_gelu_quant_kernel, (m,),
-           (a if a is not None else h, h, inv if inv is not None else qs, q, qs, ka, f,
-            a.stride(0) if a is not None else 0, h.stride(0), q.stride(0)),
-           dict(HAS_A=a is not None, HAS_SMOOTH=inv is not None, DT=_DT_CODE[h.dtype], SCALE_RECIP=h.is_cuda,
-                BLOCK=block, SINGLE=single, INTERPRET=INTERPRET, FAST=GELU_FAST), warps, 1, h.device)
+    launch(_concat_gelu_quant_kernel, (m,), args,
+           dict(common, BLOCK=block, SINGLE=single, INTERPRET=INTERPRET, FAST=GELU_FAST), warps, 1, h.device)
     return q, qs
 
 

@@ -25,8 +25,9 @@ from ..kernel import config
 from ..quant import linear
 
 #: blocks and modules fetched by :func:`fetch_block` in this process (benchmarks report them per step)
-STATS = {"blocks": 0, "modules": 0}
+stats = {"blocks": 0, "modules": 0}
 _MANAGED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_COMFY: tuple | None = None  # (comfy.model_management, cast_modules_with_vbar, cleanup_prefetched_modules) or ()
 
 
 def cast(layer, device: torch.device):
@@ -49,31 +50,42 @@ def fetch_block(block: torch.nn.Module, device: torch.device):
     if mods is None:
         mods = _MANAGED[block] = tuple(m for m in block.modules() if hasattr(m, "comfy_cast_weights"))
     todo = [m for m in mods if hasattr(m, "_v") and not hasattr(m, "_prefetch")]
-    if not todo:
+    if not todo or not _comfy_functions():
         return None
-    import comfy.model_management as mm
-    import comfy.ops
-    try:
-        import comfy.model_prefetch as mp
-    except ImportError:
-        return None
-    cast_all = getattr(comfy.ops, "cast_modules_with_vbar", None)
-    if cast_all is None or mm.is_device_cpu(device):
+    mm, cast_all, cleanup = _COMFY
+    if mm.is_device_cpu(device):
         return None
     try:
         stream = cast_all(todo, None, device, None, mm.device_supports_non_blocking(device))
     except BaseException:
-        mp.cleanup_prefetched_modules(block, todo)
+        cleanup(block, todo)
         raise
     mm.sync_stream(device, stream)
-    STATS["blocks"] += 1
-    STATS["modules"] += len(todo)
+    stats["blocks"] += 1
+    stats["modules"] += len(todo)
 
     def release():
         if stream is not None:  # the offload stream may reuse its buffers only after the block's kernels
             stream.wait_stream(mm.current_stream(device))
-        mp.cleanup_prefetched_modules(block, todo)
+        cleanup(block, todo)
     return release
+
+
+def _comfy_functions() -> tuple:
+    """ComfyUI's multi-module vbar fetch and its cleanup, looked up on the first block call (an empty tuple for a
+    ComfyUI without them, e.g. 0.3.75: then every layer fetches its own weights)."""
+    global _COMFY
+    if _COMFY is None:
+        import comfy.model_management as mm
+        import comfy.ops
+        try:
+            import comfy.model_prefetch as mp
+        except ImportError:
+            mp = None
+        cast_all = getattr(comfy.ops, "cast_modules_with_vbar", None)
+        cleanup = getattr(mp, "cleanup_prefetched_modules", None)
+        _COMFY = (mm, cast_all, cleanup) if cast_all is not None and cleanup is not None else ()
+    return _COMFY
 
 
 def install() -> None:

@@ -319,11 +319,10 @@ class FetchedBlock(nn.Module):
     changes. Without ComfyUI (or with INT8_FUSED_BLOCK_FETCH=0) a plain module call."""
 
     def __call__(self, *args, **kwargs):
-        fetch = block_fetch()
-        if fetch is None or _compiling():
-            return super().__call__(*args, **kwargs)
-        x = args[0] if args else next(iter(kwargs.values()), None)
-        release = fetch(self, x.device) if isinstance(x, torch.Tensor) else None
+        fetch, release = block_fetch(), None
+        if fetch is not None and not _compiling():
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            release = fetch(self, x.device) if isinstance(x, torch.Tensor) else None
         if release is None:
             return super().__call__(*args, **kwargs)
         try:

@@ -127,4 +127,4 @@ def body(pack, models) -> dict:
     return {"cast_all_params": list(inspect.signature(comfy.ops.cast_modules_with_vbar).parameters),
             "cleanup_params": list(inspect.signature(comfy.model_prefetch.cleanup_prefetched_modules).parameters),
             "installed": lin.block_fetch() is cc.fetch_block, "fused_blocks": len(blocks),
-            "managed_modules": len(managed), "fetched": fetched, "stats": dict(cc.STATS)}
+            "managed_modules": len(managed), "fetched": fetched, "stats": dict(cc.stats)}
