@@ -54,8 +54,8 @@ def residual_diagnosis(kf, x, o, w1, gate, m, yy) -> dict:
     for label, extra in (("as_built", {}), ("no_fp_fusion", {"enable_fp_fusion": False})):
         saved = kf.launch
         if extra:
-            kf.launch = lambda fn, grid, args, cx, w, st, dev: fn[grid](*args, **cx, num_warps=w, num_stages=st,
-                                                                       **extra)
+            kf.launch = lambda fn, grid, args, cx, w, st, dev: fn[grid](*args, **{**cx, **extra}, num_warps=w,
+                                                                       num_stages=st)
         try:
             y, _, _ = kf.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m)
         finally:
@@ -63,6 +63,52 @@ def residual_diagnosis(kf, x, o, w1, gate, m, yy) -> dict:
         out[f"y_differs_{label}"] = (y != yy).float().mean().item()
         out[f"y_differs_from_single_rounding_{label}"] = (y != y_single).float().mean().item()
     print("  residual diagnosis:", json.dumps({k: float(f"{v:.3g}") for k, v in out.items()}))
+    return out
+
+
+def swiglu_epilogue_rows(cuda: bool, dev: str, g) -> list[dict]:
+    """SwiGLU in the merged w1+w3 GEMM's epilogue (``gemm_swiglu`` + ``quantize_per_token``) against the GEMM
+    writing [a | b] + ``swiglu_quantize`` (INT8_FUSED_SWIGLU_EPILOGUE=0), at Ideogram 4's and Z-Image's FFN shapes:
+    both times, bit-equality of the int8 codes / scales, and the whole FusedFeedForward with the switch on / off."""
+    import kernel
+    import kernel.fused as kf
+    from kernel import config
+    from quant import fused as qf
+    from quant.linear import Int8Linear
+    shapes = [("ideogram4 cond", 4608, 4608, 12288), ("ideogram4 uncond", 4096, 4608, 12288),
+              ("z-image", 4352, 3840, 10240)] if cuda else [("tiny", 8, 64, 96)]
+    out = []
+    for name, m, d, f in shapes:
+        x = torch.randn(m, d, device=dev, dtype=torch.bfloat16, generator=g)
+        lin = [torch.randn(n, k, device=dev, generator=g) * k ** -0.5 for n, k in ((f, d), (d, f), (f, d))]
+        L1, L2, L3 = [Int8Linear.from_float(w, backend="fused_triton", name=n) for w, n in zip(lin, ("w1", "w2", "w3"))]
+        w13 = qf.merge_int8(L1, L3, "w1+w3")
+        ff = qf.FusedFeedForward(w13, L2)
+        a_q, a_s = kernel.quantize_per_token(x)
+
+        def epi():
+            return kernel.quantize_per_token(kf.gemm_swiglu(a_q, a_s, w13.qweight, w13.weight_scale, None,
+                                                            torch.bfloat16))
+
+        def sep():
+            return kf.swiglu_quantize(kernel.int8_gemm(a_q, a_s, w13.qweight, w13.weight_scale, None,
+                                                       out_dtype=torch.bfloat16))
+        (q1, s1), (q0, s0) = epi(), sep()
+        equal = torch.equal(q1, q0) and torch.equal(s1, s0)
+        t_epi, t_sep = bench(epi, cuda), bench(sep, cuda)
+        with config.override(INT8_FUSED_SWIGLU_EPILOGUE=True):
+            y1 = ff(x)
+            t_ff1 = bench(lambda: ff(x), cuda)
+        with config.override(INT8_FUSED_SWIGLU_EPILOGUE=False):
+            y0 = ff(x)
+            t_ff0 = bench(lambda: ff(x), cuda)
+        r = {"shape": name, "M": m, "D": d, "F": f, "epilogue_us": t_epi, "separate_us": t_sep,
+             "codes_equal": equal, "ffn_epilogue_us": t_ff1, "ffn_separate_us": t_ff0,
+             "ffn_outputs_equal": torch.equal(y1, y0)}
+        out.append(r)
+        print(f"SwiGLU epilogue {name:<17} M {m} D {d} F {f}: gemm_swiglu + quantize {t_epi:8.1f} us, GEMM + "
+              f"swiglu_quantize {t_sep:8.1f} us (codes equal: {equal}); FeedForward {t_ff1:8.1f} vs {t_ff0:8.1f} us "
+              f"(outputs equal: {r['ffn_outputs_equal']})", flush=True)
     return out
 
 
@@ -131,10 +177,11 @@ def main() -> int:
     yf, yp = ff(x), L2(F.silu(L1(x)) * L3(x))
     err = ((yf.float() - yp.float()).norm() / yp.float().norm()).item()
     row("FeedForward (3 GEMMs incl.)", lambda: ff(x), lambda: L2(F.silu(L1(x)) * L3(x)), 0, 0, f"rel {err:.1e}")
+    epilogue = swiglu_epilogue_rows(cuda, dev, g)
     if a.out:
         import triton
         doc = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-               "triton": triton.__version__, "m": m, "rows": rows}
+               "triton": triton.__version__, "m": m, "rows": rows, "swiglu_epilogue": epilogue}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1))
     return 0

@@ -50,10 +50,13 @@
 #             then the GELU kernels' tile plans with the one-pass segmented kernel (bench/fused_sweep.py --only gelu)
 #   ideofetch Ideogram 4 dual: bf16, pack (block fetch A/B'd, --ab), fp8_fast~cudnn, fp8_fast~kitchen
 #   fetchab   Flux / Z-Image / Wan: bf16, pack (block fetch A/B'd on the loaded model, --ab), fp8_fast
+#   swiglu    bench/fused.py (the SwiGLU GEMM epilogue), then Ideogram 4 dual: bf16, pack (epilogue A/B'd), fp8~cudnn,
+#             fp8~kitchen
+#   zswiglu   Z-Image: bf16, pack (SwiGLU epilogue A/B'd), fp8_fast; Flux.1's pack with INT8_FUSED_FLUX_TAILS A/B'd
 #   floors    Flux / Z-Image / Wan: the pack's kernel sums a step (profiled) and its host time by function (cProfile)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -237,6 +240,20 @@ PY
     timeout 300 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "pack:fused_triton" --profile pack:fused_triton --host-profile pack:fused_triton \
       --out "$OUT/h200-e2e-models-floors.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  swiglu)  # SwiGLU in the w1+w3 GEMM's epilogue (INT8_FUSED_SWIGLU_EPILOGUE): bench/fused.py (kernel times, codes
+           # compared on the GPU), then Ideogram 4 dual with every anchor of issue 14, the pack row A/B'd (--ab)
+    timeout 150 python3 bench/fused.py --out "$OUT/h200-fused-swiglu.json" 2>&1 | tee "$OUT/fused-swiglu.log"
+    timeout 420 $sampler --profile none --ab INT8_FUSED_SWIGLU_EPILOGUE=0 \
+      --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen" \
+      --out "$OUT/sampler-swiglu.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  zswiglu)  # Z-Image: bf16, pack (the SwiGLU epilogue A/B'd), fp8_fast; then Flux.1 with its opt-in residual tails
+            # A/B'd (INT8_FUSED_FLUX_TAILS=1 on the loaded model), now that its step is GPU-bound
+    timeout 260 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage \
+      --paths "bf16,pack:fused_triton,fp8_fast" --ab INT8_FUSED_SWIGLU_EPILOGUE=0 \
+      --out "$OUT/h200-e2e-models-zswiglu.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 260 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths "pack:fused_triton" --ab INT8_FUSED_FLUX_TAILS=1 \
+      --out "$OUT/h200-e2e-models-fluxtails.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

@@ -129,16 +129,9 @@ def quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None = None
     return q, scale
 
 
-def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-              out_int32: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A_q int8 [M, K] x W_q int8 [N, K] (nn.Linear layout) -> [M, N].
-
-    ``out_int32``: the exact int32 accumulator ``A_q @ W_q.T``. Otherwise
-    ``acc * a_scale[m] * w_scale[n] + bias[n]`` in fp32, stored as ``out_dtype`` (bf16, fp16, fp32).
-    Any M, N, K (tails masked) and any strides. Scales are fp32 [M] / [N] (other float dtypes are upcast
-    exactly; a 1-entry w_scale is a per-tensor scale); bias is [N] in any float dtype. ``out`` (optional):
-    a preallocated [M, N] result of the output dtype, e.g. to check that every element is written."""
+def _gemm_operands(a_q, a_scale, w_q, w_scale, bias, out_dtype, out_int32=False):
+    """int8_gemm's checks of its operands; returns (a_scale fp32 [M], w_scale fp32 [N] or a broadcast scalar,
+    bias [N] or None) on a_q's device."""
     fix = "quantize with kernel.quantize_per_token / quant.quantize.quantize_weight_per_channel"
     _check_2d(a_q, "a_q", (torch.int8,), fix)
     _check_2d(w_q, "w_q", (torch.int8,), fix + " (weight in nn.Linear layout [N, K])")
@@ -156,6 +149,22 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
     w_scale = _fp32(_vector(w_scale, n, "w_scale", a_q.device, allow_scalar=True))
     if bias is not None:
         bias = _vector(bias, n, "bias", a_q.device, allow_scalar=False)
+    return a_scale, w_scale, bias
+
+
+def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+              out_int32: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A_q int8 [M, K] x W_q int8 [N, K] (nn.Linear layout) -> [M, N].
+
+    ``out_int32``: the exact int32 accumulator ``A_q @ W_q.T``. Otherwise
+    ``acc * a_scale[m] * w_scale[n] + bias[n]`` in fp32, stored as ``out_dtype`` (bf16, fp16, fp32).
+    Any M, N, K (tails masked) and any strides. Scales are fp32 [M] / [N] (other float dtypes are upcast
+    exactly; a 1-entry w_scale is a per-tensor scale); bias is [N] in any float dtype. ``out`` (optional):
+    a preallocated [M, N] result of the output dtype, e.g. to check that every element is written."""
+    a_scale, w_scale, bias = _gemm_operands(a_q, a_scale, w_q, w_scale, bias, out_dtype, out_int32)
+    m, k = a_q.shape
+    n = w_q.shape[0]
     dtype = torch.int32 if out_int32 else out_dtype
     if out is None:
         out = torch.empty((m, n), dtype=dtype, device=a_q.device)

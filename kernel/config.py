@@ -58,6 +58,10 @@ SWITCHES = {s.name: s for s in (
            "`qk_rmsnorm_rope_rows`) instead of ComfyUI's ops: `all` the fused blocks of Flux.1, Ideogram 4, "
            "Lumina 2 / Z-Image and Wan 2.x (in place of comfy_kitchen's ops where ComfyUI calls them), `flux` "
            "Flux.1's only, `0` none (A/B runs)"),
+    Switch("INT8_FUSED_SWIGLU_EPILOGUE", bool, True,
+           "`0`: SwiGLU feed-forwards (Ideogram 4, Lumina 2 / Z-Image) write the merged w1+w3 GEMM's [M, 2F] "
+           "output and quantize silu(a)·b in a second kernel; unset, the GEMM computes silu(a)·b in its epilogue "
+           "and writes [M, F] (`kernel/fused.py` `gemm_swiglu`; the same int8 codes bit for bit)"),
     Switch("INT8_FUSED_GPU_CONDS", bool, True,
            "`0`: leave the sampling run's conditioning on the CPU, where ComfyUI concatenates it and copies it "
            "to the GPU from pageable memory in every model call (a copy that drains the GPU queue); unset, the "

@@ -62,7 +62,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import _check_2d, _check_usable, _vector
+from . import _check_2d, _check_usable, _gemm_operands, _vector
+from .gemm import _acc_tile, _dequant, _tile_ids
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
 from .quantize import ALU_ROUND, INTERPRET, _code8  # the quantizer's rounding (and its interpreter compat shim)
 
@@ -238,6 +239,12 @@ def _swiglu_vals(a_row, b_row, ks, mask, DT: tl.constexpr, CLAMP_FP16: tl.conste
     """``dt(silu(a) * b)`` (clamped for fp16 when asked) as fp32, before the smoothing."""
     a = tl.load(a_row + ks, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_row + ks, mask=mask, other=0.0).to(tl.float32)
+    return _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
+
+
+@triton.jit
+def _swiglu_math(a, b, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``dt(dt(silu(a)) * b)`` of fp32 values of dtype DT (clamped for fp16 when asked), as fp32."""
     if INTERPRET:
         e = tl.exp(-a)
     else:
@@ -247,6 +254,34 @@ def _swiglu_vals(a_row, b_row, ks, mask, DT: tl.constexpr, CLAMP_FP16: tl.conste
     if CLAMP_FP16:  # comfy.ldm.lumina.model.clamp_fp16: nan_to_num(nan=0, posinf=65504, neginf=-65504)
         y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -65504.0), 65504.0))
     return y
+
+
+@triton.jit
+def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr,
+                        M, F, K,
+                        stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_hn,
+                        stride_as, stride_ws, stride_bias,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                        DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    # The merged w1+w3 GEMM with SwiGLU in its epilogue: a tile's BLOCK_N weight rows are HALF rows of w1 and the
+    # same HALF rows of w3 (W13 rows j and F + j), so the tile holds a and b of HALF output columns; both are
+    # rounded to the model dtype as the GEMM would store them, and h = dt(dt(silu(a)) * b) is stored [M, F].
+    HALF: tl.constexpr = BLOCK_N // 2
+    pid_m, pid_n = _tile_ids(M, F, BLOCK_M, HALF, GROUP_M)
+    offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    r = tl.arange(0, BLOCK_N)
+    offs_wn = (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)
+    acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    v = _round(_dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+                        HAS_BIAS), DT, INTERPRET)
+    a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    y = _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
+    offs_hn = pid_n * HALF + tl.arange(0, HALF)
+    h_ptrs = h_ptr + offs_cm[:, None].to(tl.int64) * stride_hm + offs_hn[None, :] * stride_hn
+    tl.store(h_ptrs, y.to(h_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_hn[None, :] < F))
 
 
 @triton.jit
@@ -813,6 +848,49 @@ def rmsnorm_modulate_quantize(x: torch.Tensor, norm_weight: torch.Tensor, eps: f
                 PROD_DT=_DT_CODE[torch.promote_types(x.dtype, s2.dtype)], SCALE_RECIP=x.is_cuda,
                 BLOCK=block, SINGLE=single, INTERPRET=INTERPRET), warps, 1, x.device)
     return q, qs
+
+
+def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                clamp_fp16: bool = False) -> torch.Tensor:
+    """SwiGLU of the merged w1+w3 GEMM without writing its [M, 2F] output: ``h = silu(a) * b`` [M, F] in
+    ``out_dtype``, where ``[a | b] = int8_gemm(a_q, a_scale, w13, w_scale, bias, out_dtype)`` (w13 int8 [2F, K],
+    the w1 rows first). Equal to ``swiglu_ref(a, b, clamp_fp16)`` of that output element for element: a and b
+    are rounded to ``out_dtype`` as the GEMM stores them, then silu and the product round as torch's ops do.
+    Runs with the merged GEMM's tile config (the same main loop: a tile's weight rows are half w1, half w3)."""
+    a_scale, w_scale, bias = _gemm_operands(a_q, a_scale, w13, w_scale, bias, out_dtype)
+    m, k = a_q.shape
+    n2 = w13.shape[0]
+    if n2 % 2:
+        raise ValueError(f"w13 has {n2} rows; it must be [2F, K] (w1 rows, then w3 rows)")
+    if out_dtype not in _FLOAT:
+        raise ValueError(f"out_dtype {out_dtype} is not supported: use torch.bfloat16, float16 or float32")
+    f = n2 // 2
+    h = torch.empty((m, f), dtype=out_dtype, device=a_q.device)
+    if m == 0 or f == 0:
+        return h
+    if k == 0:  # an empty sum (int8_gemm's own K = 0 path), then torch's ops
+        from . import int8_gemm
+        a, b = int8_gemm(a_q, a_scale, w13, w_scale, bias, out_dtype=out_dtype).chunk(2, dim=1)
+        y = torch.nn.functional.silu(a) * b
+        if clamp_fp16 and out_dtype == torch.float16:
+            y = torch.nan_to_num(y, nan=0.0, posinf=65504.0, neginf=-65504.0)
+        return h.copy_(y)
+    _check_usable(a_q, "gemm_swiglu")
+    from . import gemm as _gemm
+    cfg = _gemm.select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    half = bn // 2
+    launch(_gemm_swiglu_kernel, (-(-m // bm) * -(-f // half),),
+           (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale,
+            m, f, k,
+            a_q.stride(0), a_q.stride(1), w13.stride(0), w13.stride(1), h.stride(0), h.stride(1),
+            a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
+           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
+                EVEN_K=k % bk == 0, DT=_DT_CODE[out_dtype], CLAMP_FP16=bool(clamp_fp16) and out_dtype == torch.float16,
+                INTERPRET=INTERPRET),
+           cfg["num_warps"], cfg["num_stages"], a_q.device)
+    return h
 
 
 def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: bool = False

@@ -48,13 +48,7 @@ def _store_out(c_ptrs, v, c_mask, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
-                      M, N, K,
-                      stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
-                      stride_as, stride_ws, stride_bias,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr,
-                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped ordering: GROUP_M row-tiles sweep N together, so the W tiles they share stay in L2
     # (the standard Triton matmul trick; worth a few % on the 4608-row block GEMMs).
     pid = tl.program_id(0)
@@ -66,14 +60,16 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
 
-    # Row / column tails wrap (% M, % N) so the loads need no mask; the store masks them.
-    offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_wn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+
+@triton.jit
+def _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The exact int32 tile ``A[offs_am, :] @ W[offs_wn, :].T`` (rows / columns in range: callers wrap tails)."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + offs_wn[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -86,6 +82,35 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
         acc = tl.dot(a, w, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+             HAS_BIAS: tl.constexpr):
+    """The epilogue's fp32 ``acc * a_scale[m] * w_scale[n] + bias[n]`` (``offs_wn`` in range)."""
+    a_s = tl.load(as_ptr + offs_cm * stride_as, mask=offs_cm < M, other=0.0)
+    w_s = tl.load(ws_ptr + offs_wn * stride_ws)
+    out = acc.to(tl.float32) * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_wn * stride_bias).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
+def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
+                      M, N, K,
+                      stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
+                      stride_as, stride_ws, stride_bias,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr,
+                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # Row / column tails wrap (% M, % N) so the loads need no mask; the store masks them.
+    offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_wn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,11 +119,8 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
     if OUT_INT32:
         tl.store(c_ptrs, acc, mask=c_mask)
     else:
-        a_s = tl.load(as_ptr + offs_cm * stride_as, mask=offs_cm < M, other=0.0)
-        w_s = tl.load(ws_ptr + offs_cn * stride_ws, mask=offs_cn < N, other=0.0)
-        out = acc.to(tl.float32) * a_s[:, None] * w_s[None, :]
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + offs_cn * stride_bias, mask=offs_cn < N, other=0.0).to(tl.float32)[None, :]
+        out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+                       HAS_BIAS)
         _store_out(c_ptrs, out, c_mask, INTERPRET)
 
 
@@ -244,9 +266,11 @@ def _device_cache(device: torch.device):
     return _CACHES[idx]
 
 
-def select_config(a_q, a_scale, w_q, w_scale, bias, out) -> dict:
+def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype | None = None) -> dict:
     """The config for this (N, K, M bucket): memoised, else from the on-disk cache, else timed now with
-    ``triton.testing.do_bench`` on these very tensors (``out`` is overwritten by the real call after)."""
+    ``triton.testing.do_bench`` on these very tensors (``out`` is overwritten by the real call after; None: an
+    [M, N] ``out_dtype`` buffer is made for the timing, e.g. for the SwiGLU-epilogue kernel, which shares the
+    merged w1+w3 GEMM's config)."""
     m, k = a_q.shape
     n = w_q.shape[0]
     dev = a_q.device
@@ -264,6 +288,9 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out) -> dict:
         return cfg
     props = torch.cuda.get_device_properties(a_q.device)
     cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket)
+
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=dev)
 
     def time_fn(c):
         return triton.testing.do_bench(

@@ -3,8 +3,9 @@ architecture recognition: the model adapters (``adapters/``) decide which module
 which fused module, and build it from the pieces here.
 
 * ``FusedFeedForward``: a SwiGLU FeedForward (``w2(silu(w1 x) * w3 x)``) with w1 and w3 as one int8 GEMM over
-  the concatenated weight [2F, K] (identical smoothing only, ``merge_int8``) and ``silu(a) * b`` + quantization
-  as one kernel (``swiglu_quantize``) feeding w2.
+  the concatenated weight [2F, K] (identical smoothing only, ``merge_int8``) computing ``silu(a) * b`` in its
+  epilogue (``gemm_swiglu``; ``INT8_FUSED_SWIGLU_EPILOGUE=0``: the GEMM writes [a | b] and ``swiglu_quantize``
+  quantizes silu(a) * b), then quantization feeding w2; the int8 codes are the same either way.
 * ``norm_modulate_quantize``: adaLN-modulated RMSNorm + per-token quantization as one kernel
   (``rmsnorm_modulate_quantize``), the int8 input of the next GEMM; ``gated_residual``: a residual tail
   ``x + gate * norm2(branch)`` (optionally with the next norm + quantization) as one kernel.
@@ -134,6 +135,13 @@ def gemm(a_q, a_s, layer, dtype):
         if _compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
             return torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype)
         return kernel_module().int8_gemm(a_q, a_s, t.qweight, t.weight_scale, t.bias, out_dtype=dtype)
+
+
+def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):
+    """``silu(a) * b`` [M, F] of the merged w1+w3 layer's GEMM ([a | b]) from an already-quantized input, the SwiGLU
+    computed in the GEMM's epilogue (``kernel.fused.gemm_swiglu``)."""
+    with w13.operands(a_q.device) as t:
+        return _kf().gemm_swiglu(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype, clamp_fp16)
 
 
 def act_quant(x2, inv_smooth):
@@ -379,6 +387,9 @@ class FusedFeedForward(nn.Module):
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """From the already-quantized input (int8 [M, K], fp32 [M]) -> [M, dim] in ``dtype``."""
+        if fusable(self.w2) and not _compiling() and config.get("INT8_FUSED_SWIGLU_EPILOGUE"):
+            h = gemm_swiglu(a_q, a_s, self.w13, dtype, self.clamp_fp16)  # [M, F], then quantized for w2
+            return gemm(*act_quant(h, inv_smooth_of(self.w2, a_q.device)), self.w2, dtype)
         h13 = gemm(a_q, a_s, self.w13, dtype)
         if fusable(self.w2):
             q, s = _swiglu_quant(h13, inv_smooth_of(self.w2, a_q.device), self.clamp_fp16)

@@ -231,6 +231,99 @@ def test_swiglu_quantize_zero_nan_and_fp16_clamp(kf, monkeypatch, one_pass):
         kf.swiglu_quantize(h[:, :63])
 
 
+def _int8_operands(m, f, k, dtype, gen, bias, w_scale=0.02):
+    """An int8 activation (quantized by the kernel, with a zero row and, from 5 rows, a NaN row) and a merged
+    w1+w3 weight [2F, K] with scales and an optional bias."""
+    import kernel
+    x = torch.randn(m, k, generator=gen) * 3
+    x[min(2, m - 1)] = 0
+    if m >= 5:
+        x[4, 1] = float("nan")
+    a_q, a_s = kernel.quantize_per_token(x.to(dtype).to(DEV))
+    w = torch.randint(-127, 128, (2 * f, k), generator=gen, dtype=torch.int8).to(DEV)
+    ws = (torch.rand(2 * f, generator=gen) * w_scale).to(DEV)
+    b = torch.randn(2 * f, generator=gen).to(DEV) if bias else None
+    return a_q, a_s, w, ws, b
+
+
+@pytest.mark.parametrize("dtype,m,f,k,bias,clamp,w_scale", [
+    (BF16, 37, 48, 64, False, False, 0.02), (BF16, 5, 72, 40, True, False, 0.02),   # ragged M / F, K % BLOCK_K
+    (FP16, 20, 40, 96, True, True, 2.0), (FP16, 9, 24, 64, False, False, 2.0),      # fp16 overflow: clamp / NaN
+    (FP32, 33, 16, 32, True, False, 0.02)])
+def test_gemm_swiglu_equals_gemm_then_swiglu(kf, dtype, m, f, k, bias, clamp, w_scale):
+    """SwiGLU in the merged GEMM's epilogue: h equals silu(a) * b of the [a | b] the plain GEMM writes, with
+    torch's roundings (the exp of fp32 rows aside), and h quantized gives swiglu_quantize's codes and scales."""
+    import kernel
+    g = torch.Generator().manual_seed(m * 1000 + f)
+    a_q, a_s, w, ws, b = _int8_operands(m, f, k, dtype, g, bias, w_scale)
+    ab = kernel.int8_gemm(a_q, a_s, w, ws, b, out_dtype=dtype)
+    h = kf.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=dtype, clamp_fp16=clamp)
+    assert h.shape == (m, f) and h.dtype == dtype
+    ref = qf.swiglu_ref(*ab.chunk(2, dim=1), clamp_fp16=clamp)
+    if dtype != FP32 and EXACT:
+        assert torch.equal(h.float().nan_to_num(nan=7.0), ref.nan_to_num(nan=7.0))
+    else:  # fp32: libdevice / numpy exp against torch's, ulps apart
+        torch.testing.assert_close(h.float(), ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    inv = (0.5 + torch.rand(f, generator=g)).to(DEV)
+    q0, s0 = kf.swiglu_quantize(ab, inv, clamp)
+    q1, s1 = kernel.quantize_per_token(h, inv)
+    if EXACT:
+        assert torch.equal(q0, q1)
+    else:
+        frac, mx = _flips(q1, q0)
+        assert frac < 1e-3 and mx <= 1
+    torch.testing.assert_close(s1, s0, rtol=0 if EXACT else 1e-6, atol=0, equal_nan=True)
+
+
+def test_gemm_swiglu_edges(kf):
+    import kernel
+    g = torch.Generator().manual_seed(3)
+    a_q, a_s, w, ws, b = _int8_operands(4, 16, 32, BF16, g, True)
+    with pytest.raises(ValueError, match="2F"):
+        kf.gemm_swiglu(a_q, a_s, w[:31], ws[:31], b[:31])
+    with pytest.raises(ValueError, match="K mismatch"):
+        kf.gemm_swiglu(a_q, a_s, w[:, :16], ws, b)
+    assert kf.gemm_swiglu(a_q[:0], a_s[:0], w, ws, b).shape == (0, 16)
+    h0 = kf.gemm_swiglu(a_q[:, :0], a_s, w[:, :0], ws, b)      # K = 0: silu(bias_a) * bias_b
+    bb = b.to(BF16)
+    torch.testing.assert_close(h0, (F.silu(bb[:16]) * bb[16:]).expand(4, 16))
+
+
+@pytest.mark.parametrize("clamp", [False, True])
+def test_fused_feed_forward_swiglu_epilogue_switch(clamp):
+    """INT8_FUSED_SWIGLU_EPILOGUE: the same output bit for bit with SwiGLU in the GEMM epilogue or in its own
+    kernel (and the switch decides which kernel ran)."""
+    import kernel.fused as kfm
+    torch.manual_seed(1)
+    dtype = FP16 if clamp else BF16
+    ff = LuminaFeedForwardStandIn(64, 96).to(DEV, dtype)
+    s13 = 0.5 + torch.rand(64, device=DEV)
+    layers = {"w1": _int8(ff.w1, "w1", s13), "w3": _int8(ff.w3, "w3", s13),
+              "w2": _int8(ff.w2, "w2", 0.5 + torch.rand(96, device=DEV))}
+    fused = lumina2.fuse(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()}, clamp_fp16=clamp)["ff"]
+    x = (torch.randn(2, 7, 64, device=DEV) * 4).to(dtype)
+    outs, ran = {}, {}
+    for on in (True, False):
+        seen = []
+        real = kfm.launch
+
+        def spy(fn, *a, **kw):
+            seen.append(fn)
+            return real(fn, *a, **kw)
+        kfm.launch = spy
+        try:
+            with qf.config.override(INT8_FUSED_SWIGLU_EPILOGUE=on):
+                outs[on] = fused(x)
+        finally:
+            kfm.launch = real
+        ran[on] = seen
+    assert ran[True] == [kfm._gemm_swiglu_kernel] and kfm._swiglu_quant_seg_kernel in ran[False]
+    if EXACT:
+        assert torch.equal(outs[True], outs[False])
+    else:
+        _assert_within_rounding(outs[True], outs[False])
+
+
 @pytest.mark.parametrize("one_pass", [True, False], ids=["segments", "one_tile"])
 @pytest.mark.parametrize("dtype,m,k,b,nxt", [(BF16, 6, 64, 2, True), (BF16, 5, 100, 1, False),
                                              (BF16, 5, 100, 5, True), (FP16, 6, 48, 3, True),
@@ -781,6 +874,33 @@ def _hopper_check() -> str:
             return f"{fn.fn.__name__} {consts}: ALU_ROUND on but the PTX still rounds with cvt"
         if not kf.ALU_ROUND and "cvt.rni" not in ptx:
             return f"{fn.fn.__name__} {consts}: no cvt.rni in the default build"
+    return _hopper_check_gemm_swiglu(kf)
+
+
+def _hopper_check_gemm_swiglu(kf) -> str:
+    """The SwiGLU-epilogue GEMM with the tile the H200 autotune picks for the block GEMMs (128 x 128 x 128, 8 warps,
+    3 stages): it builds for sm_90 and its main loop runs on the 8-bit wgmma (s8 x s8 -> s32)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = kf._gemm_swiglu_kernel
+    types = {"a_ptr": "*i8", "w_ptr": "*i8", "h_ptr": "*bf16", "as_ptr": "*fp32", "ws_ptr": "*fp32",
+             "bias_ptr": "*fp32"}
+    for dt, clamp in ((1, False), (2, True)):
+        consts = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "HAS_BIAS": False, "EVEN_K": True,
+                  "DT": dt, "CLAMP_FP16": clamp, "INTERPRET": False}
+        params = list(inspect.signature(fn.fn).parameters)
+        sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+        if dt == 2:
+            sig["h_ptr"] = "*fp16"
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+        ptx = k.asm["ptx"]
+        if "cubin" not in k.asm or "wgmma.mma_async" not in ptx or ".s32.s8.s8" not in ptx:
+            return f"_gemm_swiglu_kernel DT={dt}: cubin={'cubin' in k.asm}, no s8 wgmma in the PTX"
     return "OK"
 
 
