@@ -879,7 +879,8 @@ def _hopper_check() -> str:
 
 def _hopper_check_gemm_swiglu(kf) -> str:
     """The SwiGLU-epilogue GEMM with the tile the H200 autotune picks for the block GEMMs (128 x 128 x 128, 8 warps,
-    3 stages): it builds for sm_90 and its main loop runs on the 8-bit wgmma (s8 x s8 -> s32)."""
+    3 stages) and the register cap ``gemm_swiglu`` gives it: it builds for sm_90, its main loop runs on the 8-bit
+    wgmma (s8 x s8 -> s32) and the cap reaches the PTX."""
     import inspect
 
     import triton
@@ -897,10 +898,13 @@ def _hopper_check_gemm_swiglu(kf) -> str:
             sig["h_ptr"] = "*fp16"
         attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 8, "num_stages": 3, "maxnreg": 128})  # as gemm_swiglu launches it
         ptx = k.asm["ptx"]
         if "cubin" not in k.asm or "wgmma.mma_async" not in ptx or ".s32.s8.s8" not in ptx:
             return f"_gemm_swiglu_kernel DT={dt}: cubin={'cubin' in k.asm}, no s8 wgmma in the PTX"
+        if ".maxnreg 128" not in ptx:
+            return f"_gemm_swiglu_kernel DT={dt}: no register cap in the PTX (two CTAs an SM need <= 128)"
     return "OK"
 
 
