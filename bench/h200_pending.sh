@@ -53,10 +53,11 @@
 #   swiglu    bench/fused.py (the SwiGLU GEMM epilogue), then Ideogram 4 dual: bf16, pack (epilogue A/B'd), fp8~cudnn,
 #             fp8~kitchen
 #   zswiglu   Z-Image: bf16, pack (SwiGLU epilogue A/B'd), fp8_fast; Flux.1's pack with INT8_FUSED_FLUX_TAILS A/B'd
+#   closing3  bench/shapes.py (every linear shape), then Ideogram 4 dual with the pack profiled
 #   floors    Flux / Z-Image / Wan: the pack's kernel sums a step (profiled) and its host time by function (cProfile)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3 ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -254,6 +255,11 @@ PY
     timeout 260 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
       --paths "pack:fused_triton" --ab INT8_FUSED_FLUX_TAILS=1 \
       --out "$OUT/h200-e2e-models-fluxtails.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  closing3)  # every linear shape again (bench/shapes.py; its summary now also against an nn.Linear module call),
+             # then Ideogram 4 dual, the pack profiled (kernel time a step with the SwiGLU epilogue)
+    timeout 200 python3 bench/shapes.py --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log"
+    timeout 300 $sampler --profile pack:fused_triton --paths "pack:fused_triton" \
+      --out "$OUT/sampler-closing3.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
