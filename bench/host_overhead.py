@@ -1,5 +1,5 @@
 """Host time of one call of a ``fused_triton`` Int8Linear on its float path (``INT8_FUSED_DISPATCH=float``) against
-a bare ``F.linear`` on the same dequantized weight: the per-call Python cost of the module path (dispatch, the
+an ``nn.Linear`` module call and a bare ``F.linear`` on the same dequantized weight: the per-call Python cost of the module path (dispatch, the
 derived-weight cache check, the call record), which is what a small linear (M <= 512, 15-40 us of GPU work) pays
 on top of bf16. Runs on the CPU with a 1 x 64 x 64 problem, so the matmul itself costs almost nothing.
 
@@ -38,16 +38,21 @@ def main() -> int:
     lin = Int8Linear.from_float(torch.randn(64, 64), backend="fused_triton", name="probe")
     x = torch.randn(1, 64)
     w = dispatch.float_weight(lin, x.dtype)
-    module, bare = [], []
+    nn_lin = torch.nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        nn_lin.weight.copy_(w)
+    module, bare, nn_mod = [], [], []
     with config.override(INT8_FUSED_DISPATCH="float"):
         for _ in range(200):
             lin(x)
-        for _ in range(a.repeats):  # interleaved, so drift of the machine hits both alike
+        for _ in range(a.repeats):  # interleaved, so drift of the machine hits all alike
             module.append(per_call_us(lambda: lin(x), a.calls))
             bare.append(per_call_us(lambda: F.linear(x, w), a.calls))
-    m, b = statistics.median(module), statistics.median(bare)
-    print(f"Int8Linear float path {m:.1f} us/call, F.linear {b:.1f} us/call: {m - b:.1f} us of module path a call "
-          f"(median of {a.repeats} x {a.calls} calls; torch {torch.__version__}, {torch.get_num_threads()} thread)")
+            nn_mod.append(per_call_us(lambda: nn_lin(x), a.calls))
+    m, b, n = statistics.median(module), statistics.median(bare), statistics.median(nn_mod)
+    print(f"Int8Linear float path {m:.1f} us/call, nn.Linear {n:.1f} us/call, F.linear {b:.1f} us/call: "
+          f"{m - b:.1f} us of module path a call ({m - n:+.1f} us against nn.Linear's) (median of {a.repeats} x "
+          f"{a.calls} calls; torch {torch.__version__}, {torch.get_num_threads()} thread)")
     return 0
 
 

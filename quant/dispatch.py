@@ -173,10 +173,32 @@ def _device_cache(device: torch.device) -> DecisionCache:
     return c
 
 
+_GENERATION = [0]  # bumped by forget(): layers' hot float-path entries (float_hot) from before are stale
+
+
 def forget() -> None:
     """Drop the in-process decisions and open caches (tests; a changed INT8_FUSED_CACHE_DIR)."""
     _CACHES.clear()
     _DECISIONS.clear()
+    _GENERATION[0] += 1
+
+
+def hot_token() -> tuple:
+    """What a layer's hot float-path entry must still match to be used: the mode and the decisions' generation."""
+    return mode(), _GENERATION[0]
+
+
+def float_hot(layer, x2d: torch.Tensor):
+    """(weight, bias) of the float path when this call's shape runs there (forced, or decided under ``auto``),
+    else None: what ``Int8Linear.forward`` keeps to run later calls of the shape as a bare ``F.linear``."""
+    m = mode()
+    if m == INT8 or torch.compiler.is_compiling():
+        return None
+    if m == "auto":
+        memo = layer.__dict__.get("_dispatch_memo") or {}
+        if memo.get((x2d.shape[0], x2d.dtype, x2d.device)) != FLOAT:
+            return None
+    return _float_operands(layer, x2d.dtype)
 
 
 # --------------------------------------------------------------------------- the two paths

@@ -29,6 +29,7 @@ import contextlib
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import backends, dispatch
@@ -167,10 +168,12 @@ class Int8Linear(nn.Module):
 
     def _apply(self, fn, *args, **kw):
         self._vectors.clear()  # tensors change device or dtype in place: drop derived copies
+        self.__dict__.pop("_hot", None)
         return super()._apply(fn, *args, **kw)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kw):
         self._vectors.clear()
+        self.__dict__.pop("_hot", None)
         if prefix + "qweight" in state_dict and prefix + "weight" not in state_dict:  # pre-0.2 name
             state_dict[prefix + "weight"] = state_dict.pop(prefix + "qweight")
         super()._load_from_state_dict(state_dict, prefix, *args, **kw)
@@ -202,14 +205,18 @@ class Int8Linear(nn.Module):
         return derived(self._vectors, (key, device), src,
                        lambda t: t.detach().to(device, non_blocking=t.is_pinned()))
 
-    def _resident(self, device: torch.device) -> bool:
-        """Whether every tensor already is on ``device`` (then the layer itself is its operands). Raises when
-        weight patches target the layer. Reads ``__dict__`` / ``_parameters`` directly: nn.Module's
-        ``__getattr__`` costs about half a microsecond a lookup, and this runs on every call."""
+    def _refuse_patches(self) -> None:
+        """Raises when weight patches (a LoRA loaded after quantization) target the layer."""
         d = self.__dict__
         if d.get("weight_function") or d.get("bias_function") or d.get("weight_lowvram_function") \
                 or d.get("bias_lowvram_function"):
             raise RuntimeError(LORA_AFTER_APPLY.format(name=self.name or "?"))
+
+    def _resident(self, device: torch.device) -> bool:
+        """Whether every tensor already is on ``device`` (then the layer itself is its operands). Raises when
+        weight patches target the layer. Reads ``__dict__`` / ``_parameters`` directly: nn.Module's
+        ``__getattr__`` costs about half a microsecond a lookup, and this runs on every call."""
+        self._refuse_patches()
         p = self._parameters
         for name in _TENSORS:
             t = p.get(name)
@@ -239,6 +246,21 @@ class Int8Linear(nn.Module):
                 release()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Hot path: a resident fused_triton layer whose call shape runs on the float path (dispatch) is a bare
+        # F.linear on the kept float weight, while the int8 weight is the same tensor and the dispatch mode and
+        # decisions are those it was kept under (the host cost of a small linear is what decides its speed).
+        hot = self.__dict__.get("_hot")
+        if hot and not torch.compiler.is_compiling():
+            e = hot.get((x.shape, x.dtype, x.device))
+            if e is not None:
+                src = self._parameters["weight"]
+                if e[0] is src and e[1] == src.data_ptr() and e[2] == dispatch.hot_token():
+                    self._refuse_patches()
+                    self.dispatch_calls["float"] += 1
+                    return F.linear(x, e[3], e[4])
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -248,6 +270,13 @@ class Int8Linear(nn.Module):
             # per shape: the INT8 kernel where it is faster, else the float path (quant/dispatch.py)
             if self._resident(x.device):  # the common case, without the context manager's cost
                 y = dispatch.run(self, x2, self)
+                ops = dispatch.float_hot(self, x2)
+                if ops is not None:
+                    src = self._parameters["weight"]
+                    hot = self.__dict__.setdefault("_hot", {})
+                    if len(hot) >= 16:  # a handful of call shapes a layer; bounded for varying ones
+                        hot.clear()
+                    hot[(x.shape, x.dtype, x.device)] = (src, src.data_ptr(), dispatch.hot_token(), *ops)
             else:
                 with self.operands(x.device) as layer:
                     y = dispatch.run(layer, x2, self)

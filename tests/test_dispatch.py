@@ -219,6 +219,77 @@ def test_float_weight_made_once_and_only_for_layers_that_run_float(monkeypatch):
     assert made == [torch.float32, torch.bfloat16, torch.float32]
 
 
+def _spy_slow_forward(monkeypatch):
+    """Counts calls of Int8Linear's full forward (``_forward``): a hot float-path call does not make one."""
+    calls = []
+    real = Int8Linear._forward
+    monkeypatch.setattr(Int8Linear, "_forward", lambda self, x: calls.append(tuple(x.shape)) or real(self, x))
+    return calls
+
+
+def test_hot_float_path_is_a_bare_f_linear_on_the_kept_weight(monkeypatch):
+    """After a call shape ran on the float path, its later calls are one F.linear on the kept float weight: the
+    same output bit for bit, counted, without the full forward; other shapes and dtypes keep their own entries."""
+    slow = _spy_slow_forward(monkeypatch)
+    layer = _layer()
+    x3 = _x(6, 72).reshape(2, 3, 72)
+    with config.override(INT8_FUSED_DISPATCH="float"):
+        first = layer(x3)
+        again = [layer(x3) for _ in range(3)]
+        other = layer(x3[:1])
+        other_again = layer(x3[:1])
+        half = layer(x3.to(torch.bfloat16))
+    assert slow == [(2, 3, 72), (1, 3, 72), (2, 3, 72)]  # each (shape, dtype) once through the full forward
+    assert all(torch.equal(y, first) for y in again) and torch.equal(other_again, other)
+    assert first.shape == (2, 3, 40) and half.dtype == torch.bfloat16
+    assert _rel(first.reshape(6, 40), _float_ref(x3.reshape(6, 72), layer)) < 1e-5
+    w, b = dispatch._float_operands(layer, torch.float32)
+    assert torch.equal(again[0], torch.nn.functional.linear(x3, w, b))
+    assert dict(layer.dispatch_calls) == {"float": 7}
+
+
+def test_hot_float_path_is_dropped_when_its_conditions_change(monkeypatch):
+    slow = _spy_slow_forward(monkeypatch)
+    layer = _layer()
+    x = _x(5, 72)
+    with config.override(INT8_FUSED_DISPATCH="float"):
+        layer(x), layer(x)
+    assert len(slow) == 1
+    with config.override(INT8_FUSED_DISPATCH="int8"):  # another mode: the int8 path, through the full forward
+        y8 = layer(x)
+    assert len(slow) == 2 and layer.dispatch_calls["int8"] == 1
+    assert _rel(y8, _w8a8_ref(x, layer)) < 1e-5
+    with config.override(INT8_FUSED_DISPATCH="float"):
+        layer(x)                      # hot again (the float mode's entry)
+        assert len(slow) == 2
+        dispatch.forget()             # new decisions: stale
+        layer(x)
+        assert len(slow) == 3
+        layer.weight = layer.weight.detach().clone()  # ComfyUI swapping the int8 weight: another tensor
+        y_new = layer(x)
+        assert len(slow) == 4 and _rel(y_new, _float_ref(x, layer)) < 1e-5
+        layer(x)
+        assert len(slow) == 4
+        layer._apply(lambda t: t)     # a move / cast by ComfyUI drops it
+        layer(x)
+        assert len(slow) == 5
+        layer.weight_function = [lambda w: w]  # a LoRA patch after Apply: refused on the hot path too
+        with pytest.raises(RuntimeError, match="BEFORE 'Apply Fused INT8 GEMM'"):
+            layer(x)
+        layer.weight_function = []
+
+
+def test_hot_float_path_under_auto_only_for_shapes_decided_float(fresh, fake_gpu, monkeypatch):
+    fake_gpu["times"] = {16: (0.030, 0.010), 128: (0.010, 0.030)}  # M <= 16 float, M 100 int8
+    slow = _spy_slow_forward(monkeypatch)
+    layer = _layer(seed=7)
+    x = _x(100, 72)
+    for _ in range(3):
+        layer(x[:5]), layer(x)
+    assert slow == [(5, 72), (100, 72), (100, 72), (100, 72)]  # M 5 hot after its first call; M 100 int8 each time
+    assert dict(layer.dispatch_calls) == {"float": 3, "int8": 3}
+
+
 @pytest.mark.parametrize("mode", ["int8", "float", "auto"])
 def test_zero_rows_work_on_every_path(mode):
     layer = _layer()
