@@ -52,7 +52,7 @@ SWITCHES = {s.name: s for s in (
            "`1`: Flux.1's residual tails (`img += y * gate`, and with the next LayerNorm · modulation + "
            "quantization) as one kernel each (`kernel/fused.py` `residual_add*`, `round_product`: the same two "
            "roundings as torch's ops); opt-in: 3.3 ms less GPU work a Flux step on the H200, but the step is "
-           "paced by the host and was not faster (bench/RESULTS.md, run x)"),
+           "paced by the host and was not faster (bench/RESULTS.md, runs x and ao)"),
     Switch("INT8_FUSED_QK_ROPE", str, "all",
            "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/fused.py` `qk_norm_rope`, "
            "`qk_rmsnorm_rope_rows`) instead of ComfyUI's ops: `all` the fused blocks of Flux.1, Ideogram 4, "
