@@ -93,8 +93,10 @@ class Int8Linear(nn.Module):
 
     def __setattr__(self, name, value):
         # The four tensors are always no-grad Parameters (ComfyUI assigns Parameters too).
-        if name in _TENSORS and isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-            value = nn.Parameter(value, requires_grad=False)
+        if name in _TENSORS:
+            self.__dict__.pop("_hot", None)  # the hot float path holds the old tensors: let them go
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=False)
         super().__setattr__(name, value)
 
     @property

@@ -265,7 +265,10 @@ def test_hot_float_path_is_dropped_when_its_conditions_change(monkeypatch):
         dispatch.forget()             # new decisions: stale
         layer(x)
         assert len(slow) == 3
+        old = layer.weight
         layer.weight = layer.weight.detach().clone()  # ComfyUI swapping the int8 weight: another tensor
+        assert "_hot" not in layer.__dict__  # nothing keeps the old weight (or its float copy) alive
+        del old
         y_new = layer(x)
         assert len(slow) == 4 and _rel(y_new, _float_ref(x, layer)) < 1e-5
         layer(x)
