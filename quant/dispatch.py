@@ -21,7 +21,10 @@ The rule is :func:`decide`: int8 is the incumbent and the float path must be fas
 shape (timing noise does not flip decisions, and int8 keeps its memory saving on a tie). On the CPU, under
 ``torch.compile`` tracing or CUDA-graph capture nothing is timed and ``auto`` runs int8.
 
-Each layer counts its calls per path (``Int8Linear.dispatch_calls``); :func:`report_line` summarises a model.
+Each layer counts its calls per path (``Int8Linear.dispatch_calls``); :func:`report_line` summarises a model. A
+resident layer keeps, per call shape that ran on the float path, the float weight and bias (:func:`float_hot`), and
+``Int8Linear.forward`` runs that shape's later calls as one bare ``F.linear`` while the int8 weight is the same tensor
+and :func:`hot_token` (the mode, the decisions' generation) is unchanged: a small linear's speed is its host time.
 Only ``Int8Linear.forward`` dispatches: the fused modules of ``quant/fused.py`` always run their INT8 kernels.
 """
 from __future__ import annotations
