@@ -63,7 +63,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import _check_2d, _check_usable, _gemm_operands, _vector
-from .gemm import _acc_tile, _dequant, _tile_ids
+from .gemm import _acc_tile, _dequant, _tile_ids, select_config
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
 from .quantize import ALU_ROUND, INTERPRET, _code8  # the quantizer's rounding (and its interpreter compat shim)
 
@@ -863,8 +863,6 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
     n2 = w13.shape[0]
     if n2 % 2:
         raise ValueError(f"w13 has {n2} rows; it must be [2F, K] (w1 rows, then w3 rows)")
-    if out_dtype not in _FLOAT:
-        raise ValueError(f"out_dtype {out_dtype} is not supported: use torch.bfloat16, float16 or float32")
     f = n2 // 2
     h = torch.empty((m, f), dtype=out_dtype, device=a_q.device)
     if m == 0 or f == 0:
@@ -877,8 +875,7 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
             y = torch.nan_to_num(y, nan=0.0, posinf=65504.0, neginf=-65504.0)
         return h.copy_(y)
     _check_usable(a_q, "gemm_swiglu")
-    from . import gemm as _gemm
-    cfg = _gemm.select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype)
+    cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     half = bn // 2
     # Two CTAs an SM, as the plain GEMM gets (119 registers a thread at 8 warps): one CTA's epilogue then overlaps

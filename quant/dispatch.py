@@ -22,9 +22,10 @@ shape (timing noise does not flip decisions, and int8 keeps its memory saving on
 ``torch.compile`` tracing or CUDA-graph capture nothing is timed and ``auto`` runs int8.
 
 Each layer counts its calls per path (``Int8Linear.dispatch_calls``); :func:`report_line` summarises a model. A
-resident layer keeps, per call shape that ran on the float path, the float weight and bias (:func:`float_hot`), and
-``Int8Linear.forward`` runs that shape's later calls as one bare ``F.linear`` while the int8 weight is the same tensor
-and :func:`hot_token` (the mode, the decisions' generation) is unchanged: a small linear's speed is its host time.
+resident layer keeps, per call shape that ran on the float path, the float weight and bias (:func:`float_operands`),
+and ``Int8Linear.forward`` runs that shape's later calls as one bare ``F.linear`` while the int8 weight is the same
+tensor and :func:`hot_token` (the mode, the decisions' generation) is unchanged: a small linear's speed is its host
+time.
 Only ``Int8Linear.forward`` dispatches: the fused modules of ``quant/fused.py`` always run their INT8 kernels.
 """
 from __future__ import annotations
@@ -176,7 +177,7 @@ def _device_cache(device: torch.device) -> DecisionCache:
     return c
 
 
-_GENERATION = [0]  # bumped by forget(): layers' hot float-path entries (float_hot) from before are stale
+_GENERATION = [0]  # bumped by forget(): layers' hot float-path entries from before are stale
 
 
 def forget() -> None:
@@ -190,18 +191,6 @@ def hot_token() -> tuple:
     """What a layer's hot float-path entry must still match to be used: the mode and the decisions' generation."""
     return mode(), _GENERATION[0]
 
-
-def float_hot(layer, x2d: torch.Tensor):
-    """(weight, bias) of the float path when this call's shape runs there (forced, or decided under ``auto``),
-    else None: what ``Int8Linear.forward`` keeps to run later calls of the shape as a bare ``F.linear``."""
-    m = mode()
-    if m == INT8 or torch.compiler.is_compiling():
-        return None
-    if m == "auto":
-        memo = layer.__dict__.get("_dispatch_memo") or {}
-        if memo.get((x2d.shape[0], x2d.dtype, x2d.device)) != FLOAT:
-            return None
-    return _float_operands(layer, x2d.dtype)
 
 
 # --------------------------------------------------------------------------- the two paths
@@ -226,7 +215,7 @@ def _owner(layer):
     return layer.owner if d is None else d.get("owner", layer)
 
 
-def _float_operands(layer, dtype: torch.dtype, made: torch.Tensor | None = None):
+def float_operands(layer, dtype: torch.dtype, made: torch.Tensor | None = None):
     """(weight, bias) of the float path in ``dtype``, kept in the owner's derived-tensor cache (see module doc):
     valid while the owner's int8 weight is the same tensor (same object, device and storage), as ``derived``
     rules; ``_apply`` (a move or cast by ComfyUI) drops them."""
@@ -247,7 +236,7 @@ def _float_operands(layer, dtype: torch.dtype, made: torch.Tensor | None = None)
 
 def float_weight(layer, dtype: torch.dtype) -> torch.Tensor:
     """The layer's float weight [N, K] in ``dtype`` as the float path uses it (made on first use, then kept)."""
-    return _float_operands(layer, dtype)[0]
+    return float_operands(layer, dtype)[0]
 
 
 def _derived():
@@ -257,7 +246,7 @@ def _derived():
 
 def float_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
     """The float path: ``F.linear(x, W', b)`` in ``x2d.dtype`` (any M, 0 included)."""
-    w, b = _float_operands(layer, x2d.dtype)
+    w, b = float_operands(layer, x2d.dtype)
     return F.linear(x2d, w, b)
 
 
@@ -277,14 +266,14 @@ def int8_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
     return k.int8_linear(x2d, w, ws, b, inv, out_dtype=x2d.dtype)
 
 
-def run(layer, x2d: torch.Tensor, owner) -> torch.Tensor:
+def run(layer, x2d: torch.Tensor, owner) -> tuple[torch.Tensor, str]:
     """One call of a ``fused_triton`` layer: choose the path, run it, count it on ``owner`` (the Int8Linear;
-    ``layer`` is it or its fetched operands)."""
+    ``layer`` is it or its fetched operands). Returns the output and the path that ran."""
     m = mode()
     path = _choose_auto(layer, x2d) if m == "auto" else m
     y = float_linear(x2d, layer) if path == FLOAT else int8_linear(x2d, layer)
     record(owner, path, x2d.shape[0], forced=m != "auto")
-    return y
+    return y, path
 
 
 # --------------------------------------------------------------------------- choosing, per call
@@ -353,7 +342,7 @@ def _decision(layer, x2d: torch.Tensor) -> str | None:
             cache.put(skey, {"path": path, "int8_ms": t8, "float_ms": tf, "m": m}, _meta(dev))
             log.info("INT8 dispatch %s (M %d): int8 %.4f ms, float %.4f ms -> %s", skey, m, t8, tf, path)
             if path == FLOAT:
-                _float_operands(layer, dtype, made=w)  # keep the copy the timing made
+                float_operands(layer, dtype, made=w)  # keep the copy the timing made
         _DECISIONS[key] = path
         return path
 

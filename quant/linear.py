@@ -271,17 +271,17 @@ class Int8Linear(nn.Module):
         if self.backend == "fused_triton" and not torch.compiler.is_compiling():
             # per shape: the INT8 kernel where it is faster, else the float path (quant/dispatch.py)
             if self._resident(x.device):  # the common case, without the context manager's cost
-                y = dispatch.run(self, x2, self)
-                ops = dispatch.float_hot(self, x2)
-                if ops is not None:
+                y, path = dispatch.run(self, x2, self)
+                if path == dispatch.FLOAT:  # later calls of this shape: the hot path of forward
                     src = self._parameters["weight"]
                     hot = self.__dict__.setdefault("_hot", {})
                     if len(hot) >= 16:  # a handful of call shapes a layer; bounded for varying ones
                         hot.clear()
-                    hot[(x.shape, x.dtype, x.device)] = (src, src.data_ptr(), dispatch.hot_token(), *ops)
+                    hot[(x.shape, x.dtype, x.device)] = (src, src.data_ptr(), dispatch.hot_token(),
+                                                         *dispatch.float_operands(self, x.dtype))
             else:
                 with self.operands(x.device) as layer:
-                    y = dispatch.run(layer, x2, self)
+                    y, _ = dispatch.run(layer, x2, self)
         else:
             with self.operands(x.device) as layer:
                 y = backends.get(self.backend).linear(x2, layer)

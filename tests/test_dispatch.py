@@ -243,7 +243,7 @@ def test_hot_float_path_is_a_bare_f_linear_on_the_kept_weight(monkeypatch):
     assert all(torch.equal(y, first) for y in again) and torch.equal(other_again, other)
     assert first.shape == (2, 3, 40) and half.dtype == torch.bfloat16
     assert _rel(first.reshape(6, 40), _float_ref(x3.reshape(6, 72), layer)) < 1e-5
-    w, b = dispatch._float_operands(layer, torch.float32)
+    w, b = dispatch.float_operands(layer, torch.float32)
     assert torch.equal(again[0], torch.nn.functional.linear(x3, w, b))
     assert dict(layer.dispatch_calls) == {"float": 7}
 
