@@ -54,10 +54,14 @@
 #             fp8~kitchen
 #   zswiglu   Z-Image: bf16, pack (SwiGLU epilogue A/B'd), fp8_fast; Flux.1's pack with INT8_FUSED_FLUX_TAILS A/B'd
 #   closing3  bench/shapes.py (every linear shape), then Ideogram 4 dual with the pack profiled
+#   hostint8  bench/host_int8.py: host time of each layer of the INT8 call stack (tiny problem, GPU work hidden)
+#   plans     the prepared launches (kernel/plan.py): bench/host_int8.py, then every linear shape (bench/shapes.py)
+#   planmodels  Flux / Z-Image / Wan: bf16, pack (INT8_FUSED_PLANS=0 A/B'd on the loaded model), fp8_fast
+#   planideo  Ideogram 4 dual: bf16, pack (INT8_FUSED_PLANS=0 A/B'd), fp8_fast~cudnn, fp8_fast~kitchen
 #   floors    Flux / Z-Image / Wan: the pack's kernel sums a step (profiled) and its host time by function (cProfile)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3 ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -260,6 +264,19 @@ PY
     timeout 200 python3 bench/shapes.py --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log"
     timeout 300 $sampler --profile pack:fused_triton --paths "pack:fused_triton" \
       --out "$OUT/sampler-closing3.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  hostint8)  # host time a call of each layer of the INT8 stack, from a raw re-launch up to an Int8Linear call
+    timeout 120 python3 bench/host_int8.py --json "$OUT/h200-host-int8.json" 2>&1 | tee "$OUT/host-int8.log" ;;
+  plans)  # the prepared launches: host time a call of each layer, then every linear shape against bf16
+    timeout 120 python3 bench/host_int8.py --json "$OUT/h200-host-int8.json" 2>&1 | tee "$OUT/host-int8.log"
+    timeout 230 python3 bench/shapes.py --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
+  planmodels)  # Flux / Z-Image / Wan with the prepared launches A/B'd (INT8_FUSED_PLANS=0) on the loaded model
+    timeout 420 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "bf16,pack:fused_triton,fp8_fast" --ab INT8_FUSED_PLANS=0 \
+      --out "$OUT/h200-e2e-models-plans.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  planideo)  # issue 14's anchors with the prepared launches A/B'd on the pack row
+    timeout 420 $sampler --profile none --ab INT8_FUSED_PLANS=0 \
+      --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen" \
+      --out "$OUT/sampler-plans.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

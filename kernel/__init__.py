@@ -8,6 +8,8 @@ first kernel call, so ComfyUI imports the pack instantly):
 - ``int8_gemm(a_q [M, K], a_scale [M], w_q [N, K], w_scale [N], bias [N] | None)`` -> [M, N]
 - ``int8_linear(x [..., K], w_q, w_scale, bias, inv_smooth)`` -> [..., N] (quantize, then GEMM; for M <= 16
   one launch that quantizes inside the GEMM, bit-identical)
+- ``int8_linear_planned`` / ``int8_gemm_planned``: the call and a ``kernel.plan.Plan`` that repeats it with less
+  host work for operands of the same signature
 - ``int8_linear_op(...)``: the same through the ``torch.ops.int8_fused.linear`` custom op (torch.compile)
 
 Numerics follow ``quant/quantize.py`` bit for bit (quantizer, int32 accumulator); the epilogue is fp32.
@@ -23,7 +25,8 @@ import torch
 
 from . import config
 
-__all__ = ["triton_status", "quantize_per_token", "int8_gemm", "int8_linear", "int8_linear_op",
+__all__ = ["triton_status", "quantize_per_token", "int8_gemm", "int8_linear", "int8_linear_planned",
+           "int8_gemm_planned", "int8_linear_op",
            "register_ops"]
 
 _FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -194,16 +197,44 @@ def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias:
     """W8A8 linear: x [..., K] float -> quantize_per_token -> int8_gemm -> [..., N] in ``out_dtype``
     (default x.dtype). Two launches; the activation is read once and written once as int8. With at most
     ``SMALL_M_ROWS`` rows (and K <= ``SMALL_M_MAX_K``) one launch that quantizes inside the GEMM, bit-identical."""
+    return _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype)[0]
+
+
+def _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype):
+    """``int8_linear``: (y, x as the kernels saw it, the tensors it allocated, y before the reshape)."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor [..., K]")
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     if 0 < m <= SMALL_M_ROWS and 0 < k <= SMALL_M_MAX_K:
         y = _linear_small_m(x2, w_q, w_scale, bias, inv_smooth, out_dtype or x.dtype)
+        temps = ()
     else:
         a_q, a_scale = quantize_per_token(x2, inv_smooth)
         y = int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype or x.dtype)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+        temps = (a_q, a_scale)
+    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])), x2, temps, y
+
+
+def int8_linear_planned(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        bias: torch.Tensor | None = None, inv_smooth: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None):
+    """``int8_linear(...)`` and a ``kernel.plan.Plan`` that repeats it for operands of the same signature:
+    ``plan(x, w_q, w_scale, bias, inv_smooth)`` (same order; None when the call cannot be repeated that way)."""
+    from . import launch, plan
+    with launch.record() as rec:
+        y, x2, temps, y2 = _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype)
+    p = plan.build(rec, ((x, x2), w_q, w_scale, bias, inv_smooth), (*temps, (y2, y.shape)), y2, y.device)
+    return y, p
+
+
+def int8_gemm_planned(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16):
+    """``int8_gemm(...)`` and a ``kernel.plan.Plan`` that repeats it: ``plan(a_q, a_scale, w_q, w_scale, bias)``."""
+    from . import launch, plan
+    with launch.record() as rec:
+        out = int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype)
+    return out, plan.build(rec, (a_q, a_scale, w_q, w_scale, bias), (out,), out, out.device)
 
 
 def _linear_small_m(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -74,6 +74,9 @@ SWITCHES = {s.name: s for s in (
            "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
            "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",
            at_import=True),
+    Switch("INT8_FUSED_PLANS", bool, True,
+           "`0`: every INT8 linear / GEMM call takes the checked path (operand checks, config lookup, launch) "
+           "instead of re-issuing the launches prepared on its first call (`kernel/plan.py`); for A/B runs"),
     Switch("INT8_FUSED_JIT_LAUNCH", bool, False,
            "`1`: launch kernels through Triton's normal `JITFunction.run` instead of the pack's lean "
            "re-launcher (kernel/launch.py)", at_import=True),

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
 from .quantize import _rint
-from .launch import launch
+from .launch import launch, not_recorded
 
 
 @triton.jit
@@ -226,8 +226,9 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
                                        warmup=10, rep=40, return_mode="median")
 
     meta = {"gpu": props.name, "triton": triton.__version__}
-    cfg = autotune.pick_config(_device_cache(dev), "XQ_" + autotune.ConfigCache.key(n, k, autotune.SMALL_M),
-                               cands, time_fn, meta)
+    with not_recorded():  # the candidates' timing launches are not part of a recorded call (kernel.plan)
+        cfg = autotune.pick_config(_device_cache(dev), "XQ_" + autotune.ConfigCache.key(n, k, autotune.SMALL_M),
+                                   cands, time_fn, meta)
     _TUNED[memo_key] = cfg
     return cfg
 
@@ -298,7 +299,8 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
             warmup=10, rep=40, return_mode="median")
 
     meta = {"gpu": props.name, "triton": triton.__version__}
-    cfg = autotune.pick_config(_device_cache(a_q.device), autotune.ConfigCache.key(n, k, bucket),
-                               cands, time_fn, meta)
+    with not_recorded():
+        cfg = autotune.pick_config(_device_cache(a_q.device), autotune.ConfigCache.key(n, k, bucket),
+                                   cands, time_fn, meta)
     _TUNED[memo_key] = _TUNED[(dev, n, k, m)] = cfg
     return cfg

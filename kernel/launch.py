@@ -16,9 +16,13 @@ Launch hooks live in ``triton.knobs.runtime`` (Triton >= 3.4): ``None`` when uns
 reads both forms. The re-launch repeats ``JITFunction.run``'s launcher call, the same in Triton 3.6 to 3.9;
 ``same_launcher_call`` reads the installed Triton's source once and, where that call differs, leaves every
 launch to Triton.
+
+``record()`` collects the launches made inside it (what ran, with which arguments): ``kernel.plan`` turns the
+launches of one checked call into a plan that later calls with the same operand signature re-issue directly.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -83,12 +87,50 @@ def launch_hooked(runtime_knobs) -> bool:
     return _hook_set(runtime_knobs.launch_enter_hook) or _hook_set(runtime_knobs.launch_exit_hook)
 
 
+_RECORD: list | None = None  # the launches of the current record() (None: not recording)
+
+
+@contextlib.contextmanager
+def record():
+    """Collects every ``launch`` made inside, in order, as :class:`Launch` entries (not thread-safe: one
+    recording at a time, as the pack's callers make them). Nested: the inner one takes the launches."""
+    global _RECORD
+    outer, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = outer
+
+
+@contextlib.contextmanager
+def not_recorded():
+    """Launches inside are not recorded (an autotuner timing candidate configs inside a recorded call)."""
+    global _RECORD
+    outer, _RECORD = _RECORD, None
+    try:
+        yield
+    finally:
+        _RECORD = outer
+
+
+class Launch:
+    """One recorded launch: ``jit_fn[grid](*args, **constexprs, num_warps=, num_stages=)``; ``compiled`` and
+    ``tail`` (the constexpr values in signature order) when the direct re-launch may repeat it, else None."""
+    __slots__ = ("jit_fn", "grid", "args", "constexprs", "num_warps", "num_stages", "compiled", "tail")
+
+    def __init__(self, jit_fn, grid, args, constexprs, num_warps, num_stages, compiled=None, tail=None):
+        self.jit_fn, self.grid, self.args, self.constexprs = jit_fn, grid, args, constexprs
+        self.num_warps, self.num_stages, self.compiled, self.tail = num_warps, num_stages, compiled, tail
+
+
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
            device: torch.device) -> None:
     """``jit_fn[grid](*args, **constexprs, num_warps=, num_stages=)``, with the compiled kernel reused.
     ``args`` are the runtime arguments in signature order; ``constexprs`` the remaining parameters."""
     if not _USE_FAST or device.type != "cuda" or not (_SAME_CALL or same_launcher_call()):
         jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        if _RECORD is not None:
+            _RECORD.append(Launch(jit_fn, grid, args, constexprs, num_warps, num_stages))
         return
     import triton
     key = (jit_fn, device.index, tuple(constexprs.values()), num_warps, num_stages,
@@ -101,9 +143,15 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
             if len(_COMPILED) >= _MAX_ENTRIES:  # integers are keyed by value: bound the entries (many M values)
                 _COMPILED.clear()
             _COMPILED[key] = (compiled, tail)
+            if _RECORD is not None:
+                _RECORD.append(Launch(jit_fn, grid, args, constexprs, num_warps, num_stages, compiled, tail))
+        elif _RECORD is not None:
+            _RECORD.append(Launch(jit_fn, grid, args, constexprs, num_warps, num_stages))
         return
     compiled, tail = hit
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     n = len(grid)
     compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *tail)
+    if _RECORD is not None:
+        _RECORD.append(Launch(jit_fn, grid, args, constexprs, num_warps, num_stages, compiled, tail))

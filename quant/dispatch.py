@@ -255,15 +255,14 @@ def int8_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
     Int8Linear's tensors without nn.Module's ``__getattr__``."""
     if torch.compiler.is_compiling():
         return backends.BACKENDS["fused_triton"].linear(x2d, layer)
-    k = backends.kernel()
     d = getattr(layer, "__dict__", None)
     p = None if d is None else d.get("_parameters")
     if p is not None:  # the layer itself (resident)
         w, ws, b = p["weight"], p["weight_scale"], p.get("bias")  # a None bias/smooth may live in __dict__
         inv = None if p.get("smooth") is None else layer.inv_smooth
-    else:  # its fetched operands (quant.linear._Operands)
-        w, ws, b, inv = layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth
-    return k.int8_linear(x2d, w, ws, b, inv, out_dtype=x2d.dtype)
+        return layer._int8_run(x2d, w, ws, b, inv)
+    # its fetched operands (quant.linear._Operands)
+    return layer.owner._int8_run(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth)
 
 
 def run(layer, x2d: torch.Tensor, owner) -> tuple[torch.Tensor, str]:

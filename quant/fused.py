@@ -130,11 +130,12 @@ def _compiling() -> bool:
 
 
 def gemm(a_q, a_s, layer, dtype):
-    """``layer``'s int8 GEMM from an already-quantized input (int8 [M, K], fp32 [M]) -> [M, N] in ``dtype``."""
-    with layer.operands(a_q.device) as t:  # through ComfyUI's cast when ComfyUI manages the weights
-        if _compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
+    """``layer``'s int8 GEMM from an already-quantized input (int8 [M, K], fp32 [M]) -> [M, N] in ``dtype``
+    (``Int8Linear.gemm_call``: ComfyUI's cast when ComfyUI manages the weights, prepared launches)."""
+    if _compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
+        with layer.operands(a_q.device) as t:
             return torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype)
-        return kernel_module().int8_gemm(a_q, a_s, t.qweight, t.weight_scale, t.bias, out_dtype=dtype)
+    return layer.gemm_call(a_q, a_s, dtype)
 
 
 def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):
@@ -156,6 +157,8 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     launches) so that torch.compile sees the custom ops instead of the backend registry."""
     if not fusable(layer):
         return layer(x)
+    if not _compiling():
+        return layer.int8_call(x)  # the same two kernels, prepared (Int8Linear.int8_call)
     lead, k = x.shape[:-1], x.shape[-1]
     a_q, a_s = act_quant(x.reshape(-1, k), inv_smooth_of(layer, x.device))
     return gemm(a_q, a_s, layer, x.dtype).reshape(*lead, -1)

@@ -32,8 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backends, dispatch
+from . import backends, dispatch, kernel_module
 from .quantize import dequantize, quantize_weight_per_channel
+
+_plan = kernel_module("plan")
 
 #: Input dtypes every backend takes (the compute dtypes of ComfyUI's diffusion models).
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -234,6 +236,16 @@ class Int8Linear(nn.Module):
         if self._resident(device):
             yield self
             return
+        t, release = self._fetch(device)
+        try:
+            yield t
+        finally:
+            if release is not None:
+                release()
+
+    def _fetch(self, device: torch.device):
+        """(the layer's tensors on ``device`` as ``_Operands``, release or None) for a layer that is not resident:
+        :meth:`operands` without the context manager (the hot calls below release in a ``finally``)."""
         w = self.weight
         release = None
         if self.comfy_cast_weights and _COMFY_CAST is not None:
@@ -242,24 +254,89 @@ class Int8Linear(nn.Module):
             w = w.to(device, non_blocking=w.is_pinned())
             b = None if self.bias is None else self.bias.to(device, non_blocking=self.bias.is_pinned())
         try:
-            yield _Operands(self, w, b, self.vector_on("weight_scale", device), self.vector_on("inv_smooth", device))
+            return _Operands(self, w, b, self.vector_on("weight_scale", device),
+                             self.vector_on("inv_smooth", device)), release
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+
+    # ------------------------------------------------------------------ the W8A8 kernels, prepared
+    def int8_call(self, x: torch.Tensor) -> torch.Tensor:
+        """The W8A8 kernels (``kernel.int8_linear``) on x [..., K] -> [..., N] in x.dtype with this layer's
+        tensors (fetched through ComfyUI when it manages them), whatever the dispatch says: the fused blocks'
+        linears. Repeated call signatures re-issue the first call's launches (``kernel.plan``)."""
+        if self._resident(x.device):
+            p = self._parameters
+            return self._int8_run(x, p["weight"], p["weight_scale"], p.get("bias"),
+                                  None if p.get("smooth") is None else self.inv_smooth)
+        t, release = self._fetch(x.device)
+        try:
+            return self._int8_run(x, t.qweight, t.weight_scale, t.bias, t.inv_smooth)
         finally:
             if release is not None:
                 release()
 
+    def gemm_call(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``kernel.int8_gemm`` of an already-quantized input (int8 [M, K], fp32 [M]) with this layer's weight ->
+        [M, N] in ``dtype``, prepared like :meth:`int8_call`."""
+        if self._resident(a_q.device):
+            p = self._parameters
+            return self._planned(("gemm", a_q.shape, dtype), (a_q, a_s, p["weight"], p["weight_scale"],
+                                                              p.get("bias")), dtype)
+        t, release = self._fetch(a_q.device)
+        try:
+            return self._planned(("gemm", a_q.shape, dtype), (a_q, a_s, t.qweight, t.weight_scale, t.bias), dtype)
+        finally:
+            if release is not None:
+                release()
+
+    def _int8_run(self, x, w, ws, b, inv):
+        """``kernel.int8_linear`` with these operands (the layer's own or fetched ones), through a plan."""
+        return self._planned(("linear", x.shape, x.dtype), (x, w, ws, b, inv), x.dtype)
+
+    def _planned(self, key: tuple, ops: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The kernel call ``key[0]`` ("linear" / "gemm") on ``ops``: the plan kept for ``key`` when the operands'
+        signatures match it, else the checked call, recording a new plan (``kernel.plan``; the checked call
+        alone while INT8_FUSED_PLANS=0). Plans hold no tensor, only launches, so nothing goes stale when ComfyUI moves or
+        swaps the weights: a changed operand signature just fails the plan's check."""
+        plans = self.__dict__.get("_plans")
+        plan = None if plans is None else plans.get(key)
+        on = _plan.enabled()
+        if plan and on:
+            y = plan(*ops)
+            if y is not None:
+                return y
+        k = backends.kernel()
+        if plan is False or not on:  # this call cannot be planned (no launch, a converted operand) or plans are off
+            return k.int8_linear(*ops, out_dtype=dtype) if key[0] == "linear" else k.int8_gemm(*ops, out_dtype=dtype)
+        y, plan = (k.int8_linear_planned if key[0] == "linear" else k.int8_gemm_planned)(*ops, out_dtype=dtype)
+        if plans is None:
+            plans = self.__dict__["_plans"] = {}
+        elif len(plans) >= 32:  # a handful of call shapes a layer; bounded for varying ones
+            plans.clear()
+        plans[key] = plan if plan is not None else False
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Hot path: a resident fused_triton layer whose call shape runs on the float path (dispatch) is a bare
-        # F.linear on the kept float weight, while the int8 weight is the same tensor and the dispatch mode and
-        # decisions are those it was kept under (the host cost of a small linear is what decides its speed).
+        # Hot path: a resident fused_triton layer runs a call shape it ran before on the path dispatch chose for
+        # it then, while the int8 weight is the same tensor and the dispatch mode and decisions are those of
+        # that call: the float path as a bare F.linear on the kept float weight, the int8 path through the
+        # layer's prepared launches (the host cost of a small linear is what decides its speed).
         hot = self.__dict__.get("_hot")
         if hot and not torch.compiler.is_compiling():
-            e = hot.get((x.shape, x.dtype, x.device))
+            e = hot.get((x.shape, x.dtype, x.device, dispatch.hot_token()))
             if e is not None:
                 src = self._parameters["weight"]
-                if e[0] is src and e[1] == src.data_ptr() and e[2] == dispatch.hot_token():
+                if e[0] is src and e[1] == src.data_ptr():
                     self._refuse_patches()
+                    if e[2] is None:  # int8
+                        self.dispatch_calls["int8"] += 1
+                        p = self._parameters
+                        return self._int8_run(x, src, p["weight_scale"], p.get("bias"),
+                                              None if p.get("smooth") is None else self.inv_smooth)
                     self.dispatch_calls["float"] += 1
-                    return F.linear(x, e[3], e[4])
+                    return F.linear(x, e[2], e[3])
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,13 +349,14 @@ class Int8Linear(nn.Module):
             # per shape: the INT8 kernel where it is faster, else the float path (quant/dispatch.py)
             if self._resident(x.device):  # the common case, without the context manager's cost
                 y, path = dispatch.run(self, x2, self)
-                if path == dispatch.FLOAT:  # later calls of this shape: the hot path of forward
-                    src = self._parameters["weight"]
-                    hot = self.__dict__.setdefault("_hot", {})
-                    if len(hot) >= 16:  # a handful of call shapes a layer; bounded for varying ones
-                        hot.clear()
-                    hot[(x.shape, x.dtype, x.device)] = (src, src.data_ptr(), dispatch.hot_token(),
-                                                         *dispatch.float_operands(self, x.dtype))
+                # later calls of this shape: the hot path of forward
+                src = self._parameters["weight"]
+                hot = self.__dict__.setdefault("_hot", {})
+                if len(hot) >= 16:  # a handful of call shapes a layer; bounded for varying ones
+                    hot.clear()
+                hot[(x.shape, x.dtype, x.device, dispatch.hot_token())] = (
+                    src, src.data_ptr(), *(dispatch.float_operands(self, x.dtype) if path == dispatch.FLOAT
+                                           else (None, None)))
             else:
                 with self.operands(x.device) as layer:
                     y, _ = dispatch.run(layer, x2, self)

@@ -24,6 +24,7 @@ from kernel import autotune, config  # noqa: E402
 from quant import dispatch  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
+from launch_standins import int8_layer  # noqa: E402  (tests/ is on sys.path now)
 
 
 @pytest.fixture(autouse=True)
@@ -36,11 +37,7 @@ def fresh(tmp_path):
 
 
 def _layer(n=40, k=72, bias=True, smooth=True, seed=0) -> Int8Linear:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.linspace(0.2, 3.0, n)[:, None]
-    b = torch.randn(n, generator=g) if bias else None
-    s = (torch.rand(k, generator=g) + 0.5) if smooth else None
-    return Int8Linear.from_float(w, b, smooth=s, backend="fused_triton", name="blk.0.proj")
+    return int8_layer(n, k, bias, smooth, seed)
 
 
 def _x(m, k, dtype=torch.float32, seed=1):
@@ -282,14 +279,17 @@ def test_hot_float_path_is_dropped_when_its_conditions_change(monkeypatch):
         layer.weight_function = []
 
 
-def test_hot_float_path_under_auto_only_for_shapes_decided_float(fresh, fake_gpu, monkeypatch):
+def test_hot_path_under_auto_keeps_each_shapes_decision(fresh, fake_gpu, monkeypatch):
+    """Under auto each call shape stays on the path decided for it: after its first (full) call M 5 runs the hot
+    float path and M 100 the hot int8 path (its prepared launches, kernel/plan.py), each with correct results."""
     fake_gpu["times"] = {16: (0.030, 0.010), 128: (0.010, 0.030)}  # M <= 16 float, M 100 int8
     slow = _spy_slow_forward(monkeypatch)
     layer = _layer(seed=7)
     x = _x(100, 72)
     for _ in range(3):
-        layer(x[:5]), layer(x)
-    assert slow == [(5, 72), (100, 72), (100, 72), (100, 72)]  # M 5 hot after its first call; M 100 int8 each time
+        assert _rel(layer(x[:5]), _float_ref(x[:5], layer)) < 1e-5
+        assert _rel(layer(x), _w8a8_ref(x, layer)) < 1e-5
+    assert slow == [(5, 72), (100, 72)]
     assert dict(layer.dispatch_calls) == {"float": 3, "int8": 3}
 
 

@@ -389,14 +389,20 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
             seen_fused.setdefault(id(layer), (a_q.clone(), a_s.clone()))
             return real_gemm(a_q, a_s, layer, dt)
 
-        qf.gemm = spy
+        real_call = Int8Linear.int8_call
+
+        def call_spy(layer, x, seen=seen_fused):  # qf.linear: quantization + GEMM as one prepared call
+            seen.setdefault(id(layer), _qref(x.reshape(-1, x.shape[-1]), layer.inv_smooth))
+            return real_call(layer, x)
+
+        qf.gemm, Int8Linear.int8_call = spy, call_spy
         try:
             with torch.no_grad():
                 ref, got = call(plain), call(patches[name])
                 to = {"patches": {"attn1_output_patch": [lambda attn, extra: attn * 0.5]}}
                 ref_p, got_p = call(plain, transformer_options=to), call(patches[name], transformer_options=to)
         finally:
-            qf.gemm = real_gemm
+            qf.gemm, Int8Linear.int8_call = real_gemm, real_call
             for hk in hooks:
                 hk.remove()
         ref, got, ref_p, got_p = [t if isinstance(t, tuple) else (t,) for t in (ref, got, ref_p, got_p)]

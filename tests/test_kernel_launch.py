@@ -15,32 +15,9 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 from kernel import launch as kl  # noqa: E402
+from launch_standins import Jit as _Jit  # noqa: E402  (tests/ is on sys.path now)
 
 CUDA0 = torch.device("cuda", 0)
-
-
-class _Compiled:
-    """A compiled kernel as ``JITFunction.run`` returns it: ``run``, ``function``, ``packed_metadata``."""
-
-    def __init__(self):
-        self.function, self.packed_metadata, self.runs = object(), object(), []
-
-    def run(self, *a):
-        self.runs.append(a)
-
-
-class _Jit:
-    """``jit_fn[grid](*args, **kw)``, counted: the normal Triton path."""
-    arg_names = ["x_ptr", "n", "BLOCK", "SINGLE"]
-
-    def __init__(self):
-        self.compiled, self.slow = _Compiled(), []
-
-    def __getitem__(self, grid):
-        def call(*args, **kw):
-            self.slow.append((grid, args, kw))
-            return self.compiled
-        return call
 
 
 @pytest.fixture

@@ -139,6 +139,13 @@ def block_activations(pack, dm, layers, patches, dtype, current: bool) -> dict:
             seen_fused.setdefault(names_fused.get(id(layer), "?"), (a_q.clone(), a_s.clone()))
             return real_gemm(a_q, a_s, layer, dt)
 
+        real_call = Int8Linear.int8_call
+
+        def call_spy(layer, x):  # qf.linear: quantization + GEMM as one prepared call (Int8Linear.int8_call)
+            seen_fused.setdefault(names_fused.get(id(layer), "?"),
+                                  _qref(x.reshape(-1, x.shape[-1]), layer.inv_smooth))
+            return real_call(layer, x)
+
         real_swiglu = qf.gemm_swiglu
 
         def swiglu_spy(a_q, a_s, layer, dt, clamp=False):  # the w1+w3 GEMM with SwiGLU in its epilogue
@@ -152,7 +159,7 @@ def block_activations(pack, dm, layers, patches, dtype, current: bool) -> dict:
             qk_calls.append(a[0].shape)
             return real_qk(*a, **kw)
 
-        qf.gemm, qf.gemm_swiglu, kf.qk_norm_rope = spy, swiglu_spy, qk_spy
+        qf.gemm, qf.gemm_swiglu, kf.qk_norm_rope, Int8Linear.int8_call = spy, swiglu_spy, qk_spy, call_spy
         try:
             with torch.no_grad():
                 ref, got = plain(x.clone(), None, freqs, ada), fused(x.clone(), None, freqs, ada)
@@ -160,7 +167,7 @@ def block_activations(pack, dm, layers, patches, dtype, current: bool) -> dict:
                 with qf.config.override(INT8_FUSED_QK_ROPE="0"):  # ComfyUI's QK norm + RoPE ops
                     got_ops = fused(x.clone(), None, freqs, ada)
         finally:
-            qf.gemm, qf.gemm_swiglu, kf.qk_norm_rope = real_gemm, real_swiglu, real_qk
+            qf.gemm, qf.gemm_swiglu, kf.qk_norm_rope, Int8Linear.int8_call = real_gemm, real_swiglu, real_qk, real_call
             for hk in hooks:
                 hk.remove()
         pairs = {"attention.qkv": "attention.qkv", "attention.out": "attention.out",

@@ -136,6 +136,12 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
         seen_fused.setdefault(id(layer), (a_q.clone(), a_s.clone()))
         return real_gemm(a_q, a_s, layer, dt)
 
+    real_call = Int8Linear.int8_call
+
+    def call_spy(layer, x_in):  # qf.linear: quantization + GEMM as one prepared call (Int8Linear.int8_call)
+        seen_fused.setdefault(id(layer), quantize_per_token_ref(x_in.reshape(-1, x_in.shape[-1]), layer.inv_smooth))
+        return real_call(layer, x_in)
+
     def ln_spy(*a):
         ln_calls.append(1)
         return real_ln(*a)
@@ -165,6 +171,7 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
     for n in tails:
         setattr(kf, n, tail_spy(n))
     qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant, kf.qk_rmsnorm_rope_rows = spy, ln_spy, gelu_spy, qk_spy
+    Int8Linear.int8_call = call_spy
     try:
         with torch.no_grad():
             ref, got = call(plain), call(fused)
@@ -188,6 +195,7 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
             ref_p, got_p = call(plain, transformer_options=to), call(fused, transformer_options=to)
     finally:
         qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant, kf.qk_rmsnorm_rope_rows = real_gemm, real_ln, real_gelu, real_qk
+        Int8Linear.int8_call = real_call
         for n in tails:
             setattr(kf, n, real_tails[n])
         for h in hooks:

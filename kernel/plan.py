@@ -1,0 +1,138 @@
+"""Prepared calls: the kernel launches of one checked call, re-issued for later calls whose operands have the same
+signature.
+
+Why: on the H200 machine's host (bench/host_int8.py, run at) one W8A8 linear of a small problem cost 93 us through
+``int8_linear`` (operand checks, output allocations, config lookup, launch-key building, two launches) and 122-128 us
+through an ``Int8Linear`` or a fused block, against 48 us for its three allocations and two raw launches and 25 us
+for a bf16 ``F.linear``. A small linear's speed is its host time.
+
+A :class:`Plan` is built from the launches ``kernel.launch.record`` saw during one checked call (``build``). Each
+tensor argument of those launches must be one of the call's operands or one of the tensors the call allocated;
+everything else (integers: shapes, strides; constexprs; grids; the compiled kernels) is kept. A later call passes
+its operands; the plan compares each operand's signature — dtype, shape, strides, device and 16-byte alignment,
+everything the recorded integers and the compiled kernels depend on — with the recorded one, allocates the
+temporaries and re-issues the launches with the new tensors. Any difference returns None, and the caller runs the
+checked path (which may build a new plan). Results are bit-identical to the checked call's: same kernels, same
+configs, same arguments.
+
+A launch hook (a profiler) makes the plan launch through Triton's ``JITFunction.run``, as ``kernel.launch`` does;
+on the CPU interpreter every launch goes through Triton (the tests run plans there).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import config, launch
+
+
+def signature(t: torch.Tensor | None):
+    """What a plan requires of an operand to repeat a recorded launch with it (None for an absent operand)."""
+    if t is None:
+        return None
+    return t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15 == 0
+
+
+class Plan:
+    """Launches recorded from one checked call; ``plan(*operands)`` -> the result, or None when an operand's
+    signature differs from the recorded call's (then run the checked path)."""
+    __slots__ = ("_sigs", "_temps", "_steps", "_result", "_device", "_index")
+
+    def __init__(self, sigs, temps, steps, result, device):
+        self._sigs, self._temps, self._steps, self._result = sigs, temps, steps, result
+        self._device, self._index = device, device.index if device.type == "cuda" else None
+
+    def __call__(self, *operands):
+        sigs = self._sigs
+        if len(operands) != len(sigs):
+            return None
+        for t, sig in zip(operands, sigs):
+            if t is None:
+                if sig is not None:
+                    return None
+            elif sig is None or sig != (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15 == 0):
+                return None
+        dev = self._device
+        vals = list(operands)
+        for shape, dtype in self._temps:
+            vals.append(torch.empty(shape, dtype=dtype, device=dev))
+        hooked = None
+        for st in self._steps:
+            jit_fn, grid, template, subs, compiled, tail, constexprs, warps, stages = st
+            args = list(template)
+            for pos, slot in subs:
+                args[pos] = vals[slot]
+            if compiled is not None:
+                if hooked is None:
+                    import triton
+                    hooked = launch.launch_hooked(triton.knobs.runtime)
+                    stream = None if hooked else torch._C._cuda_getCurrentRawStream(self._index)
+                if not hooked:
+                    n = len(grid)
+                    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream,
+                                 compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+                    continue
+            jit_fn[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
+        return vals[self._result]
+
+
+def enabled() -> bool:
+    """``INT8_FUSED_PLANS`` (default on)."""
+    return bool(config.get("INT8_FUSED_PLANS"))
+
+
+def build(launches: list, operands: tuple, temps: tuple, result: torch.Tensor, device: torch.device):
+    """A :class:`Plan` repeating ``launches`` (``kernel.launch.record``'s entries of one call), or None when that
+    call cannot be repeated this way (no launch; a tensor argument that is neither an operand nor a temporary, e.g.
+    a converted copy; plans switched off).
+
+    ``operands``: the call's inputs in the order the plan will take them, each a tensor, None, or a pair
+    (what callers will pass, what the kernels received) when the kernels saw a view of the caller's tensor that
+    starts at the same address (``x`` and its ``reshape(-1, K)``: the signature of ``x`` fixes the view's strides).
+    ``temps``: the tensors the call allocated (contiguous), each a tensor or a pair (tensor, the shape to allocate
+    it with: same elements, e.g. [..., N] for an [M, N] output). ``result``: the temporary the plan returns."""
+    if not launches or not enabled():
+        return None
+    slots, sigs = [], []
+    for op in operands:
+        caller, seen = op if isinstance(op, tuple) else (op, op)
+        if caller is not None and (seen is None or seen.data_ptr() != caller.data_ptr()):
+            return None
+        slots.append(seen)
+        sigs.append(signature(caller))
+    alloc = []
+    for tmp in temps:
+        t, shape = tmp if isinstance(tmp, tuple) else (tmp, tmp.shape)
+        if not t.is_contiguous() or t.numel() != _numel(shape) or t.device != device:
+            return None
+        slots.append(t)
+        alloc.append((tuple(shape), t.dtype))
+    result_slot = _slot(slots, result)
+    if result_slot is None or result_slot < len(operands):
+        return None
+    steps = []
+    for ln in launches:
+        subs, template = [], list(ln.args)
+        for pos, a in enumerate(ln.args):
+            if isinstance(a, torch.Tensor):
+                slot = _slot(slots, a)
+                if slot is None:
+                    return None
+                subs.append((pos, slot))
+                template[pos] = None  # the plan holds no tensor of the recorded call
+        steps.append((ln.jit_fn, tuple(ln.grid), tuple(template), tuple(subs), ln.compiled, ln.tail,
+                      ln.constexprs, ln.num_warps, ln.num_stages))
+    return Plan(tuple(sigs), tuple(alloc), tuple(steps), result_slot, device)
+
+
+def _slot(slots: list, t) -> int | None:
+    for i, s in enumerate(slots):
+        if s is t:
+            return i
+    return None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

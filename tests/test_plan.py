@@ -1,0 +1,269 @@
+"""kernel/plan.py: prepared launches of an INT8 linear / GEMM call, re-issued for operands of the same signature.
+
+On the CPU interpreter a plan re-launches through Triton (``jit_fn[grid]``), so the whole record -> build -> re-issue
+chain runs the real kernels: results are compared bit for bit with the checked call and with an independent float64
+W8A8 reference, and every signature change (shape, strides, alignment, dtype, device, an absent operand) must fall
+back to the checked path with correct results. The direct re-launch of a compiled kernel (GPU) is checked with the
+recording stand-in of tests/test_kernel_launch.py: which arguments reach ``compiled.run``, and that a launch hook
+sends the launch through Triton. bench/host_int8.py checks plans on the GPU (outputs equal the checked path) and
+times them.
+
+Run: TRITON_INTERPRET=1 python -m pytest tests/test_plan.py -q
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+import kernel  # noqa: E402
+from kernel import config, launch, plan  # noqa: E402
+from quant import fused as qf  # noqa: E402
+from quant.linear import Int8Linear  # noqa: E402
+from quant.quantize import quantize_per_token_ref  # noqa: E402
+from launch_standins import Jit, int8_layer  # noqa: E402  (tests/ is on sys.path now)
+
+
+def _layer(n=40, k=72, bias=True, smooth=True, seed=0) -> Int8Linear:
+    return int8_layer(n, k, bias, smooth, seed)
+
+
+def _x(*shape, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 2).to(dtype)
+
+
+def _ref(x, layer) -> torch.Tensor:
+    """float64 W8A8: the reference quantizer on x / smooth, exact integer products, both scales, bias."""
+    x2 = x.reshape(-1, x.shape[-1])
+    a_q, a_s = quantize_per_token_ref(x2, layer.inv_smooth)
+    y = (a_q.double() @ layer.qweight.double().t()) * a_s.double()[:, None] * layer.weight_scale.double()[None, :]
+    y = y if layer.bias is None else y + layer.bias.double()[None, :]
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def _ops(layer):
+    return layer.weight, layer.weight_scale, layer.bias, layer.inv_smooth
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(2, 24, 72), (40, 72), (3, 72), (1, 5, 72)])  # two launches / one (M <= 16)
+@pytest.mark.parametrize("bias, smooth", [(True, True), (False, False)])
+def test_plan_repeats_int8_linear_bit_for_bit(shape, bias, smooth):
+    layer = _layer(bias=bias, smooth=smooth)
+    y0, p = kernel.int8_linear_planned(_x(*shape), *_ops(layer))
+    assert p is not None and y0.shape == (*shape[:-1], 40)
+    for seed in (2, 3):  # new data, same signature
+        x = _x(*shape, seed=seed)
+        y = p(x, *_ops(layer))
+        assert y is not None and y.shape == (*shape[:-1], 40) and y.dtype == x.dtype
+        assert torch.equal(y, kernel.int8_linear(x, *_ops(layer)))
+        assert _rel(y, _ref(x, layer)) < 1e-6
+
+
+def test_plan_repeats_int8_gemm_bit_for_bit():
+    layer = _layer()
+    x = _x(24, 72)
+    a_q, a_s = kernel.quantize_per_token(x, layer.inv_smooth)
+    out, p = kernel.int8_gemm_planned(a_q, a_s, layer.weight, layer.weight_scale, layer.bias, torch.float32)
+    assert p is not None
+    x2 = _x(24, 72, seed=5)
+    b_q, b_s = kernel.quantize_per_token(x2, layer.inv_smooth)
+    y = p(b_q, b_s, layer.weight, layer.weight_scale, layer.bias)
+    assert torch.equal(y, kernel.int8_gemm(b_q, b_s, layer.weight, layer.weight_scale, layer.bias, torch.float32))
+    assert _rel(y, _ref(x2, layer)) < 1e-6
+
+
+def test_a_changed_signature_is_refused():
+    """Each thing the recorded integers or the compiled kernels depend on, changed: the plan returns None."""
+    layer = _layer()
+    x = _x(24, 72)
+    _, p = kernel.int8_linear_planned(x, *_ops(layer))
+    w, ws, b, inv = _ops(layer)
+    store = torch.zeros(24 * 72 + 1)
+    misaligned = store[1:].view(24, 72)  # 4 bytes past a 16-byte boundary
+    misaligned.copy_(x)
+    assert p(x.clone(), w, ws, b, inv) is not None
+    refused = {
+        "shape": p(_x(23, 72), w, ws, b, inv),
+        "dtype": p(x.to(torch.bfloat16), w, ws, b, inv),
+        "strides": p(_x(72, 24).t(), w, ws, b, inv),
+        "alignment": p(misaligned, w, ws, b, inv),
+        "device": p(x.to("meta"), w, ws, b, inv),
+        "no bias": p(x, w, ws, None, inv),
+        "a bias where none was": kernel.int8_linear_planned(x, w, ws, None, inv)[1](x, w, ws, b, inv),
+        "weight dtype": p(x, w.float(), ws, b, inv),
+        "operand count": p(x, w, ws, b),
+    }
+    assert all(v is None for v in refused.values()), [k for k, v in refused.items() if v is not None]
+    # the checked path takes the misaligned view and gives the same result
+    assert torch.equal(kernel.int8_linear(misaligned, w, ws, b, inv), kernel.int8_linear(x, w, ws, b, inv))
+
+
+def test_no_plan_where_the_call_converted_an_operand():
+    """A bias as [N, 1] is reshaped by the checked path: the kernel saw another tensor, so nothing can be planned
+    (the call itself is right)."""
+    layer = _layer()
+    x = _x(24, 72)
+    b = layer.bias.reshape(-1, 1)
+    y, p = kernel.int8_linear_planned(x, layer.weight, layer.weight_scale, b, layer.inv_smooth)
+    assert p is None
+    assert _rel(y, _ref(x, layer)) < 1e-6
+
+
+def test_no_plan_without_launches_or_when_switched_off():
+    layer = _layer()
+    y, p = kernel.int8_linear_planned(torch.zeros(0, 72), *_ops(layer))
+    assert p is None and y.shape == (0, 40)
+    with config.override(INT8_FUSED_PLANS=False):
+        y, p = kernel.int8_linear_planned(_x(24, 72), *_ops(layer))
+    assert p is None and _rel(y, _ref(_x(24, 72), layer)) < 1e-6
+
+
+def _spy(monkeypatch, name):
+    calls = []
+    real = getattr(kernel, name)
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+    monkeypatch.setattr(kernel, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("dispatch_mode", ["int8", "auto"])  # auto on the CPU: int8, nothing timed
+def test_layer_plans_once_per_call_shape(monkeypatch, dispatch_mode):
+    planned, checked = _spy(monkeypatch, "int8_linear_planned"), _spy(monkeypatch, "int8_linear")
+    layer = _layer()
+    with config.override(INT8_FUSED_DISPATCH=dispatch_mode):
+        for seed in range(4):
+            x = _x(2, 24, 72, seed=seed)
+            assert _rel(layer(x), _ref(x, layer)) < 1e-6
+    # the first call plans [48, 72] (dispatch sees x flattened), the second [2, 24, 72] (forward's hot path),
+    # the later ones re-issue that plan
+    assert planned == [torch.Size([48, 72]), torch.Size([2, 24, 72])] and checked == []
+    assert layer.dispatch_calls["int8"] == 4
+
+
+def test_layer_switched_off_takes_the_checked_path_each_call(monkeypatch):
+    """INT8_FUSED_PLANS=0 (an A/B on a loaded model): the checked call each time, kept plans unused; back on, the
+    plans run again."""
+    planned, checked = _spy(monkeypatch, "int8_linear_planned"), _spy(monkeypatch, "int8_linear")
+    layer = _layer()
+    x = _x(24, 72)
+    layer.int8_call(x)
+    assert len(planned) == 1 and not checked
+    with config.override(INT8_FUSED_PLANS=False):
+        for seed in range(3):
+            x = _x(24, 72, seed=seed)
+            assert _rel(layer.int8_call(x), _ref(x, layer)) < 1e-6
+    assert len(planned) == 1 and len(checked) == 3
+    layer.int8_call(x)
+    assert len(planned) == 1 and len(checked) == 3
+
+
+def test_unplannable_call_is_remembered(monkeypatch):
+    """A call that cannot be planned (zero rows: no launch) is tried once, then takes the checked path."""
+    planned, checked = _spy(monkeypatch, "int8_linear_planned"), _spy(monkeypatch, "int8_linear")
+    layer = _layer()
+    for _ in range(3):
+        assert layer.int8_call(torch.zeros(0, 72)).shape == (0, 40)
+    assert len(planned) == 1 and len(checked) == 2
+
+
+def test_layer_plan_follows_a_new_weight():
+    """Plans hold no tensor: a new weight (ComfyUI swapping or reloading it) is used at once."""
+    layer = _layer()
+    x = _x(24, 72)
+    layer.int8_call(x), layer.int8_call(x)
+    other = _layer(seed=7)
+    layer.weight = other.weight.clone()
+    layer.weight_scale = other.weight_scale.clone()
+    layer.bias = other.bias.clone()
+    layer.smooth = other.smooth.clone()
+    assert _rel(layer.int8_call(x), _ref(x, other)) < 1e-6
+    with torch.no_grad():
+        layer.weight.copy_(_layer(seed=8).weight)  # in place: same tensor, new values
+    assert torch.equal(layer.int8_call(x), kernel.int8_linear(x, *_ops(layer)))
+
+
+def test_fused_gemm_and_linear_go_through_plans(monkeypatch):
+    planned = _spy(monkeypatch, "int8_gemm_planned")
+    layer = _layer()
+    for seed in range(3):
+        x = _x(24, 72, seed=seed)
+        a_q, a_s = qf.act_quant(x, layer.inv_smooth)
+        assert _rel(qf.gemm(a_q, a_s, layer, torch.float32), _ref(x, layer)) < 1e-6
+        assert _rel(qf.linear(layer, x), _ref(x, layer)) < 1e-6
+    assert len(planned) == 1
+
+
+# ---------------------------------------------------------------- the direct re-launch (GPU), with a stand-in
+class _Jit(Jit):
+    def __init__(self):
+        super().__init__(("x_ptr", "out_ptr", "n", "BLOCK"))
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(launch, "_USE_FAST", True)
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_SAME_CALL", True)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 4242, raising=False)
+
+
+def _recorded_plan(jit, x, out):
+    """A plan of one stand-in launch (recorded as on a GPU: the fast path's compiled kernel) on CPU tensors."""
+    with launch.record() as rec:
+        for _ in range(2):  # the first compiles through Triton, the second is the direct re-launch
+            launch.launch(jit, (3,), (x, out, 8), dict(BLOCK=64), 4, 2, torch.device("cuda", 0))
+    assert len(rec) == 2 and all(r.compiled is jit.compiled for r in rec)
+    return plan.build(rec[1:], (x,), (out,), out, torch.device("cpu"))
+
+
+def test_plan_relaunches_the_compiled_kernel_with_the_new_tensors(fast):
+    jit = _Jit()
+    p = _recorded_plan(jit, torch.zeros(8), torch.zeros(8))
+    x2 = torch.ones(8)
+    y = p(x2)
+    c = jit.compiled
+    assert len(c.runs) == 2 and len(jit.slow) == 1
+    run = c.runs[-1]
+    assert run[:9] == (3, 1, 1, 4242, c.function, c.packed_metadata, None, None, None)
+    assert run[9] is x2 and run[10] is y and run[11:] == (8, 64)  # new input, new output, the ints, the tail
+    assert y.shape == (8,) and y.dtype == torch.float32
+
+
+def test_plan_goes_through_triton_while_a_launch_hook_is_installed(fast):
+    jit = _Jit()
+    p = _recorded_plan(jit, torch.zeros(8), torch.zeros(8))
+    chain = triton.knobs.runtime.launch_enter_hook
+
+    def hook(metadata):
+        pass
+
+    chain.add(hook)
+    try:
+        x2 = torch.ones(8)
+        y = p(x2)
+    finally:
+        chain.remove(hook)
+    grid, args, kw = jit.slow[-1]
+    assert len(jit.slow) == 2 and len(jit.compiled.runs) == 1
+    assert grid == (3,) and args[0] is x2 and args[1] is y and args[2] == 8
+    assert kw == dict(BLOCK=64, num_warps=4, num_stages=2)
+
+
+def test_autotune_launches_are_not_part_of_a_recording(fast):
+    jit = _Jit()
+    with launch.record() as rec:
+        with launch.not_recorded():
+            launch.launch(jit, (3,), (torch.zeros(8), torch.zeros(8), 8), dict(BLOCK=64), 4, 2,
+                          torch.device("cuda", 0))
+        launch.launch(jit, (3,), (torch.zeros(8), torch.zeros(8), 8), dict(BLOCK=32), 4, 2, torch.device("cuda", 0))
+    assert [r.constexprs["BLOCK"] for r in rec] == [32]
