@@ -3,8 +3,8 @@ the GPU work (a few us a kernel) hides under the host's: a loop of calls then ru
 a call is host time a call. From the bottom up: one ``torch.empty``, a bare ``F.linear`` and an ``nn.Linear`` (the
 bf16 bars), one raw re-launch of the compiled GEMM (the floor of any launch from Python), the pack's ``launch``,
 ``int8_gemm`` (checks, output, config), ``quantize_per_token``, ``int8_linear`` (both), the fused blocks' entry
-``quant.fused.linear`` / ``gemm`` and an ``Int8Linear`` module call forced onto int8, each through its prepared
-launches (kernel/plan.py) and with plans off. What a linear's host time is spent on. First it checks that the planned
+``quant.fused.linear`` / ``gemm`` / ``act_quant``, a row kernel (Flux's LayerNorm · modulation + quantize) and an
+``Int8Linear`` module call forced onto int8, each through its prepared launches (kernel/plan.py) and with plans off. What a linear's host time is spent on. First it checks that the planned
 calls give the checked path's outputs bit for bit.
 
     python bench/host_int8.py [--calls 2000] [--repeats 7] [--json out.json]
@@ -87,6 +87,9 @@ def main() -> int:
                q, w_q, o, s, w_s, bias, a.m, a.n, a.k, q.stride(0), q.stride(1), w_q.stride(0), w_q.stride(1),
                o.stride(0), o.stride(1), s.stride(0), w_s.stride(0), bias.stride(0), *tg)
 
+    from quant import fused_flux as ff
+    mod_s = torch.randn(2, 1, a.k, device=dev, dtype=torch.bfloat16)  # Flux's [B, 1, K] modulation rows
+    mod_sh = torch.randn(2, 1, a.k, device=dev, dtype=torch.bfloat16)
     y_plan, plan_obj = kernel.int8_linear_planned(x, w_q, w_s, bias)
     checks = {}  # the planned calls give the checked path's bits (same kernels, configs, arguments)
     with torch.no_grad(), config.override(INT8_FUSED_DISPATCH="int8"):
@@ -98,6 +101,11 @@ def main() -> int:
         want = kernel.int8_gemm(a_q, a_s, w_q, w_s, bias, out_dtype=x.dtype)
         for _ in range(3):
             checks.setdefault("quant.fused.gemm", []).append(torch.equal(qf.gemm(a_q, a_s, lin, x.dtype), want))
+        for name, f in (("act_quant", lambda: qf.act_quant(x, None)),
+                        ("LayerNorm·mod+quantize", lambda: ff._ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6))):
+            with config.override(INT8_FUSED_PLANS=False):
+                want = f()
+            checks[name] = [all(torch.equal(u, v) for u, v in zip(f(), want)) for _ in range(3)]
         checks["plan(x)"] = [plan_obj is not None and torch.equal(plan_obj(x, w_q, w_s, bias, None),
                                                                   kernel.int8_linear(x, w_q, w_s, bias))]
     checks = {k: all(v) for k, v in checks.items()}
@@ -118,6 +126,10 @@ def main() -> int:
         "quant.fused.gemm, plans off": lambda: qf.gemm(a_q, a_s, lin, x.dtype),
         "quant.fused.linear": lambda: qf.linear(lin, x),
         "quant.fused.linear, plans off": lambda: qf.linear(lin, x),
+        "quant.fused.act_quant": lambda: qf.act_quant(x, None),
+        "quant.fused.act_quant, plans off": lambda: qf.act_quant(x, None),
+        "LayerNorm·mod+quantize": lambda: ff._ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6),
+        "LayerNorm·mod+quantize, plans off": lambda: ff._ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6),
         "Int8Linear int8": lambda: lin(x),
         "Int8Linear int8, plans off": lambda: lin(x),
         "Int8Linear int8 M4": lambda: lin(x4),

@@ -119,6 +119,15 @@ GELU_FAST = True
 # kernel's best 138.1), Wan 1.3B's F = 8960 190.1 us (16: 228.0; chunked best 256.1); codes and scales identical.
 GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8)
 
+
+
+def tunables() -> tuple:
+    """The module data the wrappers read at each call to choose kernels and tiles (the sweep and tests change
+    them): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan."""
+    return (RMS_PLAN, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, MAX_SINGLE, LN_PLAN, GELU_PLAN,
+            GELU_FAST, GELU_ONE_PASS, _plan, launch)
+
+
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT = tuple(_DT_CODE)
 

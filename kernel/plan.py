@@ -51,6 +51,10 @@ class Plan:
                     return None
             elif sig is None or sig != (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15 == 0):
                 return None
+        return self._run(operands)
+
+    def _run(self, operands):
+        """The launches with ``operands`` (signatures already matched) and new temporaries; the result."""
         dev = self._device
         vals = list(operands)
         for shape, dtype in self._temps:
@@ -72,7 +76,8 @@ class Plan:
                                  compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
                     continue
             jit_fn[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
-        return vals[self._result]
+        r = self._result
+        return vals[r] if type(r) is int else tuple(vals[i] for i in r)
 
 
 def enabled() -> bool:
@@ -80,7 +85,7 @@ def enabled() -> bool:
     return bool(config.get("INT8_FUSED_PLANS"))
 
 
-def build(launches: list, operands: tuple, temps: tuple, result: torch.Tensor, device: torch.device):
+def build(launches: list, operands: tuple, temps: tuple, result, device: torch.device, by_address: bool = False):
     """A :class:`Plan` repeating ``launches`` (``kernel.launch.record``'s entries of one call), or None when that
     call cannot be repeated this way (no launch; a tensor argument that is neither an operand nor a temporary, e.g.
     a converted copy; plans switched off).
@@ -89,7 +94,11 @@ def build(launches: list, operands: tuple, temps: tuple, result: torch.Tensor, d
     (what callers will pass, what the kernels received) when the kernels saw a view of the caller's tensor that
     starts at the same address (``x`` and its ``reshape(-1, K)``: the signature of ``x`` fixes the view's strides).
     ``temps``: the tensors the call allocated (contiguous), each a tensor or a pair (tensor, the shape to allocate
-    it with: same elements, e.g. [..., N] for an [M, N] output). ``result``: the temporary the plan returns."""
+    it with: same elements, e.g. [..., N] for an [M, N] output). ``result``: the temporary the plan returns, or a
+    tuple of temporaries and operands. ``by_address``: a launch argument that is none of these but starts at the
+    address of exactly one operand, with its dtype, is taken as a view of it made by the call (a reshape of a
+    [B, 1, K] modulation row to [B, K]): sound for calls whose views are functions of their operands' signatures,
+    which the recorded integers then hold."""
     if not launches or not enabled():
         return None
     slots, sigs = [], []
@@ -106,15 +115,22 @@ def build(launches: list, operands: tuple, temps: tuple, result: torch.Tensor, d
             return None
         slots.append(t)
         alloc.append((tuple(shape), t.dtype))
-    result_slot = _slot(slots, result)
-    if result_slot is None or result_slot < len(operands):
-        return None
+    if isinstance(result, tuple):
+        result_slot = tuple(_slot(slots, r) for r in result)
+        if any(i is None for i in result_slot):
+            return None
+    else:
+        result_slot = _slot(slots, result)
+        if result_slot is None or result_slot < len(operands):
+            return None
     steps = []
     for ln in launches:
         subs, template = [], list(ln.args)
         for pos, a in enumerate(ln.args):
             if isinstance(a, torch.Tensor):
                 slot = _slot(slots, a)
+                if slot is None and by_address:
+                    slot = _view_of(slots[:len(operands)], a)
                 if slot is None:
                     return None
                 subs.append((pos, slot))
@@ -122,6 +138,50 @@ def build(launches: list, operands: tuple, temps: tuple, result: torch.Tensor, d
         steps.append((ln.jit_fn, tuple(ln.grid), tuple(template), tuple(subs), ln.compiled, ln.tail,
                       ln.constexprs, ln.num_warps, ln.num_stages))
     return Plan(tuple(sigs), tuple(alloc), tuple(steps), result_slot, device)
+
+
+def _view_of(ops: list, t: torch.Tensor) -> int | None:
+    """The one operand that ``t`` starts at, with ``t``'s dtype and device; None when none or several do."""
+    hits = [i for i, o in enumerate(ops) if o is not None and o.data_ptr() == t.data_ptr() and o.dtype == t.dtype
+            and o.device == t.device]
+    return hits[0] if len(hits) == 1 else None
+
+
+# --------------------------------------------------------------------------- plans keyed by the call itself
+_CALLS: dict = {}      # (fn, argument key) -> Plan, or False when the call cannot be planned
+_MAX_CALLS = 4096
+
+
+def call(fn, *args, salt=()):
+    """``fn(*args)`` for a kernel wrapper that only checks its arguments, allocates its outputs with ``torch.empty``
+    and launches (launches alone do the work whenever it launches at all): the first call of each argument key
+    — every tensor's signature, every other argument's value — runs ``fn`` and records a plan; later calls of the
+    key re-issue it. Tensor results are the wrapper's outputs (or operands it wrote in place); a result that is
+    neither (a view made after the launches) or a launch argument that is no operand, output or view of one
+    leaves the key unplanned: ``fn`` runs each time. ``salt``: whatever else ``fn`` reads to choose its launches
+    (``kernel.fused.tunables()``), part of the key."""
+    if not enabled():
+        return fn(*args)
+    key = (fn, salt, *[(a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+                 else a for a in args])
+    p = _CALLS.get(key)
+    if p:
+        return p._run([a for a in args if isinstance(a, torch.Tensor) or a is None])  # the key matched them
+    if p is False:
+        return fn(*args)
+    with launch.record() as rec:
+        out = fn(*args)
+    ops = [a for a in args if isinstance(a, torch.Tensor) or a is None]
+    res = out if isinstance(out, tuple) else (out,)
+    temps = tuple(t for t in res if isinstance(t, torch.Tensor) and _slot(ops, t) is None)
+    p = None
+    if all(isinstance(t, torch.Tensor) for t in res) and temps:
+        dev = temps[0].device
+        p = build(rec, tuple(ops), temps, out, dev, by_address=True)
+    if len(_CALLS) >= _MAX_CALLS:
+        _CALLS.clear()
+    _CALLS[key] = p if p is not None else False
+    return out
 
 
 def _slot(slots: list, t) -> int | None:

@@ -125,6 +125,22 @@ def inv_smooth_of(layer, device: torch.device):
     return layer.vector_on("inv_smooth", device)
 
 
+def _call(fn, *args):
+    """``fn(*args)`` for a kernel wrapper of ``kernel`` / ``kernel.fused`` that only checks, allocates its outputs and
+    launches, through the launches prepared for its argument key (``kernel.plan.call``)."""
+    return _plan().call(fn, *args, salt=_kf().tunables())
+
+
+def _plan():
+    global _PLAN
+    if _PLAN is None:
+        _PLAN = kernel_module("plan")
+    return _PLAN
+
+
+_PLAN = None
+
+
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -142,14 +158,14 @@ def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):
     """``silu(a) * b`` [M, F] of the merged w1+w3 layer's GEMM ([a | b]) from an already-quantized input, the SwiGLU
     computed in the GEMM's epilogue (``kernel.fused.gemm_swiglu``)."""
     with w13.operands(a_q.device) as t:
-        return _kf().gemm_swiglu(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype, clamp_fp16)
+        return _call(_kf().gemm_swiglu, a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype, clamp_fp16)
 
 
 def act_quant(x2, inv_smooth):
     """Per-token int8 quantization of x2 [M, K] (divided by the smoothing first): (int8 [M, K], fp32 [M])."""
     if _compiling():
         return torch.ops.int8_fused.act_quant(x2, inv_smooth)
-    return kernel_module().quantize_per_token(x2, inv_smooth)
+    return _call(kernel_module().quantize_per_token, x2, inv_smooth)
 
 
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -167,13 +183,13 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _swiglu_quant(h13, inv_smooth, clamp_fp16):
     if _compiling():
         return torch.ops.int8_fused.swiglu_quant(h13, inv_smooth, clamp_fp16)
-    return _kf().swiglu_quantize(h13, inv_smooth, clamp_fp16)
+    return _call(_kf().swiglu_quantize, h13, inv_smooth, clamp_fp16)
 
 
 def _rms_mod_quant(x2, w, eps, scale, tokens, inv_smooth):
     if _compiling():
         return torch.ops.int8_fused.rms_mod_quant(x2, w, eps, scale, tokens, inv_smooth)
-    return _kf().rmsnorm_modulate_quantize(x2, w, eps, scale, tokens, inv_smooth)
+    return _call(_kf().rmsnorm_modulate_quantize, x2, w, eps, scale, tokens, inv_smooth)
 
 
 def fusable(layer) -> bool:

@@ -55,7 +55,7 @@ class FluxFunctions:
 def _ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps):
     if qf._compiling():
         return torch.ops.int8_fused.ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps)
-    return qf._kf().layernorm_modulate_quantize(x2, scale, shift, tokens, inv_smooth, eps)
+    return qf._call(qf._kf().layernorm_modulate_quantize, x2, scale, shift, tokens, inv_smooth, eps)
 
 
 def _cat_gelu_quant(a2, h2, inv_smooth):
@@ -63,8 +63,8 @@ def _cat_gelu_quant(a2, h2, inv_smooth):
     if qf._compiling():
         return torch.ops.int8_fused.cat_gelu_quant(a2, h2, inv_smooth)
     if a2 is None:
-        return qf._kf().gelu_tanh_quantize(h2, inv_smooth)
-    return qf._kf().concat_gelu_quantize(a2, h2, inv_smooth)
+        return qf._call(qf._kf().gelu_tanh_quantize, h2, inv_smooth)
+    return qf._call(qf._kf().concat_gelu_quantize, a2, h2, inv_smooth)
 
 
 def _promote(*ts: torch.Tensor) -> torch.dtype:

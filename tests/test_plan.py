@@ -267,3 +267,85 @@ def test_autotune_launches_are_not_part_of_a_recording(fast):
                           torch.device("cuda", 0))
         launch.launch(jit, (3,), (torch.zeros(8), torch.zeros(8), 8), dict(BLOCK=32), 4, 2, torch.device("cuda", 0))
     assert [r.constexprs["BLOCK"] for r in rec] == [32]
+
+
+# ---------------------------------------------------------------- plans keyed by the call (kernel.plan.call)
+def _kf():
+    from kernel import fused
+    return fused
+
+
+def _spy_fn(fn):
+    calls = []
+
+    def spy(*a):
+        calls.append(1)
+        return fn(*a)
+    return spy, calls
+
+
+def test_call_repeats_a_row_kernel_with_a_view_of_its_operand():
+    """Flux's LayerNorm · modulation + quantize: its [B, 1, K] modulation rows reach the kernel as a [B, K] view
+    (by address); repeated calls with new values equal the wrapper's own result bit for bit."""
+    kf = _kf()
+    fn, calls = _spy_fn(kf.layernorm_modulate_quantize)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        x = torch.randn(2 * 12, 64, generator=g).to(torch.bfloat16)
+        scale = torch.randn(2, 1, 64, generator=g).to(torch.bfloat16)
+        shift = torch.randn(2, 1, 64, generator=g).to(torch.bfloat16)
+        inv = torch.rand(64, generator=g) + 0.5
+        got = plan.call(fn, x, scale, shift, 12, inv, 1e-6)
+        want = kf.layernorm_modulate_quantize(x, scale, shift, 12, inv, 1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+    assert len(calls) == 1  # recorded once, then re-issued
+
+
+def test_call_key_holds_scalars_and_salt():
+    """Another eps / tokens per batch / tile plan is another key: recorded again, never served the old plan."""
+    kf = _kf()
+    fn, calls = _spy_fn(kf.layernorm_modulate_quantize)
+    x = _x(24, 64).to(torch.bfloat16)
+    scale, shift = _x(2, 64, seed=2).to(torch.bfloat16), _x(2, 64, seed=3).to(torch.bfloat16)
+    for eps, tpb, salt in [(1e-6, 12, ()), (1e-6, 12, ()), (1e-2, 12, ()), (1e-6, 24, ()), (1e-6, 12, ("other",))]:
+        nb = 24 // tpb  # batch rows of the modulation
+        got = plan.call(fn, x, scale[:nb], shift[:nb], tpb, None, eps, salt=salt)
+        want = kf.layernorm_modulate_quantize(x, scale[:nb], shift[:nb], tpb, None, eps)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(calls) == 4  # the repeated first key alone re-issued its plan
+
+
+def test_call_does_not_plan_a_result_made_after_the_launches():
+    """A result that is a view of the kernel's output (made by torch after the launch): the key stays unplanned and
+    the function runs each time."""
+    fn, calls = _spy_fn(lambda x: kernel.quantize_per_token(x)[0].view(-1))
+    for seed in range(3):
+        x = _x(8, 64, seed=seed)
+        assert torch.equal(plan.call(fn, x), kernel.quantize_per_token(x)[0].view(-1))
+    assert len(calls) == 3
+
+
+def test_call_without_launches_runs_the_function_each_time():
+    fn, calls = _spy_fn(kernel.quantize_per_token)
+    for _ in range(2):
+        q, s = plan.call(fn, torch.zeros(0, 64))
+        assert q.shape == (0, 64) and s.shape == (0,)
+    assert len(calls) == 2
+
+
+def test_fused_helpers_plan_their_row_kernels(monkeypatch):
+    """quant.fused's act_quant goes through kernel.plan.call: the wrapper runs once per key."""
+    calls = []
+    real = kernel.quantize_per_token
+
+    def spy(*a):
+        calls.append(1)
+        return real(*a)
+    monkeypatch.setattr(kernel, "quantize_per_token", spy)
+    layer = _layer()
+    for seed in range(3):
+        x = _x(24, 72, seed=seed)
+        q, s = qf.act_quant(x, layer.inv_smooth)
+        rq, rs = quantize_per_token_ref(x, layer.inv_smooth)
+        assert torch.equal(q, rq) and torch.equal(s, rs)
+    assert len(calls) == 1
