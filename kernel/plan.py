@@ -108,6 +108,9 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
             return None
         slots.append(seen)
         sigs.append(signature(caller))
+    ptrs = [t.data_ptr() for t in slots if t is not None]
+    if len(set(ptrs)) != len(ptrs):  # aliased operands: the launches could not tell which one to take later
+        return None
     alloc = []
     for tmp in temps:
         t, shape = tmp if isinstance(tmp, tuple) else (tmp, tmp.shape)

@@ -349,3 +349,17 @@ def test_fused_helpers_plan_their_row_kernels(monkeypatch):
         rq, rs = quantize_per_token_ref(x, layer.inv_smooth)
         assert torch.equal(q, rq) and torch.equal(s, rs)
     assert len(calls) == 1
+
+
+def test_call_with_aliased_operands_is_not_planned():
+    """The same tensor as scale and shift: a plan could not tell which operand each launch argument was, so the key
+    stays unplanned and a later call with two tensors of those signatures gets its own, correct, result."""
+    kf = _kf()
+    fn, calls = _spy_fn(kf.layernorm_modulate_quantize)
+    x = _x(24, 64).to(torch.bfloat16)
+    s1, s2 = _x(2, 64, seed=2).to(torch.bfloat16), _x(2, 64, seed=3).to(torch.bfloat16)
+    plan.call(fn, x, s1, s1, 12, None, 1e-6)
+    got = plan.call(fn, x, s1, s2, 12, None, 1e-6)
+    want = kf.layernorm_modulate_quantize(x, s1, s2, 12, None, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(calls) == 2
