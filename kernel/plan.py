@@ -15,8 +15,13 @@ temporaries and re-issues the launches with the new tensors. Any difference retu
 checked path (which may build a new plan). Results are bit-identical to the checked call's: same kernels, same
 configs, same arguments.
 
+Two users: ``quant.linear.Int8Linear`` keeps a plan per call shape (its INT8 linear and its fused blocks' GEMMs);
+:func:`call` keeps one per argument key for the fused blocks' row kernels (quantizers, norm · modulation, GELU,
+SwiGLU), whose views of their operands are mapped by address.
+
 A launch hook (a profiler) makes the plan launch through Triton's ``JITFunction.run``, as ``kernel.launch`` does;
-on the CPU interpreter every launch goes through Triton (the tests run plans there).
+on the CPU interpreter every launch goes through Triton (the tests run plans there). ``INT8_FUSED_PLANS=0``: no plan
+is built or used.
 """
 from __future__ import annotations
 

@@ -22,10 +22,10 @@ shape (timing noise does not flip decisions, and int8 keeps its memory saving on
 ``torch.compile`` tracing or CUDA-graph capture nothing is timed and ``auto`` runs int8.
 
 Each layer counts its calls per path (``Int8Linear.dispatch_calls``); :func:`report_line` summarises a model. A
-resident layer keeps, per call shape that ran on the float path, the float weight and bias (:func:`float_operands`),
-and ``Int8Linear.forward`` runs that shape's later calls as one bare ``F.linear`` while the int8 weight is the same
-tensor and :func:`hot_token` (the mode, the decisions' generation) is unchanged: a small linear's speed is its host
-time.
+resident layer keeps, per call shape, the path it ran (with the float weight and bias of the float path,
+:func:`float_operands`), and ``Int8Linear.forward`` runs that shape's later calls on it directly — one bare
+``F.linear``, or the int8 path's prepared launches (``kernel.plan``) — while the int8 weight is the same tensor and
+:func:`hot_token` (the mode, the decisions' generation) is unchanged: a small linear's speed is its host time.
 Only ``Int8Linear.forward`` dispatches: the fused modules of ``quant/fused.py`` always run their INT8 kernels.
 """
 from __future__ import annotations
