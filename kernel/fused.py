@@ -120,7 +120,6 @@ GELU_FAST = True
 GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8)
 
 
-
 def tunables() -> tuple:
     """The module data the wrappers read at each call to choose kernels and tiles (the sweep and tests change
     them): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan."""

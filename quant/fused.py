@@ -128,17 +128,10 @@ def inv_smooth_of(layer, device: torch.device):
 def _call(fn, *args):
     """``fn(*args)`` for a kernel wrapper of ``kernel`` / ``kernel.fused`` that only checks, allocates its outputs and
     launches, through the launches prepared for its argument key (``kernel.plan.call``)."""
-    return _plan().call(fn, *args, salt=_kf().tunables())
+    return _PLAN.call(fn, *args, salt=_kf().tunables())
 
 
-def _plan():
-    global _PLAN
-    if _PLAN is None:
-        _PLAN = kernel_module("plan")
-    return _PLAN
-
-
-_PLAN = None
+_PLAN = kernel_module("plan")  # torch only: importing it loads no Triton
 
 
 def _compiling() -> bool:
