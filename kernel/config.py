@@ -70,9 +70,6 @@ SWITCHES = {s.name: s for s in (
            "`0`: under DynamicVRAM every layer of a fused block fetches its own weights through ComfyUI "
            "(stream syncs and a vbar fault per layer); unset, one ComfyUI fetch a block call fetches them all "
            "(`nodes/comfy_cast.py`: host time only, the same weights and kernels)"),
-    Switch("INT8_FUSED_CONCURRENT_CFG", bool, False,
-           "`1`: under DualModelGuider the conditional and unconditional backbones of a step run on two CUDA "
-           "streams at once (`nodes/concurrent_cfg.py`; the same outputs, the GPU overlaps the two passes)"),
     Switch("INT8_FUSED_ALU_ROUND", bool, False,
            "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
            "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",

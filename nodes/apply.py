@@ -36,7 +36,7 @@ from ..quant import backends, dispatch, fused, select
 from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
-from . import attention as attention_routing, concurrent_cfg, pad_elision, resident_conds, timing
+from . import attention as attention_routing, pad_elision, resident_conds, timing
 
 log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
@@ -75,10 +75,6 @@ def install_patches(out, patches: dict) -> None:
         out.add_object_patch(PREFIX + name, module)
     out.remove_wrappers_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY)
     out.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY, resident_conds.sampler_sample_wrapper)
-    for kind, fn in ((WrappersMP.PREDICT_NOISE, concurrent_cfg.predict_noise_wrapper),
-                     (WrappersMP.CALC_COND_BATCH, concurrent_cfg.calc_cond_batch_wrapper)):
-        out.remove_wrappers_with_key(kind, _CALLBACK_KEY)
-        out.add_wrapper_with_key(kind, _CALLBACK_KEY, fn)
     if any(isinstance(m, fused.CachedLinear) for m in patches.values()):
         out.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, _CALLBACK_KEY, fused.diffusion_model_wrapper)
         out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _CALLBACK_KEY, fused.outer_sample_wrapper)
