@@ -1,7 +1,8 @@
 """Tile sweep for the row kernels of kernel/fused.py (H200): Ideogram 4's RMSNorm and SwiGLU kernels at its
 shapes, and the GELU kernels where the Flux / Wan profiles found them far off their memory floor (2026-12-01:
 Flux's single-block concat + GELU + quantize 282 us a call, Wan 1.3B's FFN GELU + quantize 400 us). Each (BLOCK,
-one register-resident pass or chunked passes, num_warps) plan, and the one-pass segmented kernels (``seg``),
+one register-resident pass or chunked passes, num_warps) plan, and the one-pass segmented kernels (``seg``; the
+per-token quantizer's too: its BLOCK_K kernel is the row labelled with its own tile),
 timed with do_bench, output checked bit-equal to the default plan's; the GELU kernels also with ``GELU_FAST``
 (h * sigmoid(2u) instead of tanhf), each compared with torch's unfused ``quantize_per_token_ref(F.gelu(...))`` (codes that differ, largest difference, scales
 that differ). ``python bench/fused_sweep.py [--m 4608]``; prints one line a plan."""
@@ -43,8 +44,9 @@ def main() -> int:
     lx = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
     ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
     default_plan, gelu_fast, one_pass, res_pass = kf._plan, kf.GELU_FAST, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS
-    gelu_pass = kf.GELU_ONE_PASS
+    gelu_pass, rms_pass = kf.GELU_ONE_PASS, kf.RMS_ONE_PASS
     import kernel.quantize
+    quant_pass = kernel.quantize.QUANT_ONE_PASS
     print(f"INT8_FUSED_ALU_ROUND: {bool(kernel.quantize.ALU_ROUND)}", flush=True)
     torch_ref = {  # the unfused torch sequence the GELU kernels replace
         "flux concat+gelu+quant": lambda: quantize_per_token_ref(torch.cat((fa, F.gelu(fh, approximate="tanh")), -1)),
@@ -53,7 +55,7 @@ def main() -> int:
     }
     cases = {
         "rmsnorm_mod_quant K=4608": (lambda: kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, m), 2 * m * k + m * k,
-                                     [(8192, True, 16), (8192, True, 8), (8192, True, 32), (4096, False, 4),
+                                     [("seg", 4), ("seg", 8), ("seg", 16), (8192, True, 16), (8192, True, 8), (8192, True, 32), (4096, False, 4),
                                       (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
         "swiglu_quant F=12288": (lambda: kf.swiglu_quantize(h13), 2 * m * 2 * f + m * f,
                                  [("seg", 8), ("seg", 16), ("seg", 32), (16384, True, 16), (8192, False, 8),
@@ -84,14 +86,16 @@ def main() -> int:
         cases[f"qk_norm_rope {label} H={hh} D={dd}"] = (run, 2 * m * hh * dd * 2 * 2 + m * dd * 8, [None])
     from kernel import quantize_per_token
     xq = torch.randn(4608, 12288, device=dev, generator=g).to(torch.bfloat16)
-    cases["quant_rows K=4608"] = (lambda: quantize_per_token(x), 3 * m * k, [None])
-    cases["quant_rows K=12288"] = (lambda: quantize_per_token(xq), 3 * 4608 * 12288, [None])
+    # the BLOCK_K kernel's own tiles (kernel/quantize.py _block_k) label its rows; one-pass segments otherwise
+    qseg = [("seg", 4), ("seg", 8), ("seg", 16)]
+    cases["quant_rows K=4608"] = (lambda: quantize_per_token(x), 3 * m * k, qseg + [(8192, True, 16)])
+    cases["quant_rows K=12288"] = (lambda: quantize_per_token(xq), 3 * 4608 * 12288, qseg + [(4096, False, 8)])
     only = [w for w in a.only.split(",") if w]
     for name, (fn, nbytes, plans) in cases.items():
         if only and not any(w in name for w in only):
             continue
         kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
-        kf.GELU_ONE_PASS = gelu_pass
+        kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
         ref_q, ref_s = fn()
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
         for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
@@ -104,6 +108,10 @@ def main() -> int:
                                         res_pass if plan is None else None)
                 kf.GELU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1]) if seg else
                                     gelu_pass if plan is None else None)
+                kf.RMS_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1]) if seg else
+                                   rms_pass if plan is None else None)
+                kernel.quantize.QUANT_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1]) if seg else
+                                                  quant_pass if plan is None else None)
                 kf._plan = default_plan if plan is None or seg else (lambda n, *args, _p=plan, **kw: _p)
                 try:
                     q, sc = fn()
@@ -124,7 +132,7 @@ def main() -> int:
                     print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
         kf.GELU_FAST = gelu_fast
     kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
-    kf.GELU_ONE_PASS = gelu_pass
+    kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
     return 0
 
 

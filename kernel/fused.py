@@ -46,9 +46,10 @@ tests/test_flux_fused.py bound them).
 Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton specialises the unit stride away).
 Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``, ``LN_PLAN``, ``GELU_PLAN``): a row of up to
 ``max_single`` elements stays in registers (one DRAM read, one int8 write); longer rows run in ``chunk``-wide tiles
-and the later passes re-read the row from L2. ``swiglu_quantize``, ``gated_residual_rmsnorm`` and the GELU kernels
-also have a one-pass form over up to three power-of-2 segments (``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``,
-``GELU_ONE_PASS``: 12288 = 8192 + 4096, 4608 = 4096 + 512, 8960 = 8192 + 512 + 256), which keeps the row in
+and the later passes re-read the row from L2. ``rmsnorm_modulate_quantize``, ``swiglu_quantize``,
+``gated_residual_rmsnorm`` and the GELU kernels also have a one-pass form over up to three power-of-2 segments
+(``RMS_ONE_PASS``, ``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``, ``GELU_ONE_PASS``; kernel/quantize.py's
+``QUANT_ONE_PASS``: 12288 = 8192 + 4096, 4608 = 4096 + 512, 8960 = 8192 + 512 + 256), which keeps the row in
 registers without masked lanes; ``gated_residual_rmsnorm`` has no chunked form (rows up to ``MAX_SINGLE``). fp32
 division and exp use the IEEE / libdevice versions torch's CUDA kernels use, so compiled results match torch's bit
 for bit more often. Importing this module imports triton.
@@ -64,8 +65,10 @@ from triton.language.extra import libdevice
 
 from . import _check_2d, _check_usable, _gemm_operands, _vector
 from .gemm import _acc_tile, _dequant, _tile_ids, select_config
+from . import quantize as _q
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
-from .quantize import ALU_ROUND, INTERPRET, _code8  # the quantizer's rounding (and its interpreter compat shim)
+from .quantize import (ALU_ROUND, INTERPRET, SegmentPlan, _amax_bad, _code8, _quant_params, _seg_warps,
+                       _segments, _store_seg)  # the quantizer's rounding and row helpers (its interpreter shim too)
 
 
 @dataclass(frozen=True)
@@ -82,15 +85,6 @@ RMS_PLAN = TilePlan(max_single=1024, chunk=1024, chunk_warps=4)     # K = 4608: 
 SWIGLU_PLAN = TilePlan(max_single=2048, chunk=2048, chunk_warps=8)  # F = 12288: 2048-wide chunks, 2 passes
 
 
-@dataclass(frozen=True)
-class SegmentPlan:
-    """A one-pass row kernel over up to three power-of-2 segments (``_segments``): rows up to ``max_row``
-    elements, segments of at least ``min_seg``, ``warps`` warps a row."""
-    max_row: int
-    min_seg: int
-    warps: int
-
-
 # SwiGLU in one pass (silu(a) * b computed once, kept in registers in the model dtype) for rows up to 16384;
 # None: the chunked two-pass kernel of SWIGLU_PLAN. Module data, read at each call (the sweep sets it).
 # H200 (bench/fused_sweep.py, run y, M 4608, F 12288): 117 us with 16 or 32 warps, 124 with 8; the chunked kernel's
@@ -99,6 +93,10 @@ SWIGLU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, wa
 # gated_residual_rmsnorm over segments (K = 4608: 4096 + 512) for rows up to MAX_SINGLE; None: one tile.
 # H200 (run y, with the next norm + quantization): 57.5 us with 4 warps, 70 with 8 or 16; one 8192 tile 89-96 us.
 RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
+# rmsnorm_modulate_quantize over segments (K = 4608: 4096 + 512, the row read once) for rows up to max_row; None,
+# or a longer row: the kernel of RMS_PLAN (K = 4608 there: 1024-wide chunks, three passes, 47.7-50.6 us on the H200
+# in runs o and an, against a 14.8 us memory floor). Module data, read at each call.
+RMS_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
 # qk_norm_rope (per-head norms): heads per program, a power of 2 dividing H with at most this many elements
 QK_GROUP_ELEMS = 1024
 MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K = 4608 -> one 8192 tile)
@@ -123,8 +121,8 @@ GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warp
 def tunables() -> tuple:
     """The module data the wrappers read at each call to choose kernels and tiles (the sweep and tests change
     them): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan."""
-    return (RMS_PLAN, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, MAX_SINGLE, LN_PLAN, GELU_PLAN,
-            GELU_FAST, GELU_ONE_PASS, _plan, launch)
+    return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, MAX_SINGLE,
+            LN_PLAN, GELU_PLAN, GELU_FAST, GELU_ONE_PASS, _q.QUANT_ONE_PASS, _plan, launch)
 
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -160,20 +158,6 @@ def _rstd(ssq, K, eps, INTERPRET: tl.constexpr):
         return 1.0 / tl.sqrt_rn(v)
     else:
         return libdevice.rsqrt(v)
-
-
-@triton.jit
-def _quant_params(amax, bad, SCALE_RECIP: tl.constexpr):
-    """Per-row (scale, multiplier, usable) from the row's |max| and non-finite flag, rounding for rounding as
-    kernel/quantize.py (torch's ``127 / t`` is ``t.reciprocal() * 127``; CUDA's ``t / 127`` is ``t * (1/127)``)."""
-    usable = (amax > 0.0) & (~bad)
-    if SCALE_RECIP:
-        scale = amax * 0.007874015718698502
-    else:
-        scale = tl.math.div_rn(amax, 127.0)
-    scale = tl.where(bad, float("nan"), scale)
-    mult = tl.math.div_rn(1.0, tl.where(usable, amax, 1.0)) * 127.0
-    return scale, mult, usable
 
 
 @triton.jit
@@ -304,15 +288,6 @@ def _swiglu_tile(a_row, b_row, inv_ptr, ks, mask,
                  HAS_SMOOTH: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
                  INTERPRET: tl.constexpr):
     return _smooth(_swiglu_vals(a_row, b_row, ks, mask, DT, CLAMP_FP16, INTERPRET), inv_ptr, ks, mask, HAS_SMOOTH)
-
-
-@triton.jit
-def _amax_bad(y, amax, bad):
-    """The running row |max| and non-finite flag of a one-pass segmented kernel, updated with segment ``y``."""
-    ay = tl.abs(y)
-    amax = tl.maximum(amax, tl.max(ay, axis=0))
-    bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0, 1), axis=0))  # NaN fails `< inf` as Inf does
-    return amax, bad
 
 
 @triton.jit
@@ -521,14 +496,51 @@ def _gated_residual_seg_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_pt
                                       OUT_DT, NEXT_PROD_DT, INTERPRET)
         scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
         tl.store(qs_ptr + row, scale)
-        ks = tl.arange(0, S0)
-        _store_q(q_row + ks, z0, mult, usable, ks < K, INTERPRET)
+        _store_seg(q_row, z0, K, 0, S0, mult, usable, INTERPRET)
         if S1 > 0:
-            ks1 = S0 + tl.arange(0, S1)
-            _store_q(q_row + ks1, z1, mult, usable, ks1 < K, INTERPRET)
+            _store_seg(q_row, z1, K, S0, S1, mult, usable, INTERPRET)
         if S2 > 0:
-            ks2 = S0 + S1 + tl.arange(0, S2)
-            _store_q(q_row + ks2, z2, mult, usable, ks2 < K, INTERPRET)
+            _store_seg(q_row, z2, K, S0 + S1, S2, mult, usable, INTERPRET)
+
+
+@triton.jit
+def _rmsnorm_modulate_quant_seg_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_ptr,
+                                       K, tokens_per_batch, eps,
+                                       stride_xm, stride_sb, stride_qm,
+                                       HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr, PROD_DT: tl.constexpr,
+                                       SCALE_RECIP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
+                                       S2: tl.constexpr, INTERPRET: tl.constexpr):
+    # _rmsnorm_modulate_quant_kernel over up to three power-of-2 segments (K = 4608: 4096 + 512): one read of the
+    # row, kept in registers; the sums of squares add per segment (as the residual tail's next norm does).
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    x_row, q_row = x_ptr + r64 * stride_xm, q_ptr + r64 * stride_qm
+    s_row = s_ptr + (row // tokens_per_batch).to(tl.int64) * stride_sb
+    x0, ssq = _gr_seg_o(x_row, K, 0, S0)
+    if S1 > 0:
+        x1, ssq1 = _gr_seg_o(x_row, K, S0, S1)
+        ssq += ssq1
+    if S2 > 0:
+        x2, ssq2 = _gr_seg_o(x_row, K, S0 + S1, S2)
+        ssq += ssq2
+    rstd = _rstd(ssq, K, eps, INTERPRET)
+    amax = tl.zeros([], dtype=tl.float32)
+    bad = tl.zeros([], dtype=tl.int32)
+    z0, amax, bad = _gr_seg_z(x0, w_ptr, s_row, inv_ptr, K, rstd, amax, bad, 0, S0, HAS_SMOOTH, NORM_DT, PROD_DT,
+                              INTERPRET)
+    if S1 > 0:
+        z1, amax, bad = _gr_seg_z(x1, w_ptr, s_row, inv_ptr, K, rstd, amax, bad, S0, S1, HAS_SMOOTH, NORM_DT,
+                                  PROD_DT, INTERPRET)
+    if S2 > 0:
+        z2, amax, bad = _gr_seg_z(x2, w_ptr, s_row, inv_ptr, K, rstd, amax, bad, S0 + S1, S2, HAS_SMOOTH, NORM_DT,
+                                  PROD_DT, INTERPRET)
+    scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
+    tl.store(qs_ptr + row, scale)
+    _store_seg(q_row, z0, K, 0, S0, mult, usable, INTERPRET)
+    if S1 > 0:
+        _store_seg(q_row, z1, K, S0, S1, mult, usable, INTERPRET)
+    if S2 > 0:
+        _store_seg(q_row, z2, K, S0 + S1, S2, mult, usable, INTERPRET)
 
 
 # ------------------------------------------------------------------------------------ Flux.1 (issue 13)
@@ -785,29 +797,6 @@ def _plan(n: int, plan: TilePlan | None = None) -> tuple[int, bool, int]:
     return plan.chunk, False, plan.chunk_warps
 
 
-def _segments(n: int, plan: "SegmentPlan | None") -> tuple[int, int, int] | None:
-    """Up to three power-of-2 widths, largest first (0 = unused), that cover a row of n elements with at most
-    ``plan.min_seg`` - 1 masked lanes beyond the last full power of 2 (12288 -> 8192 + 4096; 13824 -> 8192 +
-    4096 + 2048); None when there is no plan or n is above ``plan.max_row`` (the chunked kernel runs)."""
-    if plan is None or not 0 < n <= plan.max_row:
-        return None
-    segs, rem = [], n
-    while rem > 0 and len(segs) < 2:
-        s = 1 << (rem.bit_length() - 1)
-        if s < plan.min_seg:
-            break
-        segs.append(s)
-        rem -= s
-    if rem > 0:
-        segs.append(max(triton.next_power_of_2(rem), plan.min_seg))
-    return tuple(segs + [0] * (3 - len(segs)))
-
-
-def _seg_warps(segs: tuple, plan: SegmentPlan) -> int:
-    """Warps for a segmented row: one per 512 elements rounded down to a power of 2, 4 to ``plan.warps``."""
-    return max(4, min(plan.warps, 1 << max(0, (sum(segs) // 512).bit_length() - 1)))
-
-
 def _row_major(t: torch.Tensor, name: str) -> torch.Tensor:
     """Unit stride along the row (the 16-byte vector loads rely on it); copies only when it is not."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
@@ -848,13 +837,17 @@ def rmsnorm_modulate_quantize(x: torch.Tensor, norm_weight: torch.Tensor, eps: f
         return q, qs.zero_()
     _check_usable(x, "rmsnorm_modulate_quantize")
     x, w, s2 = _row_major(x, "x"), _row_major(w, "norm_weight"), _row_major(s2, "scale")
+    args = (x, w, s2, inv if inv is not None else qs, q, qs, k, max(int(tokens_per_batch), 1), float(eps),
+            x.stride(0), 0 if nb == 1 else s2.stride(0), q.stride(0))
+    common = dict(HAS_SMOOTH=inv is not None, NORM_DT=_DT_CODE[x.dtype],
+                  PROD_DT=_DT_CODE[torch.promote_types(x.dtype, s2.dtype)], SCALE_RECIP=x.is_cuda, INTERPRET=INTERPRET)
+    segs = _segments(k, RMS_ONE_PASS)
+    if segs is not None:
+        launch(_rmsnorm_modulate_quant_seg_kernel, (m,), args, dict(common, S0=segs[0], S1=segs[1], S2=segs[2]),
+               _seg_warps(segs, RMS_ONE_PASS), 1, x.device)
+        return q, qs
     block, single, warps = _plan(k, RMS_PLAN)
-    launch(_rmsnorm_modulate_quant_kernel, (m,),
-           (x, w, s2, inv if inv is not None else qs, q, qs, k, max(int(tokens_per_batch), 1), float(eps),
-            x.stride(0), 0 if nb == 1 else s2.stride(0), q.stride(0)),
-           dict(HAS_SMOOTH=inv is not None, NORM_DT=_DT_CODE[x.dtype],
-                PROD_DT=_DT_CODE[torch.promote_types(x.dtype, s2.dtype)], SCALE_RECIP=x.is_cuda,
-                BLOCK=block, SINGLE=single, INTERPRET=INTERPRET), warps, 1, x.device)
+    launch(_rmsnorm_modulate_quant_kernel, (m,), args, dict(common, BLOCK=block, SINGLE=single), warps, 1, x.device)
     return q, qs
 
 

@@ -18,12 +18,14 @@ into a reciprocal multiply) while the CPU divides. The divisions here are div_rn
 the same device; the CPU and CUDA references themselves differ by at most 1 ulp in ``scale`` (never in q).
 
 All-zero rows give scale 0 and zeros; a row with NaN/Inf gives scale NaN and zeros (see quant/quantize.py).
-Any K: two passes over the row in BLOCK_K chunks (the second pass re-reads from L2 for K up to tens of
-thousands). Importing this module imports triton.
+Any K and strides. A unit-stride row up to ``QUANT_ONE_PASS.max_row`` is read once, in registers over up to three
+power-of-2 segments; other rows up to MAX_BLOCK_K in one masked tile, longer ones in two passes over BLOCK_K chunks
+(the second re-reads from L2). Importing this module imports triton.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,6 +37,22 @@ from .launch import launch
 
 INTERPRET = config.get("TRITON_INTERPRET")  # taken at import, as Triton itself does
 MAX_BLOCK_K = 8192
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """A one-pass row kernel over up to three power-of-2 segments (``_segments``): rows up to ``max_row``
+    elements, segments of at least ``min_seg``, ``warps`` warps a row."""
+    max_row: int
+    min_seg: int
+    warps: int
+
+
+# Per-token quantization in one pass over up to three power-of-2 segments (K = 4608: 4096 + 512; 12288: 8192 +
+# 4096), the row in registers without masked lanes; None, or a row with a column stride or wider than max_row:
+# the BLOCK_K kernel (one masked power-of-2 tile up to MAX_BLOCK_K, else two passes over chunks). Module data, read
+# at each call (the sweep and the tests set it); part of ``kernel.fused.tunables()``.
+QUANT_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8)
 
 
 def _interpreter_compat() -> None:
@@ -100,6 +118,69 @@ def _row_chunk(x_row, inv_ptr, ks, K, stride_xk, HAS_SMOOTH: tl.constexpr):
 
 
 @triton.jit
+def _quant_params(amax, bad, SCALE_RECIP: tl.constexpr):
+    """Per-row (scale, multiplier, usable) from the row's |max| and non-finite flag, rounding for rounding as the
+    reference: torch's ``127 / t`` is ``t.reciprocal() * 127``; CUDA's ``t / 127`` is ``t * fp32(1/127)`` (ATen's
+    division by a CPU scalar), the CPU's an IEEE division."""
+    usable = (amax > 0.0) & (~bad)
+    if SCALE_RECIP:
+        scale = amax * 0.007874015718698502
+    else:
+        scale = tl.math.div_rn(amax, 127.0)
+    scale = tl.where(bad, float("nan"), scale)
+    mult = tl.math.div_rn(1.0, tl.where(usable, amax, 1.0)) * 127.0
+    return scale, mult, usable
+
+
+@triton.jit
+def _amax_bad(y, amax, bad):
+    """The running row |max| and non-finite flag of a one-pass segmented kernel, updated with segment ``y``."""
+    ay = tl.abs(y)
+    amax = tl.maximum(amax, tl.max(ay, axis=0))
+    bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0, 1), axis=0))  # NaN fails `< inf` as Inf does
+    return amax, bad
+
+
+@triton.jit
+def _store_seg(q_row, z, K, OFF: tl.constexpr, SEG: tl.constexpr, mult, usable, INTERPRET: tl.constexpr):
+    """Quantize and store one segment (columns OFF .. OFF + SEG) of a one-pass row from its fp32 values ``z``."""
+    ks = OFF + tl.arange(0, SEG)
+    tl.store(q_row + ks, tl.where(usable, _code8(z * mult, INTERPRET), 0), mask=ks < K)
+
+
+@triton.jit
+def _q_seg(x_row, inv_ptr, K, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad, HAS_SMOOTH: tl.constexpr):
+    x, _ = _row_chunk(x_row, inv_ptr, OFF + tl.arange(0, SEG), K, 1, HAS_SMOOTH)
+    amax, bad = _amax_bad(x, amax, bad)
+    return x, amax, bad
+
+
+@triton.jit
+def _quant_rows_seg_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
+                           HAS_SMOOTH: tl.constexpr, SCALE_RECIP: tl.constexpr,
+                           S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, INTERPRET: tl.constexpr):
+    # _quant_rows_kernel for a unit-stride row split into up to three power-of-2 segments (K = 4608: 4096 + 512,
+    # where the one-tile kernel masks 3584 of 8192 lanes; 12288: 8192 + 4096, which it reads twice): one read.
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    amax = tl.zeros([], dtype=tl.float32)
+    bad = tl.zeros([], dtype=tl.int32)
+    x0, amax, bad = _q_seg(x_row, inv_ptr, K, 0, S0, amax, bad, HAS_SMOOTH)
+    if S1 > 0:
+        x1, amax, bad = _q_seg(x_row, inv_ptr, K, S0, S1, amax, bad, HAS_SMOOTH)
+    if S2 > 0:
+        x2, amax, bad = _q_seg(x_row, inv_ptr, K, S0 + S1, S2, amax, bad, HAS_SMOOTH)
+    scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
+    tl.store(s_ptr + row, scale)
+    _store_seg(q_row, x0, K, 0, S0, mult, usable, INTERPRET)
+    if S1 > 0:
+        _store_seg(q_row, x1, K, S0, S1, mult, usable, INTERPRET)
+    if S2 > 0:
+        _store_seg(q_row, x2, K, S0 + S1, S2, mult, usable, INTERPRET)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
                        M, K,
                        stride_xm, stride_xk, stride_qm,
@@ -123,15 +204,7 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
             ax = tl.abs(xc)
             bad = tl.maximum(bad, tl.where(ax < float("inf"), 0, 1))
             amax = tl.maximum(amax, ax)
-    row_amax = tl.max(amax, axis=0)
-    row_bad = tl.max(bad, axis=0) > 0
-    usable = (row_amax > 0.0) & (~row_bad)
-    if SCALE_RECIP:
-        scale = row_amax * 0.007874015718698502  # fp32(1/127), exactly as ATen's CUDA division by a scalar
-    else:
-        scale = tl.math.div_rn(row_amax, 127.0)
-    scale = tl.where(row_bad, float("nan"), scale)
-    mult = tl.math.div_rn(1.0, tl.where(usable, row_amax, 1.0)) * 127.0  # torch: 127 / t == t.reciprocal() * 127
+    scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
     tl.store(s_ptr + row, scale)
 
     # pass 2: quantize (re-reading x from L2 when the row did not fit one chunk)
@@ -153,6 +226,30 @@ def _block_k(k: int) -> tuple[int, int, bool]:
     return 4096, 8, False
 
 
+@functools.lru_cache(maxsize=256)  # per call a dict lookup (the plans are frozen, hashable)
+def _segments(n: int, plan: SegmentPlan | None) -> tuple[int, int, int] | None:
+    """Up to three power-of-2 widths, largest first (0 = unused), that cover a row of n elements with at most
+    ``plan.min_seg`` - 1 masked lanes beyond the last full power of 2 (12288 -> 8192 + 4096; 13824 -> 8192 +
+    4096 + 2048); None when there is no plan or n is above ``plan.max_row`` (the chunked kernel runs)."""
+    if plan is None or not 0 < n <= plan.max_row:
+        return None
+    segs, rem = [], n
+    while rem > 0 and len(segs) < 2:
+        s = 1 << (rem.bit_length() - 1)
+        if s < plan.min_seg:
+            break
+        segs.append(s)
+        rem -= s
+    if rem > 0:
+        segs.append(max(triton.next_power_of_2(rem), plan.min_seg))
+    return tuple(segs + [0] * (3 - len(segs)))
+
+
+def _seg_warps(segs: tuple, plan: SegmentPlan) -> int:
+    """Warps for a segmented row: one per 512 elements rounded down to a power of 2, 4 to ``plan.warps``."""
+    return max(4, min(plan.warps, 1 << max(0, (sum(segs) // 512).bit_length() - 1)))
+
+
 def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
                               q: torch.Tensor, scale: torch.Tensor) -> None:
     """Fills ``q`` (int8 [M, K], unit column stride) and ``scale`` (fp32 [M]); inputs already validated."""
@@ -162,8 +259,14 @@ def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
     if k == 0:
         scale.zero_()
         return
-    bk, warps, one = _block_k(k)
     inv = inv_smooth if inv_smooth is not None else scale  # dummy pointer when HAS_SMOOTH is False
+    segs = _segments(k, QUANT_ONE_PASS) if x.stride(1) == 1 else None
+    if segs is not None:
+        launch(_quant_rows_seg_kernel, (m,), (x, inv, q, scale, k, x.stride(0), q.stride(0)),
+               dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, S0=segs[0], S1=segs[1], S2=segs[2],
+                    INTERPRET=INTERPRET), _seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
+        return
+    bk, warps, one = _block_k(k)
     launch(_quant_rows_kernel, (m,), (x, inv, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0)),
            dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, BLOCK_K=bk, ONE_CHUNK=one,
                 INTERPRET=INTERPRET), warps, 3, x.device)

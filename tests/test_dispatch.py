@@ -440,11 +440,11 @@ def test_two_launches_above_16_rows_or_for_long_k(monkeypatch):
     seen = _launches(monkeypatch)
     w, ws = torch.randint(-127, 128, (8, 64), dtype=torch.int8), torch.rand(8)
     kernel.int8_linear(torch.randn(17, 64), w, ws)
-    assert seen == ["_quant_rows_kernel", "_int8_gemm_kernel"]
+    assert seen == ["_quant_rows_seg_kernel", "_int8_gemm_kernel"]
     seen.clear()
     monkeypatch.setattr(kernel, "SMALL_M_MAX_K", 32)
     kernel.int8_linear(torch.randn(2, 64), w, ws)
-    assert seen == ["_quant_rows_kernel", "_int8_gemm_kernel"]
+    assert seen == ["_quant_rows_seg_kernel", "_int8_gemm_kernel"]
 
 
 def test_small_m_path_checks_its_operands():

@@ -84,12 +84,18 @@ def _pow2(n):
     return 1 << max(n - 1, 15).bit_length()   # the one-pass tile: next power of 2, at least 16
 
 
-@pytest.mark.parametrize("dtype,m,k,b,smooth,chunked", [
-    (BF16, 7, 64, 1, False, False), (BF16, 8, 100, 2, True, False), (BF16, 1, 48, 1, True, False),
-    (BF16, 6, 100, 3, False, True), (FP16, 6, 130, 2, True, True), (FP16, 5, 64, 1, False, False),
-    (FP32, 4, 100, 2, True, False), (FP32, 6, 70, 3, False, True)])
-def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, chunked):
-    if chunked:  # exercise the multi-pass path on small rows: 32-wide chunks, the last one partial
+@pytest.mark.parametrize("dtype,m,k,b,smooth,path", [
+    (BF16, 7, 64, 1, False, "single"), (BF16, 8, 100, 2, True, "single"), (BF16, 1, 48, 1, True, "single"),
+    (BF16, 6, 100, 3, False, "chunked"), (FP16, 6, 130, 2, True, "chunked"), (FP16, 5, 64, 1, False, "single"),
+    (FP32, 4, 100, 2, True, "single"), (FP32, 6, 70, 3, False, "chunked"), (BF16, 8, 100, 2, True, "segments"),
+    (BF16, 5, 160, 5, False, "segments"), (FP16, 6, 70, 3, True, "segments"), (FP32, 4, 100, 2, True, "segments")])
+def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, path):
+    # segments: the one-pass kernel with 16-wide minimum segments (100 -> 64 + 32 + 16, the last partial; 160 ->
+    # 128 + 32; 70 -> 64 + 16); single: the register-resident tile of the multi-pass kernel; chunked: its 32-wide
+    # chunks, the last one partial
+    monkeypatch.setattr(kf, "RMS_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4)
+                        if path == "segments" else None)
+    if path == "chunked":
         monkeypatch.setattr(kf, "RMS_PLAN", kf.TilePlan(max_single=32, chunk=32, chunk_warps=4))
     seen = _spy_launches(kf, monkeypatch)
     g = torch.Generator().manual_seed(m * 1000 + k)
@@ -99,7 +105,9 @@ def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, chun
     inv = (0.5 + torch.rand(k, generator=g)).to(DEV) if smooth else None
     tpb = m // b
     q, qs = kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, tpb, inv)
-    assert [(c["SINGLE"], c["BLOCK"]) for c in seen] == [(False, 32) if chunked else (True, _pow2(k))]
+    want = {"segments": {100: (64, 32, 16), 160: (128, 32, 0), 70: (64, 16, 0)}.get(k),
+            "single": (True, _pow2(k)), "chunked": (False, 32)}[path]
+    assert [(c["S0"], c["S1"], c["S2"]) if path == "segments" else (c["SINGLE"], c["BLOCK"]) for c in seen] == [want]
     rq, rs = qf.rmsnorm_modulate_quantize_ref(x, w, 1e-5, s, tpb, inv)
     # the unfused torch sequence: ComfyUI's RMSNorm (F.rms_norm) in the model dtype, times 1 + s, quantize
     y = F.rms_norm(x, (k,), w, 1e-5).reshape(b, tpb, k) * s.reshape(b, 1, k)
@@ -131,7 +139,10 @@ def test_rmsnorm_modulate_quantize_flip_rate_large(kf):
     torch.testing.assert_close(qs, us, rtol=1e-6, atol=0)
 
 
-def test_rmsnorm_modulate_quantize_zero_and_nan_rows(kf):
+@pytest.mark.parametrize("one_pass", [True, False], ids=["segments", "one_tile"])
+def test_rmsnorm_modulate_quantize_zero_and_nan_rows(kf, monkeypatch, one_pass):
+    if not one_pass:
+        monkeypatch.setattr(kf, "RMS_ONE_PASS", None)
     g = torch.Generator().manual_seed(3)
     x = _rand((5, 64), torch.bfloat16, g)
     x[1] = 0
@@ -819,7 +830,7 @@ def test_real_ideogram4_model_fused_vs_plain(tmp_path):
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def _sm90_compile(kf, fn, consts, warps):
+def _sm90_compile(kf, fn, consts, warps, types_extra=None):
     """PTX + cubin for sm_90 (no GPU needed: Triton ships ptxas), with the 16-divisibility Triton sees at run
     time on Ideogram 4 shapes (aligned pointers, row strides and widths multiples of 16)."""
     import inspect
@@ -830,7 +841,8 @@ def _sm90_compile(kf, fn, consts, warps):
     params = list(inspect.signature(fn.fn).parameters)
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16",
              "o_ptr": "*bf16", "wn_ptr": "*bf16", "g_ptr": "*bf16", "y_ptr": "*bf16", "w2_ptr": "*bf16",
-             "s2_ptr": "*bf16", "inv_ptr": "*fp32", "q_ptr": "*i8", "qs_ptr": "*fp32", "eps": "fp32", "eps2": "fp32"}
+             "s2_ptr": "*bf16", "inv_ptr": "*fp32", "q_ptr": "*i8", "qs_ptr": "*fp32", "eps": "fp32", "eps2": "fp32",
+             **(types_extra or {})}
     sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
              if p not in consts and p not in ("eps", "eps2", "tokens_per_batch")}
@@ -842,8 +854,15 @@ def _sm90_compile(kf, fn, consts, warps):
 def _hopper_check() -> str:
     """Builds every case; returns 'OK' or the first problem (run in a process without TRITON_INTERPRET)."""
     import kernel.fused as kf
+    import kernel.quantize as kq
     common = {"SCALE_RECIP": True, "INTERPRET": False}
     cases = [
+        (kf._rmsnorm_modulate_quant_seg_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "PROD_DT": 1, "S0": 4096,
+                                                 "S1": 512, "S2": 0}),
+        (kf._rmsnorm_modulate_quant_seg_kernel, {"HAS_SMOOTH": False, "NORM_DT": 1, "PROD_DT": 0, "S0": 4096,
+                                                 "S1": 2048, "S2": 1024}),
+        (kq._quant_rows_seg_kernel, {"HAS_SMOOTH": True, "S0": 4096, "S1": 512, "S2": 0}),
+        (kq._quant_rows_seg_kernel, {"HAS_SMOOTH": False, "S0": 8192, "S1": 4096, "S2": 0}),
         (kf._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "PROD_DT": 1, "BLOCK": 8192,
                                              "SINGLE": True}),
         (kf._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 0, "PROD_DT": 0, "BLOCK": 4096,
@@ -864,7 +883,8 @@ def _hopper_check() -> str:
                                          "HAS_SMOOTH": False, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 2048, "S2": 1024}),
     ]
     for fn, consts in cases:
-        v4, cubin, ptx = _sm90_compile(kf, fn, {**consts, **common}, 16)
+        v4, cubin, ptx = _sm90_compile(kf, fn, {**consts, **common}, 16,
+                                       {"s_ptr": "*fp32"} if fn is kq._quant_rows_seg_kernel else None)
         if not (cubin and v4 > 0):
             return f"{fn.fn.__name__} {consts}: cubin={cubin}, 16-byte loads={v4}"
         # INT8_FUSED_ALU_ROUND: the int8 codes (and the bf16 roundings) come from adds, not cvt.rni / cvt.rn.bf16

@@ -76,6 +76,50 @@ def test_non_contiguous_inputs():
     _assert_same(base[:17, :80], inv)
 
 
+def _kernels_launched(monkeypatch):
+    """Names of the kernels kernel/quantize.py launches (and their segment widths), in order."""
+    from kernel import quantize as kq
+    seen, real = [], kq.launch
+
+    def spy(fn, grid, args, constexprs, *rest):
+        seen.append((fn.__name__, tuple(constexprs.get(s) for s in ("S0", "S1", "S2"))))
+        return real(fn, grid, args, constexprs, *rest)
+    monkeypatch.setattr(kq, "launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("k,segs", [(4608, (4096, 512, 0)), (12288, (8192, 4096, 0)), (100, (64, 32, 16)),
+                                    (70, (64, 16, 0)), (8200, (8192, 16, 0))])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_one_pass_segments(monkeypatch, k, segs, smooth):
+    """Unit-stride rows up to QUANT_ONE_PASS.max_row take the one-pass kernel over power-of-2 segments (16-wide
+    minimum here, so 100 and 70 need a partial last segment); bit for bit the reference, zero, NaN and Inf rows
+    included, as the BLOCK_K kernel is without the plan."""
+    from kernel import quantize as kq
+    monkeypatch.setattr(kq, "QUANT_ONE_PASS", kq.SegmentPlan(max_row=16384, min_seg=16, warps=8))
+    seen = _kernels_launched(monkeypatch)
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(5, k, generator=g) * torch.rand(5, 1, generator=g) * 8).to(torch.bfloat16)
+    x[1] = 0
+    x[3, k - 1] = float("nan")
+    x[4, k // 3] = float("-inf")
+    inv = (torch.rand(k, generator=g) + 0.25) if smooth else None
+    q, s = _assert_same(x, inv)
+    assert seen == [("_quant_rows_seg_kernel", segs)]
+    assert s[1] == 0 and s[3].isnan() and s[4].isnan() and not q[[1, 3, 4]].any()
+    monkeypatch.setattr(kq, "QUANT_ONE_PASS", None)
+    q2, s2 = _assert_same(x, inv)
+    assert seen[1][0] == "_quant_rows_kernel" and torch.equal(q, q2)
+
+
+def test_strided_and_long_rows_take_the_block_kernel(monkeypatch):
+    """A column stride (no vector loads) or a row above QUANT_ONE_PASS.max_row runs the BLOCK_K kernel."""
+    seen = _kernels_launched(monkeypatch)
+    _assert_same(torch.randn(64, 24).t())                       # column stride 24
+    _assert_same(torch.randn(2, 16385, dtype=torch.bfloat16))   # one element past max_row: two passes
+    assert [n for n, _ in seen] == ["_quant_rows_kernel", "_quant_rows_kernel"]
+
+
 def test_zero_rows_give_zero_scale_and_zeros():
     x = torch.randn(6, 50)
     x[2] = 0
