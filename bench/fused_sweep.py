@@ -101,16 +101,18 @@ def main() -> int:
         for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
             kf.GELU_FAST = fast
             for plan in ([None] if a.quick else plans):
-                seg = plan is not None and plan[0] == "seg"  # the one-pass segmented SwiGLU with plan[1] warps
-                kf.SWIGLU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1]) if seg else
+                # the one-pass segmented kernels with plan[1] warps (per_warp 128: the warps asked for, not capped
+                # at one per 512 elements as the defaults are)
+                seg = plan is not None and plan[0] == "seg"
+                kf.SWIGLU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                       one_pass if plan is None else None)
-                kf.RESIDUAL_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1]) if seg else
+                kf.RESIDUAL_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
                                         res_pass if plan is None else None)
-                kf.GELU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1]) if seg else
+                kf.GELU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                     gelu_pass if plan is None else None)
-                kf.RMS_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1]) if seg else
+                kf.RMS_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
                                    rms_pass if plan is None else None)
-                kernel.quantize.QUANT_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1]) if seg else
+                kernel.quantize.QUANT_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                                   quant_pass if plan is None else None)
                 kf._plan = default_plan if plan is None or seg else (lambda n, *args, _p=plan, **kw: _p)
                 try:

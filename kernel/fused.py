@@ -94,8 +94,9 @@ SWIGLU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, wa
 # H200 (run y, with the next norm + quantization): 57.5 us with 4 warps, 70 with 8 or 16; one 8192 tile 89-96 us.
 RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
 # rmsnorm_modulate_quantize over segments (K = 4608: 4096 + 512, the row read once) for rows up to max_row; None,
-# or a longer row: the kernel of RMS_PLAN (K = 4608 there: 1024-wide chunks, three passes, 47.7-50.6 us on the H200
-# in runs o and an, against a 14.8 us memory floor). Module data, read at each call.
+# or a longer row: the kernel of RMS_PLAN (K = 4608 there: 1024-wide chunks, three passes). H200 (bench/fused_sweep.py,
+# run bb, M 4608): 35.0 us with 4 warps, 39.7 with 8 or 16; RMS_PLAN's 48.1, its other tiles 49.6-74.2 (memory
+# floor 14.8). Module data, read at each call.
 RMS_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
 # qk_norm_rope (per-head norms): heads per program, a power of 2 dividing H with at most this many elements
 QK_GROUP_ELEMS = 1024

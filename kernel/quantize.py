@@ -42,17 +42,21 @@ MAX_BLOCK_K = 8192
 @dataclass(frozen=True)
 class SegmentPlan:
     """A one-pass row kernel over up to three power-of-2 segments (``_segments``): rows up to ``max_row``
-    elements, segments of at least ``min_seg``, ``warps`` warps a row."""
+    elements, segments of at least ``min_seg``, one warp per ``per_warp`` elements (``_seg_warps``), 4 to
+    ``warps`` warps a row."""
     max_row: int
     min_seg: int
     warps: int
+    per_warp: int = 512
 
 
 # Per-token quantization in one pass over up to three power-of-2 segments (K = 4608: 4096 + 512; 12288: 8192 +
 # 4096), the row in registers without masked lanes; None, or a row with a column stride or wider than max_row:
 # the BLOCK_K kernel (one masked power-of-2 tile up to MAX_BLOCK_K, else two passes over chunks). Module data, read
-# at each call (the sweep and the tests set it); part of ``kernel.fused.tunables()``.
-QUANT_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8)
+# at each call (the sweep and the tests set it); part of ``kernel.fused.tunables()``. H200 (bench/fused_sweep.py,
+# run bb, M 4608): K 4608 26.9 us with 4 warps, 29.7 with 8 or 16, the BLOCK_K kernel (one 8192 tile, 16 warps)
+# 39.0; K 12288 57.3 us with 8 warps, 61.3 with 4, 65.9 with 16, the BLOCK_K kernel (4096 chunks read twice) 63.8.
+QUANT_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8, per_warp=1024)
 
 
 def _interpreter_compat() -> None:
@@ -246,8 +250,9 @@ def _segments(n: int, plan: SegmentPlan | None) -> tuple[int, int, int] | None:
 
 
 def _seg_warps(segs: tuple, plan: SegmentPlan) -> int:
-    """Warps for a segmented row: one per 512 elements rounded down to a power of 2, 4 to ``plan.warps``."""
-    return max(4, min(plan.warps, 1 << max(0, (sum(segs) // 512).bit_length() - 1)))
+    """Warps for a segmented row: one per ``plan.per_warp`` elements rounded down to a power of 2, 4 to
+    ``plan.warps``."""
+    return max(4, min(plan.warps, 1 << max(0, (sum(segs) // plan.per_warp).bit_length() - 1)))
 
 
 def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,

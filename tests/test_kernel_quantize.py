@@ -182,3 +182,15 @@ def test_bad_inputs_raise(args, match):
 def test_triton_status_on_cpu_under_interpreter():
     ok, reason = kernel.triton_status(torch.device("cpu"))
     assert ok and "interpreter" in reason
+
+
+def test_segment_widths_and_warps():
+    """The default plan's segments and warps, derived by hand: powers of 2 largest first, one warp per 1024
+    elements rounded down to a power of 2 (at least 4, at most 8); rows past max_row get none."""
+    from kernel import quantize as kq
+    plan = kq.QUANT_ONE_PASS
+    assert kq._segments(4608, plan) == (4096, 512, 0) and kq._seg_warps((4096, 512, 0), plan) == 4
+    assert kq._segments(12288, plan) == (8192, 4096, 0) and kq._seg_warps((8192, 4096, 0), plan) == 8
+    assert kq._segments(13824, plan) == (8192, 4096, 2048) and kq._seg_warps((8192, 4096, 2048), plan) == 8
+    assert kq._segments(64, plan) == (256, 0, 0) and kq._seg_warps((256, 0, 0), plan) == 4
+    assert kq._segments(16385, plan) is None and kq._segments(0, plan) is None and kq._segments(100, None) is None
