@@ -96,14 +96,6 @@ def swiglu_epilogue_rows(cuda: bool, dev: str, g) -> list[dict]:
         (q1, s1), (q0, s0) = epi(), sep()
         equal = torch.equal(q1, q0) and torch.equal(s1, s0)
         t_epi, t_sep = bench(epi, cuda), bench(sep, cuda)
-        two_dots = kf.SWIGLU_TWO_DOTS  # the other main loop of gemm_swiglu (kernel/fused.py SWIGLU_TWO_DOTS)
-        kf.SWIGLU_TWO_DOTS = not two_dots
-        try:
-            q2, s2 = epi()
-            t_other = bench(epi, cuda)
-        finally:
-            kf.SWIGLU_TWO_DOTS = two_dots
-        other_equal = torch.equal(q2, q0) and torch.equal(s2, s0)
         with config.override(INT8_FUSED_SWIGLU_EPILOGUE=True):
             y1 = ff(x)
             t_ff1 = bench(lambda: ff(x), cuda)
@@ -111,14 +103,12 @@ def swiglu_epilogue_rows(cuda: bool, dev: str, g) -> list[dict]:
             y0 = ff(x)
             t_ff0 = bench(lambda: ff(x), cuda)
         r = {"shape": name, "M": m, "D": d, "F": f, "epilogue_us": t_epi, "separate_us": t_sep,
-             "codes_equal": equal, "two_dots": two_dots, "other_main_loop_us": t_other,
-             "other_main_loop_codes_equal": other_equal, "ffn_epilogue_us": t_ff1, "ffn_separate_us": t_ff0,
+             "codes_equal": equal, "ffn_epilogue_us": t_ff1, "ffn_separate_us": t_ff0,
              "ffn_outputs_equal": torch.equal(y1, y0)}
         out.append(r)
         print(f"SwiGLU epilogue {name:<17} M {m} D {d} F {f}: gemm_swiglu + quantize {t_epi:8.1f} us, GEMM + "
               f"swiglu_quantize {t_sep:8.1f} us (codes equal: {equal}); FeedForward {t_ff1:8.1f} vs {t_ff0:8.1f} us "
-              f"(outputs equal: {r['ffn_outputs_equal']}); with TWO_DOTS={not two_dots}: {t_other:8.1f} us "
-              f"(codes equal: {other_equal})", flush=True)
+              f"(outputs equal: {r['ffn_outputs_equal']})", flush=True)
     return out
 
 

@@ -64,7 +64,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import _check_2d, _check_usable, _gemm_operands, _vector
-from .gemm import _acc_tile, _acc_tile2, _dequant, _tile_ids, select_config
+from .gemm import _acc_tile, _dequant, _tile_ids, select_config
 from . import quantize as _q
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
 from .quantize import (ALU_ROUND, INTERPRET, SegmentPlan, _amax_bad, _code8, _quant_params, _seg_warps,
@@ -93,9 +93,6 @@ SWIGLU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, wa
 # gated_residual_rmsnorm over segments (K = 4608: 4096 + 512) for rows up to MAX_SINGLE; None: one tile.
 # H200 (run y, with the next norm + quantization): 57.5 us with 4 warps, 70 with 8 or 16; one 8192 tile 89-96 us.
 RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
-# gemm_swiglu's main loop: two HALF-wide dots a K step sharing the A tile, a and b in aligned accumulators (True), or
-# one BLOCK_N-wide dot whose accumulator the epilogue splits (False). The same int32 sums either way. Read at each call.
-SWIGLU_TWO_DOTS = False
 # rmsnorm_modulate_quantize over segments (K = 4608: 4096 + 512, the row read once) for rows up to max_row; None,
 # or a longer row: the kernel of RMS_PLAN (K = 4608 there: 1024-wide chunks, three passes). H200 (bench/fused_sweep.py,
 # run bb, M 4608): 35.0 us with 4 warps, 39.7 with 8 or 16; RMS_PLAN's 48.1, its other tiles 49.6-74.2 (memory
@@ -125,7 +122,7 @@ GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warp
 def tunables() -> tuple:
     """The module data the wrappers read at each call to choose kernels and tiles (the sweep and tests change
     them): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan."""
-    return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_TWO_DOTS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, MAX_SINGLE,
+    return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, MAX_SINGLE,
             LN_PLAN, GELU_PLAN, GELU_FAST, GELU_ONE_PASS, _q.QUANT_ONE_PASS, _plan, launch)
 
 
@@ -259,33 +256,21 @@ def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr,
                         stride_as, stride_ws, stride_bias,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                        DT: tl.constexpr, CLAMP_FP16: tl.constexpr, TWO_DOTS: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+                        DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
     # The merged w1+w3 GEMM with SwiGLU in its epilogue: a tile's BLOCK_N weight rows are HALF rows of w1 and the
     # same HALF rows of w3 (W13 rows j and F + j), so the tile holds a and b of HALF output columns; both are
     # rounded to the model dtype as the GEMM would store them, and h = dt(dt(silu(a)) * b) is stored [M, F].
-    # TWO_DOTS: a and b accumulate in two HALF-wide dots sharing the A tile (aligned registers); else one BLOCK_N
-    # dot whose accumulator the epilogue splits in halves.
     HALF: tl.constexpr = BLOCK_N // 2
     pid_m, pid_n = _tile_ids(M, F, BLOCK_M, HALF, GROUP_M)
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    r = tl.arange(0, BLOCK_N)
+    offs_wn = (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)
+    acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if TWO_DOTS:
-        offs_wa = (pid_n * HALF + tl.arange(0, HALF)) % F
-        acc_a, acc_b = _acc_tile2(a_ptr, w_ptr, offs_am, offs_wa, offs_wa + F, K, stride_am, stride_ak, stride_wn,
-                                  stride_wk, BLOCK_M, HALF, BLOCK_K, EVEN_K)
-        a = _round(_dequant(acc_a, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wa, M, stride_as, stride_ws,
-                            stride_bias, HAS_BIAS), DT, INTERPRET)
-        b = _round(_dequant(acc_b, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wa + F, M, stride_as, stride_ws,
-                            stride_bias, HAS_BIAS), DT, INTERPRET)
-    else:
-        r = tl.arange(0, BLOCK_N)
-        offs_wn = (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)
-        acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        v = _round(_dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
-                            HAS_BIAS), DT, INTERPRET)
-        a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    v = _round(_dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+                        HAS_BIAS), DT, INTERPRET)
+    a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_M, 2, HALF)), (0, 2, 1)))
     y = _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
     offs_hn = pid_n * HALF + tl.arange(0, HALF)
     h_ptrs = h_ptr + offs_cm[:, None].to(tl.int64) * stride_hm + offs_hn[None, :] * stride_hn
@@ -907,7 +892,7 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
             a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
                 EVEN_K=k % bk == 0, DT=_DT_CODE[out_dtype], CLAMP_FP16=bool(clamp_fp16) and out_dtype == torch.float16,
-                TWO_DOTS=SWIGLU_TWO_DOTS, INTERPRET=INTERPRET, **opts),
+                INTERPRET=INTERPRET, **opts),
            cfg["num_warps"], cfg["num_stages"], a_q.device)
     return h
 

@@ -86,35 +86,6 @@ def _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn
 
 
 @triton.jit
-def _acc_tile2(a_ptr, w_ptr, offs_am, offs_wa, offs_wb, K, stride_am, stride_ak, stride_wn, stride_wk,
-               BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Two exact int32 tiles sharing the A tile: ``A[offs_am] @ W[offs_wa].T`` and ``A[offs_am] @ W[offs_wb].T``
-    (two dots of HALF columns a K step, each accumulator in its own registers, elementwise aligned)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    wa_ptrs = w_ptr + offs_wa[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    wb_ptrs = w_ptr + offs_wb[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    acc_a = tl.zeros((BLOCK_M, HALF), dtype=tl.int32)
-    acc_b = tl.zeros((BLOCK_M, HALF), dtype=tl.int32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            wa = tl.load(wa_ptrs)
-            wb = tl.load(wb_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-            wa = tl.load(wa_ptrs, mask=offs_k[:, None] < k_left, other=0)
-            wb = tl.load(wb_ptrs, mask=offs_k[:, None] < k_left, other=0)
-        acc_a = tl.dot(a, wa, acc_a, out_dtype=tl.int32)
-        acc_b = tl.dot(a, wb, acc_b, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K * stride_ak
-        wa_ptrs += BLOCK_K * stride_wk
-        wb_ptrs += BLOCK_K * stride_wk
-    return acc_a, acc_b
-
-
-@triton.jit
 def _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
              HAS_BIAS: tl.constexpr):
     """The epilogue's fp32 ``acc * a_scale[m] * w_scale[n] + bias[n]`` (``offs_wn`` in range)."""

@@ -261,13 +261,10 @@ def _int8_operands(m, f, k, dtype, gen, bias, w_scale=0.02):
     (BF16, 37, 48, 64, False, False, 0.02), (BF16, 5, 72, 40, True, False, 0.02),   # ragged M / F, K % BLOCK_K
     (FP16, 20, 40, 96, True, True, 2.0), (FP16, 9, 24, 64, False, False, 2.0),      # fp16 overflow: clamp / NaN
     (FP32, 33, 16, 32, True, False, 0.02)])
-@pytest.mark.parametrize("two_dots", [False, True], ids=["one_dot", "two_dots"])
-def test_gemm_swiglu_equals_gemm_then_swiglu(kf, monkeypatch, dtype, m, f, k, bias, clamp, w_scale, two_dots):
+def test_gemm_swiglu_equals_gemm_then_swiglu(kf, dtype, m, f, k, bias, clamp, w_scale):
     """SwiGLU in the merged GEMM's epilogue: h equals silu(a) * b of the [a | b] the plain GEMM writes, with
-    torch's roundings (the exp of fp32 rows aside), and h quantized gives swiglu_quantize's codes and scales.
-    Both main loops: one BLOCK_N dot split in the epilogue, or two HALF-wide dots (SWIGLU_TWO_DOTS)."""
+    torch's roundings (the exp of fp32 rows aside), and h quantized gives swiglu_quantize's codes and scales."""
     import kernel
-    monkeypatch.setattr(kf, "SWIGLU_TWO_DOTS", two_dots)
     g = torch.Generator().manual_seed(m * 1000 + f)
     a_q, a_s, w, ws, b = _int8_operands(m, f, k, dtype, g, bias, w_scale)
     ab = kernel.int8_gemm(a_q, a_s, w, ws, b, out_dtype=dtype)
@@ -912,9 +909,9 @@ def _hopper_check_gemm_swiglu(kf) -> str:
     fn = kf._gemm_swiglu_kernel
     types = {"a_ptr": "*i8", "w_ptr": "*i8", "h_ptr": "*bf16", "as_ptr": "*fp32", "ws_ptr": "*fp32",
              "bias_ptr": "*fp32"}
-    for dt, clamp, two in ((1, False, False), (2, True, False), (1, False, True)):
+    for dt, clamp in ((1, False), (2, True)):
         consts = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "HAS_BIAS": False, "EVEN_K": True,
-                  "DT": dt, "CLAMP_FP16": clamp, "TWO_DOTS": two, "INTERPRET": False}
+                  "DT": dt, "CLAMP_FP16": clamp, "INTERPRET": False}
         params = list(inspect.signature(fn.fn).parameters)
         sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
         if dt == 2:
