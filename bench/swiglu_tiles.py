@@ -42,7 +42,7 @@ def main() -> int:
         plain = kf.select_config(a_q, a_s, w13, ws, None, None, torch.bfloat16)
         ref = kf.gemm_swiglu(a_q, a_s, w13, ws)  # tunes gemm_swiglu's own tile
         import kernel.gemm
-        own = kernel.gemm._TUNED[("swiglu", dev, 2 * f, d, m)]
+        own = kernel.gemm._TUNED[("swiglu", a_q.device, 2 * f, d, m)]
         real = kf.select_config
         cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin,
                                     autotune.m_bucket(m))
