@@ -859,7 +859,7 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
     ``out_dtype``, where ``[a | b] = int8_gemm(a_q, a_scale, w13, w_scale, bias, out_dtype)`` (w13 int8 [2F, K],
     the w1 rows first). Equal to ``swiglu_ref(a, b, clamp_fp16)`` of that output element for element: a and b
     are rounded to ``out_dtype`` as the GEMM stores them, then silu and the product round as torch's ops do.
-    Tiles: the int8 GEMM's candidates, autotuned for this kernel (``select_config(kind="swiglu")``)."""
+    Runs with the merged GEMM's tile config (the same main loop: a tile's weight rows are half w1, half w3)."""
     a_scale, w_scale, bias = _gemm_operands(a_q, a_scale, w13, w_scale, bias, out_dtype)
     m, k = a_q.shape
     n2 = w13.shape[0]
@@ -877,28 +877,23 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
             y = torch.nan_to_num(y, nan=0.0, posinf=65504.0, neginf=-65504.0)
         return h.copy_(y)
     _check_usable(a_q, "gemm_swiglu")
-    clamp = bool(clamp_fp16) and out_dtype == torch.float16
-
-    def run(cfg):
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        # Two CTAs an SM, as the plain GEMM gets (119 registers a thread at 8 warps): one CTA's epilogue then
-        # overlaps the other's main loop. The SwiGLU epilogue alone would take 148 (sm_90 ptxas), i.e. one CTA an
-        # SM: 45 % slower on the H200 (run am). Capped at 128 ptxas spills 16 bytes.
-        regs = 65536 // (2 * 32 * cfg["num_warps"])
-        opts = {"maxnreg": regs} if a_q.is_cuda and regs < 255 else {}
-        launch(_gemm_swiglu_kernel, (-(-m // bm) * -(-f // (bn // 2)),),
-               (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale,
-                m, f, k,
-                a_q.stride(0), a_q.stride(1), w13.stride(0), w13.stride(1), h.stride(0), h.stride(1),
-                a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
-               dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
-                    EVEN_K=k % bk == 0, DT=_DT_CODE[out_dtype], CLAMP_FP16=clamp, INTERPRET=INTERPRET, **opts),
-               cfg["num_warps"], cfg["num_stages"], a_q.device)
-
-    # Its own autotune (kind "swiglu"): the epilogue changes which tile is fastest. H200 (bench/swiglu_tiles.py,
-    # run be): Ideogram 4's uncond FFN 837 us with 128 x 128 x 128 / 8 warps, 927 with the 4-warp tile the plain
-    # merged GEMM's autotune had picked in that process.
-    run(select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype, kind="swiglu", run=run))
+    cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    half = bn // 2
+    # Two CTAs an SM, as the plain GEMM gets (119 registers a thread at 8 warps): one CTA's epilogue then overlaps
+    # the other's main loop. The SwiGLU epilogue alone would take 148 (sm_90 ptxas), i.e. one CTA an SM: 45 %
+    # slower on the H200 (run am). Capped at 128 ptxas spills 16 bytes.
+    regs = 65536 // (2 * 32 * cfg["num_warps"])
+    opts = {"maxnreg": regs} if a_q.is_cuda and regs < 255 else {}
+    launch(_gemm_swiglu_kernel, (-(-m // bm) * -(-f // half),),
+           (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale,
+            m, f, k,
+            a_q.stride(0), a_q.stride(1), w13.stride(0), w13.stride(1), h.stride(0), h.stride(1),
+            a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
+           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
+                EVEN_K=k % bk == 0, DT=_DT_CODE[out_dtype], CLAMP_FP16=bool(clamp_fp16) and out_dtype == torch.float16,
+                INTERPRET=INTERPRET, **opts),
+           cfg["num_warps"], cfg["num_stages"], a_q.device)
     return h
 
 

@@ -254,7 +254,7 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     return out
 
 
-_TUNED: dict[tuple, dict] = {}  # (kind, device, N, K, M bucket or exact M) -> config, this process ("XQ" small M)
+_TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket or exact M) -> config, for this process
 _CACHES: dict[int, object] = {}     # device index -> autotune.ConfigCache
 
 
@@ -267,44 +267,40 @@ def _device_cache(device: torch.device):
     return _CACHES[idx]
 
 
-def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype | None = None, *,
-                  kind: str = "", run=None) -> dict:
+def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype | None = None) -> dict:
     """The config for this (N, K, M bucket): memoised, else from the on-disk cache, else timed now with
     ``triton.testing.do_bench`` on these very tensors (``out`` is overwritten by the real call after; None: an
-    [M, N] ``out_dtype`` buffer is made for the timing). Another kernel on the same operands (the SwiGLU-epilogue
-    GEMM) passes ``kind`` (its own memo and cache entries, ``<kind>:N.._K.._M..``) and ``run(config)``, which
-    launches it and is what gets timed."""
+    [M, N] ``out_dtype`` buffer is made for the timing, e.g. for the SwiGLU-epilogue kernel, which shares the
+    merged w1+w3 GEMM's config)."""
     m, k = a_q.shape
     n = w_q.shape[0]
     dev = a_q.device
-    cfg = _TUNED.get((kind, dev, n, k, m))  # exact-M memo first: the per-call path is one dict lookup
+    cfg = _TUNED.get((dev, n, k, m))  # exact-M memo first: the per-call path is one dict lookup
     if cfg is not None:
         return cfg
     from . import autotune
     bucket = autotune.m_bucket(m)
     if dev.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the first config
         return autotune.interpreter_configs()[1 if m <= autotune.SMALL_M else 0]
-    memo_key = (kind, dev, n, k, bucket)
+    memo_key = (dev, n, k, bucket)
     cfg = _TUNED.get(memo_key)
     if cfg is not None:
-        _TUNED[(kind, dev, n, k, m)] = cfg
+        _TUNED[(dev, n, k, m)] = cfg
         return cfg
     props = torch.cuda.get_device_properties(a_q.device)
     cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket)
 
-    if run is None:
-        if out is None:
-            out = torch.empty((m, n), dtype=out_dtype, device=dev)
-
-        def run(c):
-            launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, c)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=dev)
 
     def time_fn(c):
-        return triton.testing.do_bench(lambda: run(c), warmup=10, rep=40, return_mode="median")
+        return triton.testing.do_bench(
+            lambda: launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, c),
+            warmup=10, rep=40, return_mode="median")
 
     meta = {"gpu": props.name, "triton": triton.__version__}
-    key = autotune.ConfigCache.key(n, k, bucket)
     with not_recorded():
-        cfg = autotune.pick_config(_device_cache(a_q.device), f"{kind}:{key}" if kind else key, cands, time_fn, meta)
-    _TUNED[memo_key] = _TUNED[(kind, dev, n, k, m)] = cfg
+        cfg = autotune.pick_config(_device_cache(a_q.device), autotune.ConfigCache.key(n, k, bucket),
+                                   cands, time_fn, meta)
+    _TUNED[memo_key] = _TUNED[(dev, n, k, m)] = cfg
     return cfg
