@@ -125,8 +125,8 @@ class FusedIdeogram4Attention(nn.Module):
         # needs no copy); v: the qkv output's view, as ComfyUI passes it (not copied)
         q, k = (torch.empty((b, l, h, d), dtype=qkv.dtype, device=qkv.device).transpose(1, 2) for _ in range(2))
         eps = qf._norm_eps(self.norm_q, qkv)  # ComfyUI hands norm_q's eps to both (rms_rope_split_half)
-        qf._kf().qk_norm_rope(qkv.view(b, l, 3 * h * d), h, q_scale, k_scale, eps, eps, pe, q, k, None, 0,
-                              split_half=True)
+        qf._call(qf._kf().qk_norm_rope, qkv.view(b, l, 3 * h * d), h, q_scale, k_scale, eps, eps, pe, q, k, None, 0,
+                 True)  # split_half
         return q, k, qkv[:, :, 2].transpose(1, 2)
 
     def int8_layers(self) -> dict[str, Int8Linear]:

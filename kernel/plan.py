@@ -82,7 +82,9 @@ class Plan:
                     continue
             jit_fn[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
         r = self._result
-        return vals[r] if type(r) is int else tuple(vals[i] for i in r)
+        if type(r) is int:
+            return vals[r]
+        return None if r is None else tuple(None if i is None else vals[i] for i in r)
 
 
 def enabled() -> bool:
@@ -99,8 +101,9 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
     (what callers will pass, what the kernels received) when the kernels saw a view of the caller's tensor that
     starts at the same address (``x`` and its ``reshape(-1, K)``: the signature of ``x`` fixes the view's strides).
     ``temps``: the tensors the call allocated (contiguous), each a tensor or a pair (tensor, the shape to allocate
-    it with: same elements, e.g. [..., N] for an [M, N] output). ``result``: the temporary the plan returns, or a
-    tuple of temporaries and operands. ``by_address``: a launch argument that is none of these but starts at the
+    it with: same elements, e.g. [..., N] for an [M, N] output). ``result``: the temporary or operand the plan
+    returns, a tuple of temporaries, operands and Nones, or None (a call that writes into its operands only).
+    ``by_address``: a launch argument that is none of these but starts at the
     address of exactly one operand, with its dtype, is taken as a view of it made by the call (a reshape of a
     [B, 1, K] modulation row to [B, K]): sound for calls whose views are functions of their operands' signatures,
     which the recorded integers then hold."""
@@ -123,13 +126,15 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
             return None
         slots.append(t)
         alloc.append((tuple(shape), t.dtype))
-    if isinstance(result, tuple):
-        result_slot = tuple(_slot(slots, r) for r in result)
-        if any(i is None for i in result_slot):
+    if result is None:  # the call wrote into its operands only
+        result_slot = None
+    elif isinstance(result, tuple):
+        result_slot = tuple(None if r is None else _slot(slots, r) for r in result)
+        if any(i is None and r is not None for i, r in zip(result_slot, result)):
             return None
     else:
         result_slot = _slot(slots, result)
-        if result_slot is None or result_slot < len(operands):
+        if result_slot is None:
             return None
     steps = []
     for ln in launches:
@@ -164,28 +169,33 @@ def call(fn, *args, salt=()):
     """``fn(*args)`` for a kernel wrapper that only checks its arguments, allocates its outputs with ``torch.empty``
     and launches (launches alone do the work whenever it launches at all): the first call of each argument key
     — every tensor's signature, every other argument's value — runs ``fn`` and records a plan; later calls of the
-    key re-issue it. Tensor results are the wrapper's outputs (or operands it wrote in place); a result that is
-    neither (a view made after the launches) or a launch argument that is no operand, output or view of one
-    leaves the key unplanned: ``fn`` runs each time. ``salt``: whatever else ``fn`` reads to choose its launches
+    key re-issue it. Results are the wrapper's outputs, operands it wrote in place, or None; a result that is
+    none of these (a view made after the launches) or a launch argument that is no operand, output or view of one
+    leaves the key unplanned: ``fn`` runs each time. The same tensor object passed twice (``out=x`` for in place)
+    is one operand, and that pattern is part of the key. ``salt``: whatever else ``fn`` reads to choose its launches
     (``kernel.fused.tunables()``), part of the key."""
     if not enabled():
         return fn(*args)
+    ops = [a for a in args if isinstance(a, torch.Tensor) or a is None]
     key = (fn, salt, *[(a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
                  else a for a in args])
+    ids = [id(a) for a in ops if a is not None]
+    if len(set(ids)) != len(ids):  # one object passed twice: one operand, the pattern keyed
+        key = (*key, tuple(ids.index(i) for i in ids))
+        ops = [a for i, a in enumerate(ops) if a is None or not any(b is a for b in ops[:i])]
     p = _CALLS.get(key)
     if p:
-        return p._run([a for a in args if isinstance(a, torch.Tensor) or a is None])  # the key matched them
+        return p._run(ops)  # the key matched them
     if p is False:
         return fn(*args)
     with launch.record() as rec:
         out = fn(*args)
-    ops = [a for a in args if isinstance(a, torch.Tensor) or a is None]
     res = out if isinstance(out, tuple) else (out,)
     temps = tuple(t for t in res if isinstance(t, torch.Tensor) and _slot(ops, t) is None)
     p = None
-    if all(isinstance(t, torch.Tensor) for t in res) and temps:
-        dev = temps[0].device
-        p = build(rec, tuple(ops), temps, out, dev, by_address=True)
+    devs = [t.device for t in (*temps, *ops) if t is not None]
+    if all(t is None or isinstance(t, torch.Tensor) for t in res) and devs:
+        p = build(rec, tuple(ops), temps, out, devs[0], by_address=True)
     if len(_CALLS) >= _MAX_CALLS:
         _CALLS.clear()
     _CALLS[key] = p if p is not None else False

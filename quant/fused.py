@@ -308,7 +308,7 @@ def gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_sm
         y, q, s = torch.ops.int8_fused.gated_residual(x2, o2, wn, eps, gate, tokens, w2, eps2, next_scale,
                                                       inv_smooth)
         return y, (q if nxt is not None else None), (s if nxt is not None else None)
-    return _kf().gated_residual_rmsnorm(x2, o2, wn, eps, gate, tokens, w2, eps2, next_scale, inv_smooth)
+    return _call(_kf().gated_residual_rmsnorm, x2, o2, wn, eps, gate, tokens, w2, eps2, next_scale, inv_smooth)
 
 
 def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Linear:

@@ -216,7 +216,7 @@ class _FusedFluxBlock(qf.FetchedBlock):
         q, k, v = (torch.empty((b, total, h, d), dtype=x0.dtype, device=x0.device).transpose(1, 2) for _ in range(3))
         row = 0
         for (norm, x), (wq, wk, eq, ek) in zip(streams, ws):
-            qf._kf().qk_norm_rope(x, h, wq, wk, eq, ek, pe, q, k, v, row)
+            qf._call(qf._kf().qk_norm_rope, x, h, wq, wk, eq, ek, pe, q, k, v, row)
             row += x.shape[1]
         return q, k, v
 
@@ -274,9 +274,9 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
             return x
         b, l, k = x.shape
         x2 = x.view(-1, k)
-        _, a_q, a_s = qf._kf().residual_add_layernorm_modulate_quantize(
-            x2, proj.reshape(-1, k), mod1.gate, l, float(norm.eps), mod2.scale, mod2.shift,
-            qf.inv_smooth_of(mlp[0], x.device), round_product=True, out=x2)
+        _, a_q, a_s = qf._call(  # round_product, out=x2 (in place)
+            qf._kf().residual_add_layernorm_modulate_quantize, x2, proj.reshape(-1, k), mod1.gate, l, float(norm.eps),
+            mod2.scale, mod2.shift, qf.inv_smooth_of(mlp[0], x.device), True, x2)
         h = qf.gemm(a_q, a_s, mlp[0], _promote(x, mod2.scale, mod2.shift)).view(b, l, -1)
         return _residual_add(x, self._gelu_linear(mlp[2], mlp[1], h), mod2.gate)
 
@@ -294,7 +294,7 @@ def _residual_add(x, y, gate):
         return x
     b, l, k = x.shape
     x2 = x.view(-1, k)
-    qf._kf().residual_add(x2, y.reshape(-1, k), gate, l, round_product=True, out=x2)
+    qf._call(qf._kf().residual_add, x2, y.reshape(-1, k), gate, l, True, x2)  # round_product, out=x2 (in place)
     return x
 
 

@@ -213,5 +213,5 @@ class FusedLumina2Block(qf.FetchedBlock):
         if fn.rms_rope is not None:  # 0.33.0 hands q_norm's eps to both (rms_rope)
             ek = eq
         q, k = (torch.empty((b, l, nh, hd), dtype=qkv.dtype, device=qkv.device) for _ in range(2))
-        qf._kf().qk_norm_rope(qkv, nh, wq, wk, eq, ek, pe, q.transpose(1, 2), k.transpose(1, 2), None, 0)
+        qf._call(qf._kf().qk_norm_rope, qkv, nh, wq, wk, eq, ek, pe, q.transpose(1, 2), k.transpose(1, 2), None, 0)
         return q, k

@@ -160,7 +160,7 @@ class FusedWanBlock(qf.FetchedBlock):
             return None
         wq, eq, wk, ek = weights
         oq, ok = (torch.empty((b, s, n, d), dtype=q.dtype, device=q.device) for _ in range(2))
-        qf._kf().qk_rmsnorm_rope_rows(q, k, n, wq, wk, eq, ek, pe, oq.transpose(1, 2), ok.transpose(1, 2))
+        qf._call(qf._kf().qk_rmsnorm_rope_rows, q, k, n, wq, wk, eq, ek, pe, oq.transpose(1, 2), ok.transpose(1, 2))
         return oq, ok
 
     # ---------------------------------------------------------------- residual tails (one kernel each)
@@ -175,7 +175,7 @@ class FusedWanBlock(qf.FetchedBlock):
         if not self._tail_fusable(x, y, gate):
             return torch.addcmul(x, y, gate)
         b, l, k = x.shape
-        return qf._kf().residual_add(x.reshape(-1, k), y.reshape(-1, k), gate, l).view(b, l, k)
+        return qf._call(qf._kf().residual_add, x.reshape(-1, k), y.reshape(-1, k), gate, l).view(b, l, k)
 
     def _add_norm3(self, x, y, gate):
         """(x', norm3(x')) with x' = addcmul(x, y, gate): one kernel for both when norm3 is a LayerNorm over the
@@ -189,8 +189,8 @@ class FusedWanBlock(qf.FetchedBlock):
             x = torch.addcmul(x, y, gate)
             return x, norm(x)
         b, l, k = x.shape
-        r, n = qf._kf().residual_add_layernorm(x.reshape(-1, k), y.reshape(-1, k), gate, l, float(norm.eps),
-                                               w if norm.weight is not None else None, qf.norm_bias(norm, x))
+        r, n = qf._call(qf._kf().residual_add_layernorm, x.reshape(-1, k), y.reshape(-1, k), gate, l,
+                        float(norm.eps), w if norm.weight is not None else None, qf.norm_bias(norm, x))
         return r.view(b, l, k), n.view(b, l, k)
 
     def _add_ffn(self, x, c, e3, e4):
@@ -201,9 +201,8 @@ class FusedWanBlock(qf.FetchedBlock):
             x = x + c
             return x, self._ffn(x, e3, e4)
         b, l, k = x.shape
-        r, a_q, a_s = qf._kf().residual_add_layernorm_modulate_quantize(
-            x.reshape(-1, k), c.reshape(-1, k), None, l, float(self.norm2.eps), e4, e3,
-            qf.inv_smooth_of(ffn0, x.device))
+        r, a_q, a_s = qf._call(qf._kf().residual_add_layernorm_modulate_quantize, x.reshape(-1, k), c.reshape(-1, k),
+                               None, l, float(self.norm2.eps), e4, e3, qf.inv_smooth_of(ffn0, x.device))
         h = qf.gemm(a_q, a_s, ffn0, _promote(x, e4, e3)).view(b, l, -1)
         return r.view(b, l, k), self._ffn_hidden(h)
 

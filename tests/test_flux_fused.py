@@ -449,16 +449,20 @@ def flux_equivalence(pack, dtype=BF16) -> dict:
         flt = dm(x, t, ctx, y=y)
         for n in tails:
             setattr(kf, n, spy(n))
-        try:  # INT8_FUSED_FLUX_TAILS: the residual tails in the residual kernels (two roundings, as torch's ops)
-            with cfg.override(INT8_FUSED_FLUX_TAILS=True):
+        try:  # INT8_FUSED_FLUX_TAILS: the residual tails in the residual kernels (two roundings, as torch's ops);
+            # counted with prepared launches off (a prepared call re-issues its launches without the wrapper)
+            with cfg.override(INT8_FUSED_FLUX_TAILS=True, INT8_FUSED_PLANS=False):
                 tails_on = _swap(dm, patches)(x, t, ctx, y=y)
         finally:
             for n in tails:
                 setattr(kf, n, real[n])
+        with cfg.override(INT8_FUSED_FLUX_TAILS=True):  # prepared: the second forward re-issues every tail kernel
+            tails_planned = [_swap(dm, patches)(x, t, ctx, y=y) for _ in range(2)]
     return {"adapter": A.adapter_for(dm).name, "kinds": sorted({type(m).__name__ for m in patches.values()}),
             "fused": sorted(patches), "plain_is_per_linear": plain == layers, "covered_all": covered == sorted(layers),
             "same_layers": same_layers, "rel": _rel(got, ref), "rel_float": _rel(ref, flt),
             "tails_rel": _rel(tails_on, got), "tail_calls": calls,
+            "tails_planned_equal": all(torch.equal(t_, tails_on) for t_ in tails_planned),
             "depth": (dm.params.depth, dm.params.depth_single_blocks),
             "blocks": block_activations(pack, dm, layers, patches, dtype)}
 
@@ -494,7 +498,7 @@ def _check_equivalence(res):
     double, single = res["depth"]
     assert res["tail_calls"] == {"residual_add": 2 * double + single,
                                  "residual_add_layernorm_modulate_quantize": 2 * double}, res
-    assert res["tails_rel"] <= REL_MODEL, res
+    assert res["tails_rel"] <= REL_MODEL and res["tails_planned_equal"], res
     for name, b in res["blocks"].items():
         assert b["same_activations"] and b["gemms_fused"] >= (6 if "double" in name else 2), (name, b)
         assert b["rel"] <= REL_MODEL, (name, b)

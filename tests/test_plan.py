@@ -363,3 +363,42 @@ def test_call_with_aliased_operands_is_not_planned():
     want = kf.layernorm_modulate_quantize(x, s1, s2, 12, None, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(calls) == 2
+
+
+def test_call_in_place_with_the_output_passed_as_the_input():
+    """Flux's ``x += y * gate`` (``residual_add(x, y, gate, tpb, True, x)``): the same object as x and out is one
+    operand, and that aliasing is part of the key. Repeated with new tensors the plan writes the new x in place,
+    equal to torch's two ops (independent reference: the product rounded to bf16, then the sum); a call whose out
+    is another tensor is another key, with its own result and x left as it was."""
+    kf = _kf()
+    fn, calls = _spy_fn(kf.residual_add)
+    gate = torch.tanh(_x(2, 1, 64, seed=9)).to(torch.bfloat16)
+    for seed in range(3):
+        x, y = _x(24, 64, seed=seed).to(torch.bfloat16), _x(24, 64, seed=seed + 10).to(torch.bfloat16)
+        want = (x.view(2, 12, 64) + y.view(2, 12, 64) * gate).view(24, 64)
+        r = plan.call(fn, x, y, gate, 12, True, x)
+        assert r is x and torch.equal(x, want), seed
+    assert len(calls) == 1  # recorded once, then re-issued in place
+    x, y, out = (_x(24, 64, seed=s).to(torch.bfloat16) for s in (20, 21, 22))
+    x0 = x.clone()
+    r = plan.call(fn, x, y, gate, 12, True, out)
+    assert r is out and torch.equal(out, (x.view(2, 12, 64) + y.view(2, 12, 64) * gate).view(24, 64))
+    assert torch.equal(x, x0) and len(calls) == 2
+
+
+def test_call_of_a_kernel_that_returns_nothing():
+    """QK RMSNorm + RoPE writes q and k (operands) and returns None: re-issued for new buffers, each equal to the
+    wrapper's own result on copies of the same inputs."""
+    kf = _kf()
+    fn, calls = _spy_fn(kf.qk_norm_rope)
+    heads, d, l = 2, 16, 6
+    w = (1 + 0.1 * _x(d, seed=3)).to(torch.bfloat16)
+    for seed in range(3):
+        qkv = _x(1, l, 3 * heads * d, seed=seed).to(torch.bfloat16)
+        pe = _x(1, 1, l, d // 2, 2, 2, seed=seed + 5)
+        q, k, v = (torch.zeros(1, heads, l, d, dtype=torch.bfloat16) for _ in range(3))
+        assert plan.call(fn, qkv, heads, w, w, 1e-6, 1e-6, pe, q, k, v, 0) is None
+        rq, rk, rv = (torch.zeros(1, heads, l, d, dtype=torch.bfloat16) for _ in range(3))
+        kf.qk_norm_rope(qkv, heads, w, w, 1e-6, 1e-6, pe, rq, rk, rv, 0)
+        assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv) and q.any(), seed
+    assert len(calls) == 1
