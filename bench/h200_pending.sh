@@ -61,7 +61,7 @@
 #   floors    Flux / Z-Image / Wan: the pack's kernel sums a step (profiled) and its host time by function (cProfile)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4 ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -287,6 +287,13 @@ PY
     timeout 120 python3 bench/swiglu_tiles.py --out "$OUT/h200-swiglu-tiles.json" 2>&1 | tee "$OUT/swiglu-tiles.log"
     timeout 420 $sampler --profile pack:fused_triton --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen" \
       --out "$OUT/sampler-closing4.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  tailsmodels)  # Flux.1 with its residual tails A/B'd (INT8_FUSED_FLUX_TAILS=1, prepared launches for them now), then
+                # Z-Image and Wan 2.1 1.3B (bf16, pack, fp8_fast) with the one-pass quantizers and planned tails
+    timeout 200 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths "bf16,pack:fused_triton,fp8_fast" --ab INT8_FUSED_FLUX_TAILS=1 \
+      --out "$OUT/h200-e2e-models-fluxtails.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 300 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage,wan13 \
+      --paths "bf16,pack:fused_triton,fp8_fast" --out "$OUT/h200-e2e-models-zw.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
