@@ -67,8 +67,8 @@ from . import _check_2d, _check_usable, _gemm_operands, _vector
 from .gemm import _acc_tile, _dequant, _tile_ids, select_config
 from . import quantize as _q
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
-from .quantize import (ALU_ROUND, INTERPRET, SegmentPlan, _amax_bad, _code8, _quant_params, _seg_warps,
-                       _segments, _store_seg)  # the quantizer's rounding and row helpers (its interpreter shim too)
+from .quantize import (ALU_ROUND, INTERPRET, SegmentPlan, _amax_bad, _code8, _finish_segments, _quant_params,
+                       _seg_warps, _segments)  # the quantizer's rounding and row helpers (its interpreter shim too)
 
 
 @dataclass(frozen=True)
@@ -429,6 +429,20 @@ def _gr_seg_o(o_row, K, OFF: tl.constexpr, SEG: tl.constexpr):
 
 
 @triton.jit
+def _gr_seg_rows(o_row, K, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
+    """A row's used segments (fp32; an unused one is a placeholder) and their sum of squares, added per segment."""
+    o0, ssq = _gr_seg_o(o_row, K, 0, S0)
+    o1, o2 = o0, o0
+    if S1 > 0:
+        o1, ssq1 = _gr_seg_o(o_row, K, S0, S1)
+        ssq += ssq1
+    if S2 > 0:
+        o2, ssq2 = _gr_seg_o(o_row, K, S0 + S1, S2)
+        ssq += ssq2
+    return o0, o1, o2, ssq
+
+
+@triton.jit
 def _gr_seg_y(o, x_row, wn_ptr, g_row, y_row, K, rstd, OFF: tl.constexpr, SEG: tl.constexpr,
               NORM_DT: tl.constexpr, GATE_DT: tl.constexpr, OUT_DT: tl.constexpr, INTERPRET: tl.constexpr):
     ks = OFF + tl.arange(0, SEG)
@@ -465,13 +479,7 @@ def _gated_residual_seg_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_pt
     bidx = (row // tokens_per_batch).to(tl.int64)
     o_row, x_row, y_row = o_ptr + r64 * stride_om, x_ptr + r64 * stride_xm, y_ptr + r64 * stride_ym
     g_row = g_ptr + bidx * stride_gb
-    o0, ssq = _gr_seg_o(o_row, K, 0, S0)
-    if S1 > 0:
-        o1, ssq1 = _gr_seg_o(o_row, K, S0, S1)
-        ssq += ssq1
-    if S2 > 0:
-        o2, ssq2 = _gr_seg_o(o_row, K, S0 + S1, S2)
-        ssq += ssq2
+    o0, o1, o2, ssq = _gr_seg_rows(o_row, K, S0, S1, S2)
     rstd = _rstd(ssq, K, eps, INTERPRET)
     y0, ysq = _gr_seg_y(o0, x_row, wn_ptr, g_row, y_row, K, rstd, 0, S0, NORM_DT, GATE_DT, OUT_DT, INTERPRET)
     if S1 > 0:
@@ -489,19 +497,14 @@ def _gated_residual_seg_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_pt
         bad = tl.zeros([], dtype=tl.int32)
         z0, amax, bad = _gr_seg_z(y0, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, 0, S0, HAS_SMOOTH, OUT_DT,
                                   NEXT_PROD_DT, INTERPRET)
+        z1, z2 = z0, z0  # placeholders for unused segments
         if S1 > 0:
             z1, amax, bad = _gr_seg_z(y1, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, S0, S1, HAS_SMOOTH, OUT_DT,
                                       NEXT_PROD_DT, INTERPRET)
         if S2 > 0:
             z2, amax, bad = _gr_seg_z(y2, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, S0 + S1, S2, HAS_SMOOTH,
                                       OUT_DT, NEXT_PROD_DT, INTERPRET)
-        scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
-        tl.store(qs_ptr + row, scale)
-        _store_seg(q_row, z0, K, 0, S0, mult, usable, INTERPRET)
-        if S1 > 0:
-            _store_seg(q_row, z1, K, S0, S1, mult, usable, INTERPRET)
-        if S2 > 0:
-            _store_seg(q_row, z2, K, S0 + S1, S2, mult, usable, INTERPRET)
+        _finish_segments(q_row, qs_ptr, row, z0, z1, z2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
 
 
 @triton.jit
@@ -517,31 +520,20 @@ def _rmsnorm_modulate_quant_seg_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_p
     r64 = row.to(tl.int64)
     x_row, q_row = x_ptr + r64 * stride_xm, q_ptr + r64 * stride_qm
     s_row = s_ptr + (row // tokens_per_batch).to(tl.int64) * stride_sb
-    x0, ssq = _gr_seg_o(x_row, K, 0, S0)
-    if S1 > 0:
-        x1, ssq1 = _gr_seg_o(x_row, K, S0, S1)
-        ssq += ssq1
-    if S2 > 0:
-        x2, ssq2 = _gr_seg_o(x_row, K, S0 + S1, S2)
-        ssq += ssq2
+    x0, x1, x2, ssq = _gr_seg_rows(x_row, K, S0, S1, S2)
     rstd = _rstd(ssq, K, eps, INTERPRET)
     amax = tl.zeros([], dtype=tl.float32)
     bad = tl.zeros([], dtype=tl.int32)
     z0, amax, bad = _gr_seg_z(x0, w_ptr, s_row, inv_ptr, K, rstd, amax, bad, 0, S0, HAS_SMOOTH, NORM_DT, PROD_DT,
                               INTERPRET)
+    z1, z2 = z0, z0  # placeholders for unused segments
     if S1 > 0:
         z1, amax, bad = _gr_seg_z(x1, w_ptr, s_row, inv_ptr, K, rstd, amax, bad, S0, S1, HAS_SMOOTH, NORM_DT,
                                   PROD_DT, INTERPRET)
     if S2 > 0:
         z2, amax, bad = _gr_seg_z(x2, w_ptr, s_row, inv_ptr, K, rstd, amax, bad, S0 + S1, S2, HAS_SMOOTH, NORM_DT,
                                   PROD_DT, INTERPRET)
-    scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
-    tl.store(qs_ptr + row, scale)
-    _store_seg(q_row, z0, K, 0, S0, mult, usable, INTERPRET)
-    if S1 > 0:
-        _store_seg(q_row, z1, K, S0, S1, mult, usable, INTERPRET)
-    if S2 > 0:
-        _store_seg(q_row, z2, K, S0 + S1, S2, mult, usable, INTERPRET)
+    _finish_segments(q_row, qs_ptr, row, z0, z1, z2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
 
 
 # ------------------------------------------------------------------------------------ Flux.1 (issue 13)

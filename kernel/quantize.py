@@ -153,6 +153,21 @@ def _store_seg(q_row, z, K, OFF: tl.constexpr, SEG: tl.constexpr, mult, usable, 
 
 
 @triton.jit
+def _finish_segments(q_row, s_ptr, row, z0, z1, z2, K, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                     amax, bad, SCALE_RECIP: tl.constexpr, INTERPRET: tl.constexpr):
+    """The end of a one-pass segmented row: the row's scale from its |max| and non-finite flag, stored at
+    ``s_ptr + row``, and each used segment's fp32 values ``z0..z2`` quantized and stored (an unused segment's
+    argument is any placeholder: S1 / S2 = 0 compile its branch away)."""
+    scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
+    tl.store(s_ptr + row, scale)
+    _store_seg(q_row, z0, K, 0, S0, mult, usable, INTERPRET)
+    if S1 > 0:
+        _store_seg(q_row, z1, K, S0, S1, mult, usable, INTERPRET)
+    if S2 > 0:
+        _store_seg(q_row, z2, K, S0 + S1, S2, mult, usable, INTERPRET)
+
+
+@triton.jit
 def _q_seg(x_row, inv_ptr, K, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad, HAS_SMOOTH: tl.constexpr):
     x, _ = _row_chunk(x_row, inv_ptr, OFF + tl.arange(0, SEG), K, 1, HAS_SMOOTH)
     amax, bad = _amax_bad(x, amax, bad)
@@ -171,17 +186,12 @@ def _quant_rows_seg_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm
     amax = tl.zeros([], dtype=tl.float32)
     bad = tl.zeros([], dtype=tl.int32)
     x0, amax, bad = _q_seg(x_row, inv_ptr, K, 0, S0, amax, bad, HAS_SMOOTH)
+    x1, x2 = x0, x0  # placeholders for unused segments
     if S1 > 0:
         x1, amax, bad = _q_seg(x_row, inv_ptr, K, S0, S1, amax, bad, HAS_SMOOTH)
     if S2 > 0:
         x2, amax, bad = _q_seg(x_row, inv_ptr, K, S0 + S1, S2, amax, bad, HAS_SMOOTH)
-    scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
-    tl.store(s_ptr + row, scale)
-    _store_seg(q_row, x0, K, 0, S0, mult, usable, INTERPRET)
-    if S1 > 0:
-        _store_seg(q_row, x1, K, S0, S1, mult, usable, INTERPRET)
-    if S2 > 0:
-        _store_seg(q_row, x2, K, S0 + S1, S2, mult, usable, INTERPRET)
+    _finish_segments(q_row, s_ptr, row, x0, x1, x2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
 
 
 @triton.jit
