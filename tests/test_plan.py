@@ -402,3 +402,24 @@ def test_call_of_a_kernel_that_returns_nothing():
         kf.qk_norm_rope(qkv, heads, w, w, 1e-6, 1e-6, pe, rq, rk, rv, 0)
         assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv) and q.any(), seed
     assert len(calls) == 1
+
+
+def test_a_changed_quantizer_plan_is_not_served_a_stale_plan(monkeypatch):
+    """kernel.quantize.QUANT_ONE_PASS is part of kernel.fused.tunables() (the key salt of quant.fused's calls):
+    after it changes, act_quant runs the kernel the new plan names, not the launches prepared under the old one."""
+    from kernel import quantize as kq
+    seen, real = [], kq.launch
+
+    def spy(fn, *a, **kw):
+        seen.append(fn.__name__)
+        return real(fn, *a, **kw)
+    monkeypatch.setattr(kq, "launch", spy)
+    x = _x(7, 88)  # a shape no other test of this file plans (the memo is per process)
+    for _ in range(2):
+        qf.act_quant(x, None)
+    assert seen == ["_quant_rows_seg_kernel"]  # recorded once, then prepared
+    monkeypatch.setattr(kq, "QUANT_ONE_PASS", None)
+    q, s = qf.act_quant(x, None)
+    assert seen == ["_quant_rows_seg_kernel", "_quant_rows_kernel"]
+    rq, rs = quantize_per_token_ref(x, None)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
