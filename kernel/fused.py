@@ -67,8 +67,9 @@ from . import _check_2d, _check_usable, _gemm_operands, _vector
 from .gemm import _acc_tile, _dequant, _tile_ids, select_config
 from . import quantize as _q
 from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
-from .quantize import (ALU_ROUND, INTERPRET, SegmentPlan, _amax_bad, _code8, _finish_segments, _quant_params,
-                       _seg_warps, _segments)  # the quantizer's rounding and row helpers (its interpreter shim too)
+# the quantizer's row helpers and rounding (importing it installs its interpreter shim too)
+from .quantize import (ALU_ROUND, INTERPRET, SegmentPlan, _amax_bad, _finish_segments, _quant_params, _seg_warps,
+                       _segments, _store_q)
 
 
 @dataclass(frozen=True)
@@ -159,11 +160,6 @@ def _rstd(ssq, K, eps, INTERPRET: tl.constexpr):
         return 1.0 / tl.sqrt_rn(v)
     else:
         return libdevice.rsqrt(v)
-
-
-@triton.jit
-def _store_q(q_ptrs, y, mult, usable, mask, INTERPRET: tl.constexpr):
-    tl.store(q_ptrs, tl.where(usable, _code8(y * mult, INTERPRET), 0), mask=mask)
 
 
 @triton.jit

@@ -103,10 +103,9 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
     ``temps``: the tensors the call allocated (contiguous), each a tensor or a pair (tensor, the shape to allocate
     it with: same elements, e.g. [..., N] for an [M, N] output). ``result``: the temporary or operand the plan
     returns, a tuple of temporaries, operands and Nones, or None (a call that writes into its operands only).
-    ``by_address``: a launch argument that is none of these but starts at the
-    address of exactly one operand, with its dtype, is taken as a view of it made by the call (a reshape of a
-    [B, 1, K] modulation row to [B, K]): sound for calls whose views are functions of their operands' signatures,
-    which the recorded integers then hold."""
+    ``by_address``: a launch argument that is none of these but starts at the address of exactly one operand, with
+    its dtype, is taken as a view of it made by the call (a reshape of a [B, 1, K] modulation row to [B, K]): sound
+    for calls whose views are functions of their operands' signatures, which the recorded integers then hold."""
     if not launches or not enabled():
         return None
     slots, sigs = [], []

@@ -146,10 +146,16 @@ def _amax_bad(y, amax, bad):
 
 
 @triton.jit
+def _store_q(q_ptrs, y, mult, usable, mask, INTERPRET: tl.constexpr):
+    """The int8 codes of fp32 values ``y`` (times the row's multiplier; zeros for an unusable row), stored."""
+    tl.store(q_ptrs, tl.where(usable, _code8(y * mult, INTERPRET), 0), mask=mask)
+
+
+@triton.jit
 def _store_seg(q_row, z, K, OFF: tl.constexpr, SEG: tl.constexpr, mult, usable, INTERPRET: tl.constexpr):
     """Quantize and store one segment (columns OFF .. OFF + SEG) of a one-pass row from its fp32 values ``z``."""
     ks = OFF + tl.arange(0, SEG)
-    tl.store(q_row + ks, tl.where(usable, _code8(z * mult, INTERPRET), 0), mask=ks < K)
+    _store_q(q_row + ks, z, mult, usable, ks < K, INTERPRET)
 
 
 @triton.jit
@@ -223,11 +229,11 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
 
     # pass 2: quantize (re-reading x from L2 when the row did not fit one chunk)
     if ONE_CHUNK:
-        tl.store(q_row + cols, tl.where(usable, _code8(x * mult, INTERPRET), 0), mask=mask)
+        _store_q(q_row + cols, x, mult, usable, mask, INTERPRET)
     else:
         for k0 in range(0, K, BLOCK_K):
             xc, mc = _row_chunk(x_row, inv_ptr, k0 + cols, K, stride_xk, HAS_SMOOTH)
-            tl.store(q_row + k0 + cols, tl.where(usable, _code8(xc * mult, INTERPRET), 0), mask=mc)
+            _store_q(q_row + k0 + cols, xc, mult, usable, mc, INTERPRET)
 
 
 @functools.lru_cache(maxsize=None)  # per call it is a dict lookup (triton.next_power_of_2 costs ~2 us)
