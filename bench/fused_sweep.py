@@ -25,6 +25,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings: the cases whose names contain one")
     a = ap.parse_args()
     import torch.nn.functional as F
+    import triton
     import triton.testing
     from kernel import fused as kf
     from quant.fused import swiglu_quantize_ref
@@ -44,7 +45,7 @@ def main() -> int:
     lx = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
     ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
     default_plan, gelu_fast, one_pass, res_pass = kf._plan, kf.GELU_FAST, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS
-    gelu_pass, rms_pass = kf.GELU_ONE_PASS, kf.RMS_ONE_PASS
+    gelu_pass, rms_pass, ln_pass, qk_prefetch = kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kf.LN_ONE_PASS, kf.QK_PREFETCH
     import kernel.quantize
     quant_pass = kernel.quantize.QUANT_ONE_PASS
     print(f"INT8_FUSED_ALU_ROUND: {bool(kernel.quantize.ALU_ROUND)}", flush=True)
@@ -65,9 +66,16 @@ def main() -> int:
         "wan gelu+quant F=8960": (lambda: kf.gelu_tanh_quantize(wh), 14040 * 8960 * 3, wide),
         "flux layernorm_mod_quant": (lambda: kf.layernorm_modulate_quantize(lx, ls, ls, 4608),
                                      4608 * 3072 * 3,
-                                     [(4096, True, 8), (4096, True, 16), (2048, False, 4), (1024, False, 4),
-                                      (1024, False, 8)]),
+                                     [("seg", 4), ("seg", 8), (4096, True, 8), (4096, True, 16), (2048, False, 4),
+                                      (1024, False, 4), (1024, False, 8)]),
     }
+    for kw in (1536, 5120):  # Wan 2.1 1.3B / 14B, 480x832 33 frames: M 14040
+        wx = torch.randn(14040, kw, device=dev, generator=g).to(torch.bfloat16)
+        ws = (0.1 * torch.randn(1, kw, device=dev, generator=g)).to(torch.bfloat16)
+        cases[f"wan layernorm_mod_quant K={kw}"] = (
+            lambda wx=wx, ws=ws: kf.layernorm_modulate_quantize(wx, ws, ws, 14040), 14040 * kw * 3,
+            [("seg", 4), ("seg", 8), ("seg", 16), (triton.next_power_of_2(kw), True, 4),
+             (triton.next_power_of_2(kw), True, 8), (triton.next_power_of_2(kw), True, 16)])
     ro = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)  # Ideogram 4's residual tail, K 4608
     rg = torch.tanh(torch.randn(1, k, device=dev, generator=g)).to(torch.bfloat16)
     cases["gated_residual+next K=4608"] = (
@@ -83,7 +91,10 @@ def main() -> int:
         def run(qkv=qkv, pe=pe, wqk=wqk, qo=qo, ko=ko, hh=hh, split=split):
             kf.qk_norm_rope(qkv, hh, wqk, wqk, 1e-6, 1e-6, pe, qo, ko, None, 0, split_half=split)
             return qo, ko
-        cases[f"qk_norm_rope {label} H={hh} D={dd}"] = (run, 2 * m * hh * dd * 2 * 2 + m * dd * 8, [None])
+        # None: QK_PREFETCH as committed; ("prefetch", False / True): the rotations as scalar loads and the parts
+        # one after the other, or vectors and every load up front
+        cases[f"qk_norm_rope {label} H={hh} D={dd}"] = (run, 2 * m * hh * dd * 2 * 2 + m * dd * 8,
+                                                        [None, ("prefetch", False), ("prefetch", True)])
     from kernel import quantize_per_token
     xq = torch.randn(4608, 12288, device=dev, generator=g).to(torch.bfloat16)
     # the BLOCK_K kernel's own tiles (kernel/quantize.py _block_k) label its rows; one-pass segments otherwise
@@ -96,7 +107,8 @@ def main() -> int:
             continue
         kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
         kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
-        ref_q, ref_s = fn()
+        kf.LN_ONE_PASS, kf.QK_PREFETCH = ln_pass, qk_prefetch
+        ref_q, ref_s = (t.clone() for t in fn())  # (qk_norm_rope's run returns its output buffers)
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
         for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
             kf.GELU_FAST = fast
@@ -104,6 +116,8 @@ def main() -> int:
                 # the one-pass segmented kernels with plan[1] warps (per_warp 128: the warps asked for, not capped
                 # at one per 512 elements as the defaults are)
                 seg = plan is not None and plan[0] == "seg"
+                if plan is not None and plan[0] == "prefetch":
+                    kf.QK_PREFETCH = plan[1]
                 kf.SWIGLU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                       one_pass if plan is None else None)
                 kf.RESIDUAL_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
@@ -114,7 +128,10 @@ def main() -> int:
                                    rms_pass if plan is None else None)
                 kernel.quantize.QUANT_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                                   quant_pass if plan is None else None)
-                kf._plan = default_plan if plan is None or seg else (lambda n, *args, _p=plan, **kw: _p)
+                kf.LN_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
+                                  ln_pass if plan is None else None)
+                kf._plan = (default_plan if plan is None or seg or plan[0] == "prefetch" else
+                            (lambda n, *args, _p=plan, **kw: _p))
                 try:
                     q, sc = fn()
                     same = torch.equal(q, ref_q) and torch.equal(sc, ref_s)
@@ -127,6 +144,7 @@ def main() -> int:
                     us = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
                     print(f"{name:26s} fast={fast!s:5s} " + ("own plan: " if plan is None else
                           f"one pass, segments, warps={plan[1]:2d}: " if seg else
+                          f"QK_PREFETCH={plan[1]!s:5s}: " if plan[0] == "prefetch" else
                           f"BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: ") +
                           f"{us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  equal={same} sha1 {digest}{vs_torch}",
                           flush=True)
@@ -135,6 +153,7 @@ def main() -> int:
         kf.GELU_FAST = gelu_fast
     kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
     kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
+    kf.LN_ONE_PASS, kf.QK_PREFETCH = ln_pass, qk_prefetch
     return 0
 
 

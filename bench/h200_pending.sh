@@ -59,9 +59,10 @@
 #   planmodels  Flux / Z-Image / Wan: bf16, pack (INT8_FUSED_PLANS=0 A/B'd on the loaded model), fp8_fast
 #   planideo  Ideogram 4 dual: bf16, pack (INT8_FUSED_PLANS=0 A/B'd), fp8_fast~cudnn, fp8_fast~kitchen
 #   floors    Flux / Z-Image / Wan: the pack's kernel sums a step (profiled) and its host time by function (cProfile)
+#   lnqk      bench/plan_check.py, bench/host_int8.py, the LayerNorm / QK sweep rows, Flux and Wan 1.3B profiled
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -294,6 +295,15 @@ PY
       --out "$OUT/h200-e2e-models-fluxtails.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 300 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage,wan13 \
       --paths "bf16,pack:fused_triton,fp8_fast" --out "$OUT/h200-e2e-models-zw.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  lnqk)  # the prepared in-place launches checked on the GPU (bench/plan_check.py), the float path's host time
+         # (bench/host_int8.py), the one-pass LayerNorm·mod and the QK prefetch against their old forms
+         # (bench/fused_sweep.py), then Flux.1 / Wan 1.3B (bf16, pack profiled: kernel sums a step)
+    timeout 60 python3 bench/plan_check.py 2>&1 | tee "$OUT/plan-check.log"
+    timeout 90 python3 bench/host_int8.py --json "$OUT/h200-host-int8.json" 2>&1 | tee "$OUT/host-int8.log"
+    timeout 150 python3 bench/fused_sweep.py --only layernorm,qk_norm_rope 2>&1 | tee "$OUT/sweep.log"
+    timeout 300 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,wan13 \
+      --paths "bf16,pack:fused_triton" --profile pack:fused_triton \
+      --out "$OUT/h200-e2e-models-lnqk.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

@@ -4,8 +4,9 @@ a call is host time a call. From the bottom up: one ``torch.empty``, a bare ``F.
 bf16 bars), one raw re-launch of the compiled GEMM (the floor of any launch from Python), the pack's ``launch``,
 ``int8_gemm`` (checks, output, config), ``quantize_per_token``, ``int8_linear`` (both), the fused blocks' entry
 ``quant.fused.linear`` / ``gemm`` / ``act_quant``, a row kernel (Flux's LayerNorm · modulation + quantize) and an
-``Int8Linear`` module call forced onto int8, each through its prepared launches (kernel/plan.py) and with plans off. What a linear's host time is spent on. First it checks that the planned
-calls give the checked path's outputs bit for bit.
+``Int8Linear`` module call forced onto int8, each through its prepared launches (kernel/plan.py) and with plans
+off; last an ``Int8Linear`` call on the float path (its hot ``F.linear``, against ``nn.Linear``'s). What a linear's
+host time is spent on. First it checks that the planned calls give the checked path's outputs bit for bit.
 
     python bench/host_int8.py [--calls 2000] [--repeats 7] [--json out.json]
 """
@@ -134,17 +135,21 @@ def main() -> int:
         "Int8Linear int8, plans off": lambda: lin(x),
         "Int8Linear int8 M4": lambda: lin(x4),
         "Int8Linear int8 M4, plans off": lambda: lin(x4),
+        "Int8Linear float path": lambda: lin(x),  # INT8_FUSED_DISPATCH=float: the hot F.linear of forward
     }
     cases = {k: v for k, v in cases.items() if v is not None}
     res: dict[str, list] = {k: [] for k in cases}
     with torch.no_grad(), config.override(INT8_FUSED_DISPATCH="int8"):
+        def switches(k):  # "plans off": the checked path; "float path": dispatch forced to the float path
+            return config.override(INT8_FUSED_PLANS=not k.endswith("plans off"),
+                                   INT8_FUSED_DISPATCH="float" if k.endswith("float path") else "int8")
         for k, f in cases.items():
-            with config.override(INT8_FUSED_PLANS=not k.endswith("plans off")):
+            with switches(k):
                 for _ in range(50):
                     f()
         for _ in range(a.repeats):  # interleaved: drift of the host hits every case alike
             for k, f in cases.items():
-                with config.override(INT8_FUSED_PLANS=not k.endswith("plans off")):  # off: the checked path
+                with switches(k):
                     res[k].append(per_call_us(f, a.calls))
     import triton
     med = {k: statistics.median(v) for k, v in res.items()}

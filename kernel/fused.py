@@ -101,10 +101,17 @@ RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, w
 RMS_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
 # qk_norm_rope (per-head norms): heads per program, a power of 2 dividing H with at most this many elements
 QK_GROUP_ELEMS = 1024
+# qk_norm_rope: the token's rotations loaded as 16-byte vectors, and (split-half pairs, Ideogram 4) q's and k's
+# halves all loaded before either is normalised. Not yet measured on a GPU. Module data, read at each call.
+QK_PREFETCH = True
 MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K = 4608 -> one 8192 tile)
 # Flux.1 (not yet measured on a GPU): K = 3072 in one 4096-wide pass (the row in registers); the MLP width
 # (12288, and 3072 + 12288 in the single block's concatenation) in 2048-wide chunks, as SWIGLU_PLAN measured best.
 LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
+# layernorm_modulate_quantize over segments (K = 3072: 2048 + 1024; Wan's 1536 / 5120: 1024 + 512 / 4096 + 1024),
+# the row read once and kept in registers, for rows up to max_row; None, or a longer row: the kernel of LN_PLAN.
+# Not yet measured on a GPU (the RMSNorm kernel's plan). Module data, read at each call.
+LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
 # GELU (bench/fused_sweep.py, H200, 2026-12-01): Flux's concat + GELU + quantize (M 4608, 3072 + 12288) 191 us with
 # tanhf in 2048-wide chunks, 150 us with GELU_FAST in 1024-wide chunks (148 in 2048-wide); Wan 1.3B's GELU
 # (M 14040, F 8960) 405 us -> 265 us. GELU_FAST: tanh GELU as h * sigmoid(2u) with the hardware exp2 (see
@@ -123,8 +130,8 @@ GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warp
 def tunables() -> tuple:
     """The module data the wrappers read at each call to choose kernels and tiles (the sweep and tests change
     them): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan."""
-    return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, MAX_SINGLE,
-            LN_PLAN, GELU_PLAN, GELU_FAST, GELU_ONE_PASS, _q.QUANT_ONE_PASS, _plan, launch)
+    return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, QK_PREFETCH,
+            MAX_SINGLE, LN_PLAN, LN_ONE_PASS, GELU_PLAN, GELU_FAST, GELU_ONE_PASS, _q.QUANT_ONE_PASS, _plan, launch)
 
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -634,6 +641,76 @@ def _layernorm_modulate_quant_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, qs_pt
 
 
 @triton.jit
+def _ln_seg_x(x_row, K, OFF: tl.constexpr, SEG: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+    return x, tl.sum(x, axis=0)
+
+
+@triton.jit
+def _ln_seg_dev(x, K, mean, OFF: tl.constexpr, SEG: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    d = tl.where(ks < K, x - mean, 0.0)
+    return tl.sum(d * d, axis=0)
+
+
+@triton.jit
+def _ln_seg_z(x, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, OFF: tl.constexpr, SEG: tl.constexpr,
+              HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr, SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    z = _lnmod_tile(x, s_row, sh_row, inv_ptr, ks, ks < K, mean, rstd, HAS_SMOOTH, NORM_DT, SCALE_DT, PROD_DT,
+                    INTERPRET)
+    amax, bad = _amax_bad(z, amax, bad)
+    return z, amax, bad
+
+
+@triton.jit
+def _layernorm_modulate_quant_seg_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, qs_ptr,
+                                         K, tokens_per_batch, eps,
+                                         stride_xm, stride_sb, stride_shb, stride_qm,
+                                         HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr, SCALE_DT: tl.constexpr,
+                                         PROD_DT: tl.constexpr, SCALE_RECIP: tl.constexpr, S0: tl.constexpr,
+                                         S1: tl.constexpr, S2: tl.constexpr, INTERPRET: tl.constexpr):
+    # _layernorm_modulate_quant_kernel over up to three power-of-2 segments (Flux's K = 3072: 2048 + 1024, where
+    # the one-tile kernel masks 1024 of 4096 lanes): one read of the row, kept in registers; the sums (of x, then
+    # of the squared deviations) add per segment.
+    row = tl.program_id(0)
+    bidx = (row // tokens_per_batch).to(tl.int64)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    s_row = s_ptr + bidx * stride_sb
+    sh_row = sh_ptr + bidx * stride_shb
+    x0, tot = _ln_seg_x(x_row, K, 0, S0)
+    x1, x2 = x0, x0  # placeholders for unused segments
+    if S1 > 0:
+        x1, t1 = _ln_seg_x(x_row, K, S0, S1)
+        tot += t1
+    if S2 > 0:
+        x2, t2 = _ln_seg_x(x_row, K, S0 + S1, S2)
+        tot += t2
+    mean = tl.math.div_rn(tot, K * 1.0)
+    ssd = _ln_seg_dev(x0, K, mean, 0, S0)
+    if S1 > 0:
+        ssd += _ln_seg_dev(x1, K, mean, S0, S1)
+    if S2 > 0:
+        ssd += _ln_seg_dev(x2, K, mean, S0 + S1, S2)
+    rstd = _rstd(ssd, K, eps, INTERPRET)
+    amax = tl.zeros([], dtype=tl.float32)
+    bad = tl.zeros([], dtype=tl.int32)
+    z0, amax, bad = _ln_seg_z(x0, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, 0, S0, HAS_SMOOTH, NORM_DT,
+                              SCALE_DT, PROD_DT, INTERPRET)
+    z1, z2 = z0, z0
+    if S1 > 0:
+        z1, amax, bad = _ln_seg_z(x1, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0, S1, HAS_SMOOTH,
+                                  NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+    if S2 > 0:
+        z2, amax, bad = _ln_seg_z(x2, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0 + S1, S2, HAS_SMOOTH,
+                                  NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+    _finish_segments(q_row, qs_ptr, row, z0, z1, z2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
+
+
+@triton.jit
 def _part_vals(p_row, ks, mask, GELU: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr,
                FAST: tl.constexpr):
     """One tile of a part of the concatenated row, fp32, before the smoothing: the values as they are (GELU
@@ -1042,14 +1119,19 @@ def layernorm_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: tor
     _check_usable(x, "layernorm_modulate_quantize")
     x = _row_major(x, "x")
     prod = torch.promote_types(torch.promote_types(x.dtype, s2.dtype), sh2.dtype)
-    block, single, warps = _plan(k, LN_PLAN)
-    launch(_layernorm_modulate_quant_kernel, (m,),
-           (x, s2, sh2, inv if inv is not None else qs, q, qs, k, tpb, float(eps),
+    args = (x, s2, sh2, inv if inv is not None else qs, q, qs, k, tpb, float(eps),
             x.stride(0), 0 if s2.shape[0] == 1 else s2.stride(0), 0 if sh2.shape[0] == 1 else sh2.stride(0),
-            q.stride(0)),
-           dict(HAS_SMOOTH=inv is not None, NORM_DT=_DT_CODE[x.dtype], SCALE_DT=_DT_CODE[s2.dtype],
-                PROD_DT=_DT_CODE[prod], SCALE_RECIP=x.is_cuda, BLOCK=block, SINGLE=single, INTERPRET=INTERPRET),
-           warps, 1, x.device)
+            q.stride(0))
+    common = dict(HAS_SMOOTH=inv is not None, NORM_DT=_DT_CODE[x.dtype], SCALE_DT=_DT_CODE[s2.dtype],
+                  PROD_DT=_DT_CODE[prod], SCALE_RECIP=x.is_cuda, INTERPRET=INTERPRET)
+    segs = _segments(k, LN_ONE_PASS)
+    if segs is not None:
+        launch(_layernorm_modulate_quant_seg_kernel, (m,), args, dict(common, S0=segs[0], S1=segs[1], S2=segs[2]),
+               _seg_warps(segs, LN_ONE_PASS), 1, x.device)
+        return q, qs
+    block, single, warps = _plan(k, LN_PLAN)
+    launch(_layernorm_modulate_quant_kernel, (m,), args, dict(common, BLOCK=block, SINGLE=single), warps, 1,
+           x.device)
     return q, qs
 
 
@@ -1244,12 +1326,26 @@ def residual_add_layernorm_modulate_quantize(x: torch.Tensor, y: torch.Tensor, g
 
 # ------------------------------------------------------------------------- QK norm + RoPE (issue 14)
 @triton.jit
+def _half_rope_store(x0, x1, wp, eps, f00, f01, f10, f11, out, mask, half, D: tl.constexpr, DT: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """Heads' halves x0 = x[:, :D/2], x1 = x[:, D/2:] (fp32): rms_norm with weight ``wp``, split-half RoPE, stored
+    at ``out`` (the first half's pointers) and ``out + D/2``; roundings as the per-part loop of the kernel."""
+    w0 = tl.load(wp + half).to(tl.float32)[None, :]
+    w1 = tl.load(wp + D // 2 + half).to(tl.float32)[None, :]
+    rstd = _rstd(tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1), D, eps, INTERPRET)[:, None]
+    n0 = _round(x0 * rstd * w0, DT, INTERPRET)
+    n1 = _round(x1 * rstd * w1, DT, INTERPRET)
+    tl.store(out, _round(f00 * n0 + f01 * n1, DT, INTERPRET).to(out.dtype.element_ty), mask=mask)
+    tl.store(out + D // 2, _round(f10 * n0 + f11 * n1, DT, INTERPRET).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(src_ptr, ksrc_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
                          L, H, row_offset, k_off, eps_q, eps_k,
                          stride_sb, stride_sl, stride_pb, stride_pl, stride_ob, stride_oh, stride_ol,
                          D: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr, HAS_PE: tl.constexpr,
                          SPLIT_HALF: tl.constexpr, NORM_ROW: tl.constexpr, WRITE_V: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     # One token: its q [H, D] (at src), k [H, D] (at ksrc + k_off) and v (at src + 2 H D) -> rows row_offset + l
     # of q, k, v [B, H, L_all, D]. q, k: rms_norm with the norm's weight (rounded to the dtype, as F.rms_norm) over
     # each head's D (per head, Flux / Ideogram 4 / Lumina 2) or over the whole H * D row (NORM_ROW, Wan), then RoPE
@@ -1268,11 +1364,29 @@ def _qk_norm_rope_kernel(src_ptr, ksrc_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr
     half = tl.arange(0, D // 2)
     if HAS_PE:
         pe = pe_ptr + (b.to(tl.int64) * stride_pb + (row_offset + l).to(tl.int64) * stride_pl) + half * 4
-        f00 = tl.load(pe)[None, :]
-        f01 = tl.load(pe + 1)[None, :]
-        f10 = tl.load(pe + 2)[None, :]
-        f11 = tl.load(pe + 3)[None, :]
-    if SPLIT_HALF and HAS_PE and not NORM_ROW:
+        if PREFETCH:  # the token's [D/2, 2, 2] rotations as 16-byte vectors, split in registers
+            fa, fb = tl.split(tl.reshape(tl.load(pe[:, None] + tl.arange(0, 4)[None, :]), (D // 2, 2, 2)))
+            f00, f10 = tl.split(fa)
+            f01, f11 = tl.split(fb)
+            f00, f01, f10, f11 = f00[None, :], f01[None, :], f10[None, :], f11[None, :]
+        else:
+            f00 = tl.load(pe)[None, :]
+            f01 = tl.load(pe + 1)[None, :]
+            f10 = tl.load(pe + 2)[None, :]
+            f11 = tl.load(pe + 3)[None, :]
+    if SPLIT_HALF and HAS_PE and not NORM_ROW and PREFETCH:
+        # Ideogram 4's split-half pairs, both q and k loaded before either is computed (more bytes in flight)
+        t0 = hs[:, None] * D + half[None, :]
+        qb, kb = src_ptr + src_row, ksrc_ptr + k_off + src_row
+        q0 = tl.load(qb + t0, mask=mask, other=0.0).to(tl.float32)
+        q1 = tl.load(qb + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
+        k0 = tl.load(kb + t0, mask=mask, other=0.0).to(tl.float32)
+        k1 = tl.load(kb + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
+        _half_rope_store(q0, q1, wq_ptr, eps_q, f00, f01, f10, f11, q_ptr + dst_row + half[None, :], mask, half, D,
+                         DT, INTERPRET)
+        _half_rope_store(k0, k1, wk_ptr, eps_k, f00, f01, f10, f11, k_ptr + dst_row + half[None, :], mask, half, D,
+                         DT, INTERPRET)
+    elif SPLIT_HALF and HAS_PE and not NORM_ROW:
         # Ideogram 4's split-half pairs (x[i], x[i + D/2]): the two halves of each head loaded as two tiles,
         # so the rotation needs no register shuffles
         t0 = hs[:, None] * D + half[None, :]
@@ -1372,7 +1486,7 @@ def _qk_launch(src, ksrc, k_off: int, heads: int, d: int, wq, wk, eps_q, eps_k, 
             src.stride(0), src.stride(1), 0 if pe is None or pe.shape[0] == 1 else pe.stride(0),
             0 if pe is None else pe.stride(2), q.stride(0), q.stride(1), q.stride(2)),
            dict(D=d, BLOCK_H=block_h, DT=_DT_CODE[src.dtype], HAS_PE=pe is not None, SPLIT_HALF=bool(split_half),
-                NORM_ROW=bool(norm_row), WRITE_V=v is not None, INTERPRET=INTERPRET),
+                NORM_ROW=bool(norm_row), WRITE_V=v is not None, PREFETCH=QK_PREFETCH, INTERPRET=INTERPRET),
            warps, 1, src.device)
 
 

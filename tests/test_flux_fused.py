@@ -154,14 +154,24 @@ def _rand(shape, dtype, g, std=2.0, mean=0.0):
 
 
 # ----------------------------------------------------------------------------------- 1. kernels
-@kernel_tests
-@pytest.mark.parametrize("dtype,m,k,b,smooth,chunked", [
-    (BF16, 16, 384, 2, False, False), (BF16, 12, 300, 3, True, True), (BF16, 1, 48, 1, True, False),
-    (FP16, 16, 256, 4, True, False), (FP16, 9, 200, 3, False, True),
-    (FP32, 8, 256, 2, True, False), (FP32, 6, 130, 1, False, True)])
-def test_layernorm_modulate_quantize(kf, qf, monkeypatch, dtype, m, k, b, smooth, chunked):
-    if chunked:  # the four-pass path on small rows: 64-wide chunks, the last one partial
+def _ln_form(kf, monkeypatch, form):
+    """Which LayerNorm kernel runs: ``seg`` the one-pass segmented one (segments of 16 and up, so that small rows
+    take two or three: 384 = 256 + 128, 300 = 256 + 32 + 16, 200 = 128 + 64 + 16), ``single`` one register
+    tile, ``chunked`` 64-wide chunks read four times (the last one partial)."""
+    monkeypatch.setattr(kf, "LN_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4) if form == "seg"
+                        else None)
+    if form == "chunked":
         monkeypatch.setattr(kf, "LN_PLAN", kf.TilePlan(max_single=64, chunk=64, chunk_warps=4))
+
+
+@kernel_tests
+@pytest.mark.parametrize("dtype,m,k,b,smooth,form", [
+    (BF16, 16, 384, 2, False, "seg"), (BF16, 16, 384, 2, False, "single"), (BF16, 12, 300, 3, True, "chunked"),
+    (BF16, 12, 300, 3, True, "seg"), (BF16, 1, 48, 1, True, "single"), (BF16, 1, 48, 1, True, "seg"),
+    (FP16, 16, 256, 4, True, "single"), (FP16, 9, 200, 3, False, "chunked"), (FP16, 9, 200, 3, False, "seg"),
+    (FP32, 8, 256, 2, True, "seg"), (FP32, 6, 130, 1, False, "chunked")])
+def test_layernorm_modulate_quantize(kf, qf, monkeypatch, dtype, m, k, b, smooth, form):
+    _ln_form(kf, monkeypatch, form)
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = _rand((m, k), dtype, g, 2.0, 0.7)        # an offset: the mean matters
     mod = _rand((b, 1, 3 * k), dtype, g, 0.4)    # Flux's ModulationOut: chunks (views) of one [B, 1, 3K] output
@@ -181,19 +191,36 @@ def test_layernorm_modulate_quantize(kf, qf, monkeypatch, dtype, m, k, b, smooth
 
 
 @kernel_tests
-def test_layernorm_modulate_quantize_flux_width(kf):
-    """Flux.1's width (K = 3072, the one-pass 4096 tile) in bf16, broadcast modulation (B = 1)."""
+@pytest.mark.parametrize("form", ["seg", "single"])
+def test_layernorm_modulate_quantize_flux_width(kf, monkeypatch, form):
+    """Flux.1's width (K = 3072: segments 2048 + 1024 by default, or the one 4096 tile) in bf16, broadcast
+    modulation (B = 1)."""
+    if form == "single":
+        monkeypatch.setattr(kf, "LN_ONE_PASS", None)
+    else:  # the default plan's segments, derived by hand
+        assert kf._segments(3072, kf.LN_ONE_PASS) == (2048, 1024, 0) and kf._seg_warps((2048, 1024, 0),
+                                                                                     kf.LN_ONE_PASS) == 4
+    seen, real = [], kf.launch
+
+    def spy(fn, grid, args, constexprs, *rest):
+        seen.append((fn.fn.__name__, tuple(constexprs.get(s) for s in ("S0", "S1", "S2", "BLOCK"))))
+        return real(fn, grid, args, constexprs, *rest)
+    monkeypatch.setattr(kf, "launch", spy)
     g = torch.Generator().manual_seed(7)
     x = _rand((8, 3072), BF16, g, 3.0, -1.0)
     scale, shift = _rand((1, 3072), BF16, g, 0.3), _rand((1, 3072), BF16, g, 0.3)
     q, s = kf.layernorm_modulate_quantize(x, scale, shift, 8)
+    assert seen == ([("_layernorm_modulate_quant_kernel", (None, None, None, 4096))] if form == "single" else
+                    [("_layernorm_modulate_quant_seg_kernel", (2048, 1024, 0, None))])
     y_ideal, marked = layernorm_modulate_ideal(x, scale, shift, 8)
     check_within_ties(q, s, y_ideal, marked, BF16, None, "K=3072")
 
 
 @kernel_tests
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
-def test_layernorm_modulate_quantize_zero_nan_and_errors(kf, qf):
+@pytest.mark.parametrize("form", ["seg", "single"])
+def test_layernorm_modulate_quantize_zero_nan_and_errors(kf, qf, monkeypatch, form):
+    _ln_form(kf, monkeypatch, form)
     g = torch.Generator().manual_seed(3)
     x = _rand((6, 64), BF16, g)
     zero = torch.zeros(1, 64, dtype=BF16)
@@ -654,6 +681,10 @@ def _hopper_check() -> str:
                                                "BLOCK": 4096, "SINGLE": True}, 8),
         (kf._layernorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 2, "SCALE_DT": 2, "PROD_DT": 2,
                                                "BLOCK": 1024, "SINGLE": False}, 4),
+        (kf._layernorm_modulate_quant_seg_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "SCALE_DT": 1, "PROD_DT": 1,
+                                                   "S0": 2048, "S1": 1024, "S2": 0}, 4),  # Flux, K 3072
+        (kf._layernorm_modulate_quant_seg_kernel, {"HAS_SMOOTH": False, "NORM_DT": 2, "SCALE_DT": 2, "PROD_DT": 2,
+                                                   "S0": 4096, "S1": 1024, "S2": 256}, 4),
         (kf._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": True, "DT": 1, "BLOCK": 2048,
                                         "SINGLE": False, "FAST": False}, 8),
         (kf._concat_gelu_quant_kernel, {"HAS_A": False, "HAS_SMOOTH": False, "DT": 1, "BLOCK": 2048,

@@ -97,9 +97,11 @@ def _assert_as_ops(got, want, dtype):
             assert float((u > 0).float().mean()) <= 0.01, name
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["pe_vectors", "pe_scalars"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,d", [(3, 16), (4, 8), (2, 32), (6, 16)])  # 6: three programs of 2 heads
-def test_equals_comfyuis_ops(kf, dtype, heads, d):
+def test_equals_comfyuis_ops(kf, monkeypatch, dtype, heads, d, prefetch):
+    monkeypatch.setattr(kf, "QK_PREFETCH", prefetch)
     g = torch.Generator().manual_seed(heads * 100 + d)
     b, lt, li = 2, 3, 5
     txt = (torch.randn(b, lt, 3 * heads * d, generator=g) * 2).to(dtype)
@@ -141,11 +143,14 @@ def _split_half_table(length, d, seed):
     return torch.stack([c, -s, s, c], dim=-1).reshape(1, length, 1, d // 2, 2, 2).float()
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "per_part"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,d", [(3, 16), (2, 64), (6, 16)])
-def test_split_half_equals_ideogram4s_ops(kf, dtype, heads, d):
+def test_split_half_equals_ideogram4s_ops(kf, monkeypatch, dtype, heads, d, prefetch):
     """Ideogram 4: ``rms_rope_split_half`` = F.rms_norm per head, then the split-half RoPE, on q / k of the
-    [B, L, 3, H, D] qkv output; here written [B, H, L, D] (the attention layout) by one launch."""
+    [B, L, 3, H, D] qkv output; here written [B, H, L, D] (the attention layout) by one launch. ``QK_PREFETCH``:
+    q's and k's halves loaded up front and the rotations as vectors, or one part after the other."""
+    monkeypatch.setattr(kf, "QK_PREFETCH", prefetch)
     g = torch.Generator().manual_seed(heads * 10 + d)
     b, l = 2, 7
     qkv = (torch.randn(b, l, 3 * heads * d, generator=g) * 2).to(dtype)
@@ -389,11 +394,13 @@ def _hopper_check() -> str:
                                  "NORM_ROW": False, "WRITE_V": True, "INTERPRET": False}),
                        ("bf16", {"D": 256, "BLOCK_H": 2, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True,
                                  "NORM_ROW": False, "WRITE_V": False, "INTERPRET": False}),
+                       ("bf16", {"D": 256, "BLOCK_H": 2, "DT": 1, "HAS_PE": True, "SPLIT_HALF": True,
+                                 "NORM_ROW": False, "WRITE_V": False, "PREFETCH": False, "INTERPRET": False}),
                        ("fp16", {"D": 128, "BLOCK_H": 16, "DT": 2, "HAS_PE": True, "SPLIT_HALF": False,
                                  "NORM_ROW": True, "WRITE_V": False, "INTERPRET": False})):
         types = {p: f"*{ty}" for p in ("src_ptr", "ksrc_ptr", "wq_ptr", "wk_ptr", "q_ptr", "k_ptr", "v_ptr")}
         types.update(pe_ptr="*fp32", eps_q="fp32", eps_k="fp32")
-        problem = fbh.build_sm90(kf._qk_norm_rope_kernel, types, consts)
+        problem = fbh.build_sm90(kf._qk_norm_rope_kernel, types, {"PREFETCH": True, **consts})
         if problem:
             return problem
     return "OK"
