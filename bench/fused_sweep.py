@@ -46,6 +46,7 @@ def main() -> int:
     ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
     default_plan, gelu_fast, one_pass, res_pass = kf._plan, kf.GELU_FAST, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS
     gelu_pass, rms_pass, ln_pass, qk_prefetch = kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kf.LN_ONE_PASS, kf.QK_PREFETCH
+    res_ln_pass = kf.RESIDUAL_LN_ONE_PASS
     import kernel.quantize
     quant_pass = kernel.quantize.QUANT_ONE_PASS
     print(f"INT8_FUSED_ALU_ROUND: {bool(kernel.quantize.ALU_ROUND)}", flush=True)
@@ -69,6 +70,13 @@ def main() -> int:
                                      [("seg", 4), ("seg", 8), (4096, True, 8), (4096, True, 16), (2048, False, 4),
                                       (1024, False, 4), (1024, False, 8)]),
     }
+    # the residual + LayerNorm·mod + quantize tails: Flux's (x += y * gate, then img_norm2) and Wan's (x + y)
+    fy = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
+    fg = (0.3 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
+    cases["flux residual+layernorm_mod_quant K=3072"] = (
+        lambda: kf.residual_add_layernorm_modulate_quantize(lx, fy, fg, 4608, 1e-6, ls, ls, None,
+                                                            round_product=True)[1:], 4608 * 3072 * 7,
+        [("seg", 4), ("seg", 8), (4096, True, 8), (4096, True, 16)])
     for kw in (1536, 5120):  # Wan 2.1 1.3B / 14B, 480x832 33 frames: M 14040
         wx = torch.randn(14040, kw, device=dev, generator=g).to(torch.bfloat16)
         ws = (0.1 * torch.randn(1, kw, device=dev, generator=g)).to(torch.bfloat16)
@@ -76,6 +84,10 @@ def main() -> int:
             lambda wx=wx, ws=ws: kf.layernorm_modulate_quantize(wx, ws, ws, 14040), 14040 * kw * 3,
             [("seg", 4), ("seg", 8), ("seg", 16), (triton.next_power_of_2(kw), True, 4),
              (triton.next_power_of_2(kw), True, 8), (triton.next_power_of_2(kw), True, 16)])
+        cases[f"wan residual+layernorm_mod_quant K={kw}"] = (
+            lambda wx=wx, ws=ws: kf.residual_add_layernorm_modulate_quantize(wx, wx, None, 14040, 1e-6, ws, ws)[1:],
+            14040 * kw * 7, [("seg", 4), ("seg", 8), (triton.next_power_of_2(kw), True, 4),
+                             (triton.next_power_of_2(kw), True, 8), (triton.next_power_of_2(kw), True, 16)])
     ro = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)  # Ideogram 4's residual tail, K 4608
     rg = torch.tanh(torch.randn(1, k, device=dev, generator=g)).to(torch.bfloat16)
     cases["gated_residual+next K=4608"] = (
@@ -107,7 +119,7 @@ def main() -> int:
             continue
         kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
         kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
-        kf.LN_ONE_PASS, kf.QK_PREFETCH = ln_pass, qk_prefetch
+        kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
         ref_q, ref_s = (t.clone() for t in fn())  # (qk_norm_rope's run returns its output buffers)
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
         for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
@@ -130,6 +142,8 @@ def main() -> int:
                                                   quant_pass if plan is None else None)
                 kf.LN_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
                                   ln_pass if plan is None else None)
+                kf.RESIDUAL_LN_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
+                                           res_ln_pass if plan is None else None)
                 kf._plan = (default_plan if plan is None or seg or plan[0] == "prefetch" else
                             (lambda n, *args, _p=plan, **kw: _p))
                 try:
@@ -153,7 +167,7 @@ def main() -> int:
         kf.GELU_FAST = gelu_fast
     kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
     kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
-    kf.LN_ONE_PASS, kf.QK_PREFETCH = ln_pass, qk_prefetch
+    kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
     return 0
 
 

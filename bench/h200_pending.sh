@@ -60,9 +60,11 @@
 #   planideo  Ideogram 4 dual: bf16, pack (INT8_FUSED_PLANS=0 A/B'd), fp8_fast~cudnn, fp8_fast~kitchen
 #   floors    Flux / Z-Image / Wan: the pack's kernel sums a step (profiled) and its host time by function (cProfile)
 #   lnqk      bench/plan_check.py, bench/host_int8.py, the LayerNorm / QK sweep rows, Flux and Wan 1.3B profiled
+#   restails  the segmented residual + LayerNorm tails (sweep rows), Flux.1 with INT8_FUSED_FLUX_TAILS=1 A/B'd
+#   ideo5     Ideogram 4 dual: bf16, pack (profiled), fp8_fast~cudnn, fp8_fast~kitchen in one process
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5 ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -304,6 +306,15 @@ PY
     timeout 300 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,wan13 \
       --paths "bf16,pack:fused_triton" --profile pack:fused_triton \
       --out "$OUT/h200-e2e-models-lnqk.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  restails)  # the segmented residual + LayerNorm tails against the one-tile kernel (bench/fused_sweep.py), then Flux.1
+             # (bf16, pack with INT8_FUSED_FLUX_TAILS=1 A/B'd on the loaded model, fp8_fast)
+    timeout 120 python3 bench/fused_sweep.py --only residual+layernorm 2>&1 | tee "$OUT/sweep-restails.log"
+    timeout 300 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths "bf16,pack:fused_triton,fp8_fast" --ab INT8_FUSED_FLUX_TAILS=1 \
+      --out "$OUT/h200-e2e-models-restails.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  ideo5)  # issue 14's anchors in one process, the pack profiled (kernel time a step)
+    timeout 450 $sampler --profile pack:fused_triton --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen" \
+      --out "$OUT/sampler-ideo5.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

@@ -102,7 +102,9 @@ RMS_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=
 # qk_norm_rope (per-head norms): heads per program, a power of 2 dividing H with at most this many elements
 QK_GROUP_ELEMS = 1024
 # qk_norm_rope: the token's rotations loaded as 16-byte vectors, and (split-half pairs, Ideogram 4) q's and k's
-# halves all loaded before either is normalised. Not yet measured on a GPU. Module data, read at each call.
+# halves all loaded before either is normalised; False: scalar loads, q then k. H200 (bench/fused_sweep.py, run bj,
+# M 4608): Ideogram 4 (18 x 256) 64.4 us against 73.4, Flux (24 x 128) 46.1 against 48.2; outputs identical. Module
+# data, read at each call.
 QK_PREFETCH = True
 MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K = 4608 -> one 8192 tile)
 # Flux.1 (not yet measured on a GPU): K = 3072 in one 4096-wide pass (the row in registers); the MLP width
@@ -110,8 +112,13 @@ MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K
 LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
 # layernorm_modulate_quantize over segments (K = 3072: 2048 + 1024; Wan's 1536 / 5120: 1024 + 512 / 4096 + 1024),
 # the row read once and kept in registers, for rows up to max_row; None, or a longer row: the kernel of LN_PLAN.
-# Not yet measured on a GPU (the RMSNorm kernel's plan). Module data, read at each call.
+# H200 (bench/fused_sweep.py, run bj): Flux M 4608 K 3072 30.0 us with 4 warps (8: 39.1), LN_PLAN's one 4096 tile
+# 36.3; Wan M 14040 K 1536 47.9 (one 2048 tile 48.2), K 5120 120.6 (one 8192 tile 175.9). Module data, read at
+# each call.
 LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
+# residual_add* (Wan's and Flux's residual + LayerNorm tails) over segments, the same way; None: one masked tile.
+# Not yet measured on a GPU. Module data, read at each call.
+RESIDUAL_LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
 # GELU (bench/fused_sweep.py, H200, 2026-12-01): Flux's concat + GELU + quantize (M 4608, 3072 + 12288) 191 us with
 # tanhf in 2048-wide chunks, 150 us with GELU_FAST in 1024-wide chunks (148 in 2048-wide); Wan 1.3B's GELU
 # (M 14040, F 8960) 405 us -> 265 us. GELU_FAST: tanh GELU as h * sigmoid(2u) with the hardware exp2 (see
@@ -131,7 +138,8 @@ def tunables() -> tuple:
     """The module data the wrappers read at each call to choose kernels and tiles (the sweep and tests change
     them): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan."""
     return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, QK_PREFETCH,
-            MAX_SINGLE, LN_PLAN, LN_ONE_PASS, GELU_PLAN, GELU_FAST, GELU_ONE_PASS, _q.QUANT_ONE_PASS, _plan, launch)
+            MAX_SINGLE, LN_PLAN, LN_ONE_PASS, RESIDUAL_LN_ONE_PASS, GELU_PLAN, GELU_FAST, GELU_ONE_PASS,
+            _q.QUANT_ONE_PASS, _plan, launch)
 
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -1237,6 +1245,95 @@ def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, 
             _store_q(q_ptr + row.to(tl.int64) * stride_nm + cols, yq, mult, usable, mask, INTERPRET)
 
 
+@triton.jit
+def _res_seg_r(x_row, y_row, g_row, r_row, K, OFF: tl.constexpr, SEG: tl.constexpr, HAS_GATE: tl.constexpr,
+               ROUND_PRODUCT: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    # one segment of the residual sum (as _residual_layernorm_kernel), stored, and its sum; masked lanes hold 0
+    ks = OFF + tl.arange(0, SEG)
+    mask = ks < K
+    x = tl.load(x_row + ks, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_row + ks, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        gv = tl.load(g_row + ks, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_PRODUCT:
+            r = _round(x + _round(y * gv, DT, INTERPRET), DT, INTERPRET)
+        else:
+            r = _round(x + y * gv, DT, INTERPRET)
+    else:
+        r = _round(x + y, DT, INTERPRET)
+    tl.store(r_row + ks, r.to(r_row.dtype.element_ty), mask=mask)
+    return r, tl.sum(r, axis=0)
+
+
+@triton.jit
+def _res_seg_n(r, w_ptr, b_ptr, n_row, K, mean, rstd, OFF: tl.constexpr, SEG: tl.constexpr, HAS_W: tl.constexpr,
+               HAS_B: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    mask = ks < K
+    n = (r - mean) * rstd
+    if HAS_W:
+        n = n * tl.load(w_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        n = n + tl.load(b_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+    tl.store(n_row + ks, _round(n, DT, INTERPRET).to(n_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _residual_layernorm_seg_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, sh_ptr, inv_ptr, n_ptr, q_ptr,
+                                   qs_ptr, K, tokens_per_batch, eps,
+                                   stride_xm, stride_ym, stride_gb, stride_rm, stride_sb, stride_shb, stride_nm,
+                                   HAS_GATE: tl.constexpr, ROUND_PRODUCT: tl.constexpr, MODE: tl.constexpr,
+                                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                                   DT: tl.constexpr, SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr,
+                                   SCALE_RECIP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                                   INTERPRET: tl.constexpr):
+    # _residual_layernorm_kernel over up to three power-of-2 segments (Flux's K = 3072: 2048 + 1024; Wan 14B's
+    # 5120: 4096 + 1024) instead of one masked power-of-2 tile: the sums add per segment. r_ptr may be x_ptr: each
+    # segment is read before it is written, and the segments do not overlap.
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    bidx = (row // tokens_per_batch).to(tl.int64)
+    x_row, y_row, r_row = x_ptr + r64 * stride_xm, y_ptr + r64 * stride_ym, r_ptr + r64 * stride_rm
+    g_row = g_ptr + bidx * stride_gb
+    r0, tot = _res_seg_r(x_row, y_row, g_row, r_row, K, 0, S0, HAS_GATE, ROUND_PRODUCT, DT, INTERPRET)
+    r1, r2 = r0, r0  # placeholders for unused segments
+    if S1 > 0:
+        r1, t1 = _res_seg_r(x_row, y_row, g_row, r_row, K, S0, S1, HAS_GATE, ROUND_PRODUCT, DT, INTERPRET)
+        tot += t1
+    if S2 > 0:
+        r2, t2 = _res_seg_r(x_row, y_row, g_row, r_row, K, S0 + S1, S2, HAS_GATE, ROUND_PRODUCT, DT, INTERPRET)
+        tot += t2
+    if MODE > 0:
+        mean = tl.math.div_rn(tot, K * 1.0)
+        ssd = _ln_seg_dev(r0, K, mean, 0, S0)
+        if S1 > 0:
+            ssd += _ln_seg_dev(r1, K, mean, S0, S1)
+        if S2 > 0:
+            ssd += _ln_seg_dev(r2, K, mean, S0 + S1, S2)
+        rstd = _rstd(ssd, K, eps, INTERPRET)
+        n_row = n_ptr + r64 * stride_nm
+        if MODE == 1:
+            _res_seg_n(r0, w_ptr, b_ptr, n_row, K, mean, rstd, 0, S0, HAS_W, HAS_B, DT, INTERPRET)
+            if S1 > 0:
+                _res_seg_n(r1, w_ptr, b_ptr, n_row, K, mean, rstd, S0, S1, HAS_W, HAS_B, DT, INTERPRET)
+            if S2 > 0:
+                _res_seg_n(r2, w_ptr, b_ptr, n_row, K, mean, rstd, S0 + S1, S2, HAS_W, HAS_B, DT, INTERPRET)
+        else:
+            s_row, sh_row = s_ptr + bidx * stride_sb, sh_ptr + bidx * stride_shb
+            amax = tl.zeros([], dtype=tl.float32)
+            bad = tl.zeros([], dtype=tl.int32)
+            z0, amax, bad = _ln_seg_z(r0, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, 0, S0, HAS_SMOOTH, DT,
+                                      SCALE_DT, PROD_DT, INTERPRET)
+            z1, z2 = z0, z0
+            if S1 > 0:
+                z1, amax, bad = _ln_seg_z(r1, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0, S1, HAS_SMOOTH,
+                                          DT, SCALE_DT, PROD_DT, INTERPRET)
+            if S2 > 0:
+                z2, amax, bad = _ln_seg_z(r2, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0 + S1, S2,
+                                          HAS_SMOOTH, DT, SCALE_DT, PROD_DT, INTERPRET)
+            _finish_segments(n_row, qs_ptr, row, z0, z1, z2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
+
+
 def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, weight=None, bias=None, scale=None,
               shift=None, inv_smooth=None, what: str = "residual_add", round_product: bool = False, out=None):
     """Checks and one launch of ``_residual_layernorm_kernel`` (see the public functions below); ``out``: where the
@@ -1275,9 +1372,15 @@ def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, w
     x, y = _row_major(x, "x"), _row_major(y, "y")
     dummy = r
     prod = torch.promote_types(torch.promote_types(x.dtype, s2.dtype), sh2.dtype) if mode == 2 else x.dtype
-    block, _, warps = _plan(k)
+    segs = _segments(k, RESIDUAL_LN_ONE_PASS)
+    if segs is not None:
+        fn, tile, warps = (_residual_layernorm_seg_kernel, dict(S0=segs[0], S1=segs[1], S2=segs[2]),
+                           _seg_warps(segs, RESIDUAL_LN_ONE_PASS))
+    else:
+        block, _, warps = _plan(k)
+        fn, tile = _residual_layernorm_kernel, dict(BLOCK=block)
     out2 = n if mode == 1 else q if mode == 2 else dummy
-    launch(_residual_layernorm_kernel, (m,),
+    launch(fn, (m,),
            (x, y, g2 if g2 is not None else dummy, r, w if w is not None else dummy, b if b is not None else dummy,
             s2 if s2 is not None else dummy, sh2 if sh2 is not None else dummy, inv if inv is not None else dummy,
             out2, out2, qs if qs is not None else dummy, k, tpb, float(eps),
@@ -1288,7 +1391,7 @@ def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, w
                 HAS_B=b is not None,
                 HAS_SMOOTH=inv is not None, DT=_DT_CODE[x.dtype],
                 SCALE_DT=_DT_CODE[s2.dtype] if s2 is not None else 0, PROD_DT=_DT_CODE[prod],
-                SCALE_RECIP=x.is_cuda, BLOCK=block, INTERPRET=INTERPRET), warps, 1, x.device)
+                SCALE_RECIP=x.is_cuda, INTERPRET=INTERPRET, **tile), warps, 1, x.device)
     return r, n, q, qs
 
 

@@ -12,7 +12,9 @@ residual tails, issue 13) on the CPU (TRITON_INTERPRET=1), against torch and flo
 * ``round_product`` (Flux's ``x += y * gate``: two roundings) bit for bit against torch's two ops, in place;
 * bad input: mixed dtypes (torch would promote) and rows too long for registers raise ValueError naming the fix;
   no rows: empty outputs;
-* the compiled kernel builds for sm_90 in its three modes and both roundings of the sum (fp16, Wan's width).
+* the compiled kernel builds for sm_90 in its three modes and both roundings of the sum (fp16, Wan's width), the
+  segmented one too (Wan's and Flux's widths);
+* every kernel test runs twice: the segmented kernel (``RESIDUAL_LN_ONE_PASS``, the default) and the one-tile one.
 """
 from __future__ import annotations
 
@@ -40,6 +42,24 @@ kernel_tests = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 def kf():
     import kernel.fused
     return kernel.fused
+
+
+@pytest.fixture(autouse=True, params=["seg", "single"])
+def form(request, monkeypatch):
+    """Every test twice: the segmented kernel with segments of 16 and up (so that these small rows take two or
+    three: 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64, 200 = 128 + 64 + 16), and the one-tile kernel."""
+    import kernel.fused as kf
+    monkeypatch.setattr(kf, "RESIDUAL_LN_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4)
+                        if request.param == "seg" else None)
+    seen, real = [], kf.launch
+
+    def spy(fn, *args, **kw):
+        seen.append(fn.fn.__name__)
+        return real(fn, *args, **kw)
+    monkeypatch.setattr(kf, "launch", spy)
+    yield request.param
+    want = "_residual_layernorm_seg_kernel" if request.param == "seg" else "_residual_layernorm_kernel"
+    assert all(n == want for n in seen if n.startswith("_residual_layernorm")), seen
 
 
 _ulps = fbh.ulps
@@ -184,6 +204,15 @@ def _hopper_check() -> str:
         problem = fbh.build_sm90(fn, types, {**consts, **extra}, num_warps=4)
         if problem:
             return problem
+        # the segmented kernel: Wan 1.3B's K 1536 = 1024 + 512 (fp16), Flux's 3072 = 2048 + 1024 (bf16)
+        consts.pop("BLOCK")
+        for dt, ty, segs in ((2, "*fp16", (1024, 512, 0)), (1, "*bf16", (2048, 1024, 0))):
+            seg_types = {p: (ty if v == "*fp16" else v) for p, v in types.items()}
+            problem = fbh.build_sm90(kf._residual_layernorm_seg_kernel, seg_types,
+                                     {**consts, **extra, "DT": dt, "SCALE_DT": dt, "PROD_DT": dt,
+                                      "S0": segs[0], "S1": segs[1], "S2": segs[2]}, num_warps=4)
+            if problem:
+                return problem
     return "OK"
 
 
