@@ -632,7 +632,9 @@ class SamplerBench:
         Path(self.a.out).write_text(json.dumps(doc, indent=1))
 
 
-_RUN_START = ("patch_weight_to_device", "partially_load", "outer_sample")
+# copies made once per sampling run: ComfyUI's load, the sampler's setup, the pack's conditioning move
+# (nodes/resident_conds.py, at the run's start: conditioning, not weights)
+_RUN_START = ("patch_weight_to_device", "partially_load", "outer_sample", "sampler_sample_wrapper")
 
 
 def _h2d_sources(ev: list, h2d: list) -> list:

@@ -48,11 +48,11 @@ SWITCHES = {s.name: s for s in (
            "(residual + LayerNorm) as torch ops instead of one fused kernel each (Ideogram 4's kernel equals "
            "torch's y but for torch's reduction order: 1.5e-6 of elements on the H200)",
            at_import=True),
-    Switch("INT8_FUSED_FLUX_TAILS", bool, False,
-           "`1`: Flux.1's residual tails (`img += y * gate`, and with the next LayerNorm · modulation + "
-           "quantization) as one kernel each (`kernel/fused.py` `residual_add*`, `round_product`: the same two "
-           "roundings as torch's ops); opt-in: 3.3 ms less GPU work a Flux step on the H200, but the step is "
-           "paced by the host and was not faster (bench/RESULTS.md, runs x and ao)"),
+    Switch("INT8_FUSED_FLUX_TAILS", bool, True,
+           "Flux.1's residual tails (`img += y * gate`, and with the next LayerNorm · modulation + quantization) as "
+           "one kernel each (`kernel/fused.py` `residual_add*`, `round_product`: the same two roundings as torch's "
+           "ops); `0`: torch's ops. On by default since run bk: on the loaded model (H200, 4 + 4 interleaved runs) "
+           "0.0929 s a step against 0.0967 without (run bh: 0.0967 against 0.0992; bench/RESULTS.md)"),
     Switch("INT8_FUSED_QK_ROPE", str, "all",
            "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/fused.py` `qk_norm_rope`, "
            "`qk_rmsnorm_rope_rows`) instead of ComfyUI's ops: `all` the fused blocks of Flux.1, Ideogram 4, "

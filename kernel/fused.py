@@ -116,9 +116,11 @@ LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
 # 36.3; Wan M 14040 K 1536 47.9 (one 2048 tile 48.2), K 5120 120.6 (one 8192 tile 175.9). Module data, read at
 # each call.
 LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
-# residual_add* (Wan's and Flux's residual + LayerNorm tails) over segments, the same way; None: one masked tile.
-# Not yet measured on a GPU. Module data, read at each call.
-RESIDUAL_LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
+# residual_add* (Wan's and Flux's residual + LayerNorm tails) over segments, the same way, 8 warps from 1024
+# elements; None: one masked tile. H200 (bench/fused_sweep.py, run bk, with the LayerNorm · mod + quantize): Flux M
+# 4608 K 3072 70.1 us (4 warps 79.3; one 4096 tile 76.8), Wan M 14040 K 1536 75.3 (one 2048 tile 75.1, 4 warps 83.6),
+# K 5120 165.3 (4 warps 140.1; one 8192 tile 192.4). Module data, read at each call.
+RESIDUAL_LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=8, per_warp=128)
 # GELU (bench/fused_sweep.py, H200, 2026-12-01): Flux's concat + GELU + quantize (M 4608, 3072 + 12288) 191 us with
 # tanhf in 2048-wide chunks, 150 us with GELU_FAST in 1024-wide chunks (148 in 2048-wide); Wan 1.3B's GELU
 # (M 14040, F 8960) 405 us -> 265 us. GELU_FAST: tanh GELU as h * sigmoid(2u) with the hardware exp2 (see

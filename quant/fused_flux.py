@@ -8,10 +8,9 @@ each GEMM input (``kernel/fused.py``):
 * ``cat(attn, gelu_tanh(mlp))`` + quantization (``concat_gelu_quantize``, one absmax over both parts, the
   concatenation never written) feeds the single block's ``linear2``;
 * QK RMSNorm + RoPE + the txt / img concatenation (``qk_norm_rope``, ``INT8_FUSED_QK_ROPE``, on by default);
-* with ``INT8_FUSED_FLUX_TAILS=1`` (opt-in: measured in run x, not faster) the residual tails ``x += y * gate`` (in
-  place, the product rounded first as torch's two ops) in ``residual_add``, and the double block's first one together with
-  ``img_norm2`` / ``txt_norm2`` · modulation + quantization for ``mlp.0``
-  (``residual_add_layernorm_modulate_quantize``).
+* the residual tails ``x += y * gate`` (in place, the product rounded first as torch's two ops) in ``residual_add``,
+  and the double block's first one together with ``img_norm2`` / ``txt_norm2`` · modulation + quantization for
+  ``mlp.0`` (``residual_add_layernorm_modulate_quantize``); ``INT8_FUSED_FLUX_TAILS=0``: torch's ops.
 
 Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: ``adapters/flux.py`` decides which
 blocks are Flux.1 blocks and hands in what the forwards call from ComfyUI (:class:`FluxFunctions`: Flux's
