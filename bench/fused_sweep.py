@@ -48,7 +48,7 @@ def main() -> int:
     gelu_pass, rms_pass, ln_pass, qk_prefetch = kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kf.LN_ONE_PASS, kf.QK_PREFETCH
     res_ln_pass = kf.RESIDUAL_LN_ONE_PASS
     import kernel.quantize
-    quant_pass = kernel.quantize.QUANT_ONE_PASS
+    quant_pass, quant_loop = kernel.quantize.QUANT_ONE_PASS, kernel.quantize.QUANT_ROW_LOOP
     print(f"INT8_FUSED_ALU_ROUND: {bool(kernel.quantize.ALU_ROUND)}", flush=True)
     torch_ref = {  # the unfused torch sequence the GELU kernels replace
         "flux concat+gelu+quant": lambda: quantize_per_token_ref(torch.cat((fa, F.gelu(fh, approximate="tanh")), -1)),
@@ -110,7 +110,9 @@ def main() -> int:
     from kernel import quantize_per_token
     xq = torch.randn(4608, 12288, device=dev, generator=g).to(torch.bfloat16)
     # the BLOCK_K kernel's own tiles (kernel/quantize.py _block_k) label its rows; one-pass segments otherwise
-    qseg = [("seg", 4), ("seg", 8), ("seg", 16)]
+    # ("loop", programs an SM, warps): the row-looping kernel with the next row's loads in flight
+    qseg = [("seg", 4), ("seg", 8), ("seg", 16), ("loop", 2, 4), ("loop", 4, 4), ("loop", 8, 4), ("loop", 2, 8),
+            ("loop", 4, 8)]
     cases["quant_rows K=4608"] = (lambda: quantize_per_token(x), 3 * m * k, qseg + [(8192, True, 16)])
     cases["quant_rows K=12288"] = (lambda: quantize_per_token(xq), 3 * 4608 * 12288, qseg + [(4096, False, 8)])
     only = [w for w in a.only.split(",") if w]
@@ -120,6 +122,7 @@ def main() -> int:
         kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
         kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
         kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
+        kernel.quantize.QUANT_ROW_LOOP = quant_loop
         ref_q, ref_s = (t.clone() for t in fn())  # (qk_norm_rope's run returns its output buffers)
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
         for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
@@ -127,7 +130,11 @@ def main() -> int:
             for plan in ([None] if a.quick else plans):
                 # the one-pass segmented kernels with plan[1] warps (per_warp 128: the warps asked for, not capped
                 # at one per 512 elements as the defaults are)
+                loop = plan is not None and plan[0] == "loop"
+                kernel.quantize.QUANT_ROW_LOOP = plan[1] if loop else quant_loop if plan is None else 0
                 seg = plan is not None and plan[0] == "seg"
+                if loop:
+                    plan, seg = ("seg", plan[2]), True  # the segment plan of that many warps, looped
                 if plan is not None and plan[0] == "prefetch":
                     kf.QK_PREFETCH = plan[1]
                 kf.SWIGLU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
@@ -157,6 +164,8 @@ def main() -> int:
                     digest = hashlib.sha1(_bytes(q) + _bytes(sc)).hexdigest()[:10]
                     us = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
                     print(f"{name:26s} fast={fast!s:5s} " + ("own plan: " if plan is None else
+                          f"one pass, segments, warps={plan[1]:2d}, {kernel.quantize.QUANT_ROW_LOOP} programs an SM "
+                          "looping over rows: " if loop else
                           f"one pass, segments, warps={plan[1]:2d}: " if seg else
                           f"QK_PREFETCH={plan[1]!s:5s}: " if plan[0] == "prefetch" else
                           f"BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: ") +
@@ -168,6 +177,7 @@ def main() -> int:
     kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
     kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
     kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
+    kernel.quantize.QUANT_ROW_LOOP = quant_loop
     return 0
 
 

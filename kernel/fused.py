@@ -141,7 +141,7 @@ def tunables() -> tuple:
     them): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan."""
     return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, QK_PREFETCH,
             MAX_SINGLE, LN_PLAN, LN_ONE_PASS, RESIDUAL_LN_ONE_PASS, GELU_PLAN, GELU_FAST, GELU_ONE_PASS,
-            _q.QUANT_ONE_PASS, _plan, launch)
+            _q.QUANT_ONE_PASS, _q.QUANT_ROW_LOOP, _plan, launch)
 
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

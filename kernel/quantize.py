@@ -59,6 +59,18 @@ class SegmentPlan:
 QUANT_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8, per_warp=1024)
 
 
+# The one-pass quantizer as QUANT_ROW_LOOP programs an SM, each looping over rows with the next row's loads in
+# flight (_quant_rows_loop_kernel), where M is larger than that; 0: a program a row. Not yet measured on a GPU.
+# Module data, read at each call.
+QUANT_ROW_LOOP = 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter's programs run one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _interpreter_compat() -> None:
     """NOTE: Triton 3.6's interpreter turns a scalar kernel argument into a Python int with
     ``int(array([v]))``, which numpy >= 2.4 refuses ("only 0-dimensional arrays ..."), so any
@@ -201,6 +213,75 @@ def _quant_rows_seg_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm
 
 
 @triton.jit
+def _seg_row(x_row, K, OFF: tl.constexpr, SEG: tl.constexpr, valid):
+    # one segment of a row as stored (a row past the end, ``valid`` False, loads nothing)
+    ks = OFF + tl.arange(0, SEG)
+    return tl.load(x_row + ks, mask=(ks < K) & valid, other=0.0)
+
+
+@triton.jit
+def _seg_inv(inv_ptr, K, OFF: tl.constexpr, SEG: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+    ks = OFF + tl.arange(0, SEG)
+    if HAS_SMOOTH:
+        return tl.load(inv_ptr + ks, mask=ks < K, other=1.0).to(tl.float32)
+    else:
+        return tl.full([SEG], 1.0, tl.float32)
+
+
+@triton.jit
+def _seg_vals(x, inv, amax, bad, HAS_SMOOTH: tl.constexpr):
+    y = x.to(tl.float32)
+    if HAS_SMOOTH:
+        y = y * inv
+    amax, bad = _amax_bad(y, amax, bad)
+    return y, amax, bad
+
+
+@triton.jit
+def _quant_rows_loop_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
+                            HAS_SMOOTH: tl.constexpr, SCALE_RECIP: tl.constexpr,
+                            S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, INTERPRET: tl.constexpr):
+    # _quant_rows_seg_kernel with a program looping over rows pid, pid + P, ... (P programs): the next row's
+    # loads are issued before the current row is reduced and stored (one row always in flight), and the
+    # smoothing vector is loaded once a program. Each row's arithmetic is the one-row kernel's: the same codes.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    inv0 = _seg_inv(inv_ptr, K, 0, S0, HAS_SMOOTH)
+    inv1, inv2 = inv0, inv0  # placeholders for unused segments
+    if S1 > 0:
+        inv1 = _seg_inv(inv_ptr, K, S0, S1, HAS_SMOOTH)
+    if S2 > 0:
+        inv2 = _seg_inv(inv_ptr, K, S0 + S1, S2, HAS_SMOOTH)
+    first = x_ptr + pid.to(tl.int64) * stride_xm
+    n0 = _seg_row(first, K, 0, S0, pid < M)
+    n1, n2 = n0, n0
+    if S1 > 0:
+        n1 = _seg_row(first, K, S0, S1, pid < M)
+    if S2 > 0:
+        n2 = _seg_row(first, K, S0 + S1, S2, pid < M)
+    for row in range(pid, M, nprog):
+        c0, c1, c2 = n0, n1, n2
+        r64 = tl.zeros([], dtype=tl.int64) + row  # (the interpreter's loop index is a Python int)
+        nxt = r64 + nprog
+        x_next = x_ptr + nxt * stride_xm
+        n0 = _seg_row(x_next, K, 0, S0, nxt < M)
+        if S1 > 0:
+            n1 = _seg_row(x_next, K, S0, S1, nxt < M)
+        if S2 > 0:
+            n2 = _seg_row(x_next, K, S0 + S1, S2, nxt < M)
+        amax = tl.zeros([], dtype=tl.float32)
+        bad = tl.zeros([], dtype=tl.int32)
+        y0, amax, bad = _seg_vals(c0, inv0, amax, bad, HAS_SMOOTH)
+        y1, y2 = y0, y0
+        if S1 > 0:
+            y1, amax, bad = _seg_vals(c1, inv1, amax, bad, HAS_SMOOTH)
+        if S2 > 0:
+            y2, amax, bad = _seg_vals(c2, inv2, amax, bad, HAS_SMOOTH)
+        _finish_segments(q_ptr + r64 * stride_qm, s_ptr, r64, y0, y1, y2, K, S0, S1, S2, amax, bad,
+                         SCALE_RECIP, INTERPRET)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
                        M, K,
                        stride_xm, stride_xk, stride_qm,
@@ -282,6 +363,12 @@ def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
         return
     inv = inv_smooth if inv_smooth is not None else scale  # dummy pointer when HAS_SMOOTH is False
     segs = _segments(k, QUANT_ONE_PASS) if x.stride(1) == 1 else None
+    if segs is not None and QUANT_ROW_LOOP and m > QUANT_ROW_LOOP * _sm_count(x.device):
+        launch(_quant_rows_loop_kernel, (QUANT_ROW_LOOP * _sm_count(x.device),),
+               (x, inv, q, scale, m, k, x.stride(0), q.stride(0)),
+               dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, S0=segs[0], S1=segs[1], S2=segs[2],
+                    INTERPRET=INTERPRET), _seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
+        return
     if segs is not None:
         launch(_quant_rows_seg_kernel, (m,), (x, inv, q, scale, k, x.stride(0), q.stride(0)),
                dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, S0=segs[0], S1=segs[1], S2=segs[2],

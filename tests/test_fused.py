@@ -863,6 +863,8 @@ def _hopper_check() -> str:
                                                  "S1": 2048, "S2": 1024}),
         (kq._quant_rows_seg_kernel, {"HAS_SMOOTH": True, "S0": 4096, "S1": 512, "S2": 0}),
         (kq._quant_rows_seg_kernel, {"HAS_SMOOTH": False, "S0": 8192, "S1": 4096, "S2": 0}),
+        (kq._quant_rows_loop_kernel, {"HAS_SMOOTH": True, "S0": 4096, "S1": 512, "S2": 0}),
+        (kq._quant_rows_loop_kernel, {"HAS_SMOOTH": False, "S0": 8192, "S1": 4096, "S2": 0}),
         (kf._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "PROD_DT": 1, "BLOCK": 8192,
                                              "SINGLE": True}),
         (kf._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 0, "PROD_DT": 0, "BLOCK": 4096,
@@ -884,7 +886,8 @@ def _hopper_check() -> str:
     ]
     for fn, consts in cases:
         v4, cubin, ptx = _sm90_compile(kf, fn, {**consts, **common}, 16,
-                                       {"s_ptr": "*fp32"} if fn is kq._quant_rows_seg_kernel else None)
+                                       {"s_ptr": "*fp32"} if fn in (kq._quant_rows_seg_kernel,
+                                                                    kq._quant_rows_loop_kernel) else None)
         if not (cubin and v4 > 0):
             return f"{fn.fn.__name__} {consts}: cubin={cubin}, 16-byte loads={v4}"
         # INT8_FUSED_ALU_ROUND: the int8 codes (and the bf16 roundings) come from adds, not cvt.rni / cvt.rn.bf16

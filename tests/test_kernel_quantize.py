@@ -107,6 +107,17 @@ def test_one_pass_segments(monkeypatch, k, segs, smooth):
     q, s = _assert_same(x, inv)
     assert seen == [("_quant_rows_seg_kernel", segs)]
     assert s[1] == 0 and s[3].isnan() and s[4].isnan() and not q[[1, 3, 4]].any()
+    # the row loop: 4 programs (the interpreter's "SM count" of kernel.quantize._sm_count) over 11 rows, each
+    # issuing its next row's loads before storing the current one: the same codes and scales
+    monkeypatch.setattr(kq, "QUANT_ROW_LOOP", 1)
+    x11 = torch.cat([x, (torch.randn(6, k, generator=g) * 3).to(torch.bfloat16)])
+    seen.clear()
+    q11, s11 = _assert_same(x11, inv)
+    assert seen == [("_quant_rows_loop_kernel", segs)] and torch.equal(q11[:5], q)
+    seen.clear()
+    _assert_same(x11[:4], inv)  # no more rows than programs: a program a row
+    assert seen == [("_quant_rows_seg_kernel", segs)]
+    monkeypatch.setattr(kq, "QUANT_ROW_LOOP", 0)
     monkeypatch.setattr(kq, "QUANT_ONE_PASS", None)
     q2, s2 = _assert_same(x, inv)
     assert seen[1][0] == "_quant_rows_kernel" and torch.equal(q, q2)
