@@ -60,9 +60,10 @@ QUANT_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, war
 
 
 # The one-pass quantizer as QUANT_ROW_LOOP programs an SM, each looping over rows with the next row's loads in
-# flight (_quant_rows_loop_kernel), where M is larger than that; 0: a program a row. Not yet measured on a GPU.
-# Module data, read at each call.
-QUANT_ROW_LOOP = 0
+# flight (_quant_rows_loop_kernel), where M is larger than that; 0: a program a row. H200 (bench/fused_sweep.py, run
+# bm, M 4608): K 4608 25.3 us with 4 an SM (2: 29.3, 8: 120.0 with spills) against 26.0 a program a row; K 12288
+# 55.5 (8 warps; 4 warps 54.5) against 56.8. Codes identical. Module data, read at each call.
+QUANT_ROW_LOOP = 4
 
 
 @functools.lru_cache(maxsize=None)

@@ -439,8 +439,9 @@ def test_two_launches_above_16_rows_or_for_long_k(monkeypatch):
     import kernel
     seen = _launches(monkeypatch)
     w, ws = torch.randint(-127, 128, (8, 64), dtype=torch.int8), torch.rand(8)
-    kernel.int8_linear(torch.randn(17, 64), w, ws)
-    assert seen == ["_quant_rows_seg_kernel", "_int8_gemm_kernel"]
+    kernel.int8_linear(torch.randn(17, 64), w, ws)  # 17 rows: the row loop where QUANT_ROW_LOOP x 4 "SMs" < 17
+    quantizer = "_quant_rows_loop_kernel" if 0 < kernel.quantize.QUANT_ROW_LOOP * 4 < 17 else "_quant_rows_seg_kernel"
+    assert seen == [quantizer, "_int8_gemm_kernel"]
     seen.clear()
     monkeypatch.setattr(kernel, "SMALL_M_MAX_K", 32)
     kernel.int8_linear(torch.randn(2, 64), w, ws)

@@ -405,8 +405,9 @@ def test_call_of_a_kernel_that_returns_nothing():
 
 
 def test_a_changed_quantizer_plan_is_not_served_a_stale_plan(monkeypatch):
-    """kernel.quantize.QUANT_ONE_PASS is part of kernel.fused.tunables() (the key salt of quant.fused's calls):
-    after it changes, act_quant runs the kernel the new plan names, not the launches prepared under the old one."""
+    """kernel.quantize.QUANT_ONE_PASS and QUANT_ROW_LOOP are part of kernel.fused.tunables() (the key salt of
+    quant.fused's calls): after one changes, act_quant runs the kernel the new plan names, not the launches prepared
+    under the old one."""
     from kernel import quantize as kq
     seen, real = [], kq.launch
 
@@ -418,8 +419,15 @@ def test_a_changed_quantizer_plan_is_not_served_a_stale_plan(monkeypatch):
     for _ in range(2):
         qf.act_quant(x, None)
     assert seen == ["_quant_rows_seg_kernel"]  # recorded once, then prepared
+    loop = kq.QUANT_ROW_LOOP
+    monkeypatch.setattr(kq, "QUANT_ROW_LOOP", 1)  # 7 rows over the interpreter's 4 "SMs": the row loop
+    qf.act_quant(x, None)
+    assert seen == ["_quant_rows_seg_kernel", "_quant_rows_loop_kernel"]
+    monkeypatch.setattr(kq, "QUANT_ROW_LOOP", loop)  # back: the first plan again, prepared
+    qf.act_quant(x, None)
+    assert seen == ["_quant_rows_seg_kernel", "_quant_rows_loop_kernel"]
     monkeypatch.setattr(kq, "QUANT_ONE_PASS", None)
     q, s = qf.act_quant(x, None)
-    assert seen == ["_quant_rows_seg_kernel", "_quant_rows_kernel"]
+    assert seen == ["_quant_rows_seg_kernel", "_quant_rows_loop_kernel", "_quant_rows_kernel"]
     rq, rs = quantize_per_token_ref(x, None)
     assert torch.equal(q, rq) and torch.equal(s, rs)
