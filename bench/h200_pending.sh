@@ -63,9 +63,10 @@
 #   restails  the segmented residual + LayerNorm tails (sweep rows), Flux.1 with INT8_FUSED_FLUX_TAILS=1 A/B'd
 #   ideo5     Ideogram 4 dual: bf16, pack (profiled), fp8_fast~cudnn, fp8_fast~kitchen in one process
 #   rowloop   the row-looping quantizer's sweep rows (QUANT_ROW_LOOP programs an SM) against a program a row
+#   closing5  issue 14's anchors (the pack profiled), then Flux / Z-Image / Wan 1.3B: bf16, pack profiled, fp8_fast
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5 ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -319,6 +320,13 @@ PY
   rowloop)  # the row-looping quantizer (programs looping over rows, the next row's loads in flight) against the
             # one-row-a-program kernel (bench/fused_sweep.py)
     timeout 150 python3 bench/fused_sweep.py --only quant_rows 2>&1 | tee "$OUT/sweep-rowloop.log" ;;
+  closing5)  # the session's defaults: issue 14's anchors in one process (the pack profiled), then Flux / Z-Image /
+             # Wan 1.3B (bf16, pack profiled, fp8_fast)
+    timeout 240 $sampler --profile pack:fused_triton --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen" \
+      --out "$OUT/sampler-closing5.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "bf16,pack:fused_triton,fp8_fast" --profile pack:fused_triton \
+      --out "$OUT/h200-e2e-models-closing5.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
