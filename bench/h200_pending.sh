@@ -64,9 +64,10 @@
 #   ideo5     Ideogram 4 dual: bf16, pack (profiled), fp8_fast~cudnn, fp8_fast~kitchen in one process
 #   rowloop   the row-looping quantizer's sweep rows (QUANT_ROW_LOOP programs an SM) against a program a row
 #   closing5  issue 14's anchors (the pack profiled), then Flux / Z-Image / Wan 1.3B: bf16, pack profiled, fp8_fast
+#   final5    Flux / Wan 1.3B (bf16, pack profiled), then bench/shapes.py with a 140 s budget
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5 ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5 ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -327,6 +328,12 @@ PY
     timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "bf16,pack:fused_triton,fp8_fast" --profile pack:fused_triton \
       --out "$OUT/h200-e2e-models-closing5.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  final5)  # Flux / Wan 1.3B with the residual tails back on their one tile below 4097 (bf16, pack profiled), then
+           # every linear shape (bench/shapes.py, a shorter budget)
+    timeout 170 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,wan13 \
+      --paths "bf16,pack:fused_triton" --profile pack:fused_triton \
+      --out "$OUT/h200-e2e-models-final5.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 200 python3 bench/shapes.py --budget-s 140 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

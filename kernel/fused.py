@@ -116,11 +116,14 @@ LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
 # 36.3; Wan M 14040 K 1536 47.9 (one 2048 tile 48.2), K 5120 120.6 (one 8192 tile 175.9). Module data, read at
 # each call.
 LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
-# residual_add* (Wan's and Flux's residual + LayerNorm tails) over segments, the same way, 8 warps from 1024
-# elements; None: one masked tile. H200 (bench/fused_sweep.py, run bk, with the LayerNorm · mod + quantize): Flux M
-# 4608 K 3072 70.1 us (4 warps 79.3; one 4096 tile 76.8), Wan M 14040 K 1536 75.3 (one 2048 tile 75.1, 4 warps 83.6),
-# K 5120 165.3 (4 warps 140.1; one 8192 tile 192.4). Module data, read at each call.
-RESIDUAL_LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=8, per_warp=128)
+# residual_add* (Wan's and Flux's residual + LayerNorm tails) over segments, the same way, for rows of 4097 to 8192
+# (whose one tile would be 8192 wide, 37-50 % masked); shorter rows, or None: one masked tile. H200
+# (bench/fused_sweep.py, run bk, with the LayerNorm · mod + quantize): Wan M 14040 K 5120 140.1 us with 4 warps (8:
+# 165.3) against 192.4 in one 8192 tile; Flux M 4608 K 3072 70.1 with 8 warps (4: 79.3) against 76.8 in one 4096
+# tile, Wan K 1536 75.3 against 75.1. In the models (run bn) the segments did not pay below 4096: Wan 1.3B's tails
+# took 5.07 ms a step against 3.66-3.68 in one 2048 tile (runs t, al), Flux's 1.98 against 1.94 (run x). Module
+# data, read at each call.
+RESIDUAL_LN_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4, min_row=4097)
 # GELU (bench/fused_sweep.py, H200, 2026-12-01): Flux's concat + GELU + quantize (M 4608, 3072 + 12288) 191 us with
 # tanhf in 2048-wide chunks, 150 us with GELU_FAST in 1024-wide chunks (148 in 2048-wide); Wan 1.3B's GELU
 # (M 14040, F 8960) 405 us -> 265 us. GELU_FAST: tanh GELU as h * sigmoid(2u) with the hardware exp2 (see

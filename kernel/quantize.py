@@ -41,13 +41,14 @@ MAX_BLOCK_K = 8192
 
 @dataclass(frozen=True)
 class SegmentPlan:
-    """A one-pass row kernel over up to three power-of-2 segments (``_segments``): rows up to ``max_row``
-    elements, segments of at least ``min_seg``, one warp per ``per_warp`` elements (``_seg_warps``), 4 to
+    """A one-pass row kernel over up to three power-of-2 segments (``_segments``): rows of ``min_row`` to
+    ``max_row`` elements, segments of at least ``min_seg``, one warp per ``per_warp`` elements (``_seg_warps``), 4 to
     ``warps`` warps a row."""
     max_row: int
     min_seg: int
     warps: int
     per_warp: int = 512
+    min_row: int = 1
 
 
 # Per-token quantization in one pass over up to three power-of-2 segments (K = 4608: 4096 + 512; 12288: 8192 +
@@ -332,8 +333,9 @@ def _block_k(k: int) -> tuple[int, int, bool]:
 def _segments(n: int, plan: SegmentPlan | None) -> tuple[int, int, int] | None:
     """Up to three power-of-2 widths, largest first (0 = unused), that cover a row of n elements with at most
     ``plan.min_seg`` - 1 masked lanes beyond the last full power of 2 (12288 -> 8192 + 4096; 13824 -> 8192 +
-    4096 + 2048); None when there is no plan or n is above ``plan.max_row`` (the chunked kernel runs)."""
-    if plan is None or not 0 < n <= plan.max_row:
+    4096 + 2048); None when there is no plan or n is outside ``plan.min_row`` .. ``plan.max_row`` (the other
+    kernel runs)."""
+    if plan is None or not max(plan.min_row, 1) <= n <= plan.max_row:
         return None
     segs, rem = [], n
     while rem > 0 and len(segs) < 2:

@@ -205,3 +205,17 @@ def test_segment_widths_and_warps():
     assert kq._segments(13824, plan) == (8192, 4096, 2048) and kq._seg_warps((8192, 4096, 2048), plan) == 8
     assert kq._segments(64, plan) == (256, 0, 0) and kq._seg_warps((256, 0, 0), plan) == 4
     assert kq._segments(16385, plan) is None and kq._segments(0, plan) is None and kq._segments(100, None) is None
+
+
+def test_segment_plan_min_row():
+    """A plan's ``min_row``: shorter rows get no segments (their kernel's other form runs). The residual tails'
+    default plan segments only rows whose one tile would be 8192 wide (Wan 14B's 5120 = 4096 + 1024, 4 warps);
+    Wan 1.3B's 1536 and Flux's 3072 keep their one tile (kernel/fused.py RESIDUAL_LN_ONE_PASS)."""
+    from kernel import fused as kf
+    from kernel import quantize as kq
+    plan = kq.SegmentPlan(max_row=8192, min_seg=256, warps=4, min_row=4097)
+    assert kq._segments(4096, plan) is None and kq._segments(4097, plan) == (4096, 256, 0)
+    assert kq._segments(8192, plan) == (8192, 0, 0) and kq._segments(8193, plan) is None
+    res = kf.RESIDUAL_LN_ONE_PASS
+    assert kq._segments(1536, res) is None and kq._segments(3072, res) is None
+    assert kq._segments(5120, res) == (4096, 1024, 0) and kq._seg_warps((4096, 1024, 0), res) == 4
