@@ -47,8 +47,9 @@ Hopper notes: rows must have unit stride along K/F (16-byte vector loads: Triton
 Each row kernel has a tile plan (``RMS_PLAN``, ``SWIGLU_PLAN``, ``LN_PLAN``, ``GELU_PLAN``): a row of up to
 ``max_single`` elements stays in registers (one DRAM read, one int8 write); longer rows run in ``chunk``-wide tiles
 and the later passes re-read the row from L2. ``rmsnorm_modulate_quantize``, ``swiglu_quantize``,
-``gated_residual_rmsnorm`` and the GELU kernels also have a one-pass form over up to three power-of-2 segments
-(``RMS_ONE_PASS``, ``SWIGLU_ONE_PASS``, ``RESIDUAL_ONE_PASS``, ``GELU_ONE_PASS``; kernel/quantize.py's
+``gated_residual_rmsnorm``, ``layernorm_modulate_quantize``, the ``residual_add*`` tails and the GELU kernels also
+have a one-pass form over up to three power-of-2 segments (``RMS_ONE_PASS``, ``SWIGLU_ONE_PASS``,
+``RESIDUAL_ONE_PASS``, ``LN_ONE_PASS``, ``RESIDUAL_LN_ONE_PASS``, ``GELU_ONE_PASS``; kernel/quantize.py's
 ``QUANT_ONE_PASS``: 12288 = 8192 + 4096, 4608 = 4096 + 512, 8960 = 8192 + 512 + 256), which keeps the row in
 registers without masked lanes; ``gated_residual_rmsnorm`` has no chunked form (rows up to ``MAX_SINGLE``). fp32
 division and exp use the IEEE / libdevice versions torch's CUDA kernels use, so compiled results match torch's bit
@@ -107,8 +108,8 @@ QK_GROUP_ELEMS = 1024
 # data, read at each call.
 QK_PREFETCH = True
 MAX_SINGLE = 8192   # gated_residual_rmsnorm (one pass only): rows up to this (K = 4608 -> one 8192 tile)
-# Flux.1 (not yet measured on a GPU): K = 3072 in one 4096-wide pass (the row in registers); the MLP width
-# (12288, and 3072 + 12288 in the single block's concatenation) in 2048-wide chunks, as SWIGLU_PLAN measured best.
+# The LayerNorm kernel's plan where LN_ONE_PASS does not apply: rows up to 4096 in one register tile (Flux's 3072
+# before LN_ONE_PASS: 36.3 us at M 4608, run bj), longer ones in 1024-wide chunks.
 LN_PLAN = TilePlan(max_single=4096, chunk=1024, chunk_warps=4)
 # layernorm_modulate_quantize over segments (K = 3072: 2048 + 1024; Wan's 1536 / 5120: 1024 + 512 / 4096 + 1024),
 # the row read once and kept in registers, for rows up to max_row; None, or a longer row: the kernel of LN_PLAN.

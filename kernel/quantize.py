@@ -19,7 +19,8 @@ the same device; the CPU and CUDA references themselves differ by at most 1 ulp 
 
 All-zero rows give scale 0 and zeros; a row with NaN/Inf gives scale NaN and zeros (see quant/quantize.py).
 Any K and strides. A unit-stride row up to ``QUANT_ONE_PASS.max_row`` is read once, in registers over up to three
-power-of-2 segments; other rows up to MAX_BLOCK_K in one masked tile, longer ones in two passes over BLOCK_K chunks
+power-of-2 segments (with more rows than ``QUANT_ROW_LOOP`` programs an SM, each program loops over rows and issues
+the next row's loads before storing the current one); other rows up to MAX_BLOCK_K in one masked tile, longer ones in two passes over BLOCK_K chunks
 (the second re-reads from L2). Importing this module imports triton.
 """
 from __future__ import annotations
