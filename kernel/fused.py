@@ -680,6 +680,41 @@ def _ln_seg_z(x, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, OFF: tl.const
 
 
 @triton.jit
+def _ln_seg_stats(x0, x1, x2, tot, K, eps, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """(mean, rstd) of a segmented row (fp32 segments, masked lanes 0) from its sum ``tot``: the variance as the
+    mean of squared deviations, added per segment."""
+    mean = tl.math.div_rn(tot, K * 1.0)
+    ssd = _ln_seg_dev(x0, K, mean, 0, S0)
+    if S1 > 0:
+        ssd += _ln_seg_dev(x1, K, mean, S0, S1)
+    if S2 > 0:
+        ssd += _ln_seg_dev(x2, K, mean, S0 + S1, S2)
+    return mean, _rstd(ssd, K, eps, INTERPRET)
+
+
+@triton.jit
+def _ln_seg_quant(x0, x1, x2, s_row, sh_row, inv_ptr, q_row, qs_ptr, row, K, mean, rstd, S0: tl.constexpr,
+                  S1: tl.constexpr, S2: tl.constexpr, HAS_SMOOTH: tl.constexpr, NORM_DT: tl.constexpr,
+                  SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, SCALE_RECIP: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """The LayerNorm · modulation of a segmented row, quantized per row and stored (codes at ``q_row``, the scale
+    at ``qs_ptr + row``)."""
+    amax = tl.zeros([], dtype=tl.float32)
+    bad = tl.zeros([], dtype=tl.int32)
+    z0, amax, bad = _ln_seg_z(x0, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, 0, S0, HAS_SMOOTH, NORM_DT,
+                              SCALE_DT, PROD_DT, INTERPRET)
+    z1, z2 = z0, z0  # placeholders for unused segments
+    if S1 > 0:
+        z1, amax, bad = _ln_seg_z(x1, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0, S1, HAS_SMOOTH,
+                                  NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+    if S2 > 0:
+        z2, amax, bad = _ln_seg_z(x2, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0 + S1, S2, HAS_SMOOTH,
+                                  NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+    _finish_segments(q_row, qs_ptr, row, z0, z1, z2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
+
+
+@triton.jit
 def _layernorm_modulate_quant_seg_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, qs_ptr,
                                          K, tokens_per_batch, eps,
                                          stride_xm, stride_sb, stride_shb, stride_qm,
@@ -703,25 +738,9 @@ def _layernorm_modulate_quant_seg_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, q
     if S2 > 0:
         x2, t2 = _ln_seg_x(x_row, K, S0 + S1, S2)
         tot += t2
-    mean = tl.math.div_rn(tot, K * 1.0)
-    ssd = _ln_seg_dev(x0, K, mean, 0, S0)
-    if S1 > 0:
-        ssd += _ln_seg_dev(x1, K, mean, S0, S1)
-    if S2 > 0:
-        ssd += _ln_seg_dev(x2, K, mean, S0 + S1, S2)
-    rstd = _rstd(ssd, K, eps, INTERPRET)
-    amax = tl.zeros([], dtype=tl.float32)
-    bad = tl.zeros([], dtype=tl.int32)
-    z0, amax, bad = _ln_seg_z(x0, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, 0, S0, HAS_SMOOTH, NORM_DT,
-                              SCALE_DT, PROD_DT, INTERPRET)
-    z1, z2 = z0, z0
-    if S1 > 0:
-        z1, amax, bad = _ln_seg_z(x1, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0, S1, HAS_SMOOTH,
-                                  NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
-    if S2 > 0:
-        z2, amax, bad = _ln_seg_z(x2, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0 + S1, S2, HAS_SMOOTH,
-                                  NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
-    _finish_segments(q_row, qs_ptr, row, z0, z1, z2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
+    mean, rstd = _ln_seg_stats(x0, x1, x2, tot, K, eps, S0, S1, S2, INTERPRET)
+    _ln_seg_quant(x0, x1, x2, s_row, sh_row, inv_ptr, q_row, qs_ptr, row, K, mean, rstd, S0, S1, S2, HAS_SMOOTH,
+                  NORM_DT, SCALE_DT, PROD_DT, SCALE_RECIP, INTERPRET)
 
 
 @triton.jit
@@ -1310,13 +1329,7 @@ def _residual_layernorm_seg_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_p
         r2, t2 = _res_seg_r(x_row, y_row, g_row, r_row, K, S0 + S1, S2, HAS_GATE, ROUND_PRODUCT, DT, INTERPRET)
         tot += t2
     if MODE > 0:
-        mean = tl.math.div_rn(tot, K * 1.0)
-        ssd = _ln_seg_dev(r0, K, mean, 0, S0)
-        if S1 > 0:
-            ssd += _ln_seg_dev(r1, K, mean, S0, S1)
-        if S2 > 0:
-            ssd += _ln_seg_dev(r2, K, mean, S0 + S1, S2)
-        rstd = _rstd(ssd, K, eps, INTERPRET)
+        mean, rstd = _ln_seg_stats(r0, r1, r2, tot, K, eps, S0, S1, S2, INTERPRET)
         n_row = n_ptr + r64 * stride_nm
         if MODE == 1:
             _res_seg_n(r0, w_ptr, b_ptr, n_row, K, mean, rstd, 0, S0, HAS_W, HAS_B, DT, INTERPRET)
@@ -1325,19 +1338,8 @@ def _residual_layernorm_seg_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_p
             if S2 > 0:
                 _res_seg_n(r2, w_ptr, b_ptr, n_row, K, mean, rstd, S0 + S1, S2, HAS_W, HAS_B, DT, INTERPRET)
         else:
-            s_row, sh_row = s_ptr + bidx * stride_sb, sh_ptr + bidx * stride_shb
-            amax = tl.zeros([], dtype=tl.float32)
-            bad = tl.zeros([], dtype=tl.int32)
-            z0, amax, bad = _ln_seg_z(r0, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, 0, S0, HAS_SMOOTH, DT,
-                                      SCALE_DT, PROD_DT, INTERPRET)
-            z1, z2 = z0, z0
-            if S1 > 0:
-                z1, amax, bad = _ln_seg_z(r1, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0, S1, HAS_SMOOTH,
-                                          DT, SCALE_DT, PROD_DT, INTERPRET)
-            if S2 > 0:
-                z2, amax, bad = _ln_seg_z(r2, s_row, sh_row, inv_ptr, K, mean, rstd, amax, bad, S0 + S1, S2,
-                                          HAS_SMOOTH, DT, SCALE_DT, PROD_DT, INTERPRET)
-            _finish_segments(n_row, qs_ptr, row, z0, z1, z2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
+            _ln_seg_quant(r0, r1, r2, s_ptr + bidx * stride_sb, sh_ptr + bidx * stride_shb, inv_ptr, n_row, qs_ptr,
+                          row, K, mean, rstd, S0, S1, S2, HAS_SMOOTH, DT, SCALE_DT, PROD_DT, SCALE_RECIP, INTERPRET)
 
 
 def _residual(x, y, gate, tokens_per_batch: int, mode: int, eps: float = 1e-6, weight=None, bias=None, scale=None,
