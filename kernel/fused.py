@@ -1485,36 +1485,26 @@ def _qk_norm_rope_kernel(src_ptr, ksrc_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr
             f01 = tl.load(pe + 1)[None, :]
             f10 = tl.load(pe + 2)[None, :]
             f11 = tl.load(pe + 3)[None, :]
-    if SPLIT_HALF and HAS_PE and not NORM_ROW and PREFETCH:
-        # Ideogram 4's split-half pairs, both q and k loaded before either is computed (more bytes in flight)
+    if SPLIT_HALF and HAS_PE and not NORM_ROW:
+        # Ideogram 4's split-half pairs (x[i], x[i + D/2]): the two halves of each head loaded as two tiles, so the
+        # rotation needs no register shuffles; PREFETCH: q's and k's halves all loaded before either is computed
         t0 = hs[:, None] * D + half[None, :]
         qb, kb = src_ptr + src_row, ksrc_ptr + k_off + src_row
-        q0 = tl.load(qb + t0, mask=mask, other=0.0).to(tl.float32)
-        q1 = tl.load(qb + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
-        k0 = tl.load(kb + t0, mask=mask, other=0.0).to(tl.float32)
-        k1 = tl.load(kb + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
-        _half_rope_store(q0, q1, wq_ptr, eps_q, f00, f01, f10, f11, q_ptr + dst_row + half[None, :], mask, half, D,
-                         DT, INTERPRET)
-        _half_rope_store(k0, k1, wk_ptr, eps_k, f00, f01, f10, f11, k_ptr + dst_row + half[None, :], mask, half, D,
-                         DT, INTERPRET)
-    elif SPLIT_HALF and HAS_PE and not NORM_ROW:
-        # Ideogram 4's split-half pairs (x[i], x[i + D/2]): the two halves of each head loaded as two tiles,
-        # so the rotation needs no register shuffles
-        t0 = hs[:, None] * D + half[None, :]
-        for part in tl.static_range(2):
-            base = src_ptr + src_row if part == 0 else ksrc_ptr + k_off + src_row
-            x0 = tl.load(base + t0, mask=mask, other=0.0).to(tl.float32)
-            x1 = tl.load(base + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
-            wp = wq_ptr if part == 0 else wk_ptr
-            w0 = tl.load(wp + half).to(tl.float32)[None, :]
-            w1 = tl.load(wp + D // 2 + half).to(tl.float32)[None, :]
-            rstd = _rstd(tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1), D, eps_q if part == 0 else eps_k,
-                         INTERPRET)[:, None]
-            n0 = _round(x0 * rstd * w0, DT, INTERPRET)
-            n1 = _round(x1 * rstd * w1, DT, INTERPRET)
-            out = (q_ptr if part == 0 else k_ptr) + dst_row + half[None, :]
-            tl.store(out, _round(f00 * n0 + f01 * n1, DT, INTERPRET).to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(out + D // 2, _round(f10 * n0 + f11 * n1, DT, INTERPRET).to(q_ptr.dtype.element_ty), mask=mask)
+        qo, ko = q_ptr + dst_row + half[None, :], k_ptr + dst_row + half[None, :]
+        if PREFETCH:
+            q0 = tl.load(qb + t0, mask=mask, other=0.0).to(tl.float32)
+            q1 = tl.load(qb + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
+            k0 = tl.load(kb + t0, mask=mask, other=0.0).to(tl.float32)
+            k1 = tl.load(kb + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
+            _half_rope_store(q0, q1, wq_ptr, eps_q, f00, f01, f10, f11, qo, mask, half, D, DT, INTERPRET)
+            _half_rope_store(k0, k1, wk_ptr, eps_k, f00, f01, f10, f11, ko, mask, half, D, DT, INTERPRET)
+        else:
+            for part in tl.static_range(2):
+                base = qb if part == 0 else kb
+                x0 = tl.load(base + t0, mask=mask, other=0.0).to(tl.float32)
+                x1 = tl.load(base + t0 + D // 2, mask=mask, other=0.0).to(tl.float32)
+                _half_rope_store(x0, x1, wq_ptr if part == 0 else wk_ptr, eps_q if part == 0 else eps_k,
+                                 f00, f01, f10, f11, qo if part == 0 else ko, mask, half, D, DT, INTERPRET)
     else:
         cols = tl.arange(0, D)
         tile = hs[:, None] * D + cols[None, :]

@@ -20,8 +20,8 @@ the same device; the CPU and CUDA references themselves differ by at most 1 ulp 
 All-zero rows give scale 0 and zeros; a row with NaN/Inf gives scale NaN and zeros (see quant/quantize.py).
 Any K and strides. A unit-stride row up to ``QUANT_ONE_PASS.max_row`` is read once, in registers over up to three
 power-of-2 segments (with more rows than ``QUANT_ROW_LOOP`` programs an SM, each program loops over rows and issues
-the next row's loads before storing the current one); other rows up to MAX_BLOCK_K in one masked tile, longer ones in two passes over BLOCK_K chunks
-(the second re-reads from L2). Importing this module imports triton.
+the next row's loads before storing the current one); other rows up to MAX_BLOCK_K in one masked tile, longer ones
+in two passes over BLOCK_K chunks (the second re-reads from L2). Importing this module imports triton.
 """
 from __future__ import annotations
 
@@ -367,16 +367,16 @@ def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
         return
     inv = inv_smooth if inv_smooth is not None else scale  # dummy pointer when HAS_SMOOTH is False
     segs = _segments(k, QUANT_ONE_PASS) if x.stride(1) == 1 else None
-    if segs is not None and QUANT_ROW_LOOP and m > QUANT_ROW_LOOP * _sm_count(x.device):
-        launch(_quant_rows_loop_kernel, (QUANT_ROW_LOOP * _sm_count(x.device),),
-               (x, inv, q, scale, m, k, x.stride(0), q.stride(0)),
-               dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, S0=segs[0], S1=segs[1], S2=segs[2],
-                    INTERPRET=INTERPRET), _seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
-        return
     if segs is not None:
-        launch(_quant_rows_seg_kernel, (m,), (x, inv, q, scale, k, x.stride(0), q.stride(0)),
-               dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, S0=segs[0], S1=segs[1], S2=segs[2],
-                    INTERPRET=INTERPRET), _seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
+        consts = dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, S0=segs[0], S1=segs[1], S2=segs[2],
+                      INTERPRET=INTERPRET)
+        progs = QUANT_ROW_LOOP * _sm_count(x.device)  # 0: a program a row
+        if 0 < progs < m:
+            launch(_quant_rows_loop_kernel, (progs,), (x, inv, q, scale, m, k, x.stride(0), q.stride(0)), consts,
+                   _seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
+        else:
+            launch(_quant_rows_seg_kernel, (m,), (x, inv, q, scale, k, x.stride(0), q.stride(0)), consts,
+                   _seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
         return
     bk, warps, one = _block_k(k)
     launch(_quant_rows_kernel, (m,), (x, inv, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0)),
