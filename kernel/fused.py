@@ -278,7 +278,7 @@ def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr,
     # same HALF rows of w3 (W13 rows j and F + j), so the tile holds a and b of HALF output columns; both are
     # rounded to the model dtype as the GEMM would store them, and h = dt(dt(silu(a)) * b) is stored [M, F].
     HALF: tl.constexpr = BLOCK_N // 2
-    pid_m, pid_n = _tile_ids(M, F, BLOCK_M, HALF, GROUP_M)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, F, BLOCK_M, HALF, GROUP_M)
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     r = tl.arange(0, BLOCK_N)
     offs_wn = (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
-from .quantize import _rint
+from .quantize import _rint, _sm_count
 from .launch import launch, not_recorded
 
 
@@ -48,10 +48,9 @@ def _store_out(c_ptrs, v, c_mask, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped ordering: GROUP_M row-tiles sweep N together, so the W tiles they share stay in L2
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped ordering of tile ``pid``: GROUP_M row-tiles sweep N together, so the W tiles they share stay in L2
     # (the standard Triton matmul trick; worth a few % on the 4608-row block GEMMs).
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -98,20 +97,51 @@ def _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stri
 
 
 @triton.jit
-def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
-                      M, N, K,
+def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, cnt_ptr,
+                      M, N, K, DP_TILES, K_PIECE,
                       stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
                       stride_as, stride_ws, stride_bias,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr,
-                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+                      EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+    # SPLIT > 1 (the tail split, see ``tail_layout``): programs below DP_TILES run whole tiles; the rest run
+    # K_PIECE-long pieces of the last tiles, SPLIT a tile, and the last piece of a tile to finish sums the
+    # pieces' exact int32 partials (any order: same sum) and runs the epilogue.
+    pid = tl.program_id(0)
+    if SPLIT > 1:
+        split = pid >= DP_TILES
+        q = tl.maximum(pid - DP_TILES, 0)
+        tile = tl.where(split, DP_TILES + q // SPLIT, pid)
+        k_lo = tl.where(split, (q % SPLIT) * K_PIECE, 0).to(tl.int64)
+        k_len = tl.where(split, tl.minimum(K - k_lo, K_PIECE), K)
+        a_ptr += k_lo * stride_ak
+        w_ptr += k_lo * stride_wk
+    else:
+        tile = pid
+        k_len = K
+    pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # Row / column tails wrap (% M, % N) so the loads need no mask; the store masks them.
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_wn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
+    acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, k_len, stride_am, stride_ak, stride_wn, stride_wk,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    if SPLIT > 1:
+        finish = pid < DP_TILES
+        if pid >= DP_TILES:
+            acc, finish = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, (pid - DP_TILES) % SPLIT,
+                                      BLOCK_M, BLOCK_N, SPLIT)
+        if finish:
+            _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
+                           stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, OUT_INT32, INTERPRET)
+    else:
+        _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
+                       stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, OUT_INT32, INTERPRET)
 
+
+@triton.jit
+def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
+                   stride_as, stride_ws, stride_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr, INTERPRET: tl.constexpr):
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
@@ -122,6 +152,24 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr,
         out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                        HAS_BIAS)
         _store_out(c_ptrs, out, c_mask, INTERPRET)
+
+
+@triton.jit
+def _sum_pieces(acc, part_ptr, cnt_ptr, t, piece, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """Tail tile ``t``'s piece ``piece``: stores its partial, counts itself in; (the tile's int32 sum, True) for
+    the piece that counts last, else (acc, False). The counter is left at 0 for the next launch."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    base = part_ptr + t.to(tl.int64) * (SPLIT * BLOCK_M * BLOCK_N)
+    tl.store(base + piece * (BLOCK_M * BLOCK_N) + offs, acc)
+    tl.debug_barrier()  # every thread's partial is written before the release below publishes it
+    last = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    if last:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for p in tl.static_range(SPLIT):  # L2 reads (.cg): other SMs wrote them
+            acc += tl.load(base + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+        tl.store(cnt_ptr + t, 0)
+    return acc, last
 
 
 @triton.jit
@@ -233,23 +281,92 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
     return cfg
 
 
+def tail_layout(tiles: int, slots: int, split: int, k_blocks: int) -> tuple[int, int, int]:
+    """The tail split of a GEMM of ``tiles`` output tiles on a GPU that runs ``slots`` programs at once:
+    (whole-tile programs, pieces a tail tile, BLOCK_K steps a piece).
+
+    The tiles past the last full wave (``tiles % slots`` of them) would run as a partial wave with most slots
+    idle; each is cut along K into ``split`` pieces, at most as many as keep every piece in that one wave
+    (``slots // tail``) and as there are K steps, none empty. No tail, or no room for 2 pieces a tile: (tiles, 1,
+    k_blocks), the plain launch."""
+    waves, tail = divmod(tiles, slots)
+    split = min(split, slots // tail if tail else 1, k_blocks)
+    if split < 2 or waves == 0:
+        return tiles, 1, k_blocks
+    per = -(-k_blocks // split)
+    return waves * slots, -(-k_blocks // per), per
+
+
+_SLOTS: dict[tuple, int] = {}       # (device index, tile config) -> programs the GPU runs at once
+
+
+def _slots(cfg: dict, device: torch.device) -> int:
+    """How many programs of this config the GPU runs at once: SMs x CTAs an SM, bounded by the config's shared
+    memory, its threads and its registers (128 a thread assumed: sm_90 builds the 8-warp 128 x 128 tile with
+    119). The interpreter: 4."""
+    if device.type != "cuda":
+        return 4
+    key = (device.index, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
+    n = _SLOTS.get(key)
+    if n is None:
+        from .autotune import smem_bytes
+        props = torch.cuda.get_device_properties(device)
+        threads = 32 * cfg["num_warps"]
+        by_smem = props.shared_memory_per_multiprocessor // (smem_bytes(cfg) + 1024)
+        by_regs = props.regs_per_multiprocessor // (threads * 128)
+        by_threads = props.max_threads_per_multi_processor // threads
+        n = _SLOTS[key] = _sm_count(device) * max(1, min(by_smem, by_regs, by_threads))
+    return n
+
+
+_SCRATCH: dict[tuple, tuple] = {}   # (device index, stream) -> (partials int32, counters int32, all zero)
+
+
+def _scratch(device: torch.device, partials: int, counters: int):
+    """The tail split's buffers on this device and stream: int32 partials and per-tile counters (zero; every
+    launch leaves them zero). Grown as needed, never shrunk; a launch on another stream gets its own pair."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    have = _SCRATCH.get(key)
+    if have is None or have[0].numel() < partials or have[1].numel() < counters:
+        p = max(partials, have[0].numel() if have else 0)
+        c = max(counters, have[1].numel() if have else 0)
+        have = _SCRATCH[key] = (torch.empty(p, dtype=torch.int32, device=device),
+                                torch.zeros(c, dtype=torch.int32, device=device))
+    return have
+
+
 def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None, out: torch.Tensor, cfg: dict) -> torch.Tensor:
     """Runs the kernel with one config into ``out`` (int32 or float [M, N]); inputs already validated,
-    M, N, K > 0. ``a_scale``/``w_scale``/``bias`` may have stride 0 (a broadcast scalar)."""
+    M, N, K > 0. ``a_scale``/``w_scale``/``bias`` may have stride 0 (a broadcast scalar). ``cfg["SPLIT"]`` > 1:
+    the tiles of the last partial wave run in K pieces (``tail_layout``); same int32 sums, same output bits."""
     m, k = a_q.shape
     n = w_q.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (-(-m // bm) * -(-n // bn),)  # integer ceil: triton.cdiv is a ConstexprFunction (~2 us a call)
+    tiles = -(-m // bm) * -(-n // bn)  # integer ceil: triton.cdiv is a ConstexprFunction (~2 us a call)
+    dp, split, per = tiles, 1, 0
+    part = cnt = a_scale  # unused by the plain kernel
+    opts = {}
+    if cfg.get("SPLIT", 1) > 1:
+        slots = _slots(cfg, a_q.device)
+        dp, split, per = tail_layout(tiles, slots, cfg["SPLIT"], -(-k // bk))
+        if split > 1:
+            part, cnt = _scratch(a_q.device, (tiles - dp) * split * bm * bn, tiles - dp)
+            # The pieces' sum would take the sm_90 build from 119 to 176 registers a thread at 8 warps (one CTA
+            # an SM); capped at the plain build's occupancy it needs no spills (128 at 8 warps).
+            if a_q.is_cuda:
+                regs = 65536 // (slots // _sm_count(a_q.device) * 32 * cfg["num_warps"]) // 8 * 8
+                opts = {"maxnreg": regs} if regs < 255 else {}
     out_int32 = out.dtype == torch.int32
     has_bias = bias is not None and not out_int32
-    launch(_int8_gemm_kernel, grid,
-           (a_q, w_q, out, a_scale, w_scale, bias if has_bias else a_scale,
-            m, n, k,
+    launch(_int8_gemm_kernel, (dp + (tiles - dp) * split,),
+           (a_q, w_q, out, a_scale, w_scale, bias if has_bias else a_scale, part, cnt,
+            m, n, k, dp, per * bk,
             a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
             a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0),
            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-                HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0, INTERPRET=_quantize.INTERPRET),
+                HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0, SPLIT=split,
+                INTERPRET=_quantize.INTERPRET, **opts),
            cfg["num_warps"], cfg["num_stages"], a_q.device)
     return out
 

@@ -1,0 +1,112 @@
+"""Issue 14 item 6: the GEMM's tail split (``kernel.gemm.tail_layout``) against the plain launch, every shape.
+
+A GEMM of T output tiles on a GPU that runs S programs at once ends with a partial wave of T % S tiles; the tail
+split cuts those tiles along K into pieces that run side by side, and the last piece of each tile sums the exact
+int32 partials (bit-identical outputs, checked here before timing, twice per variant so the counters' reset is
+exercised). Per shape with M > 16 from ``bench/shapes.py``: the autotuned plain config, then that config with
+SPLIT 2 / 3 / 4 / 8, each with the GPU's programs at once counted as 1 and as 2 CTAs an SM (the smem / register
+bound ``kernel.gemm._slots`` computes is reported); ``triton.testing.do_bench`` medians (L2 flushed per call).
+
+    python bench/gemm_split.py [--out bench/results/h200-gemm-split.json] [--only REGEX]
+    TRITON_INTERPRET=1 python bench/gemm_split.py --cpu      # tiny shapes: bit-exactness only (smoke test)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from bench.shapes import SHAPES  # noqa: E402
+from kernel import autotune, gemm  # noqa: E402
+
+SPLITS = (2, 3, 4, 8)
+
+
+def _bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median") * 1e3  # us
+
+
+def run_shape(m: int, n: int, k: int, bias: bool, cuda: bool) -> dict:
+    dev = "cuda" if cuda else "cpu"
+    g = torch.Generator(device=dev).manual_seed(m * 7 + n * 3 + k)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=dev, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev, generator=g)
+    a_s = torch.rand(m, device=dev, generator=g) * 1e-3
+    w_s = torch.rand(n, device=dev, generator=g) * 1e-3
+    b = torch.randn(n, device=dev, generator=g).to(torch.bfloat16) if bias else None
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+    cfg = gemm.select_config(a, a_s, w, w_s, b, out) if cuda else autotune.interpreter_configs()[0]
+    ref = gemm.launch_int8_gemm(a, a_s, w, w_s, b, out.clone(), cfg)
+    tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+    k_blocks = -(-k // cfg["BLOCK_K"])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
+    computed = gemm._slots(cfg, a.device)
+    row = {"M": m, "N": n, "K": k, "cfg": {x: cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
+                                                            "num_warps", "num_stages")},
+           "tiles": tiles, "slots_computed": computed, "plain_us": _bench(lambda: gemm.launch_int8_gemm(
+               a, a_s, w, w_s, b, out, cfg)) if cuda else None, "variants": []}
+    key = (a.device.index, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
+    seen = set()
+    for per_sm in (1, 2):
+        gemm._SLOTS[key] = sms * per_sm
+        for s in SPLITS:
+            layout = gemm.tail_layout(tiles, sms * per_sm, s, k_blocks)
+            if layout[1] == 1 or layout in seen:
+                continue
+            seen.add(layout)
+            c = {**cfg, "SPLIT": s}
+            equal = all(torch.equal(gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, c), ref) for _ in range(2))
+            v = {"per_sm": per_sm, "split": s, "layout": list(layout), "equal": equal}
+            if cuda:
+                v["us"] = _bench(lambda: gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, c))
+                v["x_plain"] = round(row["plain_us"] / v["us"], 3)
+            row["variants"].append(v)
+    gemm._SLOTS[key] = computed
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--cpu", action="store_true", help="TRITON_INTERPRET=1 smoke test on tiny shapes")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda:
+        shapes = [(f"{s[0]} {s[1]}", *s[2:]) for s in SHAPES if s[2] > 16]
+    else:
+        shapes = [("tiny", 150, 30, 300, True), ("tiny even K", 150, 30, 256, False), ("tiny 2x3", 33, 70, 300, True)]
+    if args.only:
+        shapes = [s for s in shapes if re.search(args.only, s[0])]
+    t0, rows, bad = time.time(), [], 0
+    for label, m, n, k, bias in shapes:
+        row = {"shape": label, **run_shape(m, n, k, bias, cuda)}
+        rows.append(row)
+        bad += sum(not v["equal"] for v in row["variants"])
+        best = max(row["variants"], key=lambda v: v.get("x_plain", 0), default=None)
+        print(f"{label:34s} {m}x{n}x{k} tiles {row['tiles']:5d} slots {row['slots_computed']:4d} "
+              f"plain {row['plain_us'] or 0:8.1f} us  " +
+              "  ".join(f"s{v['split']}/{v['per_sm']}:{v.get('us', 0):.1f}{'' if v['equal'] else ' DIFF'}"
+                        for v in row["variants"]) +
+              (f"  best x{best.get('x_plain', 0):.3f}" if best else ""), flush=True)
+    print(f"{len(rows)} shapes, {bad} variant(s) not bit-identical, {time.time() - t0:.0f} s")
+    if args.out:
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+                "triton": triton.__version__}
+        Path(args.out).write_text(json.dumps({"provenance": meta, "rows": rows}, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
