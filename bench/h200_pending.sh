@@ -65,9 +65,10 @@
 #   rowloop   the row-looping quantizer's sweep rows (QUANT_ROW_LOOP programs an SM) against a program a row
 #   closing5  issue 14's anchors (the pack profiled), then Flux / Z-Image / Wan 1.3B: bf16, pack profiled, fp8_fast
 #   final5    Flux / Wan 1.3B (bf16, pack profiled), then bench/shapes.py with a 140 s budget
+#   split     bench/gemm_split.py: the GEMM's tail split against the plain launch on every shape with M > 16
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5 ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -334,6 +335,8 @@ PY
       --paths "bf16,pack:fused_triton" --profile pack:fused_triton \
       --out "$OUT/h200-e2e-models-final5.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 200 python3 bench/shapes.py --budget-s 140 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
+  split)  # the GEMM's tail split (kernel.gemm.tail_layout) against the plain launch, every shape with M > 16
+    timeout 450 python3 bench/gemm_split.py --out "$OUT/h200-gemm-split.json" 2>&1 | tee "$OUT/gemm-split.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
