@@ -66,9 +66,12 @@
 #   closing5  issue 14's anchors (the pack profiled), then Flux / Z-Image / Wan 1.3B: bf16, pack profiled, fp8_fast
 #   final5    Flux / Wan 1.3B (bf16, pack profiled), then bench/shapes.py with a 140 s budget
 #   split     bench/gemm_split.py: the GEMM's tail split against the plain launch on every shape with M > 16
+#   splitideo Ideogram 4 dual with the tail split on and off (INT8_FUSED_TAIL_SPLIT, rows interleaved) beside
+#             issue 14's anchors (bf16, fp8_fast~cudnn, fp8_fast~kitchen)
+#   splitmodels  Flux / Z-Image / Wan 1.3B: bf16, the pack with the tail split on, off, on
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -337,6 +340,13 @@ PY
     timeout 200 python3 bench/shapes.py --budget-s 140 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   split)  # the GEMM's tail split (kernel.gemm.tail_layout) against the plain launch, every shape with M > 16
     timeout 450 python3 bench/gemm_split.py --out "$OUT/h200-gemm-split.json" 2>&1 | tee "$OUT/gemm-split.log" ;;
+  splitideo)  # issue 14's anchors with the pack's tail split on and off (interleaved rows, one process)
+    timeout 560 $sampler --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_TAIL_SPLIT=0,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton,pack:fused_triton%INT8_FUSED_TAIL_SPLIT=0" \
+      --out "$OUT/sampler-splitideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  splitmodels)  # Flux / Z-Image / Wan 1.3B: bf16, the pack with the tail split on, off, on
+    timeout 560 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_TAIL_SPLIT=0,pack:fused_triton" \
+      --out "$OUT/h200-e2e-models-splitmodels.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

@@ -74,6 +74,10 @@ SWITCHES = {s.name: s for s in (
            "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
            "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",
            at_import=True),
+    Switch("INT8_FUSED_TAIL_SPLIT", bool, True,
+           "`0`: every INT8 GEMM runs whole tiles only; unset, a GEMM whose last wave of tiles would leave most "
+           "SMs idle runs those tiles in K pieces where that timed faster on this GPU (`kernel/gemm.py` "
+           "`tail_layout`: the same int32 sums, the same output bits)"),
     Switch("INT8_FUSED_PLANS", bool, True,
            "`0`: every INT8 linear / GEMM call takes the checked path (operand checks, config lookup, launch) "
            "instead of re-issuing the launches prepared on its first call (`kernel/plan.py`); for A/B runs"),

@@ -975,7 +975,7 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
             y = torch.nan_to_num(y, nan=0.0, posinf=65504.0, neginf=-65504.0)
         return h.copy_(y)
     _check_usable(a_q, "gemm_swiglu")
-    cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype)
+    cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype, tail_split=False)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     half = bn // 2
     # Two CTAs an SM, as the plain GEMM gets (119 registers a thread at 8 warps): one CTA's epilogue then overlaps

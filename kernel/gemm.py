@@ -23,7 +23,8 @@ import triton.language as tl
 
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
 from .quantize import _rint, _sm_count
-from .launch import launch, not_recorded
+from . import config as _config
+from .launch import keep, launch, not_recorded
 
 
 @triton.jit
@@ -166,7 +167,7 @@ def _sum_pieces(acc, part_ptr, cnt_ptr, t, piece, BLOCK_M: tl.constexpr, BLOCK_N
     last = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
     if last:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for p in tl.static_range(SPLIT):  # L2 reads (.cg): other SMs wrote them
+        for p in range(0, SPLIT):  # a loop (not unrolled: one partial in registers at a time); L2 reads (.cg)
             acc += tl.load(base + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
         tl.store(cnt_ptr + t, 0)
     return acc, last
@@ -324,14 +325,15 @@ _SCRATCH: dict[tuple, tuple] = {}   # (device index, stream) -> (partials int32,
 
 def _scratch(device: torch.device, partials: int, counters: int):
     """The tail split's buffers on this device and stream: int32 partials and per-tile counters (zero; every
-    launch leaves them zero). Grown as needed, never shrunk; a launch on another stream gets its own pair."""
+    launch leaves them zero). Grown as needed, never shrunk; a launch on another stream gets its own pair. A plan
+    (``kernel.plan``) keeps the pair its recorded launch used: it re-issues on the stream it was built on."""
     key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     have = _SCRATCH.get(key)
     if have is None or have[0].numel() < partials or have[1].numel() < counters:
         p = max(partials, have[0].numel() if have else 0)
         c = max(counters, have[1].numel() if have else 0)
-        have = _SCRATCH[key] = (torch.empty(p, dtype=torch.int32, device=device),
-                                torch.zeros(c, dtype=torch.int32, device=device))
+        have = _SCRATCH[key] = (keep(torch.empty(p, dtype=torch.int32, device=device)),
+                                keep(torch.zeros(c, dtype=torch.int32, device=device)))
     return have
 
 
@@ -371,7 +373,7 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     return out
 
 
-_TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket or exact M) -> config, for this process
+_TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket) or (..., exact M, tail split?) -> config, this process
 _CACHES: dict[int, object] = {}     # device index -> autotune.ConfigCache
 
 
@@ -384,15 +386,19 @@ def _device_cache(device: torch.device):
     return _CACHES[idx]
 
 
-def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype | None = None) -> dict:
+def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype | None = None,
+                  tail_split: bool = True) -> dict:
     """The config for this (N, K, M bucket): memoised, else from the on-disk cache, else timed now with
     ``triton.testing.do_bench`` on these very tensors (``out`` is overwritten by the real call after; None: an
     [M, N] ``out_dtype`` buffer is made for the timing, e.g. for the SwiGLU-epilogue kernel, which shares the
-    merged w1+w3 GEMM's config)."""
+    merged w1+w3 GEMM's config and passes ``tail_split=False``). With ``tail_split`` (and INT8_FUSED_TAIL_SPLIT)
+    the config carries this M's tail split, see ``choose_split``."""
     m, k = a_q.shape
     n = w_q.shape[0]
     dev = a_q.device
-    cfg = _TUNED.get((dev, n, k, m))  # exact-M memo first: the per-call path is one dict lookup
+    tail_split = tail_split and _config.get("INT8_FUSED_TAIL_SPLIT")  # in the key: A/B rows in one process
+    exact = (dev, n, k, m, tail_split)
+    cfg = _TUNED.get(exact)  # exact-M memo first: the per-call path is one dict lookup
     if cfg is not None:
         return cfg
     from . import autotune
@@ -401,12 +407,8 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
         return autotune.interpreter_configs()[1 if m <= autotune.SMALL_M else 0]
     memo_key = (dev, n, k, bucket)
     cfg = _TUNED.get(memo_key)
-    if cfg is not None:
-        _TUNED[(dev, n, k, m)] = cfg
-        return cfg
     props = torch.cuda.get_device_properties(a_q.device)
-    cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket)
-
+    meta = {"gpu": props.name, "triton": triton.__version__}
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=dev)
 
@@ -415,9 +417,49 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
             lambda: launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, c),
             warmup=10, rep=40, return_mode="median")
 
-    meta = {"gpu": props.name, "triton": triton.__version__}
     with not_recorded():
-        cfg = autotune.pick_config(_device_cache(a_q.device), autotune.ConfigCache.key(n, k, bucket),
-                                   cands, time_fn, meta)
-    _TUNED[memo_key] = _TUNED[(dev, n, k, m)] = cfg
+        if cfg is None:
+            cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket)
+            cfg = _TUNED[memo_key] = autotune.pick_config(
+                _device_cache(a_q.device), autotune.ConfigCache.key(n, k, bucket), cands, time_fn, meta)
+        if tail_split:
+            cfg = choose_split(cfg, m, n, k, _slots(cfg, dev), _device_cache(dev), time_fn, meta)
+    _TUNED[exact] = cfg
     return cfg
+
+
+TAIL_SPLITS = (2, 3, 4)   # the pieces a tail tile is timed with (``choose_split``)
+SPLIT_MARGIN = 0.02       # ... and how much faster than whole tiles a split must time to be chosen
+
+
+def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None) -> dict:
+    """``cfg``, or ``cfg`` with the tail split (``SPLIT``) that timed (``time_fn(config)`` -> ms) at least
+    ``SPLIT_MARGIN`` faster than whole tiles for this many row tiles on a GPU running ``slots`` programs at once
+    (on the H200, run bp: 2-8 % faster on 6 of 45 shapes, slower on others). Decided once per (N, K, M bucket,
+    row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile configs' file)."""
+    from . import autotune
+    tiles_m = -(-m // cfg["BLOCK_M"])
+    tiles, kb = tiles_m * -(-n // cfg["BLOCK_N"]), -(-k // cfg["BLOCK_K"])
+    layouts = {}
+    for s in TAIL_SPLITS:
+        lay = tail_layout(tiles, slots, s, kb)
+        if lay[1] > 1 and lay not in layouts.values():
+            layouts[s] = lay
+    if not layouts:
+        return cfg
+    key = f"{autotune.ConfigCache.key(n, k, autotune.m_bucket(m))}_T{tiles_m}_split"
+    hit = cache.get(key)
+    if hit is None:
+        plain = float(time_fn(cfg))
+        best, best_ms = 1, plain * (1 - SPLIT_MARGIN)
+        for s in layouts:
+            try:
+                ms = float(time_fn({**cfg, "SPLIT": s}))
+            except Exception:  # noqa: BLE001 - a variant that fails to build is not chosen
+                continue
+            if ms < best_ms:
+                best, best_ms = s, ms
+        hit = {"SPLIT": best}
+        cache.put(key, hit, meta)
+    s = int(hit.get("SPLIT", 1))
+    return {**cfg, "SPLIT": s} if s > 1 else cfg

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 
@@ -88,6 +89,24 @@ def launch_hooked(runtime_knobs) -> bool:
 
 
 _RECORD: list | None = None  # the launches of the current record() (None: not recording)
+_KEPT: dict[int, weakref.ref] = {}  # id -> tensor a launcher keeps across its calls (``keep``)
+
+
+def keep(t: torch.Tensor) -> torch.Tensor:
+    """Marks ``t`` as a buffer its launcher reuses across calls (the GEMM's tail-split scratch, which every launch
+    leaves as it found it): a plan (``kernel.plan``) that records a launch reading it keeps that very tensor."""
+    i = id(t)
+
+    def forget(r, i=i):
+        if _KEPT.get(i) is r:
+            del _KEPT[i]
+    _KEPT[i] = weakref.ref(t, forget)
+    return t
+
+
+def kept(t: torch.Tensor) -> bool:
+    r = _KEPT.get(id(t))
+    return r is not None and r() is t
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ for a bf16 ``F.linear``. A small linear's speed is its host time.
 
 A :class:`Plan` is built from the launches ``kernel.launch.record`` saw during one checked call (``build``). Each
 tensor argument of those launches must be one of the call's operands or one of the tensors the call allocated;
-everything else (integers: shapes, strides; constexprs; grids; the compiled kernels) is kept. A later call passes
+everything else (integers: shapes, strides; constexprs; grids; the compiled kernels; a buffer its launcher keeps
+across calls, ``launch.keep``) is kept. A later call passes
 its operands; the plan compares each operand's signature — dtype, shape, strides, device and 16-byte alignment,
 everything the recorded integers and the compiled kernels depend on — with the recorded one, allocates the
 temporaries and re-issues the launches with the new tensors. Any difference returns None, and the caller runs the
@@ -144,9 +145,11 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
                 if slot is None and by_address:
                     slot = _view_of(slots[:len(operands)], a)
                 if slot is None:
+                    if launch.kept(a):  # a launcher's own buffer (launch.keep): the plan holds that tensor
+                        continue
                     return None
                 subs.append((pos, slot))
-                template[pos] = None  # the plan holds no tensor of the recorded call
+                template[pos] = None  # the plan holds no other tensor of the recorded call
         steps.append((ln.jit_fn, tuple(ln.grid), tuple(template), tuple(subs), ln.compiled, ln.tail,
                       ln.constexprs, ln.num_warps, ln.num_stages))
     return Plan(tuple(sigs), tuple(alloc), tuple(steps), result_slot, device)

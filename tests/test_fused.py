@@ -928,6 +928,55 @@ def _hopper_check_gemm_swiglu(kf) -> str:
             return f"_gemm_swiglu_kernel DT={dt}: cubin={'cubin' in k.asm}, no s8 wgmma in the PTX"
         if ".maxnreg 128" not in ptx:
             return f"_gemm_swiglu_kernel DT={dt}: no register cap in the PTX (two CTAs an SM need <= 128)"
+    return _hopper_check_gemm_split()
+
+
+def _hopper_check_gemm_split() -> str:
+    """The plain GEMM and its tail-split builds (SPLIT 2 / 3 / 4) with the 128 x 128 x 128 tile at 8 warps, built as
+    ``launch_int8_gemm`` launches them (the split ones under its register cap): all on the 8-bit wgmma with 16-byte
+    async copies, at most 128 registers a thread (two CTAs an SM, which ``_slots`` counts); the plain build spills
+    nothing, the split builds at most a few words (Triton 3.6: SPLIT 2 with bias 8 bytes, SPLIT 3 56, the builds
+    run bp timed); the split builds publish their partials with a CTA barrier, an acq_rel gpu-scope atomic and L2
+    (.cg) reloads."""
+    import inspect
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kernel import gemm
+    fn = gemm._int8_gemm_kernel
+    types = {"a_ptr": "*i8", "w_ptr": "*i8", "c_ptr": "*bf16", "as_ptr": "*fp32", "ws_ptr": "*fp32",
+             "bias_ptr": "*bf16", "part_ptr": "*i32", "cnt_ptr": "*i32"}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cap = 65536 // (2 * 32 * 8)  # launch_int8_gemm's cap for two CTAs an SM at 8 warps
+    for split in (1, 2, 3, 4):
+        consts = {"stride_ak": 1, "stride_wk": 1, "stride_cn": 1, "stride_as": 1, "stride_ws": 1, "stride_bias": 1,
+                  "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "HAS_BIAS": True,
+                  "OUT_INT32": False, "EVEN_K": True, "SPLIT": split, "INTERPRET": False}
+        params = list(inspect.signature(fn.fn).parameters)
+        sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
+        opts = {"num_warps": 8, "num_stages": 3, **({"maxnreg": cap} if split > 1 else {})}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=opts)
+        ptx = k.asm["ptx"]
+        if ".s32.s8.s8" not in ptx or not re.search(r"cp\.async\.cg\.shared\.global[^\n]*0x10", ptx):
+            return f"_int8_gemm_kernel SPLIT={split}: no s8 wgmma or no 16-byte async copies"
+        if split > 1 and not ("bar.sync" in ptx and re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)
+                              and "ld.global.cg" in ptx):
+            return f"_int8_gemm_kernel SPLIT={split}: partials not published with barrier + acq_rel atomic + .cg"
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(k.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        if not m or int(m.group(1)) > cap or int(m.group(2)) > (64 if split > 1 else 0):
+            return f"_int8_gemm_kernel SPLIT={split}: registers / spill stack {m.groups() if m else usage[-300:]}"
     return "OK"
 
 

@@ -7,6 +7,7 @@ relative; fp16 subnormals: 2**-25 absolute) plus that.
 
 Run: TRITON_INTERPRET=1 python -m pytest tests/test_kernel_gemm.py -q
 """
+import json
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
@@ -147,3 +148,81 @@ def test_bad_inputs_raise(kwargs, match):
     w_scale = kwargs.pop("w_scale", torch.rand(w_q.shape[0]))
     with pytest.raises(ValueError, match=match):
         kernel.int8_gemm(a_q, a_scale, w_q, w_scale, **kwargs)
+
+
+# ---------------------------------------------------------------- the tail split (kernel.gemm.tail_layout)
+@pytest.mark.parametrize("tiles, slots, split, kb, want", [
+    (1152, 264, 4, 36, (1056, 2, 18)),   # Ideogram 4 o / w2 at M 4096 on the H200: 96 tail tiles, room for 2 each
+    (576, 264, 4, 36, (528, 4, 9)),      # 48 tail tiles: 4 pieces fit (48 * 5 <= 264), 9 K steps each
+    (528, 264, 4, 36, (528, 1, 36)),     # no tail: plain
+    (144, 264, 4, 416, (144, 1, 416)),   # less than one wave: plain
+    (400, 264, 2, 36, (400, 1, 36)),     # 136 tail tiles: no room for 2 pieces each
+    (5, 4, 4, 5, (4, 3, 2)),             # 5 K steps in pieces of 2: 3 pieces, none empty
+    (5, 4, 8, 1, (5, 1, 1)),             # one K step: nothing to cut
+])
+def test_tail_layout(tiles, slots, split, kb, want):
+    from kernel.gemm import tail_layout
+    assert tail_layout(tiles, slots, split, kb) == want
+
+
+@pytest.mark.parametrize("m, n, k, split", [(150, 30, 300, 4), (150, 30, 256, 3), (33, 70, 300, 2),
+                                            (150, 60, 40, 4), (160, 30, 70, 2)])
+def test_tail_split_is_bit_exact(m, n, k, split):
+    """The interpreter runs 4 programs at once (``_slots``): 5 or 6 tiles of 32 x 32 leave a tail of 1-2 tiles that
+    run in K pieces (K tails and EVEN_K both); the int32 sum equals torch._int_mm / the int64 reference, the bf16
+    epilogue equals the plain kernel's bit for bit, and a second call (counters reset by the first) again."""
+    from kernel import gemm
+    cfg = autotune.interpreter_configs()[0]
+    tiles = -(-m // 32) * -(-n // 32)
+    assert gemm.tail_layout(tiles, 4, split, -(-k // 32))[1] > 1  # the case does split
+    a, w = _i8(m, k), _i8(n, k)
+    a_s, w_s, bias = torch.rand(m) * 1e-2, torch.rand(n) * 1e-2, torch.randn(n).to(torch.bfloat16)
+    plain = gemm.launch_int8_gemm(a, a_s, w, w_s, bias, torch.empty(m, n, dtype=torch.bfloat16), cfg)
+    for _ in range(2):
+        out = torch.full((m, n), -1, dtype=torch.int32)
+        gemm.launch_int8_gemm(a, a_s, w, w_s, None, out, {**cfg, "SPLIT": split})
+        assert torch.equal(out, _int_mm_or_ref(a, w))
+        y = gemm.launch_int8_gemm(a, a_s, w, w_s, bias, torch.full((m, n), float("nan"), dtype=torch.bfloat16),
+                                  {**cfg, "SPLIT": split})
+        assert torch.equal(y, plain)
+        assert all(not c.any() for _, c in gemm._SCRATCH.values())  # every counter back at 0
+
+
+def test_choose_split_times_once_and_keeps_a_margin(tmp_path):
+    """``choose_split`` with a fake clock: whole tiles win unless a split is SPLIT_MARGIN faster; the decision is
+    kept in the cache (per N, K, M bucket and row tiles) and not timed again; no tail: nothing timed."""
+    from kernel import gemm
+    cfg = autotune.hopper_configs()[0]                # 128 x 128 tiles
+    times = {1: 1.0, 2: 0.99, 3: 0.95, 4: 0.97}       # SPLIT 3 is 5 % faster; SPLIT 2 within the margin
+    timed = []
+
+    def clock(c):
+        timed.append(c.get("SPLIT", 1))
+        return times[c.get("SPLIT", 1)]
+    cache = autotune.ConfigCache(tmp_path / "gemm.json")
+    # M 4608 x N 12288: 36 x 96 = 3456 tiles on 264 slots, a tail of 24: 2, 3 and 4 pieces all fit
+    got = gemm.choose_split(cfg, 4608, 12288, 4608, 264, cache, clock)
+    assert got == {**cfg, "SPLIT": 3} and sorted(timed) == [1, 2, 3, 4]
+    assert gemm.choose_split(cfg, 4500, 12288, 4608, 264, cache, clock) == got and len(timed) == 4  # same row tiles
+    # M 4736: 37 row tiles, 3552 tiles, a tail of 120: room for 2 pieces only, 1 % faster is within the margin
+    assert gemm.choose_split(cfg, 4736, 12288, 4608, 264, cache, clock) == cfg and sorted(timed[4:]) == [1, 2]
+    assert gemm.choose_split(cfg, 1408, 12288, 4608, 264, cache, clock) == cfg and len(timed) == 6  # 1056: no tail
+    data = json.loads((tmp_path / "gemm.json").read_text())["configs"]
+    assert data["N12288_K4608_M8192_T36_split"] == {"SPLIT": 3} and data["N12288_K4608_M8192_T37_split"] == {"SPLIT": 1}
+
+
+def test_plan_keeps_the_tail_split_scratch(monkeypatch):
+    """A plan of a split GEMM keeps the scratch its launch used (``launch.keep``) and repeats the call bit for bit."""
+    from kernel import gemm
+    cfg = {**autotune.interpreter_configs()[0], "SPLIT": 2}
+    monkeypatch.setattr(gemm, "select_config", lambda *a, **kw: cfg)
+    m, n, k = 150, 30, 300
+    w, w_s = _i8(n, k), torch.rand(n)
+    out, p = kernel.int8_gemm_planned(_i8(m, k), torch.rand(m), w, w_s, None, torch.float32)
+    assert p is not None
+    part = gemm._SCRATCH[(None, 0)][0]
+    assert any(t is part for st in p._steps for t in st[2])  # the recorded launch's scratch, held by the plan
+    a2, s2 = _i8(m, k), torch.rand(m)
+    y = p(a2, s2, w, w_s, None)
+    _check_epilogue(y, int8_matmul_ref(a2, w), s2, w_s, None)
+    assert torch.equal(y, kernel.int8_gemm(a2, s2, w, w_s, out_dtype=torch.float32))
