@@ -18,8 +18,9 @@ Run from the repository root on a CUDA GPU with torch + triton importable (no Co
               (quant/dispatch.py) and every later call runs the winner
 
 Timing (quant.dispatch.time_call, the metric the dispatch itself decides on): per call, CUDA events around the call
-with L2 flushed before it (weights come from HBM, as in a model where every layer has its own), and the host time
-to issue it; the call's cost is max(GPU, host) ("eff"). Medians over 3 rounds x 7 calls, paths interleaved.
+with L2 flushed before it (weights come from HBM, as in a model where every layer has its own) and the GPU held
+busy while the host issues it (since run bs: the GPU time no longer includes waiting for the host), and the host
+time to issue it; the call's cost is max(GPU, host) ("eff"). Medians over 3 rounds x 7 calls, paths interleaved.
 ratio = bf16 eff / path eff (> 1: faster than bf16). Must finish in < 3 min on an H200: shapes are run in the
 order below until ``--budget-s`` is spent (the rest are listed as skipped). The first pass of a process includes
 Triton compiles and the GEMM autotune (cached in INT8_FUSED_CACHE_DIR for the next run).

@@ -14,7 +14,8 @@ weigh more than the GEMM itself. So an ``Int8Linear`` on ``fused_triton`` picks,
 ``INT8_FUSED_DISPATCH`` (``kernel.config``): ``auto`` (default), ``int8`` or ``float`` (forced, for A/B runs and
 tests). Under ``auto`` on a CUDA device the decision is made per (GPU, M bucket, N, K, bias, dtype): the first
 call of that shape times both paths on the call's own operands (:func:`time_pair`: per call the larger of its GPU
-time with a cold L2 and the host time to issue it; medians of ``ROUNDS`` interleaved rounds of ``REPS`` calls;
+time with a cold L2 (the GPU held busy while the host issues the call, so host time does not leak into it) and the
+host time to issue it; medians of ``ROUNDS`` interleaved rounds of ``REPS`` calls;
 a few ms, once per shape), keeps the result in memory and in ``dispatch-<gpu>-torch-<v>-triton-<v>.json``
 next to the GEMM autotune cache (``kernel.autotune.cache_dir``, atomic writes), so later processes time nothing.
 The rule is :func:`decide`: int8 is the incumbent and the float path must be faster by ``MARGIN`` to take the
@@ -101,10 +102,13 @@ def shape_key(m: int, n: int, k: int, has_bias: bool, dtype: torch.dtype) -> str
 
 
 # --------------------------------------------------------------------------- the cache file
+DECISIONS_VERSION = "v2"  # v2: GPU times without the host's share (``time_call``); v1 files are not read
+
+
 def cache_path(gpu_name: str, torch_version: str, triton_version: str) -> Path:
     slug = re.sub(r"[^A-Za-z0-9.]+", "-",
                   f"{gpu_name}-torch-{torch_version}-triton-{triton_version}").strip("-")
-    return autotune.cache_dir() / f"dispatch-{slug}.json"
+    return autotune.cache_dir() / f"dispatch-{DECISIONS_VERSION}-{slug}.json"
 
 
 class DecisionCache:
@@ -346,10 +350,16 @@ def _decision(layer, x2d: torch.Tensor) -> str | None:
         return path
 
 
+STALL_CYCLES = 2_000_000  # GPU clock cycles held before each timed call: 1 ms at 2 GHz, longer at lower clocks
+
+
 def time_call(f, reps: int, flush: torch.Tensor | None) -> tuple[float, float]:
     """(median GPU ms, median host ms) of ``reps`` calls of ``f`` on the current CUDA stream. Before each call
     ``flush`` (an L2-sized buffer) is zeroed, so weights come from HBM as in a real model, where every layer
-    has its own; the GPU time is the events around the call alone, the host time what issuing it cost."""
+    has its own, and the GPU is held busy (``torch.cuda._sleep``, ``STALL_CYCLES``) while the host issues the
+    call: the events around the call time its GPU work alone, not the GPU waiting for the host (which made a
+    call with more host work look slower on the GPU too, run bo). The host time is what issuing it cost; a
+    stream of calls costs the larger of the two (``effective_ms``)."""
     import statistics
     import time
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -357,6 +367,7 @@ def time_call(f, reps: int, flush: torch.Tensor | None) -> tuple[float, float]:
     for s, e in evs:
         if flush is not None:
             flush.zero_()
+        torch.cuda._sleep(STALL_CYCLES)
         s.record()
         t0 = time.perf_counter()
         f()

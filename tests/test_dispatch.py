@@ -516,7 +516,8 @@ def test_apply_report_line_and_counts_in_a_real_model(comfy_inprocess, pack, cap
 
 def test_time_pair_with_a_fake_cuda_clock(monkeypatch):
     """time_call / time_pair logic (CUDA events faked by a host clock): the slower function is measured slower,
-    each timed call is preceded by an L2 flush, and the effective time is max(GPU, host)."""
+    each timed call is preceded by an L2 flush and a GPU stall that covers its issue, and the effective time is
+    max(GPU, host)."""
     import time
 
     class Event:
@@ -532,16 +533,26 @@ def test_time_pair_with_a_fake_cuda_clock(monkeypatch):
         def elapsed_time(self, end):
             return (end.t - self.t) * 1e3
 
-    flushes = []
+    flushes, order = [], []
 
     class Flush:
         def zero_(self):
             flushes.append(1)
+            order.append("flush")
 
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    class Recorded(Event):
+        def record(self):
+            order.append("event")
+            super().record()
+
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: order.append(("stall", cycles)))
+    monkeypatch.setattr(torch.cuda, "Event", Recorded)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(dispatch, "flush_buffer", lambda dev: Flush())
     slow, fast = dispatch.time_pair(lambda: time.sleep(0.004), lambda: time.sleep(0.001), rounds=2, reps=3)
     assert slow > 3.0 and 0.9 < fast < slow and len(flushes) == 2 * 2 * 3
+    # per call: the flush, then the GPU held (>= 1 ms at 2 GHz) while the host issues it, then the events around it
+    assert order == ["flush", ("stall", dispatch.STALL_CYCLES), "event", "event"] * (2 * 2 * 3)
+    assert dispatch.STALL_CYCLES >= 2_000_000
     assert dispatch.effective_ms(0.01, 0.03) == 0.03 and dispatch.effective_ms(0.05, 0.03) == 0.05
