@@ -72,7 +72,7 @@
 #   closing6  every linear shape (bench/shapes.py, GPU times without the host's share), then Flux / Z-Image /
 #             Wan 1.3B (bf16, pack, fp8_fast) with the dispatch decisions made that way
 #   ideo6     Ideogram 4 dual: bf16, pack, fp8_fast~cudnn
-#   final6    closing6 and ideo6 in one call, shorter: bench/shapes.py (100 s budget), Z-Image / Wan 1.3B (bf16,
+#   final6    closing6 and ideo6 in one call, shorter: bench/shapes.py (80 s budget), Wan 1.3B / Z-Image (bf16,
 #             pack), Ideogram 4 dual (bf16, pack)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
@@ -360,10 +360,10 @@ PY
     timeout 330 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn" \
       --out "$OUT/sampler-ideo6.json" 2>&1 | tee -a "$OUT/last.log" ;;
   final6)  # the dispatch's host-free GPU times: every linear shape, Z-Image / Wan 1.3B, Ideogram 4 dual
-    timeout 150 python3 bench/shapes.py --budget-s 100 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log"
-    timeout 180 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage,wan13 \
+    timeout 120 python3 bench/shapes.py --budget-s 80 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log"
+    timeout 160 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models wan13,zimage \
       --paths "bf16,pack:fused_triton" --out "$OUT/h200-e2e-models-final6.json" 2>&1 | tee -a "$OUT/last.log"
-    timeout 225 $sampler --paths "bf16,pack:fused_triton" --out "$OUT/sampler-final6.json" 2>&1 | tee -a "$OUT/last.log" ;;
+    timeout 200 $sampler --paths "bf16,pack:fused_triton" --out "$OUT/sampler-final6.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
