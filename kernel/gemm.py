@@ -313,9 +313,11 @@ def _slots(cfg: dict, device: torch.device) -> int:
         from .autotune import smem_bytes
         props = torch.cuda.get_device_properties(device)
         threads = 32 * cfg["num_warps"]
-        by_smem = props.shared_memory_per_multiprocessor // (smem_bytes(cfg) + 1024)
-        by_regs = props.regs_per_multiprocessor // (threads * 128)
-        by_threads = props.max_threads_per_multi_processor // threads
+        # NOTE: older torch builds lack some of these properties: then one CTA an SM is assumed where unknown
+        smem = getattr(props, "shared_memory_per_multiprocessor", 0) or smem_bytes(cfg) + 1024
+        by_smem = smem // (smem_bytes(cfg) + 1024)
+        by_regs = getattr(props, "regs_per_multiprocessor", threads * 128) // (threads * 128)
+        by_threads = getattr(props, "max_threads_per_multi_processor", threads) // threads
         n = _SLOTS[key] = _sm_count(device) * max(1, min(by_smem, by_regs, by_threads))
     return n
 

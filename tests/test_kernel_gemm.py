@@ -226,3 +226,22 @@ def test_plan_keeps_the_tail_split_scratch(monkeypatch):
     y = p(a2, s2, w, w_s, None)
     _check_epilogue(y, int8_matmul_ref(a2, w), s2, w_s, None)
     assert torch.equal(y, kernel.int8_gemm(a2, s2, w, w_s, out_dtype=torch.float32))
+
+
+def test_slots_from_the_device_properties(monkeypatch):
+    """Programs a GPU runs at once, from its properties (values by hand): the H200's 233,472 bytes of shared memory an
+    SM hold two 96 KB stages + 1 KB reserved of the 128 x 128 x 128 x 3 tile, its 65,536 registers two 8-warp CTAs at
+    128 a thread; the 4-stage 128 KB tile fits once. Properties an older torch lacks: one CTA an SM, no error."""
+    import types
+    from kernel import gemm
+    h200 = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472,
+                                 regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048)
+    old = types.SimpleNamespace(multi_processor_count=82)
+    props = {0: h200, 1: old}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props[torch.device(d).index])
+    monkeypatch.setattr(gemm, "_SLOTS", {})
+    three, four = autotune.hopper_configs()[0], dict(autotune.hopper_configs()[0], num_stages=4)
+    assert gemm._slots(three, torch.device("cuda", 0)) == 264
+    assert gemm._slots(four, torch.device("cuda", 0)) == 132
+    assert gemm._slots(three, torch.device("cuda", 1)) == 82
+    assert gemm._slots(three, torch.device("cpu")) == 4
