@@ -8,6 +8,7 @@ SPLIT 2 / 3 / 4 / 8, each with the GPU's programs at once counted as 1 and as 2 
 bound ``kernel.gemm._slots`` computes is reported); ``triton.testing.do_bench`` medians (L2 flushed per call).
 
     python bench/gemm_split.py [--out bench/results/h200-gemm-split.json] [--only REGEX]
+    python bench/gemm_split.py --swiglu [--out ...]       # the SwiGLU-epilogue GEMM (kernel.fused.gemm_swiglu)
     TRITON_INTERPRET=1 python bench/gemm_split.py --cpu      # tiny shapes: bit-exactness only (smoke test)
 """
 from __future__ import annotations
@@ -75,13 +76,69 @@ def run_shape(m: int, n: int, k: int, bias: bool, cuda: bool) -> dict:
     return row
 
 
+SWIGLU_SHAPES = [  # (label, M, F, K): the merged w1+w3 GEMM with SwiGLU in its epilogue (kernel.fused.gemm_swiglu)
+    ("ideogram4 w1/w3 swiglu M4608", 4608, 12288, 4608),
+    ("ideogram4 w1/w3 swiglu M4096", 4096, 12288, 4608),
+    ("z-image w1/w3 swiglu", 4352, 10240, 3840),
+]
+
+
+def run_swiglu(m: int, f: int, k: int) -> dict:
+    """The SwiGLU-epilogue GEMM: its tuned config plain and with SPLIT 2 / 3 / 4 / 8 (2 CTAs an SM), h compared bit
+    for bit (NaN-free operands) and timed."""
+    from kernel import fused as kf
+    g = torch.Generator(device="cuda").manual_seed(m + f + k)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    w = torch.randint(-127, 128, (2 * f, k), dtype=torch.int8, device="cuda", generator=g)
+    a_s = torch.rand(m, device="cuda", generator=g) * 1e-3
+    w_s = torch.rand(2 * f, device="cuda", generator=g) * 1e-3
+    h = torch.empty((m, f), dtype=torch.bfloat16, device="cuda")
+    cfg = gemm.select_config(a, a_s, w, w_s, None, None, torch.bfloat16, tail_split=False)
+    run = lambda c: kf._launch_gemm_swiglu(a, a_s, w, w_s, None, h, False, c)  # noqa: E731
+    ref = run(cfg).clone()
+    tiles = -(-m // cfg["BLOCK_M"]) * -(-f // (cfg["BLOCK_N"] // 2))
+    slots = gemm._slots(cfg, a.device)
+    row = {"M": m, "F": f, "K": k, "tiles": tiles, "slots_computed": slots, "plain_us": _bench(lambda: run(cfg)),
+           "variants": []}
+    seen = set()
+    for s in SPLITS:
+        layout = gemm.tail_layout(tiles, slots, s, -(-k // cfg["BLOCK_K"]))
+        if layout[1] == 1 or layout in seen:
+            continue
+        seen.add(layout)
+        c = {**cfg, "SPLIT": s}
+        equal = all(torch.equal(run(c), ref) for _ in range(2))
+        us = _bench(lambda: run(c))
+        row["variants"].append({"per_sm": slots // torch.cuda.get_device_properties(0).multi_processor_count,
+                                "split": s, "layout": list(layout), "equal": equal, "us": us,
+                                "x_plain": round(row["plain_us"] / us, 3)})
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None)
     ap.add_argument("--cpu", action="store_true", help="TRITON_INTERPRET=1 smoke test on tiny shapes")
+    ap.add_argument("--swiglu", action="store_true", help="the SwiGLU-epilogue GEMM's shapes only (GPU)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu
+    if cuda and args.swiglu:
+        rows, bad = [], 0
+        for label, m, f, k in SWIGLU_SHAPES:
+            row = {"shape": label, **run_swiglu(m, f, k)}
+            rows.append(row)
+            bad += sum(not v["equal"] for v in row["variants"])
+            print(f"{label:34s} {m}x{f}x{k} tiles {row['tiles']:5d} slots {row['slots_computed']:4d} "
+                  f"plain {row['plain_us']:8.1f} us  " + "  ".join(
+                      f"s{v['split']}:{v['us']:.1f} x{v['x_plain']:.3f}{'' if v['equal'] else ' DIFF'}"
+                      for v in row["variants"]), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"provenance": {
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__},
+                "rows": rows}, indent=1))
+        return 1 if bad else 0
     if cuda:
         shapes = [(f"{s[0]} {s[1]}", *s[2:]) for s in SHAPES if s[2] > 16]
     else:

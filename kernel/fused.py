@@ -65,9 +65,11 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import _check_2d, _check_usable, _gemm_operands, _vector
-from .gemm import _acc_tile, _dequant, _tile_ids, select_config
+from .gemm import (_acc_tile, _dequant, _split_piece, _sum_pieces, _tile_ids, choose_split, select_config,
+                   split_launch)
 from . import quantize as _q
-from .launch import launch  # re-launches the compiled kernel directly (host cost, see kernel/launch.py)
+from . import config
+from .launch import launch, not_recorded  # launch: the compiled kernel re-launched directly (kernel/launch.py)
 # the quantizer's row helpers and rounding (importing it installs its interpreter shim too)
 from .quantize import (ALU_ROUND, INTERPRET, SegmentPlan, _amax_bad, _finish_segments, _quant_params, _seg_warps,
                        _segments, _store_q)
@@ -142,10 +144,11 @@ GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warp
 
 def tunables() -> tuple:
     """The module data the wrappers read at each call to choose kernels and tiles (the sweep and tests change
-    them): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan."""
+    them) and the tail-split switch: part of a prepared call's key (``kernel.plan.call``), so a change is never served a
+    stale plan."""
     return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, QK_PREFETCH,
             MAX_SINGLE, LN_PLAN, LN_ONE_PASS, RESIDUAL_LN_ONE_PASS, GELU_PLAN, GELU_FAST, GELU_ONE_PASS,
-            _q.QUANT_ONE_PASS, _q.QUANT_ROW_LOOP, _plan, launch)
+            _q.QUANT_ONE_PASS, _q.QUANT_ROW_LOOP, _plan, launch, config.get("INT8_FUSED_TAIL_SPLIT"))
 
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -267,23 +270,50 @@ def _swiglu_math(a, b, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl
 
 
 @triton.jit
-def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr,
-                        M, F, K,
+def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, cnt_ptr,
+                        M, F, K, DP_TILES, K_PIECE,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_hn,
                         stride_as, stride_ws, stride_bias,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
                         DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
     # The merged w1+w3 GEMM with SwiGLU in its epilogue: a tile's BLOCK_N weight rows are HALF rows of w1 and the
     # same HALF rows of w3 (W13 rows j and F + j), so the tile holds a and b of HALF output columns; both are
     # rounded to the model dtype as the GEMM would store them, and h = dt(dt(silu(a)) * b) is stored [M, F].
+    # SPLIT > 1: the tail split of kernel/gemm.py (the last piece of a tail tile runs the epilogue).
     HALF: tl.constexpr = BLOCK_N // 2
-    pid_m, pid_n = _tile_ids(tl.program_id(0), M, F, BLOCK_M, HALF, GROUP_M)
+    pid = tl.program_id(0)
+    if SPLIT > 1:
+        tile, k_lo, k_len = _split_piece(pid, DP_TILES, K_PIECE, K, SPLIT)
+        a_ptr += k_lo * stride_ak
+        w_ptr += k_lo * stride_wk
+    else:
+        tile = pid
+        k_len = K
+    pid_m, pid_n = _tile_ids(tile, M, F, BLOCK_M, HALF, GROUP_M)
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     r = tl.arange(0, BLOCK_N)
     offs_wn = (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)
-    acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
+    acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, k_len, stride_am, stride_ak, stride_wn, stride_wk,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    if SPLIT > 1:
+        finish = pid < DP_TILES
+        if pid >= DP_TILES:
+            acc, finish = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, (pid - DP_TILES) % SPLIT,
+                                      BLOCK_M, BLOCK_N, SPLIT)
+        if finish:
+            _swiglu_epilogue(acc, h_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, F, stride_hm, stride_hn,
+                             stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, DT, CLAMP_FP16, INTERPRET)
+    else:
+        _swiglu_epilogue(acc, h_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, F, stride_hm, stride_hn,
+                         stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, DT, CLAMP_FP16, INTERPRET)
+
+
+@triton.jit
+def _swiglu_epilogue(acc, h_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, F, stride_hm, stride_hn,
+                     stride_as, stride_ws, stride_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    HALF: tl.constexpr = BLOCK_N // 2
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     v = _round(_dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                         HAS_BIAS), DT, INTERPRET)
@@ -976,23 +1006,57 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
         return h.copy_(y)
     _check_usable(a_q, "gemm_swiglu")
     cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype, tail_split=False)
+    if a_q.is_cuda and config.get("INT8_FUSED_TAIL_SPLIT"):
+        cfg = _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
+    return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg)
+
+
+def _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg: dict) -> torch.Tensor:
+    m, k = a_q.shape
+    f = h.shape[1]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     half = bn // 2
+    progs, dp, k_piece, split, part, cnt, _ = split_launch(cfg, -(-m // bm) * -(-f // half), k, a_q.device,
+                                                           a_scale)
     # Two CTAs an SM, as the plain GEMM gets (119 registers a thread at 8 warps): one CTA's epilogue then overlaps
     # the other's main loop. The SwiGLU epilogue alone would take 148 (sm_90 ptxas), i.e. one CTA an SM: 45 %
     # slower on the H200 (run am). Capped at 128 ptxas spills 16 bytes.
     regs = 65536 // (2 * 32 * cfg["num_warps"])
     opts = {"maxnreg": regs} if a_q.is_cuda and regs < 255 else {}
-    launch(_gemm_swiglu_kernel, (-(-m // bm) * -(-f // half),),
-           (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale,
-            m, f, k,
+    launch(_gemm_swiglu_kernel, (progs,),
+           (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale, part, cnt,
+            m, f, k, dp, k_piece,
             a_q.stride(0), a_q.stride(1), w13.stride(0), w13.stride(1), h.stride(0), h.stride(1),
             a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
-                EVEN_K=k % bk == 0, DT=_DT_CODE[out_dtype], CLAMP_FP16=bool(clamp_fp16) and out_dtype == torch.float16,
-                INTERPRET=INTERPRET, **opts),
+                EVEN_K=k % bk == 0, SPLIT=split, DT=_DT_CODE[h.dtype],
+                CLAMP_FP16=bool(clamp_fp16) and h.dtype == torch.float16, INTERPRET=INTERPRET, **opts),
            cfg["num_warps"], cfg["num_stages"], a_q.device)
     return h
+
+
+_SW_SPLIT: dict[tuple, dict] = {}   # (device, F, K, M, tile config) -> the config with its tail split, this process
+
+
+def _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:
+    """``cfg`` with the tail split the SwiGLU-epilogue kernel itself timed fastest for this M (``gemm.choose_split``
+    with these operands, kept in the autotune file under ``SW_...``)."""
+    from . import gemm
+    m, k = a_q.shape
+    key = (a_q.device, h.shape[1], k, m, tuple(sorted(cfg.items())))
+    hit = _SW_SPLIT.get(key)
+    if hit is None:
+        import triton
+
+        def time_fn(c):
+            return triton.testing.do_bench(
+                lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c),
+                warmup=10, rep=40, return_mode="median")
+        with not_recorded():
+            hit = _SW_SPLIT[key] = choose_split(
+                cfg, m, w13.shape[0], k, gemm._slots(cfg, a_q.device), gemm._device_cache(a_q.device), time_fn,
+                {"gpu": torch.cuda.get_device_name(a_q.device), "triton": triton.__version__}, kind="SW_")
+    return hit
 
 
 def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: bool = False

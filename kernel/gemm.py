@@ -110,11 +110,7 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
     # pieces' exact int32 partials (any order: same sum) and runs the epilogue.
     pid = tl.program_id(0)
     if SPLIT > 1:
-        split = pid >= DP_TILES
-        q = tl.maximum(pid - DP_TILES, 0)
-        tile = tl.where(split, DP_TILES + q // SPLIT, pid)
-        k_lo = tl.where(split, (q % SPLIT) * K_PIECE, 0).to(tl.int64)
-        k_len = tl.where(split, tl.minimum(K - k_lo, K_PIECE), K)
+        tile, k_lo, k_len = _split_piece(pid, DP_TILES, K_PIECE, K, SPLIT)
         a_ptr += k_lo * stride_ak
         w_ptr += k_lo * stride_wk
     else:
@@ -153,6 +149,17 @@ def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, 
         out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                        HAS_BIAS)
         _store_out(c_ptrs, out, c_mask, INTERPRET)
+
+
+@triton.jit
+def _split_piece(pid, DP_TILES, K_PIECE, K, SPLIT: tl.constexpr):
+    """(tile, first K element, K elements) of program ``pid`` under the tail split: a whole tile below DP_TILES,
+    else piece (pid - DP_TILES) % SPLIT of tail tile DP_TILES + (pid - DP_TILES) // SPLIT."""
+    split = pid >= DP_TILES
+    q = tl.maximum(pid - DP_TILES, 0)
+    tile = tl.where(split, DP_TILES + q // SPLIT, pid)
+    k_lo = tl.where(split, (q % SPLIT) * K_PIECE, 0).to(tl.int64)
+    return tile, k_lo, tl.where(split, tl.minimum(K - k_lo, K_PIECE), K)
 
 
 @triton.jit
@@ -339,6 +346,26 @@ def _scratch(device: torch.device, partials: int, counters: int):
     return have
 
 
+def split_launch(cfg: dict, tiles: int, k: int, device: torch.device, unused: torch.Tensor):
+    """The tail split of one launch of ``tiles`` tiles with ``cfg`` (``cfg["SPLIT"]``, default 1): (programs,
+    whole-tile programs, K elements a piece, pieces a tail tile, partials, counters, extra launch options). The plain
+    launch: (tiles, tiles, 0, 1, unused, unused, {})."""
+    bk = cfg["BLOCK_K"]
+    if cfg.get("SPLIT", 1) > 1:
+        slots = _slots(cfg, device)
+        dp, split, per = tail_layout(tiles, slots, cfg["SPLIT"], -(-k // bk))
+        if split > 1:
+            part, cnt = _scratch(device, (tiles - dp) * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles - dp)
+            # The pieces' sum would take the sm_90 build from 119 to 176 registers a thread at 8 warps (one CTA
+            # an SM); capped at the plain build's occupancy it spills a few words at most (tests/test_fused.py).
+            opts = {}
+            if device.type == "cuda":
+                regs = 65536 // (slots // _sm_count(device) * 32 * cfg["num_warps"]) // 8 * 8
+                opts = {"maxnreg": regs} if regs < 255 else {}
+            return dp + (tiles - dp) * split, dp, per * bk, split, part, cnt, opts
+    return tiles, tiles, 0, 1, unused, unused, {}
+
+
 def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None, out: torch.Tensor, cfg: dict) -> torch.Tensor:
     """Runs the kernel with one config into ``out`` (int32 or float [M, N]); inputs already validated,
@@ -348,24 +375,12 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     n = w_q.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = -(-m // bm) * -(-n // bn)  # integer ceil: triton.cdiv is a ConstexprFunction (~2 us a call)
-    dp, split, per = tiles, 1, 0
-    part = cnt = a_scale  # unused by the plain kernel
-    opts = {}
-    if cfg.get("SPLIT", 1) > 1:
-        slots = _slots(cfg, a_q.device)
-        dp, split, per = tail_layout(tiles, slots, cfg["SPLIT"], -(-k // bk))
-        if split > 1:
-            part, cnt = _scratch(a_q.device, (tiles - dp) * split * bm * bn, tiles - dp)
-            # The pieces' sum would take the sm_90 build from 119 to 176 registers a thread at 8 warps (one CTA
-            # an SM); capped at the plain build's occupancy it needs no spills (128 at 8 warps).
-            if a_q.is_cuda:
-                regs = 65536 // (slots // _sm_count(a_q.device) * 32 * cfg["num_warps"]) // 8 * 8
-                opts = {"maxnreg": regs} if regs < 255 else {}
+    progs, dp, k_piece, split, part, cnt, opts = split_launch(cfg, tiles, k, a_q.device, a_scale)
     out_int32 = out.dtype == torch.int32
     has_bias = bias is not None and not out_int32
-    launch(_int8_gemm_kernel, (dp + (tiles - dp) * split,),
+    launch(_int8_gemm_kernel, (progs,),
            (a_q, w_q, out, a_scale, w_scale, bias if has_bias else a_scale, part, cnt,
-            m, n, k, dp, per * bk,
+            m, n, k, dp, k_piece,
             a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
             a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0),
            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
@@ -434,11 +449,12 @@ TAIL_SPLITS = (2, 3, 4)   # the pieces a tail tile is timed with (``choose_split
 SPLIT_MARGIN = 0.02       # ... and how much faster than whole tiles a split must time to be chosen
 
 
-def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None) -> dict:
+def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None, kind: str = "") -> dict:
     """``cfg``, or ``cfg`` with the tail split (``SPLIT``) that timed (``time_fn(config)`` -> ms) at least
     ``SPLIT_MARGIN`` faster than whole tiles for this many row tiles on a GPU running ``slots`` programs at once
     (on the H200, run bp: 2-8 % faster on 6 of 45 shapes, slower on others). Decided once per (N, K, M bucket,
-    row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile configs' file)."""
+    row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile configs' file) under a key prefixed with
+    ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the SwiGLU-epilogue GEMM)."""
     from . import autotune
     tiles_m = -(-m // cfg["BLOCK_M"])
     tiles, kb = tiles_m * -(-n // cfg["BLOCK_N"]), -(-k // cfg["BLOCK_K"])
@@ -449,7 +465,7 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
             layouts[s] = lay
     if not layouts:
         return cfg
-    key = f"{autotune.ConfigCache.key(n, k, autotune.m_bucket(m))}_T{tiles_m}_split"
+    key = f"{kind}{autotune.ConfigCache.key(n, k, autotune.m_bucket(m))}_T{tiles_m}_split"
     hit = cache.get(key)
     if hit is None:
         plain = float(time_fn(cfg))

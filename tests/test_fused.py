@@ -286,6 +286,22 @@ def test_gemm_swiglu_equals_gemm_then_swiglu(kf, dtype, m, f, k, bias, clamp, w_
     torch.testing.assert_close(s1, s0, rtol=0 if EXACT else 1e-6, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("split", [2, 3, 4])
+def test_gemm_swiglu_tail_split_is_bit_exact(kf, monkeypatch, split):
+    """The SwiGLU-epilogue GEMM with the tail split (kernel/gemm.py ``tail_layout``): 5 row tiles x 1 column tile of
+    the interpreter's 32 x 32 config on its 4 programs at once leave one tail tile, cut into K pieces (K 300: a K tail
+    too); h equals the whole-tile kernel's bit for bit, twice in a row (the counters reset)."""
+    from kernel import autotune
+    g = torch.Generator().manual_seed(split)
+    a_q, a_s, w, ws, b = _int8_operands(150, 16, 300, BF16, g, True)
+    cfg = autotune.interpreter_configs()[0]
+    monkeypatch.setattr(kf, "select_config", lambda *a, **kw: cfg)
+    plain = kf.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0)  # row 4 of x holds a NaN
+    monkeypatch.setattr(kf, "select_config", lambda *a, **kw: {**cfg, "SPLIT": split})
+    for _ in range(2):
+        assert torch.equal(kf.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0), plain)
+
+
 def test_gemm_swiglu_edges(kf):
     import kernel
     g = torch.Generator().manual_seed(3)
@@ -911,10 +927,10 @@ def _hopper_check_gemm_swiglu(kf) -> str:
     from triton.compiler import ASTSource
     fn = kf._gemm_swiglu_kernel
     types = {"a_ptr": "*i8", "w_ptr": "*i8", "h_ptr": "*bf16", "as_ptr": "*fp32", "ws_ptr": "*fp32",
-             "bias_ptr": "*fp32"}
+             "bias_ptr": "*fp32", "part_ptr": "*i32", "cnt_ptr": "*i32"}
     for dt, clamp in ((1, False), (2, True)):
         consts = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "HAS_BIAS": False, "EVEN_K": True,
-                  "DT": dt, "CLAMP_FP16": clamp, "INTERPRET": False}
+                  "SPLIT": 1, "DT": dt, "CLAMP_FP16": clamp, "INTERPRET": False}
         params = list(inspect.signature(fn.fn).parameters)
         sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
         if dt == 2:
@@ -928,6 +944,17 @@ def _hopper_check_gemm_swiglu(kf) -> str:
             return f"_gemm_swiglu_kernel DT={dt}: cubin={'cubin' in k.asm}, no s8 wgmma in the PTX"
         if ".maxnreg 128" not in ptx:
             return f"_gemm_swiglu_kernel DT={dt}: no register cap in the PTX (two CTAs an SM need <= 128)"
+    for split in (2, 3, 4):  # its tail-split builds: the same 8-bit wgmma, the pieces published as gemm's are
+        consts = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "HAS_BIAS": True, "EVEN_K": True,
+                  "SPLIT": split, "DT": 1, "CLAMP_FP16": False, "INTERPRET": False}
+        params = list(inspect.signature(fn.fn).parameters)
+        sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 8, "num_stages": 3, "maxnreg": 128}).asm["ptx"]
+        if ".s32.s8.s8" not in ptx or "atom.global.gpu.acq_rel.add" not in ptx or "ld.global.cg" not in ptx:
+            return f"_gemm_swiglu_kernel SPLIT={split}: no s8 wgmma, or partials not published as in kernel/gemm.py"
     return _hopper_check_gemm_split()
 
 
