@@ -74,10 +74,11 @@ SWITCHES = {s.name: s for s in (
            "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
            "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",
            at_import=True),
-    Switch("INT8_FUSED_TAIL_SPLIT", bool, True,
-           "`0`: every INT8 GEMM runs whole tiles only; unset, a GEMM whose last wave of tiles would leave most "
-           "SMs idle runs those tiles in K pieces where that timed faster on this GPU (`kernel/gemm.py` "
-           "`tail_layout`: the same int32 sums, the same output bits)"),
+    Switch("INT8_FUSED_TAIL_SPLIT", str, "gemm",
+           "GEMMs whose last wave of tiles would leave most SMs idle run those tiles in K pieces where that timed "
+           "at least 2 % faster on this GPU (`kernel/gemm.py` `tail_layout`: the same int32 sums, the same output "
+           "bits): `gemm` the INT8 GEMM (measured on the H200: runs bp–br), `all` the SwiGLU-epilogue GEMM too "
+           "(tested on the CPU and built for sm_90, not yet timed on a GPU), `0` none"),
     Switch("INT8_FUSED_PLANS", bool, True,
            "`0`: every INT8 linear / GEMM call takes the checked path (operand checks, config lookup, launch) "
            "instead of re-issuing the launches prepared on its first call (`kernel/plan.py`); for A/B runs"),

@@ -65,8 +65,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import _check_2d, _check_usable, _gemm_operands, _vector
-from .gemm import (_acc_tile, _dequant, _split_piece, _sum_pieces, _tile_ids, choose_split, select_config,
-                   split_launch)
+from .gemm import (_acc_tile, _dequant, _program_tile, _tile_ids, _tile_sum, choose_split, select_config,
+                   split_launch, tail_split_on)
 from . import quantize as _q
 from . import config
 from .launch import launch, not_recorded  # launch: the compiled kernel re-launched directly (kernel/launch.py)
@@ -282,29 +282,15 @@ def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr,
     # rounded to the model dtype as the GEMM would store them, and h = dt(dt(silu(a)) * b) is stored [M, F].
     # SPLIT > 1: the tail split of kernel/gemm.py (the last piece of a tail tile runs the epilogue).
     HALF: tl.constexpr = BLOCK_N // 2
-    pid = tl.program_id(0)
-    if SPLIT > 1:
-        tile, k_lo, k_len = _split_piece(pid, DP_TILES, K_PIECE, K, SPLIT)
-        a_ptr += k_lo * stride_ak
-        w_ptr += k_lo * stride_wk
-    else:
-        tile = pid
-        k_len = K
+    tile, a_ptr, w_ptr, k_len = _program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT)
     pid_m, pid_n = _tile_ids(tile, M, F, BLOCK_M, HALF, GROUP_M)
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     r = tl.arange(0, BLOCK_N)
     offs_wn = (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)
     acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, k_len, stride_am, stride_ak, stride_wn, stride_wk,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-    if SPLIT > 1:
-        finish = pid < DP_TILES
-        if pid >= DP_TILES:
-            acc, finish = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, (pid - DP_TILES) % SPLIT,
-                                      BLOCK_M, BLOCK_N, SPLIT)
-        if finish:
-            _swiglu_epilogue(acc, h_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, F, stride_hm, stride_hn,
-                             stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, DT, CLAMP_FP16, INTERPRET)
-    else:
+    acc, finish = _tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M, BLOCK_N, SPLIT)
+    if finish:  # a constant True without the split: no branch
         _swiglu_epilogue(acc, h_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, F, stride_hm, stride_hn,
                          stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, DT, CLAMP_FP16, INTERPRET)
 
@@ -1006,7 +992,7 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
         return h.copy_(y)
     _check_usable(a_q, "gemm_swiglu")
     cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype, tail_split=False)
-    if a_q.is_cuda and config.get("INT8_FUSED_TAIL_SPLIT"):
+    if a_q.is_cuda and tail_split_on("swiglu"):  # not yet timed on a GPU: INT8_FUSED_TAIL_SPLIT=all only
         cfg = _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
     return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg)
 

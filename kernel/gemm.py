@@ -108,29 +108,15 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
     # SPLIT > 1 (the tail split, see ``tail_layout``): programs below DP_TILES run whole tiles; the rest run
     # K_PIECE-long pieces of the last tiles, SPLIT a tile, and the last piece of a tile to finish sums the
     # pieces' exact int32 partials (any order: same sum) and runs the epilogue.
-    pid = tl.program_id(0)
-    if SPLIT > 1:
-        tile, k_lo, k_len = _split_piece(pid, DP_TILES, K_PIECE, K, SPLIT)
-        a_ptr += k_lo * stride_ak
-        w_ptr += k_lo * stride_wk
-    else:
-        tile = pid
-        k_len = K
+    tile, a_ptr, w_ptr, k_len = _program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT)
     pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # Row / column tails wrap (% M, % N) so the loads need no mask; the store masks them.
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_wn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, k_len, stride_am, stride_ak, stride_wn, stride_wk,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-    if SPLIT > 1:
-        finish = pid < DP_TILES
-        if pid >= DP_TILES:
-            acc, finish = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, (pid - DP_TILES) % SPLIT,
-                                      BLOCK_M, BLOCK_N, SPLIT)
-        if finish:
-            _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
-                           stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, OUT_INT32, INTERPRET)
-    else:
+    acc, finish = _tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M, BLOCK_N, SPLIT)
+    if finish:  # a constant True without the split: no branch
         _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
                        stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, OUT_INT32, INTERPRET)
 
@@ -149,6 +135,35 @@ def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, 
         out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                        HAS_BIAS)
         _store_out(c_ptrs, out, c_mask, INTERPRET)
+
+
+@triton.jit
+def _program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT: tl.constexpr):
+    """(tile, A and W at the program's first K element, its K elements): the program's whole tile without the
+    split, else its piece (``_split_piece``)."""
+    if SPLIT > 1:
+        tile, k_lo, k_len = _split_piece(tl.program_id(0), DP_TILES, K_PIECE, K, SPLIT)
+        a_ptr += k_lo * stride_ak
+        w_ptr += k_lo * stride_wk
+    else:
+        tile = tl.program_id(0)
+        k_len = K
+    return tile, a_ptr, w_ptr, k_len
+
+
+@triton.jit
+def _tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """(the tile's int32 sum, whether this program runs the tile's epilogue): the program's own ``acc`` and True
+    without the split or for a whole tile; for a piece, ``_sum_pieces``."""
+    if SPLIT > 1:
+        finish = tile < DP_TILES
+        if tile >= DP_TILES:
+            acc, finish = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES,
+                                      (tl.program_id(0) - DP_TILES) % SPLIT, BLOCK_M, BLOCK_N, SPLIT)
+    else:
+        finish: tl.constexpr = True
+    return acc, finish
 
 
 @triton.jit
@@ -408,12 +423,12 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     """The config for this (N, K, M bucket): memoised, else from the on-disk cache, else timed now with
     ``triton.testing.do_bench`` on these very tensors (``out`` is overwritten by the real call after; None: an
     [M, N] ``out_dtype`` buffer is made for the timing, e.g. for the SwiGLU-epilogue kernel, which shares the
-    merged w1+w3 GEMM's config and passes ``tail_split=False``). With ``tail_split`` (and INT8_FUSED_TAIL_SPLIT)
+    merged w1+w3 GEMM's config and passes ``tail_split=False``). With ``tail_split`` (and ``tail_split_on("gemm")``)
     the config carries this M's tail split, see ``choose_split``."""
     m, k = a_q.shape
     n = w_q.shape[0]
     dev = a_q.device
-    tail_split = tail_split and _config.get("INT8_FUSED_TAIL_SPLIT")  # in the key: A/B rows in one process
+    tail_split = tail_split and tail_split_on("gemm")  # in the key: A/B rows in one process
     exact = (dev, n, k, m, tail_split)
     cfg = _TUNED.get(exact)  # exact-M memo first: the per-call path is one dict lookup
     if cfg is not None:
@@ -443,6 +458,16 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
             cfg = choose_split(cfg, m, n, k, _slots(cfg, dev), _device_cache(dev), time_fn, meta)
     _TUNED[exact] = cfg
     return cfg
+
+
+def tail_split_on(kind: str) -> bool:
+    """Whether INT8_FUSED_TAIL_SPLIT lets ``kind`` ("gemm": the INT8 GEMM, "swiglu": the SwiGLU-epilogue GEMM) time
+    the tail split: ``gemm`` (the default; ``1`` and an unknown value too) the INT8 GEMM only, ``all`` both, ``0``
+    neither."""
+    v = str(_config.get("INT8_FUSED_TAIL_SPLIT") or "gemm").strip().lower()
+    if v in ("0", "off", "false", "no", "none"):
+        return False
+    return kind == "gemm" or v == "all"
 
 
 TAIL_SPLITS = (2, 3, 4)   # the pieces a tail tile is timed with (``choose_split``)

@@ -245,3 +245,14 @@ def test_slots_from_the_device_properties(monkeypatch):
     assert gemm._slots(four, torch.device("cuda", 0)) == 132
     assert gemm._slots(three, torch.device("cuda", 1)) == 82
     assert gemm._slots(three, torch.device("cpu")) == 4
+
+
+@pytest.mark.parametrize("value, gemm_on, swiglu_on", [(None, True, False), ("gemm", True, False), ("1", True, False),
+                                                      ("all", True, True), ("ALL", True, True), ("0", False, False),
+                                                      ("off", False, False)])
+def test_tail_split_switch(value, gemm_on, swiglu_on):
+    """INT8_FUSED_TAIL_SPLIT: the INT8 GEMM by default (measured on the H200), the SwiGLU-epilogue GEMM only with
+    ``all`` (not yet timed on a GPU), neither with ``0``."""
+    from kernel import config, gemm
+    with config.override(INT8_FUSED_TAIL_SPLIT=value):
+        assert gemm.tail_split_on("gemm") is gemm_on and gemm.tail_split_on("swiglu") is swiglu_on
