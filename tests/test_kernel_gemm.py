@@ -256,3 +256,51 @@ def test_tail_split_switch(value, gemm_on, swiglu_on):
     from kernel import config, gemm
     with config.override(INT8_FUSED_TAIL_SPLIT=value):
         assert gemm.tail_split_on("gemm") is gemm_on and gemm.tail_split_on("swiglu") is swiglu_on
+
+
+def test_select_config_on_a_gpu_tunes_tiles_then_the_split(monkeypatch, tmp_path):
+    """``select_config``'s GPU path with a stand-in GPU (H200 properties, a fake clock in place of do_bench, the
+    launches recorded instead of run): the tile config is timed once per (N, K, M bucket), the tail split once per
+    row tiles (Ideogram 4's w2 at M 4096: a tail of 96 tiles, room for 2 pieces: SPLIT 2 timed 5 % faster is kept);
+    the SwiGLU caller (``tail_split=False``) and INT8_FUSED_TAIL_SPLIT=0 get the tile config alone; a second
+    process (new memo, same file) times nothing."""
+    import types
+
+    import triton
+    from kernel import config, gemm
+    h200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
+                                 shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472,
+                                 regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: h200)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    for memo in ("_TUNED", "_CACHES", "_SLOTS"):
+        monkeypatch.setattr(gemm, memo, {})
+    best = autotune.hopper_configs()[0]
+    timed = []
+
+    def launch(a_q, a_scale, w_q, w_scale, bias, out, cfg):  # what the timed lambda would launch
+        timed.append(cfg)
+
+    def do_bench(fn, **kw):
+        fn()
+        c = timed[-1]
+        tile = {x: c[x] for x in best}
+        return (1.0 if tile == best else 1.5) * (0.95 if c.get("SPLIT") == 2 else 1.0)
+    monkeypatch.setattr(gemm, "launch_int8_gemm", launch)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    cuda = torch.device("cuda", 0)
+    a_q = types.SimpleNamespace(shape=(4096, 12288), device=cuda)
+    w_q = types.SimpleNamespace(shape=(4608, 12288))
+    with config.override(INT8_FUSED_CACHE_DIR=str(tmp_path)):
+        cfg = gemm.select_config(a_q, None, w_q, None, None, object())
+        n_cands = len(autotune.candidates((9, 0), 232448, 4096))
+        assert cfg == {**best, "SPLIT": 2} and len(timed) == n_cands + 2  # every tile, then plain vs SPLIT 2
+        assert gemm.select_config(a_q, None, w_q, None, None, object()) is cfg and len(timed) == n_cands + 2
+        assert gemm.select_config(a_q, None, w_q, None, None, object(), tail_split=False) == best
+        with config.override(INT8_FUSED_TAIL_SPLIT="0"):
+            assert gemm.select_config(a_q, None, w_q, None, None, object()) == best
+        assert len(timed) == n_cands + 2
+        monkeypatch.setattr(gemm, "_TUNED", {})
+        monkeypatch.setattr(gemm, "_CACHES", {})
+        assert gemm.select_config(a_q, None, w_q, None, None, object()) == {**best, "SPLIT": 2}
+        assert len(timed) == n_cands + 2  # read from the file
