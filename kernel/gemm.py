@@ -162,7 +162,7 @@ def _tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M: tl.constexpr, BLO
             acc, finish = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES,
                                       (tl.program_id(0) - DP_TILES) % SPLIT, BLOCK_M, BLOCK_N, SPLIT)
     else:
-        finish: tl.constexpr = True
+        finish = True
     return acc, finish
 
 
