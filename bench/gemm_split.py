@@ -37,7 +37,39 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median") * 1e3  # us
 
 
+def _variants(cfg: dict, tiles: int, k: int, run, ref, cuda: bool, per_sm_values) -> tuple[float | None, list]:
+    """``run(config)`` -> output: (plain µs, the split variants) for each count of CTAs an SM in ``per_sm_values``
+    (None: the one ``kernel.gemm._slots`` computes) and SPLIT in ``SPLITS``, each distinct layout once, its output
+    compared with ``ref`` twice (the counters' reset) and, on a GPU, timed."""
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
+    computed = gemm._slots(cfg, dev)
+    key = (dev.index, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
+    plain = _bench(lambda: run(cfg)) if cuda else None
+    seen, out = set(), []
+    try:
+        for per_sm in per_sm_values:
+            slots = computed if per_sm is None else sms * per_sm
+            gemm._SLOTS[key] = slots
+            for s in SPLITS:
+                layout = gemm.tail_layout(tiles, slots, s, -(-k // cfg["BLOCK_K"]))
+                if layout[1] == 1 or layout in seen:
+                    continue
+                seen.add(layout)
+                c = {**cfg, "SPLIT": s}
+                v = {"per_sm": slots // sms, "split": s, "layout": list(layout),
+                     "equal": all(torch.equal(run(c), ref) for _ in range(2))}
+                if cuda:
+                    v["us"] = _bench(lambda: run(c))
+                    v["x_plain"] = round(plain / v["us"], 3)
+                out.append(v)
+    finally:
+        gemm._SLOTS[key] = computed
+    return plain, out
+
+
 def run_shape(m: int, n: int, k: int, bias: bool, cuda: bool) -> dict:
+    """The INT8 GEMM (``kernel.gemm.launch_int8_gemm``) with its tuned config, counting 1 and 2 CTAs an SM."""
     dev = "cuda" if cuda else "cpu"
     g = torch.Generator(device=dev).manual_seed(m * 7 + n * 3 + k)
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=dev, generator=g)
@@ -47,33 +79,13 @@ def run_shape(m: int, n: int, k: int, bias: bool, cuda: bool) -> dict:
     b = torch.randn(n, device=dev, generator=g).to(torch.bfloat16) if bias else None
     out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
     cfg = gemm.select_config(a, a_s, w, w_s, b, out) if cuda else autotune.interpreter_configs()[0]
-    ref = gemm.launch_int8_gemm(a, a_s, w, w_s, b, out.clone(), cfg)
+    run = lambda c: gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, c)  # noqa: E731
+    ref = run(cfg).clone()
     tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
-    k_blocks = -(-k // cfg["BLOCK_K"])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
-    computed = gemm._slots(cfg, a.device)
-    row = {"M": m, "N": n, "K": k, "cfg": {x: cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
-                                                            "num_warps", "num_stages")},
-           "tiles": tiles, "slots_computed": computed, "plain_us": _bench(lambda: gemm.launch_int8_gemm(
-               a, a_s, w, w_s, b, out, cfg)) if cuda else None, "variants": []}
-    key = (a.device.index, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
-    seen = set()
-    for per_sm in (1, 2):
-        gemm._SLOTS[key] = sms * per_sm
-        for s in SPLITS:
-            layout = gemm.tail_layout(tiles, sms * per_sm, s, k_blocks)
-            if layout[1] == 1 or layout in seen:
-                continue
-            seen.add(layout)
-            c = {**cfg, "SPLIT": s}
-            equal = all(torch.equal(gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, c), ref) for _ in range(2))
-            v = {"per_sm": per_sm, "split": s, "layout": list(layout), "equal": equal}
-            if cuda:
-                v["us"] = _bench(lambda: gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, c))
-                v["x_plain"] = round(row["plain_us"] / v["us"], 3)
-            row["variants"].append(v)
-    gemm._SLOTS[key] = computed
-    return row
+    plain, variants = _variants(cfg, tiles, k, run, ref, cuda, (1, 2))
+    return {"M": m, "N": n, "K": k, "cfg": {x: cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
+                                                                "num_warps", "num_stages")},
+            "tiles": tiles, "slots_computed": gemm._slots(cfg, a.device), "plain_us": plain, "variants": variants}
 
 
 SWIGLU_SHAPES = [  # (label, M, F, K): the merged w1+w3 GEMM with SwiGLU in its epilogue (kernel.fused.gemm_swiglu)
@@ -84,8 +96,8 @@ SWIGLU_SHAPES = [  # (label, M, F, K): the merged w1+w3 GEMM with SwiGLU in its 
 
 
 def run_swiglu(m: int, f: int, k: int) -> dict:
-    """The SwiGLU-epilogue GEMM: its tuned config plain and with SPLIT 2 / 3 / 4 / 8 (2 CTAs an SM), h compared bit
-    for bit (NaN-free operands) and timed."""
+    """The SwiGLU-epilogue GEMM (``kernel.fused``) with its tuned config, as the pack counts its CTAs an SM; h
+    compared bit for bit (NaN-free operands)."""
     from kernel import fused as kf
     g = torch.Generator(device="cuda").manual_seed(m + f + k)
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
@@ -97,22 +109,9 @@ def run_swiglu(m: int, f: int, k: int) -> dict:
     run = lambda c: kf._launch_gemm_swiglu(a, a_s, w, w_s, None, h, False, c)  # noqa: E731
     ref = run(cfg).clone()
     tiles = -(-m // cfg["BLOCK_M"]) * -(-f // (cfg["BLOCK_N"] // 2))
-    slots = gemm._slots(cfg, a.device)
-    row = {"M": m, "F": f, "K": k, "tiles": tiles, "slots_computed": slots, "plain_us": _bench(lambda: run(cfg)),
-           "variants": []}
-    seen = set()
-    for s in SPLITS:
-        layout = gemm.tail_layout(tiles, slots, s, -(-k // cfg["BLOCK_K"]))
-        if layout[1] == 1 or layout in seen:
-            continue
-        seen.add(layout)
-        c = {**cfg, "SPLIT": s}
-        equal = all(torch.equal(run(c), ref) for _ in range(2))
-        us = _bench(lambda: run(c))
-        row["variants"].append({"per_sm": slots // torch.cuda.get_device_properties(0).multi_processor_count,
-                                "split": s, "layout": list(layout), "equal": equal, "us": us,
-                                "x_plain": round(row["plain_us"] / us, 3)})
-    return row
+    plain, variants = _variants(cfg, tiles, k, run, ref, True, (None,))
+    return {"M": m, "F": f, "K": k, "tiles": tiles, "slots_computed": gemm._slots(cfg, a.device),
+            "plain_us": plain, "variants": variants}
 
 
 def main() -> int:
@@ -124,34 +123,21 @@ def main() -> int:
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda and args.swiglu:
-        rows, bad = [], 0
-        for label, m, f, k in SWIGLU_SHAPES:
-            row = {"shape": label, **run_swiglu(m, f, k)}
-            rows.append(row)
-            bad += sum(not v["equal"] for v in row["variants"])
-            print(f"{label:34s} {m}x{f}x{k} tiles {row['tiles']:5d} slots {row['slots_computed']:4d} "
-                  f"plain {row['plain_us']:8.1f} us  " + "  ".join(
-                      f"s{v['split']}:{v['us']:.1f} x{v['x_plain']:.3f}{'' if v['equal'] else ' DIFF'}"
-                      for v in row["variants"]), flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps({"provenance": {
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__},
-                "rows": rows}, indent=1))
-        return 1 if bad else 0
-    if cuda:
-        shapes = [(f"{s[0]} {s[1]}", *s[2:]) for s in SHAPES if s[2] > 16]
+        jobs = [(label, (m, f, k), lambda m=m, f=f, k=k: run_swiglu(m, f, k)) for label, m, f, k in SWIGLU_SHAPES]
     else:
-        shapes = [("tiny", 150, 30, 300, True), ("tiny even K", 150, 30, 256, False), ("tiny 2x3", 33, 70, 300, True)]
+        shapes = ([(f"{s[0]} {s[1]}", *s[2:]) for s in SHAPES if s[2] > 16] if cuda else
+                  [("tiny", 150, 30, 300, True), ("tiny even K", 150, 30, 256, False), ("tiny 2x3", 33, 70, 300, True)])
+        jobs = [(label, (m, n, k), lambda m=m, n=n, k=k, b=b: run_shape(m, n, k, b, cuda))
+                for label, m, n, k, b in shapes]
     if args.only:
-        shapes = [s for s in shapes if re.search(args.only, s[0])]
+        jobs = [j for j in jobs if re.search(args.only, j[0])]
     t0, rows, bad = time.time(), [], 0
-    for label, m, n, k, bias in shapes:
-        row = {"shape": label, **run_shape(m, n, k, bias, cuda)}
+    for label, dims, job in jobs:
+        row = {"shape": label, **job()}
         rows.append(row)
         bad += sum(not v["equal"] for v in row["variants"])
         best = max(row["variants"], key=lambda v: v.get("x_plain", 0), default=None)
-        print(f"{label:34s} {m}x{n}x{k} tiles {row['tiles']:5d} slots {row['slots_computed']:4d} "
+        print(f"{label:34s} {'x'.join(map(str, dims))} tiles {row['tiles']:5d} slots {row['slots_computed']:4d} "
               f"plain {row['plain_us'] or 0:8.1f} us  " +
               "  ".join(f"s{v['split']}/{v['per_sm']}:{v.get('us', 0):.1f}{'' if v['equal'] else ' DIFF'}"
                         for v in row["variants"]) +

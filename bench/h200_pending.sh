@@ -69,15 +69,12 @@
 #   splitideo Ideogram 4 dual with the tail split on and off (INT8_FUSED_TAIL_SPLIT, rows interleaved) beside
 #             issue 14's anchors (bf16, fp8_fast~cudnn, fp8_fast~kitchen)
 #   splitmodels  Flux / Z-Image / Wan 1.3B: bf16, the pack with the tail split on, off, on
-#   closing6  every linear shape (bench/shapes.py, GPU times without the host's share), then Flux / Z-Image /
-#             Wan 1.3B (bf16, pack, fp8_fast) with the dispatch decisions made that way
-#   ideo6     Ideogram 4 dual: bf16, pack, fp8_fast~cudnn
+#   final6    the dispatch's GPU times without the host's share: bench/shapes.py (80 s budget), Wan 1.3B /
+#             Z-Image (bf16, pack), Ideogram 4 dual (bf16, pack)
 #   swsplit   bench/gemm_split.py --swiglu: the SwiGLU-epilogue GEMM's tail split against its plain launch
-#   final6    closing6 and ideo6 in one call, shorter: bench/shapes.py (80 s budget), Wan 1.3B / Z-Image (bf16,
-#             pack), Ideogram 4 dual (bf16, pack)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|closing6|ideo6|final6|swsplit ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -353,13 +350,6 @@ PY
     timeout 560 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_TAIL_SPLIT=0,pack:fused_triton" \
       --out "$OUT/h200-e2e-models-splitmodels.json" 2>&1 | tee -a "$OUT/last.log" ;;
-  closing6)  # every linear shape, then the models, with the dispatch's host-free GPU times
-    timeout 200 python3 bench/shapes.py --budget-s 140 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log"
-    timeout 330 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
-      --paths "bf16,pack:fused_triton,fp8_fast" --out "$OUT/h200-e2e-models-closing6.json" 2>&1 | tee -a "$OUT/last.log" ;;
-  ideo6)  # Ideogram 4 dual: bf16, pack, fp8_fast~cudnn (one process)
-    timeout 330 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn" \
-      --out "$OUT/sampler-ideo6.json" 2>&1 | tee -a "$OUT/last.log" ;;
   final6)  # the dispatch's host-free GPU times: every linear shape, Z-Image / Wan 1.3B, Ideogram 4 dual
     timeout 120 python3 bench/shapes.py --budget-s 80 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log"
     timeout 160 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models wan13,zimage \

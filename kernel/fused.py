@@ -1032,16 +1032,12 @@ def _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:
     key = (a_q.device, h.shape[1], k, m, tuple(sorted(cfg.items())))
     hit = _SW_SPLIT.get(key)
     if hit is None:
-        import triton
-
         def time_fn(c):
-            return triton.testing.do_bench(
-                lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c),
-                warmup=10, rep=40, return_mode="median")
+            return gemm.timed_ms(lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c))
         with not_recorded():
             hit = _SW_SPLIT[key] = choose_split(
                 cfg, m, w13.shape[0], k, gemm._slots(cfg, a_q.device), gemm._device_cache(a_q.device), time_fn,
-                {"gpu": torch.cuda.get_device_name(a_q.device), "triton": triton.__version__}, kind="SW_")
+                gemm.tuning_meta(a_q.device), kind="SW_")
     return hit
 
 

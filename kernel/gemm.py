@@ -293,13 +293,11 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
     cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, autotune.SMALL_M)
 
     def time_fn(c):
-        return triton.testing.do_bench(lambda: launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, c),
-                                       warmup=10, rep=40, return_mode="median")
+        return timed_ms(lambda: launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, c))
 
-    meta = {"gpu": props.name, "triton": triton.__version__}
     with not_recorded():  # the candidates' timing launches are not part of a recorded call (kernel.plan)
         cfg = autotune.pick_config(_device_cache(dev), "XQ_" + autotune.ConfigCache.key(n, k, autotune.SMALL_M),
-                                   cands, time_fn, meta)
+                                   cands, time_fn, tuning_meta(dev))
     _TUNED[memo_key] = cfg
     return cfg
 
@@ -405,7 +403,18 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     return out
 
 
-_TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket) or (..., exact M, tail split?) -> config, this process
+def timed_ms(fn) -> float:
+    """Median ms of ``fn`` (``triton.testing.do_bench``, the L2 flushed before each call): how every tuner of the
+    pack's GEMMs times a candidate."""
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def tuning_meta(device: torch.device) -> dict:
+    """What an autotune file records about the tuning: the GPU and the Triton version."""
+    return {"gpu": torch.cuda.get_device_name(device), "triton": triton.__version__}
+
+
+_TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket) or (.., exact M, split asked, switch) -> config
 _CACHES: dict[int, object] = {}     # device index -> autotune.ConfigCache
 
 
@@ -428,11 +437,12 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     m, k = a_q.shape
     n = w_q.shape[0]
     dev = a_q.device
-    tail_split = tail_split and tail_split_on("gemm")  # in the key: A/B rows in one process
-    exact = (dev, n, k, m, tail_split)
-    cfg = _TUNED.get(exact)  # exact-M memo first: the per-call path is one dict lookup
+    # exact-M memo first (the switch's raw value in the key: A/B rows in one process); the per-call path is a lookup
+    exact = (dev, n, k, m, tail_split, _config.get("INT8_FUSED_TAIL_SPLIT"))
+    cfg = _TUNED.get(exact)
     if cfg is not None:
         return cfg
+    tail_split = tail_split and tail_split_on("gemm")
     from . import autotune
     bucket = autotune.m_bucket(m)
     if dev.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the first config
@@ -441,15 +451,14 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     cfg = _TUNED.get(memo_key)
     if cfg is None or tail_split:
         props = torch.cuda.get_device_properties(a_q.device)
-        meta = {"gpu": props.name, "triton": triton.__version__}
+        meta = tuning_meta(dev)
         buf = [out]
 
         def time_fn(c):
             if buf[0] is None:  # made only when something is timed (a merged w1+w3 output is large)
                 buf[0] = torch.empty((m, n), dtype=out_dtype, device=dev)
             o = buf[0]
-            return triton.testing.do_bench(lambda: launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, o, c),
-                                           warmup=10, rep=40, return_mode="median")
+            return timed_ms(lambda: launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, o, c))
 
         with not_recorded():
             if cfg is None:
