@@ -110,8 +110,15 @@ def run_swiglu(m: int, f: int, k: int) -> dict:
     ref = run(cfg).clone()
     tiles = -(-m // cfg["BLOCK_M"]) * -(-f // (cfg["BLOCK_N"] // 2))
     plain, variants = _variants(cfg, tiles, k, run, ref, True, (None,))
+    # what the pack itself picks with the switch on (kernel.fused._swiglu_split: choose_split timing these operands)
+    from kernel import config
+    with config.override(INT8_FUSED_TAIL_SPLIT="all"):
+        call = lambda: kf.gemm_swiglu(a, a_s, w, w_s, None, torch.bfloat16)  # noqa: E731
+        pack_equal = torch.equal(call(), ref)
+        picked = [c.get("SPLIT", 1) for key, c in kf._SW_SPLIT.items() if key[1:4] == (f, k, m)]
+        pack = {"split": picked[-1] if picked else None, "equal": pack_equal, "us": _bench(call)}
     return {"M": m, "F": f, "K": k, "tiles": tiles, "slots_computed": gemm._slots(cfg, a.device),
-            "plain_us": plain, "variants": variants}
+            "plain_us": plain, "variants": variants, "pack": pack}
 
 
 def main() -> int:
@@ -141,7 +148,10 @@ def main() -> int:
               f"plain {row['plain_us'] or 0:8.1f} us  " +
               "  ".join(f"s{v['split']}/{v['per_sm']}:{v.get('us', 0):.1f}{'' if v['equal'] else ' DIFF'}"
                         for v in row["variants"]) +
-              (f"  best x{best.get('x_plain', 0):.3f}" if best else ""), flush=True)
+              (f"  best x{best.get('x_plain', 0):.3f}" if best else "") +
+              (f"  pack: split {row['pack']['split']} {row['pack']['us']:.1f} us"
+               f"{'' if row['pack']['equal'] else ' DIFF'}" if "pack" in row else ""), flush=True)
+    bad += sum(not r["pack"]["equal"] for r in rows if "pack" in r)
     print(f"{len(rows)} shapes, {bad} variant(s) not bit-identical, {time.time() - t0:.0f} s")
     if args.out:
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

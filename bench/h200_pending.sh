@@ -74,10 +74,12 @@
 #   swsplit   bench/gemm_split.py --swiglu: the SwiGLU-epilogue GEMM's tail split against its plain launch
 #   swideo    Ideogram 4 dual: the SwiGLU GEMM's tail split on (INT8_FUSED_TAIL_SPLIT=all) and off (=gemm),
 #             interleaved, beside issue 14's anchors (bf16, fp8_fast~cudnn, fp8_fast~kitchen)
+#   floor     bench/gemm_floor.py (L2 / HBM read bandwidth, the tile loop's tensor-core rate, the GEMM's floors per
+#             shape beside the pack and cuBLAS FP8), then bench/gemm_split.py --swiglu with the pack's own pick
 #   shapesall bench/shapes.py over all 55 shapes (budget 330 s: a fresh process tunes every shape first)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -363,6 +365,10 @@ PY
   swideo)  # issue 14's anchors with the SwiGLU GEMM's tail split on and off (interleaved rows, one process)
     timeout 570 $sampler --paths "bf16,pack:fused_triton%INT8_FUSED_TAIL_SPLIT=all,pack:fused_triton%INT8_FUSED_TAIL_SPLIT=gemm,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton%INT8_FUSED_TAIL_SPLIT=all,pack:fused_triton%INT8_FUSED_TAIL_SPLIT=gemm" \
       --out "$OUT/sampler-swideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  floor)  # what bounds the INT8 GEMM: L2 traffic of its tiles vs the tensor cores; the SwiGLU split's pick
+    timeout 240 python3 bench/gemm_floor.py --out "$OUT/h200-gemm-floor.json" 2>&1 | tee "$OUT/gemm-floor.log"
+    timeout 150 python3 bench/gemm_split.py --swiglu --out "$OUT/h200-gemm-split-swiglu.json" 2>&1 | tee "$OUT/gemm-split-swiglu.log"
+    cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/" 2>/dev/null ;;
   shapesall)  # every linear shape with the dispatch's host-free GPU times (run bs reached 12 of 55 in 80 s)
     timeout 400 python3 bench/shapes.py --budget-s 330 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
