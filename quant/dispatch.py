@@ -19,7 +19,10 @@ host time to issue it; medians of ``ROUNDS`` interleaved rounds of ``REPS`` call
 a few ms, once per shape), keeps the result in memory and in ``dispatch-v2-<gpu>-torch-<v>-triton-<v>.json``
 next to the GEMM autotune cache (``kernel.autotune.cache_dir``, atomic writes), so later processes time nothing.
 The rule is :func:`decide`: int8 is the incumbent and the float path must be faster by ``MARGIN`` to take the
-shape (timing noise does not flip decisions, and int8 keeps its memory saving on a tie). On the CPU, under
+shape (timing noise does not flip decisions, and int8 keeps its memory saving on a tie); where the two costs tie
+within the margin (host-bound calls, whose cost is the host time both paths share) the GPU times decide the same
+way, since a model whose GPU paces the step pays only those (run bt: Wan's time projection had gone to int8 at
+0.81x bf16's GPU time). On the CPU, under
 ``torch.compile`` tracing or CUDA-graph capture nothing is timed and ``auto`` runs int8.
 
 Each layer counts its calls per path (``Int8Linear.dispatch_calls``); :func:`report_line` summarises a model. A
@@ -38,6 +41,7 @@ import math
 import re
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -78,18 +82,25 @@ def _ms(t) -> float:
     return t if math.isfinite(t) and t >= 0 else math.inf
 
 
-def decide(int8_ms: float, float_ms: float, incumbent: str = INT8, margin: float = MARGIN) -> str:
-    """The path for a shape from its two timings (ms). The ``incumbent`` (int8 on a first decision; the earlier
-    decision when a shape is timed again) keeps the shape unless the other path is faster by ``margin``
-    (``t_other * (1 + margin) < t_incumbent``): ties and noise never flip it. A failed or non-finite timing
-    counts as infinitely slow; both failed: the incumbent."""
+def decide(int8_ms: float, float_ms: float, incumbent: str = INT8, margin: float = MARGIN,
+           int8_gpu_ms: float | None = None, float_gpu_ms: float | None = None) -> str:
+    """The path for a shape from its two costs (ms, ``effective_ms``). The ``incumbent`` (int8 on a first decision;
+    the earlier decision when a shape is timed again) keeps the shape unless the other path is faster by ``margin``
+    (``t_other * (1 + margin) < t_incumbent``): noise never flips it. Where neither cost beats the other by the
+    margin, the GPU times (when given) decide by the same rule. A failed or non-finite timing counts as infinitely
+    slow; both failed: the incumbent."""
     if incumbent not in (INT8, FLOAT):
         raise ValueError(f"incumbent must be {INT8!r} or {FLOAT!r}, got {incumbent!r}")
-    t = {INT8: _ms(int8_ms), FLOAT: _ms(float_ms)}
     other = FLOAT if incumbent == INT8 else INT8
+    t = {INT8: _ms(int8_ms), FLOAT: _ms(float_ms)}
+    g = {INT8: _ms(int8_gpu_ms), FLOAT: _ms(float_gpu_ms)}
     if t[other] == math.inf:
         return incumbent
-    return other if t[other] * (1.0 + margin) < t[incumbent] else incumbent
+    if t[other] * (1.0 + margin) < t[incumbent]:
+        return other
+    if t[incumbent] * (1.0 + margin) < t[other]:
+        return incumbent
+    return other if g[other] * (1.0 + margin) < g[incumbent] else incumbent
 
 
 def m_bucket(m: int) -> int:
@@ -102,7 +113,8 @@ def shape_key(m: int, n: int, k: int, has_bias: bool, dtype: torch.dtype) -> str
 
 
 # --------------------------------------------------------------------------- the cache file
-DECISIONS_VERSION = "v2"  # v2: GPU times without the host's share (``time_call``); v1 files are not read
+DECISIONS_VERSION = "v3"  # v2: GPU times without the host's share (``time_call``); v3: ties go by GPU time.
+# Older files are not read.
 
 
 def cache_path(gpu_name: str, torch_version: str, triton_version: str) -> Path:
@@ -336,14 +348,16 @@ def _decision(layer, x2d: torch.Tensor) -> str | None:
             path = entry["path"]
         else:
             try:
-                t8, tf, w = measure(layer, x2d)
+                c8, cf, w = measure(layer, x2d)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory for the float copy: stay on int8
                 log.warning("INT8 dispatch: could not time %s (%s: %s); running int8", skey, type(e).__name__, e)
                 _DECISIONS[key] = INT8
                 return INT8
-            path = decide(t8, tf)
-            cache.put(skey, {"path": path, "int8_ms": t8, "float_ms": tf, "m": m}, _meta(dev))
-            log.info("INT8 dispatch %s (M %d): int8 %.4f ms, float %.4f ms -> %s", skey, m, t8, tf, path)
+            path = decide(c8.eff, cf.eff, int8_gpu_ms=c8.gpu, float_gpu_ms=cf.gpu)
+            cache.put(skey, {"path": path, "int8_ms": c8.eff, "float_ms": cf.eff, "int8_gpu_ms": c8.gpu,
+                             "float_gpu_ms": cf.gpu, "m": m}, _meta(dev))
+            log.info("INT8 dispatch %s (M %d): int8 %.4f ms (GPU %.4f), float %.4f ms (GPU %.4f) -> %s", skey, m,
+                     c8.eff, c8.gpu, cf.eff, cf.gpu, path)
             if path == FLOAT:
                 float_operands(layer, dtype, made=w)  # keep the copy the timing made
         _DECISIONS[key] = path
@@ -389,9 +403,15 @@ def flush_buffer(device: torch.device) -> torch.Tensor:
     return torch.empty(l2, dtype=torch.int8, device=device)
 
 
-def time_pair(fa, fb, rounds: int = ROUNDS, reps: int = REPS) -> tuple[float, float]:
-    """Effective ms (``effective_ms``) of ``fa`` and ``fb``: medians over ``rounds`` interleaved rounds of
-    ``reps`` calls each (clock and cache drift hit both), after one warm-up call each (compiles, autotunes)."""
+class Cost(NamedTuple):
+    """A path's timing (ms): ``eff`` what a call costs in a stream of calls (``effective_ms``), ``gpu`` its GPU time."""
+    eff: float
+    gpu: float
+
+
+def time_pair(fa, fb, rounds: int = ROUNDS, reps: int = REPS) -> tuple[Cost, Cost]:
+    """``Cost`` of ``fa`` and of ``fb``: medians over ``rounds`` interleaved rounds of ``reps`` calls each (clock and
+    cache drift hit both), after one warm-up call each (compiles, autotunes)."""
     import statistics
     fa()
     fb()
@@ -399,19 +419,20 @@ def time_pair(fa, fb, rounds: int = ROUNDS, reps: int = REPS) -> tuple[float, fl
     flush = flush_buffer(torch.device("cuda", torch.cuda.current_device()))
     ta, tb = [], []
     for _ in range(rounds):
-        ta.append(effective_ms(*time_call(fa, reps, flush)))
-        tb.append(effective_ms(*time_call(fb, reps, flush)))
+        ta.append(time_call(fa, reps, flush))
+        tb.append(time_call(fb, reps, flush))
     del flush
-    return statistics.median(ta), statistics.median(tb)
+    return tuple(Cost(statistics.median(effective_ms(*t) for t in ts), statistics.median(g for g, _ in ts))
+                 for ts in (ta, tb))
 
 
-def measure(layer, x2d: torch.Tensor) -> tuple[float, float, torch.Tensor]:
-    """(int8 ms, float ms, the float weight made for it) on the call's own operands."""
+def measure(layer, x2d: torch.Tensor) -> tuple[Cost, Cost, torch.Tensor]:
+    """(int8 ``Cost``, float ``Cost``, the float weight made for it) on the call's own operands."""
     w = dequantized(layer, x2d.dtype)
     b = None if layer.bias is None else layer.bias.to(x2d.dtype)
     with torch.cuda.device(x2d.device):  # events, flush buffer and synchronize on the layer's GPU
-        t8, tf = time_pair(lambda: int8_linear(x2d, layer), lambda: F.linear(x2d, w, b))
-    return t8, tf, w
+        c8, cf = time_pair(lambda: int8_linear(x2d, layer), lambda: F.linear(x2d, w, b))
+    return c8, cf, w
 
 
 # --------------------------------------------------------------------------- what ran

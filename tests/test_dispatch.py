@@ -88,6 +88,20 @@ def test_decide(t8, tf, incumbent, want):
     assert dispatch.decide(t8, tf, incumbent=incumbent) == want
 
 
+@pytest.mark.parametrize("t8, tf, g8, gf, incumbent, want", [
+    (0.030, 0.030, 0.024, 0.0196, "int8", "float"),   # costs tie (host-bound), float's GPU time 18 % lower
+    (0.030, 0.0295, 0.020, 0.0199, "int8", "int8"),   # ... GPU times within the margin: the incumbent
+    (0.030, 0.0305, 0.024, 0.0196, "int8", "float"),  # float's cost 1.7 % higher: still a tie, GPU decides
+    (0.030, 0.032, 0.010, 0.020, "int8", "int8"),     # int8's GPU time lower: int8
+    (0.030, 0.035, 0.024, 0.0196, "int8", "int8"),    # int8's cost beyond the margin: no GPU tie-break
+    (0.030, 0.030, 0.0196, 0.024, "float", "int8"),   # the same rule for a float incumbent
+    (0.030, 0.030, None, 0.010, "int8", "float"),     # int8's GPU time failed: infinitely slow
+    (0.030, 0.030, 0.024, math.nan, "int8", "int8"),  # float's GPU time failed
+])
+def test_decide_ties_go_by_gpu_time(t8, tf, g8, gf, incumbent, want):
+    assert dispatch.decide(t8, tf, incumbent=incumbent, int8_gpu_ms=g8, float_gpu_ms=gf) == want
+
+
 def test_decide_margin_and_bad_incumbent():
     assert dispatch.decide(1.02, 1.0, margin=0.0) == "float"
     assert dispatch.decide(1.5, 1.0, margin=0.6) == "int8"
@@ -314,8 +328,9 @@ def fake_gpu(monkeypatch):
 
     def fake_measure(layer, x2d):
         clock["calls"].append(x2d.shape[0])
-        t8, tf = clock["times"][dispatch.m_bucket(x2d.shape[0])]
-        return t8, tf, dispatch.dequantized(layer, x2d.dtype)
+        t8, tf, *gpu = clock["times"][dispatch.m_bucket(x2d.shape[0])]
+        g8, gf = gpu or (t8, tf)  # GPU times: the costs unless given
+        return dispatch.Cost(t8, g8), dispatch.Cost(tf, gf), dispatch.dequantized(layer, x2d.dtype)
 
     monkeypatch.setattr(dispatch, "_can_time", lambda dev: True)
     monkeypatch.setattr(dispatch, "_device_cache", lambda dev: dispatch.DecisionCache(
@@ -327,8 +342,9 @@ def fake_gpu(monkeypatch):
 
 def test_auto_times_each_shape_once_caches_it_and_runs_the_winner(fresh, fake_gpu):
     fake_gpu["times"] = {16: (0.030, 0.010),   # GEMV: float faster -> float
-                         64: (0.020, 0.0199),  # a tie within the margin -> int8
-                         128: (0.010, 0.030)}  # int8 faster
+                         64: (0.020, 0.0199),  # a tie within the margin, on GPU time too -> int8
+                         128: (0.010, 0.030),  # int8 faster
+                         256: (0.025, 0.025, 0.020, 0.015)}  # a host-bound tie, float's GPU time lower -> float
     a, b = _layer(seed=3), _layer(seed=4)  # same shape: one decision serves both
     x = _x(100, 72)
     ya = a(x[:5])
@@ -337,17 +353,20 @@ def test_auto_times_each_shape_once_caches_it_and_runs_the_winner(fresh, fake_gp
     a(x[:64]), a(x[:100]), b(x[:40])
     assert fake_gpu["calls"] == [5, 64, 100]  # buckets 16, 64, 128 timed once each (M 40 is bucket 64)
     assert dict(a.dispatch_calls) == {"float": 1, "int8": 2} and dict(b.dispatch_calls) == {"float": 1, "int8": 1}
+    b(_x(200, 72))
+    assert fake_gpu["calls"] == [5, 64, 100, 200] and dict(b.dispatch_calls) == {"float": 2, "int8": 1}
     assert _rel(ya, _float_ref(x[:5], a)) < 1e-5  # the float path really ran
     data = json.loads(dispatch.cache_path("Fake GPU", "t", "3.6.0").read_text())
     assert {k: v["path"] for k, v in data["decisions"].items()} == {
         "M16_N40_K72_bias_float32": "float", "M64_N40_K72_bias_float32": "int8",
-        "M128_N40_K72_bias_float32": "int8"}
+        "M128_N40_K72_bias_float32": "int8", "M256_N40_K72_bias_float32": "float"}
     assert data["decisions"]["M16_N40_K72_bias_float32"]["float_ms"] == 0.010 and data["gpu"] == "Fake GPU"
+    assert data["decisions"]["M256_N40_K72_bias_float32"]["float_gpu_ms"] == 0.015
     # a new process: decisions come from the file, nothing is timed
     dispatch.forget()
     c = _layer(seed=5)
-    c(x[:7]), c(x[:99])
-    assert fake_gpu["calls"] == [5, 64, 100] and dict(c.dispatch_calls) == {"float": 1, "int8": 1}
+    c(x[:7]), c(x[:99]), c(_x(256, 72))
+    assert fake_gpu["calls"] == [5, 64, 100, 200] and dict(c.dispatch_calls) == {"float": 2, "int8": 1}
 
 
 def test_auto_without_a_gpu_runs_int8_and_times_nothing(monkeypatch):
@@ -551,7 +570,8 @@ def test_time_pair_with_a_fake_cuda_clock(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(dispatch, "flush_buffer", lambda dev: Flush())
     slow, fast = dispatch.time_pair(lambda: time.sleep(0.004), lambda: time.sleep(0.001), rounds=2, reps=3)
-    assert slow > 3.0 and 0.9 < fast < slow and len(flushes) == 2 * 2 * 3
+    assert slow.eff > 3.0 and 0.9 < fast.eff < slow.eff and len(flushes) == 2 * 2 * 3
+    assert slow.gpu > 3.0 and 0.9 < fast.gpu < slow.gpu  # the fake events bracket the call: GPU time = its time
     # per call: the flush, then the GPU held (>= 1 ms at 2 GHz) while the host issues it, then the events around it
     assert order == ["flush", ("stall", dispatch.STALL_CYCLES), "event", "event"] * (2 * 2 * 3)
     assert dispatch.STALL_CYCLES >= 2_000_000
