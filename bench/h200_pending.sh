@@ -75,7 +75,8 @@
 #   swideo    Ideogram 4 dual: the SwiGLU GEMM's tail split on (INT8_FUSED_TAIL_SPLIT=all) and off (=gemm),
 #             interleaved, beside issue 14's anchors (bf16, fp8_fast~cudnn, fp8_fast~kitchen)
 #   floor     bench/gemm_floor.py (L2 / HBM read bandwidth, the tile loop's tensor-core rate, the GEMM's floors per
-#             shape beside the pack and cuBLAS FP8), then bench/gemm_split.py --swiglu with the pack's own pick
+#             shape beside the pack and cuBLAS FP8), then bench/gemm_split.py --swiglu with the pack's own pick,
+#             then every linear shape (bench/shapes.py)
 #   shapesall bench/shapes.py over all 55 shapes (budget 330 s: a fresh process tunes every shape first)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
@@ -368,7 +369,8 @@ PY
   floor)  # what bounds the INT8 GEMM: L2 traffic of its tiles vs the tensor cores; the SwiGLU split's pick
     timeout 240 python3 bench/gemm_floor.py --out "$OUT/h200-gemm-floor.json" 2>&1 | tee "$OUT/gemm-floor.log"
     timeout 150 python3 bench/gemm_split.py --swiglu --out "$OUT/h200-gemm-split-swiglu.json" 2>&1 | tee "$OUT/gemm-split-swiglu.log"
-    cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/" 2>/dev/null ;;
+    cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/" 2>/dev/null
+    timeout 300 python3 bench/shapes.py --budget-s 200 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   shapesall)  # every linear shape with the dispatch's host-free GPU times (run bs reached 12 of 55 in 80 s)
     timeout 400 python3 bench/shapes.py --budget-s 330 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
