@@ -3,8 +3,14 @@
 Three probes (standalone Triton kernels; nothing here is used by the pack):
   l2_read   every SM reads a buffer that L2 holds (16 and 32 MiB), again and again: L2 read bandwidth
   hbm_read  the same over 2 GiB: HBM read bandwidth
-  math      the pack's tile loop (128 x 128 x 128 int8 tiles, 8 warps, 2 CTAs an SM) with its tiles loaded once
-            before the loop: tensor-core throughput of ``tl.dot`` int8 -> int32 at this tile shape, no loads
+  math      the pack's tile loop (128 x 128 x 128 int8 tiles, 8 warps, 2 CTAs an SM; also 1 CTA an SM, and the
+            128 x 256 tile whose wgmma is n256) with its tiles loaded once before the loop: tensor-core throughput
+            of ``tl.dot`` int8 -> int32 at that tile shape, no loads. Triton 3.6 issues int8 dots as wgmma n128 at
+            most (its layout choice; Gluon's n256 int8 wgmma fails its NVGPU lowering: "WGMMA type or shape is not
+            supported"), fp8 and bf16 as n256; ptxas accepts s8 n256 (``m64n256k32.s32.s8.s8``). So the probe
+            also runs fp8 at 128 x 256 and, to time what the missing instruction shape would give, the fp8 build
+            with its wgmma rewritten to s8 n256 in the PTX and assembled with Triton's ptxas ("int8 n256
+            (patched)": the same operand layout, only the instruction's types change; its output is not checked)
 Then per GEMM shape (bench/shapes.py's block shapes of Ideogram 4, Flux.1, Z-Image): the bytes a tile loop moves
 from L2 to the SMs (every output tile reads its A rows and W rows once: tiles x K x (BLOCK_M + BLOCK_N)), and the
 floors those give: L2 bytes / L2 bandwidth and int ops / tensor-core throughput, beside the pack's GEMM
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -56,18 +63,55 @@ def _read_kernel(src, out, n_chunks, reps, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _math_kernel(a_ptr, b_ptr, out, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """k_steps dots of one A tile and one W tile loaded before the loop (the GEMM's main loop without its loads)."""
+def _math_kernel(a_ptr, b_ptr, out, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 INT: tl.constexpr):
+    """k_steps dots of one A tile and one W tile loaded before the loop (the GEMM's main loop without its loads);
+    INT: int8 -> int32, else fp8 e4m3 -> fp32."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a = tl.load(a_ptr + (pid % 8) * BLOCK_M * BLOCK_K + rm[:, None] * BLOCK_K + rk[None, :])
     b = tl.load(b_ptr + rn[None, :] * BLOCK_K + rk[:, None])
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for _ in range(k_steps):
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-    tl.store(out + pid * BLOCK_N + rn, tl.sum(acc, axis=0))
+    if INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for _ in range(k_steps):
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(k_steps):
+            acc = tl.dot(a, b, acc)
+    tl.store(out + pid * BLOCK_N + rn, tl.sum(acc, axis=0).to(tl.float32))
+
+
+_WGMMA_FP8_N256 = re.compile(r"(wgmma\.mma_async\.sync\.aligned\.m64n256k32)\.f32\.e4m3\.e4m3 (\{[^}]*\}), ([^,]+), "
+                             r"([^,]+), ([^,]+), 1, 1;")
+
+
+def patched_s8_n256(consts: dict, num_warps: int):
+    """``_math_kernel`` built for fp8 (n256 wgmma) with each wgmma rewritten to s8 n256 (integer wgmma has no
+    operand-scale immediates), assembled with Triton's ptxas: a CompiledKernel whose launch takes every argument."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.compiler import ASTSource
+    sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out": "*fp32", "k_steps": "i32", **{c: "constexpr" for c in consts}}
+    k = triton.compile(ASTSource(fn=_math_kernel, signature=sig, constexprs=consts),
+                       options={"num_warps": num_warps, "num_stages": 1})
+    ptx, n = _WGMMA_FP8_N256.subn(r"\1.s32.s8.s8 \2, \3, \4, \5;", k.asm["ptx"])
+    if n == 0:
+        raise RuntimeError("no fp8 n256 wgmma to rewrite in the PTX")
+    ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
+                                                                 "nvidia", "bin", "ptxas")
+    arch = k.metadata.target.arch
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        Path(src).write_text(ptx)
+        subprocess.run([ptxas, f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}", src, "-o", dst],
+                       check=True, capture_output=True, text=True)
+        k.kernel = Path(dst).read_bytes()
+    return k
 
 
 def read_bandwidth(nbytes: int, reps: int, programs: int) -> float:
@@ -92,15 +136,25 @@ def read_bandwidth(nbytes: int, reps: int, programs: int) -> float:
     return n * 4 * reps / (ms * 1e-3) / 1e9
 
 
-def math_tops(cfg: dict, sms: int, per_sm: int = 2, k_steps: int = 2048) -> float:
-    """Tensor-core TOP/s of the tile loop with ``cfg``'s tile and warps, ``sms * per_sm`` programs (one wave)."""
+def math_tops(cfg: dict, sms: int, per_sm: int = 2, k_steps: int = 2048, fp8: bool = False,
+              patched: bool = False) -> float:
+    """Tensor-core TOP/s of the tile loop with ``cfg``'s tile and warps, ``sms * per_sm`` programs (one wave);
+    ``fp8``: e4m3 operands (Triton 3.6 issues them as n256 wgmma where the tile allows; int8 only up to n128)."""
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a = torch.randint(-127, 128, (8 * bm, bk), dtype=torch.int8, device="cuda")
     b = torch.randint(-127, 128, (bn, bk), dtype=torch.int8, device="cuda")
+    if fp8:
+        a, b = (t.float().div(64).to(torch.float8_e4m3fn) for t in (a, b))
     progs = sms * per_sm
-    out = torch.empty(progs * bn, dtype=torch.int32, device="cuda")
-    fn = lambda: _math_kernel[(progs,)](a, b, out, k_steps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,  # noqa: E731
-                                        num_warps=cfg["num_warps"], num_stages=1)
+    out = torch.empty(progs * bn, dtype=torch.float32, device="cuda")
+    if patched:  # the fp8 build rewritten to s8 n256: int8 operands, read as the same bytes
+        a, b = (t.view(torch.float8_e4m3fn) for t in (a, b))
+        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "INT": False}
+        run = patched_s8_n256(consts, cfg["num_warps"])[(progs, 1, 1)]
+        fn = lambda: run(a, b, out, k_steps, *consts.values())  # noqa: E731
+    else:
+        fn = lambda: _math_kernel[(progs,)](a, b, out, k_steps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,  # noqa: E731
+                                            INT=not fp8, num_warps=cfg["num_warps"], num_stages=1)
     ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
     return 2.0 * bm * bn * bk * k_steps * progs / (ms * 1e-3) / 1e12
 
@@ -149,11 +203,17 @@ def main() -> int:
         print(f"{label:34s} {bw[label] / 1e3:7.2f} TB/s", flush=True)
     res["read_gbs"] = bw
     l2 = max(v for key, v in bw.items() if key.startswith("l2_read"))
-    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8}
-    res["math_tops"] = {f"{p} CTA an SM": round(math_tops(cfg, sms, p), 1) for p in (1, 2)}
-    for key, v in res["math_tops"].items():
-        print(f"math 128x128x128, 8 warps, {key:14s} {v:7.1f} TOP/s", flush=True)
-    math = max(res["math_tops"].values())
+    res["math_tops"] = {}
+    for kind, bn, per_sm in (("int8", 128, 2), ("int8", 128, 1), ("int8", 256, 1), ("fp8", 128, 2), ("fp8", 256, 1),
+                             ("int8 n256 (patched)", 256, 1)):
+        cfg = {"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": 8}
+        key = f"{kind} 128x{bn}x128, 8 warps, {per_sm} CTA an SM"
+        try:
+            res["math_tops"][key] = round(math_tops(cfg, sms, per_sm, fp8=kind == "fp8", patched="patched" in kind), 1)
+        except Exception as e:  # noqa: BLE001 - the patched probe depends on ptxas and the PTX's form: reported
+            res["math_tops"][key] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"math {key:40s} {res['math_tops'][key]} TOP/s", flush=True)
+    math = res["math_tops"]["int8 128x128x128, 8 warps, 2 CTA an SM"]  # the pack's tile as it runs
     res["rows"] = []
     for label, m, n, k in SHAPES:
         r = gemm_row(label, m, n, k, l2, math)
