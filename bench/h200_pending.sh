@@ -77,10 +77,12 @@
 #   floor     bench/gemm_floor.py (L2 / HBM read bandwidth, the tile loop's tensor-core rate, the GEMM's floors per
 #             shape beside the pack and cuBLAS FP8), then bench/gemm_split.py --swiglu with the pack's own pick,
 #             then every linear shape (bench/shapes.py)
+#   n256      bench/gemm_n256.py: the INT8 GEMM at 128 x 256 tiles as s8 wgmma n256 (an fp8 build's PTX rewritten)
+#             against the pack's GEMM, Triton's own int8 / fp8 builds and cuBLAS FP8
 #   shapesall bench/shapes.py over all 55 shapes (budget 330 s: a fresh process tunes every shape first)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256 ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -371,6 +373,8 @@ PY
     timeout 150 python3 bench/gemm_split.py --swiglu --out "$OUT/h200-gemm-split-swiglu.json" 2>&1 | tee "$OUT/gemm-split-swiglu.log"
     cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/" 2>/dev/null
     timeout 300 python3 bench/shapes.py --budget-s 200 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
+  n256)  # what s8 wgmma n256 (which Triton 3.6 cannot emit) is worth to the INT8 GEMM
+    timeout 280 python3 bench/gemm_n256.py --out "$OUT/h200-gemm-n256.json" 2>&1 | tee "$OUT/gemm-n256.log" ;;
   shapesall)  # every linear shape with the dispatch's host-free GPU times (run bs reached 12 of 55 in 80 s)
     timeout 400 python3 bench/shapes.py --budget-s 330 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
