@@ -194,6 +194,7 @@ def run_shape(label, m, n, k):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="regex on the shape label")
     ap.add_argument("--check-build", action="store_true", help="build and rewrite for sm_90 only (no GPU needed)")
     args = ap.parse_args()
     if args.check_build:
@@ -210,6 +211,8 @@ def main() -> int:
                           "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                           "triton": triton.__version__}, "rows": []}
     for label, m, n, k in SHAPES:
+        if args.only and not re.search(args.only, label):
+            continue
         r = run_shape(label, m, n, k)
         res["rows"].append(r)
         cells = "  ".join(f"{p} {u:.1f}" if isinstance(u, float) else f"{p} {u}" for p, u in r["us"].items())
