@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -84,33 +83,16 @@ def _math_kernel(a_ptr, b_ptr, out, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.
     tl.store(out + pid * BLOCK_N + rn, tl.sum(acc, axis=0).to(tl.float32))
 
 
-_WGMMA_FP8_N256 = re.compile(r"(wgmma\.mma_async\.sync\.aligned\.m64n256k32)\.f32\.e4m3\.e4m3 (\{[^}]*\}), ([^,]+), "
-                             r"([^,]+), ([^,]+), 1, 1;")
-
-
 def patched_s8_n256(consts: dict, num_warps: int):
-    """``_math_kernel`` built for fp8 (n256 wgmma) with each wgmma rewritten to s8 n256 (integer wgmma has no
-    operand-scale immediates), assembled with Triton's ptxas: a CompiledKernel whose launch takes every argument."""
-    import os
-    import subprocess
-    import tempfile
-
+    """``_math_kernel`` built for fp8 (n256 wgmma) with each wgmma rewritten to s8 n256 (``bench.gemm_n256.rewrite_s8``):
+    a CompiledKernel whose launch takes every argument."""
     from triton.compiler import ASTSource
+
+    from bench.gemm_n256 import rewrite_s8
     sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out": "*fp32", "k_steps": "i32", **{c: "constexpr" for c in consts}}
     k = triton.compile(ASTSource(fn=_math_kernel, signature=sig, constexprs=consts),
                        options={"num_warps": num_warps, "num_stages": 1})
-    ptx, n = _WGMMA_FP8_N256.subn(r"\1.s32.s8.s8 \2, \3, \4, \5;", k.asm["ptx"])
-    if n == 0:
-        raise RuntimeError("no fp8 n256 wgmma to rewrite in the PTX")
-    ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
-                                                                 "nvidia", "bin", "ptxas")
-    arch = k.metadata.target.arch
-    with tempfile.TemporaryDirectory() as d:
-        src, dst = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        Path(src).write_text(ptx)
-        subprocess.run([ptxas, f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}", src, "-o", dst],
-                       check=True, capture_output=True, text=True)
-        k.kernel = Path(dst).read_bytes()
+    rewrite_s8(k)
     return k
 
 

@@ -38,14 +38,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-SHAPES = [  # (label, M, N, K)
-    ("ideogram4 qkv M4608", 4608, 13824, 4608),
-    ("ideogram4 o M4608", 4608, 4608, 4608),
-    ("ideogram4 w1/w3 M4608", 4608, 24576, 4608),
-    ("ideogram4 w2 M4608", 4608, 4608, 12288),
-    ("ideogram4 qkv M4096", 4096, 13824, 4608),
-    ("flux1 single linear1", 4608, 21504, 3072),
-]
+from bench.gemm_floor import SHAPES  # noqa: E402  (Ideogram 4 / Flux.1 / Z-Image block GEMMs)
+
 VARIANTS = [  # (name, BLOCK_K, stages)
     ("n256_s8 k128x3", 128, 3),
     ("n256_s8 k64x4", 64, 4),
@@ -120,21 +114,25 @@ def build(bk: int, stages: int, s8: bool, out_int: bool, target=None, warps: int
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
     k = triton.compile(ASTSource(fn=_gemm, signature=sig, constexprs=consts, attrs=attrs),
                        options={"num_warps": warps, "num_stages": stages}, **kw)
-    ptx = k.asm["ptx"]
-    shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+\.\w+\.\w+\.\w+)", ptx)))
-    n = 0
-    if s8:
-        ptx, n = WGMMA_FP8.subn(r"\1.s32.s8.s8 \2, \3, \4, \5;", ptx)
-        if n == 0:
-            raise RuntimeError(f"no fp8 wgmma to rewrite (found {shapes})")
-        arch = k.metadata.target.arch
-        with tempfile.TemporaryDirectory() as d:
-            src, dst = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-            Path(src).write_text(ptx)
-            subprocess.run([_ptxas(), f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}", src, "-o", dst],
-                           check=True, capture_output=True, text=True)
-            k.kernel = Path(dst).read_bytes()
-    return k, n, shapes, consts
+    shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+\.\w+\.\w+\.\w+)", k.asm["ptx"])))
+    return k, rewrite_s8(k) if s8 else 0, shapes, consts
+
+
+def rewrite_s8(k) -> int:
+    """Rewrite the fp8 wgmma instructions of the CompiledKernel ``k``'s PTX to s8 (integer wgmma has no
+    operand-scale immediates), assemble it with Triton's ptxas and make that ``k``'s binary (before its first
+    launch). Returns how many instructions were rewritten."""
+    ptx, n = WGMMA_FP8.subn(r"\1.s32.s8.s8 \2, \3, \4, \5;", k.asm["ptx"])
+    if n == 0:
+        raise RuntimeError("no fp8 wgmma to rewrite in the PTX")
+    arch = k.metadata.target.arch
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        Path(src).write_text(ptx)
+        subprocess.run([_ptxas(), f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}", src, "-o", dst],
+                       check=True, capture_output=True, text=True)
+        k.kernel = Path(dst).read_bytes()
+    return n
 
 
 def run_shape(label, m, n, k):
