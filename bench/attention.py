@@ -58,8 +58,9 @@ def provenance(argv):
         info["capability"] = list(torch.cuda.get_device_capability(0))
     info["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm",
                            "--format=csv,noheader"])
-    info["git_commit"] = _run(["git", "rev-parse", "HEAD"])
-    info["git_dirty"] = bool(_run(["git", "status", "--porcelain"])) if info["git_commit"] else None
+    from bench import provenance
+    info["git_commit"] = provenance.commit()
+    info["git_dirty"] = provenance.dirty()
     try:
         import comfy_kitchen
         info["comfy_kitchen"] = getattr(comfy_kitchen, "__version__", "importable")

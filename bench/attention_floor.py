@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,8 +100,9 @@ def main() -> int:
               f"per token {f['int8_token']:.3e}; with bf16 P + output: {f['int8_block128_bf16']:.3e} / "
               f"{f['int8_token_bf16']:.3e}. Per token = {row['int8_token_x_bf16_flash']}x the bf16 flash model, "
               f"{row['int8_token_x_sdpa_bf16_h200']}x H200 SDPA", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "?"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import provenance
+    commit = provenance.commit()
     res = {"rows": rows, "sdpa_bf16_err_h200": SDPA_BF16_ERR_H200, "seconds": round(time.time() - t0, 1),
            "provenance": {"torch": torch.__version__, "python": platform.python_version(),
                           "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),

@@ -235,13 +235,11 @@ def print_table(rows: list[dict]) -> None:
 
 def provenance(dev) -> dict:
     """GPU, driver, date, torch / Triton versions and commit ($BENCH_COMMIT, else git) of a bench run."""
-    commit = os.environ.get("BENCH_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
+    # by file: bench/ may not be importable as a package here, and the pack's root must not shadow ComfyUI's modules
+    spec = importlib.util.spec_from_file_location("bench_provenance", HERE / "provenance.py")
+    prov = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prov)
+    commit = prov.commit(short=True)
     try:
         import triton
         triton_version = triton.__version__

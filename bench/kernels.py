@@ -201,7 +201,8 @@ def main():
                                 capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         driver = "?"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from bench import provenance
+    commit = args.commit or provenance.commit()
     log(f"GPU {props.name}, driver {driver}, torch {torch.__version__}, triton {triton.__version__}, "
         f"L2 {props.L2_cache_size >> 20} MB, SMs {props.multi_processor_count}")
     try:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernel  # noqa: E402
+from bench import provenance as provenance_  # noqa: E402
 from kernel import autotune, config  # noqa: E402
 from quant import dispatch  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
@@ -113,11 +114,10 @@ def _run(cmd: list[str]) -> str:
 def provenance(args) -> dict:
     import triton
     props = torch.cuda.get_device_properties(0)
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return dict(gpu=props.name, sms=props.multi_processor_count, l2_mb=props.L2_cache_size >> 20,
                 driver=_run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or "?",
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                commit=_run(["git", "rev-parse", "HEAD"]) or "?", dirty=bool(dirty and dirty != "?"),
+                commit=provenance_.commit(), dirty=provenance_.dirty(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 argv=[sys.executable, *sys.argv], cache_dir=str(autotune.cache_dir()),
                 dispatch_margin=dispatch.MARGIN, rounds=ROUNDS, reps=REPS)
