@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from bench import provenance  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernel import gemm  # noqa: E402
@@ -176,7 +177,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     res = {"provenance": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          "gpu": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__}}
+                          "gpu": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__, "commit": provenance.commit()}}
     bw = {}
     for label, nbytes, reps, per_sm in (("l2_read 16 MiB", 16 << 20, 64, 8), ("l2_read 32 MiB", 32 << 20, 32, 8),
                                         ("l2_read 16 MiB, 4 programs an SM", 16 << 20, 64, 4),

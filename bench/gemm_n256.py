@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from bench import provenance  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench.gemm_floor import SHAPES  # noqa: E402  (Ideogram 4 / Flux.1 / Z-Image block GEMMs)
@@ -207,7 +208,7 @@ def main() -> int:
         sys.exit("bench/gemm_n256.py needs a CUDA GPU (or --check-build)")
     res = {"provenance": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                           "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                          "triton": triton.__version__}, "rows": []}
+                          "triton": triton.__version__, "commit": provenance.commit()}, "rows": []}
     for label, m, n, k in SHAPES:
         if args.only and not re.search(args.only, label):
             continue

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from bench import provenance  # noqa: E402
 
 from bench.shapes import SHAPES  # noqa: E402
 from kernel import autotune, gemm  # noqa: E402
@@ -156,7 +157,7 @@ def main() -> int:
     if args.out:
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-                "triton": triton.__version__}
+                "triton": triton.__version__, "commit": provenance.commit()}
         Path(args.out).write_text(json.dumps({"provenance": meta, "rows": rows}, indent=1))
     return 1 if bad else 0
 
