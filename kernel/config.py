@@ -77,9 +77,9 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_TAIL_SPLIT", str, "gemm",
            "GEMMs whose last wave of tiles would leave most SMs idle run those tiles in K pieces where that timed "
            "at least 2 % faster on this GPU (`kernel/gemm.py` `tail_layout`: the same int32 sums, the same output "
-           "bits; medians of 3 interleaved timings): `gemm` the INT8 GEMM (measured on the H200: runs bp–br), `all` the "
-           "SwiGLU-epilogue GEMM too (H200, runs bt–bv: no step faster, the pack's own timing kept whole tiles), "
-           "`0` none"),
+           "bits; medians of 3 interleaved timings): `gemm` the INT8 GEMM (measured on the H200: runs bp–br), "
+           "`all` the SwiGLU-epilogue GEMM too (H200, runs bt–bv: no step faster, the pack's own timing kept whole "
+           "tiles), `0` none"),
     Switch("INT8_FUSED_PLANS", bool, True,
            "`0`: every INT8 linear / GEMM call takes the checked path (operand checks, config lookup, launch) "
            "instead of re-issuing the launches prepared on its first call (`kernel/plan.py`); for A/B runs"),

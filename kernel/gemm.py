@@ -490,8 +490,9 @@ SPLIT_ROUNDS = 3          # ... as the median of this many interleaved rounds. H
 
 def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None, kind: str = "") -> dict:
     """``cfg``, or ``cfg`` with the tail split (``SPLIT``) that timed (``time_fn(config)`` -> ms; the median of
-    ``SPLIT_ROUNDS`` interleaved rounds) at least ``SPLIT_MARGIN`` faster than whole tiles for this many row tiles on a GPU running ``slots`` programs at once
-    (on the H200, run bp: 2-8 % faster on 6 of 45 shapes, slower on others). Decided once per (N, K, M bucket,
+    ``SPLIT_ROUNDS`` interleaved rounds) at least ``SPLIT_MARGIN`` faster than whole tiles for this many row tiles
+    on a GPU running ``slots`` programs at once (on the H200, run bp: 2-8 % faster on 6 of 45 shapes, slower on
+    others). Decided once per (N, K, M bucket,
     row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile configs' file) under a key prefixed with
     ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the SwiGLU-epilogue GEMM)."""
     from . import autotune
@@ -518,10 +519,10 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
                         raise
                     del times[s]
         med = {s: statistics.median(t) for s, t in times.items()}
-        best, best_ms = 1, med[1] * (1 - SPLIT_MARGIN)
-        for s in layouts:
-            if s in med and med[s] < best_ms:
-                best, best_ms = s, med[s]
+        best, best_ms = 1, med.pop(1) * (1 - SPLIT_MARGIN)
+        for s, ms in med.items():  # the splits that built
+            if ms < best_ms:
+                best, best_ms = s, ms
         hit = {"SPLIT": best}
         cache.put(key, hit, meta)
     s = int(hit.get("SPLIT", 1))

@@ -16,14 +16,14 @@ tests). Under ``auto`` on a CUDA device the decision is made per (GPU, M bucket,
 call of that shape times both paths on the call's own operands (:func:`time_pair`: per call the larger of its GPU
 time with a cold L2 (the GPU held busy while the host issues the call, so host time does not leak into it) and the
 host time to issue it; medians of ``ROUNDS`` interleaved rounds of ``REPS`` calls;
-a few ms, once per shape), keeps the result in memory and in ``dispatch-v2-<gpu>-torch-<v>-triton-<v>.json``
+a few ms, once per shape), keeps the result in memory and in ``dispatch-v3-<gpu>-torch-<v>-triton-<v>.json``
 next to the GEMM autotune cache (``kernel.autotune.cache_dir``, atomic writes), so later processes time nothing.
 The rule is :func:`decide`: int8 is the incumbent and the float path must be faster by ``MARGIN`` to take the
 shape (timing noise does not flip decisions, and int8 keeps its memory saving on a tie); where the two costs tie
 within the margin (host-bound calls, whose cost is the host time both paths share) the GPU times decide the same
 way, since a model whose GPU paces the step pays only those (run bt: Wan's time projection had gone to int8 at
-0.81x bf16's GPU time). On the CPU, under
-``torch.compile`` tracing or CUDA-graph capture nothing is timed and ``auto`` runs int8.
+0.81x bf16's GPU time). On the CPU, under ``torch.compile`` tracing or CUDA-graph capture nothing is timed and
+``auto`` runs int8.
 
 Each layer counts its calls per path (``Int8Linear.dispatch_calls``); :func:`report_line` summarises a model. A
 resident layer keeps, per call shape, the path it ran (with the float weight and bias of the float path,
