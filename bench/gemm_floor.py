@@ -86,12 +86,13 @@ def _math_kernel(a_ptr, b_ptr, out, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 def patched_s8_n256(consts: dict, num_warps: int):
-    """``_math_kernel`` built for fp8 (n256 wgmma) with each wgmma rewritten to s8 n256 (``bench.gemm_n256.rewrite_s8``):
-    a CompiledKernel whose launch takes every argument."""
+    """``_math_kernel`` built for fp8 (n256 wgmma) with each wgmma rewritten to s8 n256
+    (``bench.gemm_n256.rewrite_s8``): a CompiledKernel whose launch takes every argument."""
     from triton.compiler import ASTSource
 
     from bench.gemm_n256 import rewrite_s8
-    sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out": "*fp32", "k_steps": "i32", **{c: "constexpr" for c in consts}}
+    sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out": "*fp32", "k_steps": "i32",
+           **{c: "constexpr" for c in consts}}
     k = triton.compile(ASTSource(fn=_math_kernel, signature=sig, constexprs=consts),
                        options={"num_warps": num_warps, "num_stages": 1})
     rewrite_s8(k)
@@ -143,26 +144,35 @@ def math_tops(cfg: dict, sms: int, per_sm: int = 2, k_steps: int = 2048, fp8: bo
     return 2.0 * bm * bn * bk * k_steps * progs / (ms * 1e-3) / 1e12
 
 
-def gemm_row(label: str, m: int, n: int, k: int, math: float) -> dict:
+def int8_operands(m: int, n: int, k: int):
+    """Seeded random int8 A [M, K] and W [N, K], fp32 scales, a bf16 [M, N] output buffer (on the GPU)."""
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
     a_s = torch.rand(m, device="cuda", generator=g) * 1e-3
     w_s = torch.rand(n, device="cuda", generator=g) * 1e-3
-    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-    cfg = gemm.select_config(a, a_s, w, w_s, None, out)
-    pack_us = gemm.timed_ms(lambda: gemm.launch_int8_gemm(a, a_s, w, w_s, None, out, cfg)) * 1e3
+    return a, w, a_s, w_s, torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+
+
+def fp8_cublas_us(m: int, n: int, k: int, bench) -> float:
+    """``bench(fn)`` -> µs of torch._scaled_mm on e4m3 operands with scale 1 (ComfyUI's fp8_e4m3fn_fast GEMM)."""
     x8 = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
     w8 = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
-    fp8_us = gemm.timed_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
-                                                    out_dtype=torch.bfloat16)) * 1e3
+    return bench(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+
+
+def gemm_row(label: str, m: int, n: int, k: int, math: float) -> dict:
+    a, w, a_s, w_s, out = int8_operands(m, n, k)
+    cfg = gemm.select_config(a, a_s, w, w_s, None, out)
+    pack_us = gemm.timed_ms(lambda: gemm.launch_int8_gemm(a, a_s, w, w_s, None, out, cfg)) * 1e3
+    fp8_us = fp8_cublas_us(m, n, k, lambda f: gemm.timed_ms(f) * 1e3)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = -(-m // bm) * -(-n // bn)
     l2_bytes = tiles * k * (bm + bn) + m * n * 2  # tile loads + the bf16 output
     ops = 2.0 * m * n * k
-    return {"shape": label, "M": m, "N": n, "K": k, "cfg": {x: cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K",
-                                                                                  "GROUP_M", "num_warps", "num_stages")},
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+    return {"shape": label, "M": m, "N": n, "K": k, "cfg": {x: cfg[x] for x in keys},
             "tiles": tiles, "l2_mib": round(l2_bytes / 2**20, 1), "pack_us": round(pack_us, 1),
             "fp8_cublas_us": round(fp8_us, 1), "pack_tops": round(ops / pack_us / 1e6, 1),
             "fp8_tflops": round(ops / fp8_us / 1e6, 1),
@@ -179,7 +189,8 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     res = {"provenance": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          "gpu": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__, "commit": provenance.commit()}}
+                          "gpu": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
+                          "commit": provenance.commit()}}
     bw = {}
     for label, nbytes, reps, per_sm in (("l2_read 16 MiB", 16 << 20, 64, 8), ("l2_read 32 MiB", 32 << 20, 32, 8),
                                         ("l2_read 16 MiB, 4 programs an SM", 16 << 20, 64, 4),

@@ -39,7 +39,7 @@ import triton  # noqa: E402
 from bench import provenance  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench.gemm_floor import SHAPES  # noqa: E402  (Ideogram 4 / Flux.1 / Z-Image block GEMMs)
+from bench.gemm_floor import SHAPES, fp8_cublas_us, int8_operands  # noqa: E402  (Ideogram 4 / Flux.1 / Z-Image)
 
 VARIANTS = [  # (name, BLOCK_K, stages)
     ("n256_s8 k128x3", 128, 3),
@@ -138,13 +138,8 @@ def rewrite_s8(k) -> int:
 
 def run_shape(label, m, n, k):
     from kernel import gemm
-    g = torch.Generator(device="cuda").manual_seed(m + n + k)
-    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
-    a_s = torch.rand(m, device="cuda", generator=g) * 1e-3
-    w_s = torch.rand(n, device="cuda", generator=g) * 1e-3
-    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-    assert m % 128 == 0 and n % 256 == 0 and max(m, n) * max(n, k) < 2**31, "whole tiles, int32 offsets"
+    a, w, a_s, w_s, out = int8_operands(m, n, k)
+    assert m % 128 == 0 and n % 256 == 0 and max(m * k, n * k, m * n) < 2**31, "whole tiles, int32 offsets"
     ref = torch._int_mm(a, w.t())
     grid = (triton.cdiv(m, 128) * triton.cdiv(n, 256), 1, 1)
     a8, w8 = a.view(torch.float8_e4m3fn), w.view(torch.float8_e4m3fn)
@@ -180,11 +175,7 @@ def run_shape(label, m, n, k):
             row["us"][name] = bench(lambda: f(a_, w_, out, a_s, w_s, m, n, k, **args))
         except Exception as e:  # noqa: BLE001
             row["us"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-    x8 = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-    wf = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    row["us"]["fp8_cublas"] = bench(lambda: torch._scaled_mm(x8, wf.t(), scale_a=one, scale_b=one,
-                                                             out_dtype=torch.bfloat16))
+    row["us"]["fp8_cublas"] = fp8_cublas_us(m, n, k, bench)
     ops = 2.0 * m * n * k
     row["tops"] = {p: round(ops / u / 1e6, 1) for p, u in row["us"].items() if isinstance(u, float)}
     return row
