@@ -78,11 +78,13 @@
 #             shape beside the pack and cuBLAS FP8), then bench/gemm_split.py --swiglu with the pack's own pick,
 #             then every linear shape (bench/shapes.py)
 #   n256      bench/gemm_n256.py: the INT8 GEMM at 128 x 256 tiles as s8 wgmma n256 (an fp8 build's PTX rewritten)
+#   s8        bench/s8_check.py: the pack's s8 wgmma n256 path (kernel/s8wgmma.py), exact, timed, its safety net
+#   s8ideo    issue 14's anchors with that path on and off
 #             against the pack's GEMM, Triton's own int8 / fp8 builds and cuBLAS FP8
 #   shapesall bench/shapes.py over all 55 shapes (budget 330 s: a fresh process tunes every shape first)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256 ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -375,6 +377,12 @@ PY
     timeout 300 python3 bench/shapes.py --budget-s 200 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   n256)  # what s8 wgmma n256 (which Triton 3.6 cannot emit) is worth to the INT8 GEMM
     timeout 200 python3 bench/gemm_n256.py --only "qkv M4608|w2|linear1|w1/w3" --out "$OUT/h200-gemm-n256.json" 2>&1 | tee "$OUT/gemm-n256.log" ;;
+  s8)  # the pack's s8 wgmma n256 path: exact against torch._int_mm / Triton's int8 build, timed, its safety net
+    timeout 400 python3 bench/s8_check.py --out "$OUT/h200-s8-check.json" 2>&1 | tee "$OUT/s8-check.log"
+    cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/" 2>/dev/null ;;
+  s8ideo)  # issue 14's anchors with the s8 wgmma n256 path on and off (interleaved rows, one process)
+    timeout 580 $sampler --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_S8_WGMMA=0,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton,pack:fused_triton%INT8_FUSED_S8_WGMMA=0" \
+      --out "$OUT/sampler-s8ideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
   shapesall)  # every linear shape with the dispatch's host-free GPU times (run bs reached 12 of 55 in 80 s)
     timeout 400 python3 bench/shapes.py --budget-s 330 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;

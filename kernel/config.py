@@ -80,6 +80,10 @@ SWITCHES = {s.name: s for s in (
            "bits; medians of 3 interleaved timings): `gemm` the INT8 GEMM (measured on the H200: runs bp–br), "
            "`all` the SwiGLU-epilogue GEMM too (H200, runs bt–bv: no step faster, the pack's own timing kept whole "
            "tiles), `0` none"),
+    Switch("INT8_FUSED_S8_WGMMA", bool, True,
+           "sm_90: the INT8 GEMMs may time and run 128 x 256 tiles as s8 wgmma n256 (`kernel/s8wgmma.py`: Triton's "
+           "fp8 build with its wgmma rewritten to s8, each binary checked bit for bit against Triton's int8 build "
+           "on its first call); `0`: Triton's int8 builds only"),
     Switch("INT8_FUSED_PLANS", bool, True,
            "`0`: every INT8 linear / GEMM call takes the checked path (operand checks, config lookup, launch) "
            "instead of re-issuing the launches prepared on its first call (`kernel/plan.py`); for A/B runs"),

@@ -67,6 +67,7 @@ from triton.language.extra import libdevice
 from . import _check_2d, _check_usable, _gemm_operands, _vector
 from .gemm import (_acc_tile, _dequant, _program_tile, _tile_ids, _tile_sum, choose_split, select_config,
                    split_launch, tail_split_on)
+from . import gemm
 from . import quantize as _q
 from . import config
 from .launch import launch, not_recorded  # launch: the compiled kernel re-launched directly (kernel/launch.py)
@@ -992,6 +993,8 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
         return h.copy_(y)
     _check_usable(a_q, "gemm_swiglu")
     cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype, tail_split=False)
+    if a_q.is_cuda:
+        cfg = _swiglu_tile(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
     if a_q.is_cuda and tail_split_on("swiglu"):  # not yet timed on a GPU: INT8_FUSED_TAIL_SPLIT=all only
         cfg = _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
     return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg)
@@ -1004,24 +1007,60 @@ def _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg: di
     half = bn // 2
     progs, dp, k_piece, split, part, cnt, _ = split_launch(cfg, -(-m // bm) * -(-f // half), k, a_q.device,
                                                            a_scale)
-    # Two CTAs an SM, as the plain GEMM gets (119 registers a thread at 8 warps): one CTA's epilogue then overlaps
-    # the other's main loop. The SwiGLU epilogue alone would take 148 (sm_90 ptxas), i.e. one CTA an SM: 45 %
-    # slower on the H200 (run am). Capped at 128 ptxas spills 16 bytes.
-    regs = 65536 // (2 * 32 * cfg["num_warps"])
-    opts = {"maxnreg": regs} if a_q.is_cuda and regs < 255 else {}
-    launch(_gemm_swiglu_kernel, (progs,),
-           (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale, part, cnt,
-            m, f, k, dp, k_piece,
-            a_q.stride(0), a_q.stride(1), w13.stride(0), w13.stride(1), h.stride(0), h.stride(1),
-            a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
-           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
-                EVEN_K=k % bk == 0, SPLIT=split, DT=_DT_CODE[h.dtype],
-                CLAMP_FP16=bool(clamp_fp16) and h.dtype == torch.float16, INTERPRET=INTERPRET, **opts),
-           cfg["num_warps"], cfg["num_stages"], a_q.device)
+    # As many CTAs an SM as the plain GEMM gets (two at 128 x 128 tiles, 119 registers a thread at 8 warps): one
+    # CTA's epilogue then overlaps the other's main loop. The SwiGLU epilogue alone would take 148 (sm_90 ptxas),
+    # i.e. one CTA an SM: 45 % slower on the H200 (run am). Capped at 128 ptxas spills 16 bytes. Tiles whose
+    # shared memory allows one CTA an SM (128 x 256) are not capped.
+    opts = {}
+    if a_q.is_cuda:
+        ctas = max(1, gemm._slots(cfg, a_q.device) // _q._sm_count(a_q.device))
+        regs = 65536 // (ctas * 32 * cfg["num_warps"]) // 8 * 8
+        opts = {"maxnreg": regs} if regs < 255 else {}
+    gemm.run_launch(cfg, _gemm_swiglu_kernel, (progs,),
+                    (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale, part, cnt,
+                     m, f, k, dp, k_piece,
+                     a_q.stride(0), a_q.stride(1), w13.stride(0), w13.stride(1), h.stride(0), h.stride(1),
+                     a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
+                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
+                         EVEN_K=k % bk == 0, SPLIT=split, DT=_DT_CODE[h.dtype],
+                         CLAMP_FP16=bool(clamp_fp16) and h.dtype == torch.float16, INTERPRET=INTERPRET, **opts),
+                    a_q.device)
     return h
 
 
 _SW_SPLIT: dict[tuple, dict] = {}   # (device, F, K, M, tile config) -> the config with its tail split, this process
+_SW_TILE: dict[tuple, dict] = {}    # (device, F, K, M bucket, the merged GEMM's config) -> the SwiGLU GEMM's config
+
+
+def _swiglu_tile(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:
+    """The tile config of the SwiGLU-epilogue GEMM: where the s8 wgmma n256 tiles may run (``kernel.s8wgmma``),
+    the merged w1+w3 GEMM's config or the other of {s8 128 x 256, the first Hopper tile}, whichever this kernel
+    timed faster (medians of interleaved rounds; kept in the autotune file under ``SW_..._tile``). Its epilogue
+    is heavier than the plain GEMM's, and a 128 x 256 tile runs one CTA an SM: the plain GEMM's pick need not
+    be its own. Elsewhere ``cfg``."""
+    from . import autotune, s8wgmma
+    if not s8wgmma.usable(a_q.device):
+        return cfg
+    m, k = a_q.shape
+    bucket = autotune.m_bucket(m)
+    memo = (a_q.device, h.shape[1], k, bucket, tuple(sorted(cfg.items())))
+    hit = _SW_TILE.get(memo)
+    if hit is None:
+        cache = gemm._device_cache(a_q.device)
+        key = f"SW_{autotune.ConfigCache.key(w13.shape[0], k, bucket)}_tile"
+        hit = cache.get(key)
+        if hit is None:
+            other = autotune.hopper_configs()[0] if cfg.get("S8") else autotune.s8_configs()[0]
+
+            def time_fn(c):
+                return gemm.timed_ms(lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16,
+                                                                 c))
+            with not_recorded():
+                med = gemm.interleaved_medians({0: cfg, 1: other}, time_fn)
+            hit = other if med.get(1, float("inf")) < med[0] else cfg
+            cache.put(key, hit, gemm.tuning_meta(a_q.device))
+        hit = _SW_TILE[memo] = {k_: v for k_, v in hit.items() if k_ != "SPLIT"}
+    return hit
 
 
 def _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:

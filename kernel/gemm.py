@@ -66,22 +66,37 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 @triton.jit
 def _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The exact int32 tile ``A[offs_am, :] @ W[offs_wn, :].T`` (rows / columns in range: callers wrap tails)."""
+    """The exact int32 tile ``A[offs_am, :] @ W[offs_wn, :].T`` (rows / columns in range: callers wrap tails).
+    Operands passed as fp8 (int8 bytes, ``kernel.s8wgmma``): the dot is built as fp8 wgmma, which that module
+    rewrites to s8; the accumulator registers then hold int32 sums, read back with a bitcast."""
+    FP8: tl.constexpr = a_ptr.dtype.element_ty == tl.float8e4nv
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + offs_wn[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
         else:
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-            w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
-        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+            if FP8:  # +0.0: the same zero bytes
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+                w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0)
+        if FP8:
+            acc = tl.dot(a, w, acc)
+        else:
+            acc = tl.dot(a, w, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    if FP8:
+        acc = acc.to(tl.int32, bitcast=True)
     return acc
 
 
@@ -391,16 +406,26 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     progs, dp, k_piece, split, part, cnt, opts = split_launch(cfg, tiles, k, a_q.device, a_scale)
     out_int32 = out.dtype == torch.int32
     has_bias = bias is not None and not out_int32
-    launch(_int8_gemm_kernel, (progs,),
-           (a_q, w_q, out, a_scale, w_scale, bias if has_bias else a_scale, part, cnt,
-            m, n, k, dp, k_piece,
-            a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
-            a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0),
-           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-                HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0, SPLIT=split,
-                INTERPRET=_quantize.INTERPRET, **opts),
-           cfg["num_warps"], cfg["num_stages"], a_q.device)
+    run_launch(cfg, _int8_gemm_kernel, (progs,),
+               (a_q, w_q, out, a_scale, w_scale, bias if has_bias else a_scale, part, cnt,
+                m, n, k, dp, k_piece,
+                a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
+                a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0),
+               dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+                    HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0, SPLIT=split,
+                    INTERPRET=_quantize.INTERPRET, **opts),
+               a_q.device)
     return out
+
+
+def run_launch(cfg: dict, jit_fn, grid: tuple, args: tuple, constexprs: dict, device: torch.device) -> None:
+    """One GEMM kernel launch with ``cfg``'s warps and stages: as s8 wgmma n256 where ``cfg["S8"]``
+    (``kernel.s8wgmma``; ``args[2]`` is the output its first call checks), else Triton's int8 build."""
+    if cfg.get("S8"):
+        from . import s8wgmma
+        s8wgmma.launch_s8(jit_fn, grid, args, constexprs, cfg["num_warps"], cfg["num_stages"], device, 2)
+    else:
+        launch(jit_fn, grid, args, constexprs, cfg["num_warps"], cfg["num_stages"], device)
 
 
 def timed_ms(fn) -> float:
@@ -438,7 +463,9 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     n = w_q.shape[0]
     dev = a_q.device
     # exact-M memo first (the switch's raw value in the key: A/B rows in one process); the per-call path is a lookup
-    exact = (dev, n, k, m, tail_split, _config.get("INT8_FUSED_TAIL_SPLIT"))
+    from . import s8wgmma
+    s8 = s8wgmma.usable(dev)
+    exact = (dev, n, k, m, tail_split, _config.get("INT8_FUSED_TAIL_SPLIT"), s8)
     cfg = _TUNED.get(exact)
     if cfg is not None:
         return cfg
@@ -447,7 +474,7 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     bucket = autotune.m_bucket(m)
     if dev.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the first config
         return autotune.interpreter_configs()[1 if m <= autotune.SMALL_M else 0]
-    memo_key = (dev, n, k, bucket)
+    memo_key = (dev, n, k, bucket, s8)
     cfg = _TUNED.get(memo_key)
     if cfg is None or tail_split:
         props = torch.cuda.get_device_properties(a_q.device)
@@ -462,9 +489,10 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
 
         with not_recorded():
             if cfg is None:
-                cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket)
+                cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket,
+                                            s8=s8)
                 cfg = _TUNED[memo_key] = autotune.pick_config(
-                    _device_cache(dev), autotune.ConfigCache.key(n, k, bucket), cands, time_fn, meta)
+                    _device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8), cands, time_fn, meta)
             if tail_split:
                 cfg = choose_split(cfg, m, n, k, _slots(cfg, dev), _device_cache(dev), time_fn, meta)
     _TUNED[exact] = cfg
@@ -505,20 +533,10 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
             layouts[s] = lay
     if not layouts:
         return cfg
-    key = f"{kind}{autotune.ConfigCache.key(n, k, autotune.m_bucket(m))}_T{tiles_m}_split"
+    key = f"{kind}{autotune.ConfigCache.key(n, k, autotune.m_bucket(m), bool(cfg.get('S8')))}_T{tiles_m}_split"
     hit = cache.get(key)
     if hit is None:
-        import statistics
-        times: dict[int, list] = {1: [], **{s: [] for s in layouts}}
-        for _ in range(SPLIT_ROUNDS):  # interleaved, so clock drift hits every variant alike
-            for s in list(times):
-                try:
-                    times[s].append(float(time_fn(cfg if s == 1 else {**cfg, "SPLIT": s})))
-                except Exception:  # noqa: BLE001 - a variant that fails to build is not chosen
-                    if s == 1:
-                        raise
-                    del times[s]
-        med = {s: statistics.median(t) for s, t in times.items()}
+        med = interleaved_medians({1: cfg, **{s: {**cfg, "SPLIT": s} for s in layouts}}, time_fn)
         best, best_ms = 1, med.pop(1) * (1 - SPLIT_MARGIN)
         for s, ms in med.items():  # the splits that built
             if ms < best_ms:
@@ -527,3 +545,21 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
         cache.put(key, hit, meta)
     s = int(hit.get("SPLIT", 1))
     return {**cfg, "SPLIT": s} if s > 1 else cfg
+
+
+def interleaved_medians(variants: dict, time_fn, rounds: int = SPLIT_ROUNDS) -> dict:
+    """{name: median ms} of ``time_fn(config)`` for each of ``variants`` ({name: config}) over ``rounds`` interleaved
+    rounds (clock drift then hits every variant alike). A variant that fails to build is dropped; the first one's
+    failure is raised (it is the one the caller falls back to)."""
+    import statistics
+    first = next(iter(variants))
+    times: dict = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name in list(times):
+            try:
+                times[name].append(float(time_fn(variants[name])))
+            except Exception:  # noqa: BLE001 - a variant that fails to build is not chosen
+                if name == first:
+                    raise
+                del times[name]
+    return {name: statistics.median(t) for name, t in times.items()}

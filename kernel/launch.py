@@ -35,7 +35,8 @@ _MAX_ENTRIES = 4096
 _USE_FAST = not config.get("INT8_FUSED_JIT_LAUNCH") and not config.get("TRITON_INTERPRET")
 
 
-def _arg_key(v):
+def arg_key(v):
+    """What a compiled kernel depends on of a non-integer argument (a tensor: dtype and 16-byte alignment)."""
     if isinstance(v, torch.Tensor):
         return v.dtype, v.data_ptr() % 16 == 0
     if isinstance(v, int):
@@ -83,6 +84,12 @@ def same_launcher_call() -> bool:
     return _SAME_CALL
 
 
+def fast_launch_ok() -> bool:
+    """Whether compiled kernels may be re-launched directly here (not the interpreter, not
+    ``INT8_FUSED_JIT_LAUNCH=1``, the installed Triton's launcher call as ``launch`` repeats it)."""
+    return _USE_FAST and bool(_SAME_CALL or same_launcher_call())
+
+
 def launch_hooked(runtime_knobs) -> bool:
     """Whether anything (a profiler) hooks kernel launches: then every launch must go through Triton."""
     return _hook_set(runtime_knobs.launch_enter_hook) or _hook_set(runtime_knobs.launch_exit_hook)
@@ -121,6 +128,12 @@ def record():
         _RECORD = outer
 
 
+def note(entry: "Launch") -> None:
+    """Adds a launch made outside ``launch`` (``kernel.s8wgmma``) to the current ``record()``, if any."""
+    if _RECORD is not None:
+        _RECORD.append(entry)
+
+
 @contextlib.contextmanager
 def not_recorded():
     """Launches inside are not recorded (an autotuner timing candidate configs inside a recorded call)."""
@@ -153,7 +166,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         return
     import triton
     key = (jit_fn, device.index, tuple(constexprs.values()), num_warps, num_stages,
-           tuple([a if type(a) is int else _arg_key(a) for a in args]))  # an int by value: finer, cheaper
+           tuple([a if type(a) is int else arg_key(a) for a in args]))  # an int by value: finer, cheaper
     hit = _COMPILED.get(key)
     if hit is None or launch_hooked(triton.knobs.runtime):
         compiled = jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)

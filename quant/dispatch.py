@@ -488,4 +488,6 @@ def report_line(model) -> str | None:
     line = f"{head}: {c['int8_layers']} linears ran int8, {c['float_layers']} on float"
     if c["float_shapes"]:
         line += f" (float faster, unless forced): {len(c['float_shapes'])} shapes " + ", ".join(c["float_shapes"])
-    return line + f"; calls int8 {c['int8_calls']}, float {c['float_calls']}"
+    line += f"; calls int8 {c['int8_calls']}, float {c['float_calls']}"
+    s8 = kernel_module("s8wgmma").state() if c["int8_calls"] else None
+    return f"{line}; {s8}" if s8 else line

@@ -1,0 +1,219 @@
+"""The INT8 GEMM's 128 x 256 tiles on sm_90 as s8 wgmma n256, an instruction shape Triton does not emit.
+
+Why: Triton 3.6's ``tl.dot`` issues int8 wgmma at n128 at most; the pack's 128 x 128 tiles then run at the rate
+their L2 reads allow (~1330 TOP/s at 128 int ops a byte, run bv). A 128 x 256 tile reads 171 ops a byte, but
+issued as two n128 halves it loses what it gains (run bv: 1749 TOP/s math-only against 1926 for n256). Measured
+on the H200 (run bw, ``bench/gemm_n256.py``): the s8 n256 GEMM ran 1.08-1.22x the pack's, bit-exact against
+``torch._int_mm``, and beside cuBLAS FP8 on every block shape timed.
+
+How: the kernel is built for the operands' bytes viewed as fp8 (e4m3): Triton then issues its dot as
+``wgmma ... m64n256k32.f32.e4m3.e4m3`` with the shared-memory layout that s8 wgmma reads too (8-bit, K-major). The
+PTX's wgmma instructions are rewritten to ``.s32.s8.s8`` (integer wgmma has no operand-scale immediates), ptxas
+(Triton's own) assembles them, and the accumulator registers hold int32 sums, which the kernel's fp8 branch reads
+back with a bitcast (``kernel.gemm._acc_tile``). The launcher only passes pointers, so the int8 tensors are passed
+as they are.
+
+Safety: each rewritten binary is checked on its first call: its output against the int8 build's of the same tile
+config on the same operands, bit for bit. A failed build or check turns the path off for this process (logged,
+``state()`` says why) and that call's result is the int8 build's; so are all calls while a launch hook (a
+profiler) is set, the interpreter runs, or ``INT8_FUSED_S8_WGMMA=0``. Nothing here runs at import.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import config, launch
+
+log = logging.getLogger("int8_fused")
+
+# fp8 wgmma as Triton 3.6 prints it: d, a-desc, b-desc, scale-d, imm-scale-a, imm-scale-b
+WGMMA_FP8 = re.compile(r"(wgmma\.mma_async\.sync\.aligned\.m64n\d+k32)\.f32\.e4m3\.e4m3 (\{[^}]*\}), ([^,]+), ([^,]+), "
+                       r"([^,]+), 1, 1;")
+
+_OFF: str | None = None             # why the path is off in this process (a failed build or check), else None
+_BUILT: dict[tuple, tuple] = {}     # launch key -> (rewritten CompiledKernel, constexpr tail)
+_BY_HASH: dict[str, object] = {}    # fp8 build's hash -> its rewritten kernel (checked or not yet)
+_CHECKED: set[int] = set()          # id() of rewritten kernels whose first call matched the int8 build
+_CAPABILITY: dict[int, tuple] = {}  # device index -> compute capability
+_MAX_ENTRIES = 4096
+
+
+def rewrite_ptx(ptx: str) -> tuple[str, int]:
+    """``ptx`` with its fp8 wgmma instructions as s8 ones, and how many were rewritten. Raises where nothing was
+    rewritten or any e4m3 use is left (the kernel would then compute in fp8)."""
+    out, n = WGMMA_FP8.subn(r"\1.s32.s8.s8 \2, \3, \4, \5;", ptx)
+    if n == 0:
+        raise RuntimeError("no fp8 wgmma of the expected form in the PTX (a Triton version that prints it "
+                           "differently)")
+    if "e4m3" in out:
+        raise RuntimeError("fp8 (e4m3) instructions other than the rewritten wgmma are left in the PTX")
+    return out, n
+
+
+def ptxas_path() -> str:
+    """Triton's own ptxas (``TRITON_PTXAS_PATH`` when set, as Triton itself honours)."""
+    try:
+        import triton
+        p = triton.knobs.nvidia.ptxas.path
+        if p:
+            return p
+    except Exception:  # noqa: BLE001 - older / newer knob layouts: the wheel's copy
+        pass
+    import triton
+    return os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
+                                                                "nvidia", "bin", "ptxas")
+
+
+def assemble(ptx: str, arch: int = 90, fp_fusion: bool = True, extra: str | None = None) -> bytes:
+    """A cubin of ``ptx`` for sm_``arch`` (``a``: wgmma needs sm_90a), with the flags Triton's own build uses."""
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        Path(src).write_text(ptx)
+        cmd = [ptxas_path(), "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), *(extra.split() if extra else []),
+               f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", src, "-o", dst]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"ptxas failed on the s8 rewrite ({r.returncode}): {r.stderr.strip()[:500]}")
+        return Path(dst).read_bytes()
+
+
+def rewritten(fp8_kernel):
+    """A copy of the CompiledKernel ``fp8_kernel`` (not yet loaded) whose binary runs its wgmma as s8."""
+    ptx, _ = rewrite_ptx(fp8_kernel.asm["ptx"])
+    md = fp8_kernel.metadata
+    cubin = assemble(ptx, md.target.arch, getattr(md, "enable_fp_fusion", True), getattr(md, "ptx_options", None))
+    k = copy.copy(fp8_kernel)
+    k.asm = {**fp8_kernel.asm, "ptx": ptx, "cubin": cubin}
+    k.kernel = cubin
+    k.module = k.function = k._run = None  # loaded from ``kernel`` on first use
+    return k
+
+
+def usable(device: torch.device) -> bool:
+    """Whether calls on ``device`` may run the s8 n256 path: an sm_90 GPU, the launch fast path's conventions
+    (``kernel.launch``), the switch on, no failed build or check in this process."""
+    if _OFF is not None or device.type != "cuda" or not config.get("INT8_FUSED_S8_WGMMA"):
+        return False
+    if not launch.fast_launch_ok():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return cap == (9, 0)
+
+
+def state() -> str | None:
+    """A few words for run reports: the s8 n256 kernels running (each checked on its first call), or why the path
+    was turned off; None when it has not been used or asked for in this process."""
+    if _OFF is not None:
+        return f"s8 wgmma n256 off: {_OFF}"
+    if _CHECKED:
+        return f"s8 wgmma n256: {len(_CHECKED)} kernels, each checked bit for bit against Triton's int8 build"
+    return None
+
+
+def turn_off(why: str) -> None:
+    global _OFF
+    if _OFF is None:
+        log.warning("INT8 GEMM: the s8 wgmma n256 path is off for this process: %s. The same tiles run as Triton "
+                    "builds them (n128): same results, slower", why)
+        _OFF = why
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality (NaN payloads included) of two tensors of one dtype and shape."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() in (1, 2, 4, 8) and a.dtype.is_floating_point:
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.view(view), b.view(view))
+    return torch.equal(a, b)
+
+
+def first_call(out: torch.Tensor, run_s8, run_ref) -> bool:
+    """A rewritten kernel's first call, checked: ``run_ref(scratch)`` writes the int8 build's result into a buffer
+    laid out like ``out``, ``run_s8()`` writes into ``out``; True when they are bit-identical. Else ``out`` is given
+    the reference's values and False is returned."""
+    scratch = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+    run_ref(scratch)
+    run_s8()
+    if same_bits(out, scratch):
+        return True
+    out.copy_(scratch)
+    return False
+
+
+def _key(jit_fn, grid, args, constexprs, warps, stages, device):
+    return (jit_fn, device.index, tuple(grid), tuple(constexprs.values()), warps, stages,
+            tuple([a if type(a) is int else launch.arg_key(a) for a in args]))
+
+
+def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
+              device: torch.device, out_pos: int) -> None:
+    """``launch.launch(jit_fn, ...)`` of an INT8 GEMM kernel whose dot reads ``args``' int8 operands, run as s8 wgmma
+    (its fp8 build, rewritten) where ``usable``; ``args[out_pos]`` is the output the first call checks."""
+    import triton
+    if not usable(device) or launch.launch_hooked(triton.knobs.runtime):
+        launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
+        return
+    key = _key(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
+    hit = _BUILT.get(key)
+    if hit is None:
+        hit = _build(jit_fn, grid, args, constexprs, num_warps, num_stages)
+        if hit is None:  # turned off: the int8 build
+            launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
+            return
+        if len(_BUILT) >= _MAX_ENTRIES:
+            _BUILT.clear()
+        _BUILT[key] = hit
+    compiled, tail = hit
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    n = len(grid)
+
+    def run_s8():
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
+
+    if id(compiled) not in _CHECKED:
+        def run_ref(scratch):
+            ref_args = list(args)
+            ref_args[out_pos] = scratch
+            with launch.not_recorded():
+                launch.launch(jit_fn, grid, tuple(ref_args), constexprs, num_warps, num_stages, device)
+        if not first_call(args[out_pos], run_s8, run_ref):
+            turn_off(f"{jit_fn.__name__}'s s8 build differed from its int8 build on its first call")
+            _BUILT.clear()
+            launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)  # recorded: what runs
+            return
+        _CHECKED.add(id(compiled))
+    else:
+        run_s8()
+    launch.note(launch.Launch(jit_fn, grid, args, constexprs, num_warps, num_stages, compiled, tail))
+
+
+def _build(jit_fn, grid, args, constexprs, num_warps, num_stages):
+    """(rewritten kernel, constexpr tail) for these arguments, or None after turning the path off."""
+    fp8 = tuple(a.view(torch.float8_e4m3fn) if isinstance(a, torch.Tensor) and a.dtype == torch.int8 else a
+                for a in args)
+    try:
+        k8 = jit_fn.warmup(*fp8, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        if hasattr(k8, "result"):  # an asynchronous compile
+            k8 = k8.result()
+        k = _BY_HASH.get(k8.hash)
+        if k is None:
+            if len(_BY_HASH) >= _MAX_ENTRIES:
+                _BY_HASH.clear()
+            k = _BY_HASH[k8.hash] = rewritten(k8)
+    except Exception as e:  # noqa: BLE001 - any failure: the int8 build runs, reported by state()
+        turn_off(f"{type(e).__name__}: {str(e)[:300]}")
+        return None
+    return k, tuple(constexprs[name] for name in jit_fn.arg_names[len(args):])

@@ -1,0 +1,192 @@
+"""The s8 wgmma n256 path (kernel/s8wgmma.py) on the CPU: the PTX rewrite, the pack's GEMM kernels built for sm_90
+with fp8 operand types and rewritten to s8 n256 (Triton ships ptxas), the first-call check, and the fallback that
+runs Triton's int8 build wherever the path cannot run (here: the interpreter), exact against ``torch._int_mm``.
+Whether a rewritten binary computes the right sums is the GPU's to say: bench/s8_check.py (bench/RESULTS.md).
+
+Run: TRITON_INTERPRET=1 python -m pytest tests/test_s8wgmma.py -q
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+import kernel  # noqa: E402
+from kernel import autotune, gemm, s8wgmma  # noqa: E402
+from quant.quantize import int8_matmul_ref  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the form Triton 3.6 prints an fp8 wgmma in (accumulator list shortened), and its s8 form written out by hand
+FP8_LINE = ("wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%f1, %f2, %f3}, %rd10, %rd11, p, 1, 1;")
+S8_LINE = ("wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {%f1, %f2, %f3}, %rd10, %rd11, p;")
+
+
+def test_rewrite_ptx_turns_each_fp8_wgmma_into_s8_and_keeps_the_rest():
+    ptx = f"\t// begin\n\t{FP8_LINE}\n\twgmma.commit_group.sync.aligned;\n\t{FP8_LINE.replace('p,', '1,')}\n"
+    out, n = s8wgmma.rewrite_ptx(ptx)
+    assert n == 2
+    assert out == (f"\t// begin\n\t{S8_LINE}\n\twgmma.commit_group.sync.aligned;\n\t{S8_LINE.replace('p;', '1;')}\n")
+
+
+def test_rewrite_ptx_refuses_a_kernel_it_cannot_fully_rewrite():
+    with pytest.raises(RuntimeError, match="no fp8 wgmma"):
+        s8wgmma.rewrite_ptx("\tmma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%r1}, {%r2}, {%r3}, {%r4};\n")
+    # an fp8 wgmma with operand scales other than 1 (not of the form rewritten) leaves e4m3 in the PTX
+    with pytest.raises(RuntimeError, match="e4m3"):
+        s8wgmma.rewrite_ptx(f"{FP8_LINE}\n{FP8_LINE.replace('1, 1;', '1, -1;')}\n")
+    with pytest.raises(RuntimeError, match="e4m3"):
+        s8wgmma.rewrite_ptx(f"{FP8_LINE}\ncvt.rn.satfinite.e4m3x2.f32 %rs1, %f1, %f2;\n")
+
+
+def test_first_call_keeps_matching_bits_and_replaces_a_wrong_result():
+    ref = torch.tensor([[1.5, float("nan")], [-0.0, 3.0]], dtype=torch.bfloat16)
+    out = torch.empty_like(ref)
+
+    def run_ref(scratch):
+        scratch.copy_(ref)
+    assert s8wgmma.first_call(out, lambda: out.copy_(ref), run_ref)  # NaN bits equal: the same result
+    assert s8wgmma.same_bits(out, ref)
+    wrong = ref.clone()
+    wrong[1, 0] = 0.0  # +0.0 against the reference's -0.0: equal as numbers, different bits
+    assert not s8wgmma.first_call(out, lambda: out.copy_(wrong), run_ref)
+    assert s8wgmma.same_bits(out, ref)  # the reference's result is what the call returns
+    # a strided output (a view of a wider buffer): the check's scratch is laid out like it
+    wide = torch.zeros((2, 4), dtype=torch.int32)
+    view = wide[:, 1:3]
+    seen = []
+    assert s8wgmma.first_call(view, lambda: view.copy_(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)),
+                              lambda s: (seen.append(s.stride()), s.copy_(torch.tensor([[1, 2], [3, 4]]))))
+    assert seen == [view.stride()] and wide[:, 0].eq(0).all() and wide[:, 3].eq(0).all()
+
+
+def test_the_path_is_not_usable_off_sm90_and_says_why_when_turned_off(monkeypatch):
+    monkeypatch.setattr(s8wgmma, "_OFF", None)
+    monkeypatch.setattr(s8wgmma, "_CHECKED", set())
+    assert not s8wgmma.usable(torch.device("cpu"))
+    assert s8wgmma.state() is None  # neither used nor turned off
+    s8wgmma.turn_off("ptxas failed")
+    s8wgmma.turn_off("a later reason")  # the first reason is kept
+    assert s8wgmma.state() == "s8 wgmma n256 off: ptxas failed"
+
+
+def test_candidates_hold_the_s8_tile_on_sm90_only_when_asked():
+    big = 227 * 1024
+    s8 = [c for c in autotune.candidates((9, 0), big, 4096, s8=True) if c.get("S8")]
+    assert s8 == [{"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+                   "S8": True}]
+    assert not any(c.get("S8") for c in autotune.candidates((9, 0), big, 4096))
+    assert not any(c.get("S8") for c in autotune.candidates((8, 9), big, 4096, s8=True))
+    assert not any(c.get("S8") for c in autotune.candidates((9, 0), big, 16, s8=True))  # GEMV tiles only
+    # tunings with and without them are kept apart (INT8_FUSED_S8_WGMMA=0 gets the winner of its own candidates)
+    assert autotune.ConfigCache.key(4608, 4608, 4096, True) == "N4608_K4608_M4096_s8"
+    assert autotune.ConfigCache.key(4608, 4608, 4096) == "N4608_K4608_M4096"
+
+
+@pytest.mark.parametrize("bias,out_dtype", [(False, torch.int32), (True, torch.bfloat16)])
+def test_an_s8_config_runs_the_int8_build_where_the_path_cannot_run(bias, out_dtype):
+    """The interpreter is such a place: an ``S8`` config launches Triton's int8 build of the same tile, whose sums
+    equal torch._int_mm's (an independent reference) and whose epilogue matches the float64 one."""
+    torch.manual_seed(3)
+    m, n, k = 37, 48, 80  # row, column and K tails of the 32 x 32 x 32 interpreter tile
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a_s, w_s = torch.rand(m) + 0.1, torch.rand(n) + 0.1
+    b = torch.randn(n) if bias else None
+    cfg = {**autotune.interpreter_configs()[0], "S8": True}
+    out = torch.empty((m, n), dtype=out_dtype)
+    gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, cfg)
+    acc = int8_matmul_ref(a, w)
+    if out_dtype == torch.int32:
+        assert torch.equal(out, acc) and torch.equal(acc, torch._int_mm(a, w.t()).to(acc.dtype))
+    else:
+        ref = acc.double() * a_s.double()[:, None] * w_s.double()[None, :] + b.double()[None, :]
+        err = (out.double() - ref).abs() / (ref.abs() + 1e-30)
+        assert err.max() <= 2.0 ** -8 + 1e-6
+
+
+def test_interleaved_medians_takes_medians_and_drops_a_variant_that_fails():
+    clock = {"a": [5.0, 1.0, 3.0], "b": [2.0, 9.0, 2.5]}
+    order = []
+
+    def time_fn(cfg):
+        order.append(cfg["name"])
+        if cfg["name"] == "c":
+            raise RuntimeError("out of resources")
+        return clock[cfg["name"]].pop(0)
+    med = gemm.interleaved_medians({n: {"name": n} for n in "abc"}, time_fn)
+    assert med == {"a": 3.0, "b": 2.5}
+    assert order == ["a", "b", "c", "a", "b", "a", "b"]  # rounds interleave; "c" is not timed again
+    with pytest.raises(RuntimeError):
+        gemm.interleaved_medians({"c": {"name": "c"}, "a": {"name": "a"}}, time_fn)  # the first one's failure
+
+
+BUILD_SCRIPT = r'''
+import inspect, os, re, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernel.fused as kf
+import kernel.gemm as g
+from kernel import s8wgmma
+
+TYPES = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16", "h_ptr": "*bf16", "as_ptr": "*fp32",
+         "ws_ptr": "*fp32", "bias_ptr": "*fp32", "part_ptr": "*i32", "cnt_ptr": "*i32"}
+# what a launch on Ideogram 4's block shapes specializes on: unit K / column strides are the constant 1 (Triton
+# specializes integers equal to 1), pointers and the other integers divisible by 16
+UNIT = {"stride_ak": 1, "stride_wk": 1, "stride_cn": 1, "stride_hn": 1, "stride_as": 1, "stride_ws": 1,
+        "stride_bias": 1}
+TILE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "INTERPRET": False}
+CASES = [
+    ("gemm bias bf16", g._int8_gemm_kernel, {"HAS_BIAS": True, "OUT_INT32": False, "EVEN_K": True, "SPLIT": 1}, {}),
+    ("gemm int32", g._int8_gemm_kernel, {"HAS_BIAS": False, "OUT_INT32": True, "EVEN_K": True, "SPLIT": 1},
+     {"c_ptr": "*i32"}),
+    ("gemm K tail", g._int8_gemm_kernel, {"HAS_BIAS": False, "OUT_INT32": False, "EVEN_K": False, "SPLIT": 1}, {}),
+    ("gemm split 2", g._int8_gemm_kernel, {"HAS_BIAS": True, "OUT_INT32": False, "EVEN_K": True, "SPLIT": 2}, {}),
+    ("swiglu", kf._gemm_swiglu_kernel, {"HAS_BIAS": False, "EVEN_K": True, "SPLIT": 1, "DT": 1, "CLAMP_FP16": False},
+     {}),
+]
+cuobjdump = os.path.join(os.path.dirname(s8wgmma.ptxas_path()), "cuobjdump")
+for name, fn, consts, types in CASES:
+    params = list(inspect.signature(fn.fn).parameters)
+    consts = {p: v for p, v in {**UNIT, **TILE, **consts}.items() if p in params}
+    sig = {p: "constexpr" if p in consts else {**TYPES, **types}.get(p, "i32") for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
+    k8 = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    before = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+\.\w+\.\w+\.\w+)", k8.asm["ptx"])))
+    k = s8wgmma.rewritten(k8)
+    after = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+\.\w+\.\w+\.\w+)", k.asm["ptx"])))
+    ok = before == ["m64n256k32.f32.e4m3.e4m3"] and after == ["m64n256k32.s32.s8.s8"]
+    ok = ok and k.kernel == k.asm["cubin"] and k.kernel != k8.kernel and k.module is None
+    res = ""
+    if os.path.exists(cuobjdump):
+        with open(os.path.join(sys.argv[2], "k.cubin"), "wb") as f:
+            f.write(k.kernel)
+        res = subprocess.run([cuobjdump, "-res-usage", os.path.join(sys.argv[2], "k.cubin")], capture_output=True,
+                             text=True).stdout
+        ok = ok and "STACK:0" in res  # no spills at one CTA an SM
+    print(name, "OK" if ok else "BAD", before, after, re.findall(r"REG:\d+ STACK:\d+", res))
+'''
+
+
+def test_pack_gemm_kernels_build_for_sm90_as_s8_wgmma_n256(tmp_path):
+    """The plain GEMM (bias, int32 out, K tail, tail split) and the SwiGLU-epilogue GEMM at 128 x 256 tiles, built
+    for sm_90 with fp8 operand types as ``kernel.s8wgmma`` builds them: Triton issues their dots as fp8 n256 wgmma,
+    the rewrite leaves only s8 n256 ones, ptxas assembles them, and (where cuobjdump ships) nothing spills. In a
+    subprocess without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, str(ROOT), str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 5 and all(" OK " in ln for ln in lines), out[-3000:]
+
