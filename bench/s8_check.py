@@ -7,7 +7,7 @@ Per shape (block shapes of Ideogram 4 / Flux.1 / Z-Image, then ragged ones: row,
          tile as Triton builds it (n128), the s8 tile, and ``select_config``'s pick with the s8 tile among its
          candidates (timed here, in a fresh autotune folder)
 SwiGLU (the w1/w3 shapes): the SwiGLU-epilogue GEMM at the 128 x 128 tile and at the s8 tile (bits compared, timed),
-and the tile ``fused._swiglu_tile`` picks.
+and the tile ``fused._swiglu_config`` picks.
 Safety net, last: a rewrite made wrong on purpose (A read as u8) must be caught on its first call: that call returns
 Triton's int8 build's sums and the path turns off (``s8wgmma.state()``).
 
@@ -87,7 +87,7 @@ def swiglu_row(label, m, n2, k):
     row["exact"]["h == 128x128"] = s8wgmma.same_bits(hs["s8 n256"], hs["128x128"])
     h = torch.empty((m, f), dtype=torch.bfloat16, device="cuda")
     shared = gemm.select_config(a, a_s, w13, w_s, None, None, torch.bfloat16, tail_split=False)
-    pick = fused._swiglu_tile(shared, a, a_s, w13, w_s, None, h, False)
+    pick = fused._swiglu_config(shared, a, a_s, w13, w_s, None, h, False)
     row["pick"] = dict(pick)
     row["exact"]["gemm_swiglu == 128x128"] = s8wgmma.same_bits(fused.gemm_swiglu(a, a_s, w13, w_s), hs["128x128"])
     return row

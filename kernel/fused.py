@@ -994,7 +994,7 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
     _check_usable(a_q, "gemm_swiglu")
     cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype, tail_split=False)
     if a_q.is_cuda:
-        cfg = _swiglu_tile(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
+        cfg = _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
     if a_q.is_cuda and tail_split_on("swiglu"):  # not yet timed on a GPU: INT8_FUSED_TAIL_SPLIT=all only
         cfg = _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
     return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg)
@@ -1032,7 +1032,7 @@ _SW_SPLIT: dict[tuple, dict] = {}   # (device, F, K, M, tile config) -> the conf
 _SW_TILE: dict[tuple, dict] = {}    # (device, F, K, M bucket, the merged GEMM's config) -> the SwiGLU GEMM's config
 
 
-def _swiglu_tile(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:
+def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:
     """The tile config of the SwiGLU-epilogue GEMM: where the s8 wgmma n256 tiles may run (``kernel.s8wgmma``),
     the merged w1+w3 GEMM's config or the other of {s8 128 x 256, the first Hopper tile}, whichever this kernel
     timed faster (medians of interleaved rounds; kept in the autotune file under ``SW_..._tile``). Its epilogue
