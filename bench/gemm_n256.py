@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +37,12 @@ from bench import provenance  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench.gemm_floor import SHAPES, fp8_cublas_us, int8_operands  # noqa: E402  (Ideogram 4 / Flux.1 / Z-Image)
+from kernel import s8wgmma  # noqa: E402
 
 VARIANTS = [  # (name, BLOCK_K, stages)
     ("n256_s8 k128x3", 128, 3),
     ("n256_s8 k64x4", 64, 4),
 ]
-WGMMA_FP8 = re.compile(r"(wgmma\.mma_async\.sync\.aligned\.m64n\d+k32)\.f32\.e4m3\.e4m3 (\{[^}]*\}), ([^,]+), ([^,]+), "
-                       r"([^,]+), 1, 1;")
 
 
 @triton.jit
@@ -95,11 +91,6 @@ def _gemm(a_ptr, w_ptr, out_ptr, a_scale, w_scale, M, N, K, BLOCK_M: tl.constexp
         tl.store(o_ptrs, y.to(tl.bfloat16), mask=mask)
 
 
-def _ptxas() -> str:
-    return os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                                                "bin", "ptxas")
-
-
 def build(bk: int, stages: int, s8: bool, out_int: bool, target=None, warps: int = 8):
     """A CompiledKernel of ``_gemm`` at 128 x 256 x bk: the fp8 build, its wgmma rewritten to s8 when ``s8``
     (returns (kernel, rewritten instruction count, wgmma shapes in the PTX))."""
@@ -120,19 +111,11 @@ def build(bk: int, stages: int, s8: bool, out_int: bool, target=None, warps: int
 
 
 def rewrite_s8(k) -> int:
-    """Rewrite the fp8 wgmma instructions of the CompiledKernel ``k``'s PTX to s8 (integer wgmma has no
-    operand-scale immediates), assemble it with Triton's ptxas and make that ``k``'s binary (before its first
-    launch). Returns how many instructions were rewritten."""
-    ptx, n = WGMMA_FP8.subn(r"\1.s32.s8.s8 \2, \3, \4, \5;", k.asm["ptx"])
-    if n == 0:
-        raise RuntimeError("no fp8 wgmma to rewrite in the PTX")
-    arch = k.metadata.target.arch
-    with tempfile.TemporaryDirectory() as d:
-        src, dst = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        Path(src).write_text(ptx)
-        subprocess.run([_ptxas(), f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}", src, "-o", dst],
-                       check=True, capture_output=True, text=True)
-        k.kernel = Path(dst).read_bytes()
+    """Rewrite the fp8 wgmma instructions of the CompiledKernel ``k``'s PTX to s8 and make the result, assembled
+    with Triton's ptxas, ``k``'s binary (before its first launch): ``kernel.s8wgmma``'s rewrite, which the pack
+    uses. Returns how many instructions were rewritten."""
+    ptx, n = s8wgmma.rewrite_ptx(k.asm["ptx"])
+    k.kernel = s8wgmma.assemble(ptx, k.metadata.target.arch)
     return n
 
 
