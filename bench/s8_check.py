@@ -138,6 +138,8 @@ def main() -> int:
             cells = "  ".join(f"{p} {u:.1f}" for p, u in r["us"].items())
             pick = "s8" if r["pick"].get("S8") else f"{r['pick']['BLOCK_M']}x{r['pick']['BLOCK_N']}"
             print(f"{r['shape']:24s} {m}x{n}x{k}  us: {cells}  pick {pick}  exact: {r['exact']}", flush=True)
+        if args.out:  # as it goes: a run cut short keeps its rows
+            Path(args.out).write_text(json.dumps(res, indent=1))
     res["state"] = s8wgmma.state()
     res["kernels"] = [{"name": kk.name, "regs": kk.n_regs, "spills": kk.n_spills} for kk in s8wgmma._BY_HASH.values()
                       if kk.module is not None]
