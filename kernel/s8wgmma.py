@@ -189,8 +189,13 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
             ref_args[out_pos] = scratch
             with launch.not_recorded():
                 launch.launch(jit_fn, grid, tuple(ref_args), constexprs, num_warps, num_stages, device)
-        if not first_call(args[out_pos], run_s8, run_ref):
-            turn_off(f"{jit_fn.__name__}'s s8 build differed from its int8 build on its first call")
+        try:
+            same = first_call(args[out_pos], run_s8, run_ref)
+            why = f"{jit_fn.__name__}'s s8 build differed from its int8 build on its first call"
+        except Exception as e:  # noqa: BLE001 - loading or launching the rewritten binary failed
+            same, why = False, f"{jit_fn.__name__}'s s8 build failed to run: {type(e).__name__}: {str(e)[:300]}"
+        if not same:
+            turn_off(why)
             _BUILT.clear()
             launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)  # recorded: what runs
             return
