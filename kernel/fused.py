@@ -1056,7 +1056,7 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
                 return gemm.timed_ms(lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16,
                                                                  c))
             with not_recorded():
-                med = gemm.interleaved_medians({0: cfg, 1: other}, time_fn)
+                med = autotune.interleaved_medians({0: cfg, 1: other}, time_fn)
             hit = other if med.get(1, float("inf")) < med[0] else cfg
             cache.put(key, hit, gemm.tuning_meta(a_q.device))
         hit = _SW_TILE[memo] = {k_: v for k_, v in hit.items() if k_ != "SPLIT"}

@@ -536,7 +536,8 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
     key = f"{kind}{autotune.ConfigCache.key(n, k, autotune.m_bucket(m), bool(cfg.get('S8')))}_T{tiles_m}_split"
     hit = cache.get(key)
     if hit is None:
-        med = interleaved_medians({1: cfg, **{s: {**cfg, "SPLIT": s} for s in layouts}}, time_fn)
+        med = autotune.interleaved_medians({1: cfg, **{s: {**cfg, "SPLIT": s} for s in layouts}}, time_fn,
+                                           SPLIT_ROUNDS)
         best, best_ms = 1, med.pop(1) * (1 - SPLIT_MARGIN)
         for s, ms in med.items():  # the splits that built
             if ms < best_ms:
@@ -546,20 +547,3 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
     s = int(hit.get("SPLIT", 1))
     return {**cfg, "SPLIT": s} if s > 1 else cfg
 
-
-def interleaved_medians(variants: dict, time_fn, rounds: int = SPLIT_ROUNDS) -> dict:
-    """{name: median ms} of ``time_fn(config)`` for each of ``variants`` ({name: config}) over ``rounds`` interleaved
-    rounds (clock drift then hits every variant alike). A variant that fails to build is dropped; the first one's
-    failure is raised (it is the one the caller falls back to)."""
-    import statistics
-    first = next(iter(variants))
-    times: dict = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name in list(times):
-            try:
-                times[name].append(float(time_fn(variants[name])))
-            except Exception:  # noqa: BLE001 - a variant that fails to build is not chosen
-                if name == first:
-                    raise
-                del times[name]
-    return {name: statistics.median(t) for name, t in times.items()}

@@ -119,11 +119,11 @@ def test_interleaved_medians_takes_medians_and_drops_a_variant_that_fails():
         if cfg["name"] == "c":
             raise RuntimeError("out of resources")
         return clock[cfg["name"]].pop(0)
-    med = gemm.interleaved_medians({n: {"name": n} for n in "abc"}, time_fn)
+    med = autotune.interleaved_medians({n: {"name": n} for n in "abc"}, time_fn)
     assert med == {"a": 3.0, "b": 2.5}
     assert order == ["a", "b", "c", "a", "b", "a", "b"]  # rounds interleave; "c" is not timed again
     with pytest.raises(RuntimeError):
-        gemm.interleaved_medians({"c": {"name": "c"}, "a": {"name": "a"}}, time_fn)  # the first one's failure
+        autotune.interleaved_medians({"c": {"name": "c"}, "a": {"name": "a"}}, time_fn)  # the first one's failure
 
 
 BUILD_SCRIPT = r'''
