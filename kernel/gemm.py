@@ -25,6 +25,7 @@ from . import quantize as _quantize  # noqa: F401  (applies the interpreter comp
 from .quantize import _rint, _sm_count
 from . import config as _config
 from .launch import keep, launch, not_recorded
+from . import s8wgmma
 
 
 @triton.jit
@@ -422,7 +423,6 @@ def run_launch(cfg: dict, jit_fn, grid: tuple, args: tuple, constexprs: dict, de
     """One GEMM kernel launch with ``cfg``'s warps and stages: as s8 wgmma n256 where ``cfg["S8"]``
     (``kernel.s8wgmma``; ``args[2]`` is the output its first call checks), else Triton's int8 build."""
     if cfg.get("S8"):
-        from . import s8wgmma
         s8wgmma.launch_s8(jit_fn, grid, args, constexprs, cfg["num_warps"], cfg["num_stages"], device, 2)
     else:
         launch(jit_fn, grid, args, constexprs, cfg["num_warps"], cfg["num_stages"], device)
@@ -463,7 +463,6 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     n = w_q.shape[0]
     dev = a_q.device
     # exact-M memo first (the switch's raw value in the key: A/B rows in one process); the per-call path is a lookup
-    from . import s8wgmma
     s8 = s8wgmma.usable(dev)
     exact = (dev, n, k, m, tail_split, _config.get("INT8_FUSED_TAIL_SPLIT"), s8)
     cfg = _TUNED.get(exact)

@@ -165,8 +165,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
             _RECORD.append(Launch(jit_fn, grid, args, constexprs, num_warps, num_stages))
         return
     import triton
-    key = (jit_fn, device.index, tuple(constexprs.values()), num_warps, num_stages,
-           tuple([a if type(a) is int else arg_key(a) for a in args]))  # an int by value: finer, cheaper
+    key = launch_key(jit_fn, args, constexprs, num_warps, num_stages, device)
     hit = _COMPILED.get(key)
     if hit is None or launch_hooked(triton.knobs.runtime):
         compiled = jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
@@ -181,9 +180,20 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
             _RECORD.append(Launch(jit_fn, grid, args, constexprs, num_warps, num_stages))
         return
     compiled, tail = hit
+    run_compiled(compiled, tail, grid, args, device)
+    if _RECORD is not None:
+        _RECORD.append(Launch(jit_fn, grid, args, constexprs, num_warps, num_stages, compiled, tail))
+
+
+def launch_key(jit_fn, args: tuple, constexprs: dict, num_warps: int, num_stages: int, device: torch.device):
+    """What a compiled kernel of ``jit_fn`` is reused for: everything Triton specializes on (module docstring)."""
+    return (jit_fn, device.index, tuple(constexprs.values()), num_warps, num_stages,
+            tuple([a if type(a) is int else arg_key(a) for a in args]))  # an int by value: finer, cheaper
+
+
+def run_compiled(compiled, tail: tuple, grid: tuple, args: tuple, device: torch.device) -> None:
+    """Launches the CompiledKernel ``compiled`` directly on the current stream (no launch hooks)."""
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     n = len(grid)
     compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *tail)
-    if _RECORD is not None:
-        _RECORD.append(Launch(jit_fn, grid, args, constexprs, num_warps, num_stages, compiled, tail))

@@ -152,11 +152,6 @@ def first_call(out: torch.Tensor, run_s8, run_ref) -> bool:
     return False
 
 
-def _key(jit_fn, grid, args, constexprs, warps, stages, device):
-    return (jit_fn, device.index, tuple(grid), tuple(constexprs.values()), warps, stages,
-            tuple([a if type(a) is int else launch.arg_key(a) for a in args]))
-
-
 def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
               device: torch.device, out_pos: int) -> None:
     """``launch.launch(jit_fn, ...)`` of an INT8 GEMM kernel whose dot reads ``args``' int8 operands, run as s8 wgmma
@@ -165,7 +160,7 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
     if not usable(device) or launch.launch_hooked(triton.knobs.runtime):
         launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
         return
-    key = _key(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
+    key = launch.launch_key(jit_fn, args, constexprs, num_warps, num_stages, device)
     hit = _BUILT.get(key)
     if hit is None:
         hit = _build(jit_fn, grid, args, constexprs, num_warps, num_stages)
@@ -176,12 +171,9 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
             _BUILT.clear()
         _BUILT[key] = hit
     compiled, tail = hit
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    n = len(grid)
 
     def run_s8():
-        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+        launch.run_compiled(compiled, tail, grid, args, device)
 
     if id(compiled) not in _CHECKED:
         def run_ref(scratch):
