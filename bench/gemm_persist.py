@@ -108,7 +108,7 @@ def build(name: str, out_int: bool, sms: int, target=None):
     return k, n, shapes, consts
 
 
-def run_shape(label, m, n, k, sms):
+def run_shape(label, m, n, k, sms, only_variants=None):
     from triton.tools.tensor_descriptor import TensorDescriptor
     from kernel import gemm
     a, w, a_s, w_s, out = int8_operands(m, n, k)
@@ -123,6 +123,8 @@ def run_shape(label, m, n, k, sms):
     tiles = triton.cdiv(m, BM) * triton.cdiv(n, BN)
     grid = (min(sms, tiles), 1, 1)
     for name, (_, _, _, _, bk) in VARIANTS.items():
+        if only_variants and not re.search(only_variants, name):
+            continue
         try:
             da = TensorDescriptor.from_tensor(a8, [BM, bk])
             dw = TensorDescriptor.from_tensor(w8, [BN, bk])
@@ -153,6 +155,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="regex on the shape label")
+    ap.add_argument("--variants", default=None, help="regex on the variant names")
     ap.add_argument("--check-build", action="store_true", help="build and rewrite for sm_90 only (no GPU needed)")
     args = ap.parse_args()
     if args.check_build:
@@ -175,7 +178,7 @@ def main() -> int:
     for label, m, n, k in SHAPES:
         if args.only and not re.search(args.only, label):
             continue
-        r = run_shape(label, m, n, k, sms)
+        r = run_shape(label, m, n, k, sms, args.variants)
         res["rows"].append(r)
         cells = "  ".join(f"{p} {u:.1f}" if isinstance(u, float) else f"{p} {u}" for p, u in r["us"].items())
         print(f"{label:24s} {m}x{n}x{k}  us: {cells}\n{'':24s} exact: {r['exact']}\n{'':24s} build: {r['build']}",

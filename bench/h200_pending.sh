@@ -390,7 +390,10 @@ PY
     timeout 420 $sampler --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_S8_WGMMA=0,fp8_fast~cudnn,fp8_fast~kitchen" \
       --out "$OUT/sampler-s8all.json" 2>&1 | tee -a "$OUT/last.log" ;;
   persist)  # the s8 n256 GEMM as a persistent kernel (tile loop flattened or warp-specialised) against the pack's
-    timeout 240 python3 bench/gemm_persist.py --only "M4608|linear1" --out "$OUT/h200-gemm-persist.json" 2>&1 | tee "$OUT/gemm-persist.log" ;;
+    for v in flat flat_tma_st ws ws_s4 ws_k64_s6; do  # a process each: a kernel fault ends only its own
+      timeout 100 python3 bench/gemm_persist.py --only "M4608|linear1" --variants "^$v\$" \
+        --out "$OUT/h200-gemm-persist-$v.json" 2>&1 | tee -a "$OUT/gemm-persist.log"
+    done ;;
   shapesall)  # every linear shape with the dispatch's host-free GPU times (run bs reached 12 of 55 in 80 s)
     timeout 400 python3 bench/shapes.py --budget-s 330 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
