@@ -4,9 +4,11 @@ Per shape (block shapes of Ideogram 4 / Flux.1 / Z-Image, then ragged ones: row,
   exact  ``gemm.launch_int8_gemm`` with the s8 tile: int32 sums == ``torch._int_mm``; bf16 output with a bias ==
          Triton's int8 build of the same 128 x 256 tile, and == the pack's 128 x 128 tile (same epilogue math)
   us     do_bench medians (L2 flushed): the 128 x 128 tile (the pack's pick on these shapes before), the 128 x 256
-         tile as Triton builds it (n128), the s8 tile, and ``select_config``'s pick with the s8 tile among its
-         candidates (timed here, in a fresh autotune folder)
-SwiGLU (the w1/w3 shapes): the SwiGLU-epilogue GEMM at the 128 x 128 tile and at the s8 tile (bits compared, timed),
+         tile as Triton builds it (n128), the s8 tile, the s8 tile as the persistent TMA kernel (bits compared with
+         the s8 tile's), and ``select_config``'s pick with the s8 tiles among its candidates (timed here, in a
+         fresh autotune folder)
+SwiGLU (the w1/w3 shapes): the SwiGLU-epilogue GEMM at the 128 x 128 tile, the s8 tile and its persistent form (bits
+compared, timed),
 and the tile ``fused._swiglu_config`` picks.
 Safety net, last: a rewrite made wrong on purpose (A read as u8) must be caught on its first call: that call returns
 Triton's int8 build's sums and the path turns off (``s8wgmma.state()``).
@@ -45,6 +47,7 @@ RAGGED = [  # (label, M, N, K): tails of every kind the launch handles
 C128 = autotune.hopper_configs()[0]
 C256 = next(c for c in autotune.hopper_configs() if (c["BLOCK_N"], c["BLOCK_K"]) == (256, 128))
 CS8 = autotune.s8_configs()[0]
+CS8P = autotune.s8_configs()[1]  # the same tile as the persistent TMA kernel
 
 
 def bench(fn) -> float:
@@ -59,13 +62,15 @@ def gemm_row(label, m, n, k):
     gemm.launch_int8_gemm(a, a_s, w, w_s, None, o32, CS8)
     row["exact"]["int32 == torch._int_mm"] = bool(torch.equal(o32, torch._int_mm(a, w.t())))
     ys = {}
-    for name, cfg in (("128x128", C128), ("128x256 n128", C256), ("s8 n256", CS8)):
+    for name, cfg in (("128x128", C128), ("128x256 n128", C256), ("s8 n256", CS8), ("s8 persistent", CS8P)):
         y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
         gemm.launch_int8_gemm(a, a_s, w, w_s, bias, y, cfg)
         ys[name] = y
         row["us"][name] = bench(lambda: gemm.launch_int8_gemm(a, a_s, w, w_s, bias, y, cfg))
     row["exact"]["bf16 == 128x256 n128"] = s8wgmma.same_bits(ys["s8 n256"], ys["128x256 n128"])
     row["exact"]["bf16 == 128x128"] = s8wgmma.same_bits(ys["s8 n256"], ys["128x128"])
+    row["exact"]["persistent bf16 == s8 n256"] = s8wgmma.same_bits(ys["s8 persistent"], ys["s8 n256"])
+    row["persistent runs"] = gemm.persistent_ok(a, w, ys["s8 persistent"])  # else its config ran the plain kernel
     y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
     pick = gemm.select_config(a, a_s, w, w_s, bias, y)
     row["pick"] = {k_: v for k_, v in pick.items()}
@@ -79,12 +84,13 @@ def swiglu_row(label, m, n2, k):
     f = n2 // 2
     row = {"shape": label + " SwiGLU", "M": m, "F": f, "K": k, "exact": {}, "us": {}}
     hs = {}
-    for name, cfg in (("128x128", C128), ("s8 n256", CS8)):
+    for name, cfg in (("128x128", C128), ("s8 n256", CS8), ("s8 persistent", CS8P)):
         h = torch.empty((m, f), dtype=torch.bfloat16, device="cuda")
         fused._launch_gemm_swiglu(a, a_s, w13, w_s, None, h, False, cfg)
         hs[name] = h
         row["us"][name] = bench(lambda: fused._launch_gemm_swiglu(a, a_s, w13, w_s, None, h, False, cfg))
     row["exact"]["h == 128x128"] = s8wgmma.same_bits(hs["s8 n256"], hs["128x128"])
+    row["exact"]["persistent h == s8 n256"] = s8wgmma.same_bits(hs["s8 persistent"], hs["s8 n256"])
     h = torch.empty((m, f), dtype=torch.bfloat16, device="cuda")
     shared = gemm.select_config(a, a_s, w13, w_s, None, None, torch.bfloat16, tail_split=False)
     pick = fused._swiglu_config(shared, a, a_s, w13, w_s, None, h, False)
@@ -136,7 +142,8 @@ def main() -> int:
         for r in rows:
             res["rows"].append(r)
             cells = "  ".join(f"{p} {u:.1f}" for p, u in r["us"].items())
-            pick = "s8" if r["pick"].get("S8") else f"{r['pick']['BLOCK_M']}x{r['pick']['BLOCK_N']}"
+            pick = ("s8 persistent" if r["pick"].get("PERSIST") else "s8") if r["pick"].get("S8") else \
+                f"{r['pick']['BLOCK_M']}x{r['pick']['BLOCK_N']}"
             print(f"{r['shape']:24s} {m}x{n}x{k}  us: {cells}  pick {pick}  exact: {r['exact']}", flush=True)
         if args.out:  # as it goes: a run cut short keeps its rows
             Path(args.out).write_text(json.dumps(res, indent=1))

@@ -50,11 +50,14 @@ def hopper_configs() -> list[Config]:
     ]
 
 
-def s8_configs() -> list[Config]:
+def s8_configs(persist: bool = True) -> list[Config]:
     """sm_90 with ``kernel.s8wgmma``: 128 x 256 tiles issued as s8 wgmma n256 (one CTA an SM, 144 KB of shared
     memory). H200, run bw (bench/gemm_n256.py): BLOCK_K 128 in 3 stages ran 1.08-1.22x the first Hopper config on
-    Ideogram 4 / Flux.1 block shapes; 64 x 4 stages 0.99-1.14x."""
-    return [{**_cfg(128, 256, 128, 8, 3), "S8": True}]
+    Ideogram 4 / Flux.1 block shapes; 64 x 4 stages 0.99-1.14x. ``PERSIST``: the same tile as the persistent TMA
+    kernel (``kernel.gemm._int8_gemm_persistent_kernel``), 1.02-1.13x the non-persistent one on those shapes in
+    run bz (bench/gemm_persist.py)."""
+    tile = {**_cfg(128, 256, 128, 8, 3), "S8": True}
+    return [tile, {**tile, "PERSIST": True}] if persist else [tile]
 
 
 def ampere_configs() -> list[Config]:
@@ -113,14 +116,15 @@ def fits_smem(cfg: Config, smem_limit: int) -> bool:
     return smem_bytes(cfg) <= smem_limit - 4096  # headroom for barriers and the epilogue's scratch
 
 
-def candidates(capability: tuple[int, int], smem_limit: int, m_bucket: int, s8: bool = False) -> list[Config]:
+def candidates(capability: tuple[int, int], smem_limit: int, m_bucket: int, s8: bool = False,
+               persist: bool = False) -> list[Config]:
     """The configs worth timing on a GPU of this capability for rows in this bucket (``s8``: with the s8 wgmma
-    n256 tiles, which need sm_90)."""
+    n256 tiles, which need sm_90; ``persist``: and their persistent TMA form)."""
     if m_bucket <= SMALL_M:
         return [c for c in small_m_configs() if fits_smem(c, smem_limit)]
     base = hopper_configs() if capability[0] == 9 else ampere_configs()
     if s8 and tuple(capability) == (9, 0):
-        base = base + s8_configs()
+        base = base + s8_configs(persist)
     if m_bucket <= MEDIUM_M:
         base = base + [c for c in medium_m_configs() if c not in base]
     out = [c for c in base if fits_smem(c, smem_limit) and c["BLOCK_M"] <= max(64, m_bucket)]
@@ -157,10 +161,11 @@ class ConfigCache:
         self._mem: dict[str, Config] | None = None
 
     @staticmethod
-    def key(n: int, k: int, bucket: int, s8: bool = False) -> str:
-        """``s8``: a tuning whose candidates held the s8 wgmma tiles (``s8_configs``), kept apart from the one
-        without them (``INT8_FUSED_S8_WGMMA=0``, a GPU where that path was turned off)."""
-        return f"N{n}_K{k}_M{bucket}" + ("_s8" if s8 else "")
+    def key(n: int, k: int, bucket: int, s8: bool = False, persist: bool = False) -> str:
+        """``s8``: a tuning whose candidates held the s8 wgmma tiles (``s8_configs``; ``persist``: their persistent
+        form too, suffix ``_s8p``), kept apart from the one without them (``INT8_FUSED_S8_WGMMA=0``, a GPU where
+        that path was turned off; ``INT8_FUSED_PERSISTENT=0``)."""
+        return f"N{n}_K{k}_M{bucket}" + (("_s8p" if persist else "_s8") if s8 else "")
 
     def _read_disk(self) -> dict[str, Config]:
         try:

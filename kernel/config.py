@@ -84,6 +84,9 @@ SWITCHES = {s.name: s for s in (
            "sm_90: the INT8 GEMMs may time and run 128 x 256 tiles as s8 wgmma n256 (`kernel/s8wgmma.py`: Triton's "
            "fp8 build with its wgmma rewritten to s8, each binary checked bit for bit against Triton's int8 build "
            "on its first call); `0`: Triton's int8 builds only"),
+    Switch("INT8_FUSED_PERSISTENT", bool, True,
+           "sm_90 with the s8 path on: the INT8 GEMMs (plain and SwiGLU-epilogue) may also time and run the s8 "
+           "tile as a persistent kernel with TMA loads and stores (same bits); `0`: the non-persistent kernel only"),
     Switch("INT8_FUSED_PLANS", bool, True,
            "`0`: every INT8 linear / GEMM call takes the checked path (operand checks, config lookup, launch) "
            "instead of re-issuing the launches prepared on its first call (`kernel/plan.py`); for A/B runs"),

@@ -65,8 +65,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import _check_2d, _check_usable, _gemm_operands, _vector
-from .gemm import (_acc_tile, _dequant, _program_tile, _tile_ids, _tile_sum, choose_split, select_config,
-                   split_launch, tail_split_on)
+from .gemm import (_acc_tile, _acc_tile_tma, _dequant, _program_tile, _tile_ids, _tile_sum, choose_split,
+                   select_config, split_launch, tail_split_on)
 from . import gemm
 from . import quantize as _q
 from . import config
@@ -286,8 +286,7 @@ def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr,
     tile, a_ptr, w_ptr, k_len = _program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT)
     pid_m, pid_n = _tile_ids(tile, M, F, BLOCK_M, HALF, GROUP_M)
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    r = tl.arange(0, BLOCK_N)
-    offs_wn = (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)
+    offs_wn = _swiglu_w_rows(pid_n, F, BLOCK_N)
     acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, k_len, stride_am, stride_ak, stride_wn, stride_wk,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     acc, finish = _tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M, BLOCK_N, SPLIT)
@@ -297,15 +296,53 @@ def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr,
 
 
 @triton.jit
+def _swiglu_values(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+                   CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """h of a [BLOCK_M, BLOCK_N] int32 tile of a (w1 rows) and b (w3 rows), as fp32 values of dtype DT."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    v = _round(_dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+                        HAS_BIAS), DT, INTERPRET)
+    a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    return _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
+
+
+@triton.jit
+def _swiglu_w_rows(pid_n, F, BLOCK_N: tl.constexpr):
+    """The W13 rows of output column tile ``pid_n``: HALF rows of w1 (j) and the same of w3 (F + j), a column tail
+    wrapped (its results are not stored)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    r = tl.arange(0, BLOCK_N)
+    return (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)
+
+
+@triton.jit
+def _gemm_swiglu_persistent_kernel(a_desc, w_desc, h_desc, as_ptr, ws_ptr, bias_ptr, M, F, K,
+                                   stride_as, stride_ws, stride_bias, NUM_PROGS: tl.constexpr,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+                                   CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    # _gemm_swiglu_kernel (same sums, same epilogue: same bits) as the persistent TMA kernel of kernel/gemm.py:
+    # w_desc views W13 as [2, F, K], so one load brings a tile's w1 and w3 rows (F tails read as zero).
+    HALF: tl.constexpr = BLOCK_N // 2
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(F, HALF)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_ids(tile, M, F, BLOCK_M, HALF, GROUP_M)
+        acc = _acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * HALF, K, BLOCK_M, BLOCK_N, BLOCK_K, True)
+        y = _swiglu_values(acc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                           _swiglu_w_rows(pid_n, F, BLOCK_N), M, stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N,
+                           HAS_BIAS, DT, CLAMP_FP16, INTERPRET)
+        h_desc.store([pid_m * BLOCK_M, pid_n * HALF], y.to(h_desc.dtype))  # exact: y holds values of that dtype
+
+
+@triton.jit
 def _swiglu_epilogue(acc, h_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, F, stride_hm, stride_hn,
                      stride_as, stride_ws, stride_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_BIAS: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
     HALF: tl.constexpr = BLOCK_N // 2
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    v = _round(_dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
-                        HAS_BIAS), DT, INTERPRET)
-    a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-    y = _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
+    y = _swiglu_values(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+                       BLOCK_M, BLOCK_N, HAS_BIAS, DT, CLAMP_FP16, INTERPRET)
     offs_hn = pid_n * HALF + tl.arange(0, HALF)
     h_ptrs = h_ptr + offs_cm[:, None].to(tl.int64) * stride_hm + offs_hn[None, :] * stride_hn
     tl.store(h_ptrs, y.to(h_ptr.dtype.element_ty), mask=(offs_cm[:, None] < M) & (offs_hn[None, :] < F))
@@ -1005,6 +1042,10 @@ def _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg: di
     f = h.shape[1]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     half = bn // 2
+    if cfg.get("PERSIST") and h.dtype in (torch.bfloat16, torch.float16) and all(
+            gemm.tma_ok(t) for t in (a_q, w13, h)):
+        _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg)
+        return h
     progs, dp, k_piece, split, part, cnt, _ = split_launch(cfg, -(-m // bm) * -(-f // half), k, a_q.device,
                                                            a_scale)
     # As many CTAs an SM as the plain GEMM gets (two at 128 x 128 tiles, 119 registers a thread at 8 warps): one
@@ -1028,36 +1069,63 @@ def _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg: di
     return h
 
 
+def _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg: dict) -> None:
+    """The persistent TMA form of the same tile (``_gemm_swiglu_persistent_kernel``): same bits."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m, k = a_q.shape
+    f = h.shape[1]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    half = bn // 2
+    tiles = -(-m // bm) * -(-f // half)
+    progs = min(tiles, _q._sm_count(a_q.device) if a_q.is_cuda else 4)
+    gemm.run_launch(cfg, _gemm_swiglu_persistent_kernel, (progs,),
+                    (TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, bk]),
+                     TensorDescriptor(w13, [2, f, k], [f * w13.stride(0), w13.stride(0), 1], [2, half, bk]),
+                     TensorDescriptor(h, [m, f], [h.stride(0), 1], [bm, half]),
+                     a_scale, w_scale, bias if bias is not None else a_scale, m, f, k,
+                     a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
+                    dict(NUM_PROGS=progs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+                         HAS_BIAS=bias is not None, DT=_DT_CODE[h.dtype],
+                         CLAMP_FP16=bool(clamp_fp16) and h.dtype == torch.float16, INTERPRET=INTERPRET),
+                    a_q.device)
+
+
 _SW_SPLIT: dict[tuple, dict] = {}   # (device, F, K, M, tile config) -> the config with its tail split, this process
 _SW_TILE: dict[tuple, dict] = {}    # (device, F, K, M bucket, the merged GEMM's config) -> the SwiGLU GEMM's config
 
 
 def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:
     """The tile config of the SwiGLU-epilogue GEMM: where the s8 wgmma n256 tiles may run (``kernel.s8wgmma``),
-    the merged w1+w3 GEMM's config or the other of {s8 128 x 256, the first Hopper tile}, whichever this kernel
-    timed faster (medians of interleaved rounds; kept in the autotune file under ``SW_..._tile``). Its epilogue
-    is heavier than the plain GEMM's, and a 128 x 256 tile runs one CTA an SM: the plain GEMM's pick need not
-    be its own. Elsewhere ``cfg``."""
+    whichever of the merged w1+w3 GEMM's config, the s8 128 x 256 tile, its persistent TMA form and the first
+    Hopper tile this kernel timed fastest (medians of interleaved rounds; kept in the autotune file under
+    ``SW_..._tilep``, or ``SW_..._tile`` without the persistent form). Its epilogue is heavier than the plain
+    GEMM's, and a 128 x 256 tile runs one CTA an SM: the plain GEMM's pick need not be its own. Elsewhere ``cfg``
+    (without the persistent form)."""
     from . import autotune, s8wgmma
+    persist = bool(config.get("INT8_FUSED_PERSISTENT"))
     if not s8wgmma.usable(a_q.device):
-        return cfg
+        return {k_: v for k_, v in cfg.items() if k_ != "PERSIST"}
     m, k = a_q.shape
     bucket = autotune.m_bucket(m)
-    memo = (a_q.device, h.shape[1], k, bucket, tuple(sorted(cfg.items())))
+    memo = (a_q.device, h.shape[1], k, bucket, tuple(sorted(cfg.items())), persist)
     hit = _SW_TILE.get(memo)
     if hit is None:
         cache = gemm._device_cache(a_q.device)
-        key = f"SW_{autotune.ConfigCache.key(w13.shape[0], k, bucket)}_tile"
+        key = f"SW_{autotune.ConfigCache.key(w13.shape[0], k, bucket)}_tile" + ("p" if persist else "")
         hit = cache.get(key)
         if hit is None:
-            other = autotune.hopper_configs()[0] if cfg.get("S8") else autotune.s8_configs()[0]
+            cands = [cfg]  # first: it wins ties, and its failure is raised
+            for c in (*autotune.s8_configs(persist), autotune.hopper_configs()[0]):
+                if {k_: v for k_, v in c.items() if k_ != "SPLIT"} not in [
+                        {k_: v for k_, v in d.items() if k_ != "SPLIT"} for d in cands]:
+                    cands.append(c)
 
             def time_fn(c):
                 return gemm.timed_ms(lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16,
                                                                  c))
             with not_recorded():
-                med = autotune.interleaved_medians({0: cfg, 1: other}, time_fn)
-            hit = other if med.get(1, float("inf")) < med[0] else cfg
+                med = autotune.interleaved_medians(dict(enumerate(cands)), time_fn)
+            hit = cands[min(med, key=lambda i: (med[i], i))]
             cache.put(key, hit, gemm.tuning_meta(a_q.device))
         hit = _SW_TILE[memo] = {k_: v for k_, v in hit.items() if k_ != "SPLIT"}
     return hit

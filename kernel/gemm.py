@@ -138,6 +138,62 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
 
 
 @triton.jit
+def _acc_tile_tma(a_desc, w_desc, off_m, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, W_HALVES: tl.constexpr):
+    """``_acc_tile`` through TMA descriptors: the exact int32 tile of A rows ``off_m``.. and W rows ``off_n``.. (rows
+    and K past the ends read as zero). ``W_HALVES``: ``w_desc`` describes W as [2, N / 2, K] and the tile's rows
+    are BLOCK_N / 2 rows of each half from ``off_n`` on (the SwiGLU GEMM's w1 and w3 rows), one load of both."""
+    FP8: tl.constexpr = a_desc.dtype == tl.float8e4nv
+    if FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for kk in range(tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, kk * BLOCK_K])
+        if W_HALVES:
+            w = tl.reshape(w_desc.load([0, off_n, kk * BLOCK_K]), (BLOCK_N, BLOCK_K))
+        else:
+            w = w_desc.load([off_n, kk * BLOCK_K])
+        if FP8:
+            acc = tl.dot(a, w.T, acc)
+        else:
+            acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+    if FP8:
+        acc = acc.to(tl.int32, bitcast=True)
+    return acc
+
+
+@triton.jit
+def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_ptr, M, N, K,
+                                 stride_as, stride_ws, stride_bias, NUM_PROGS: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    # The same GEMM as _int8_gemm_kernel (same sums, same epilogue arithmetic: same output bits) as a persistent
+    # kernel: NUM_PROGS programs loop over the tiles in grouped order, A / W tiles come through TMA descriptors
+    # (rows / K past the end read as zero) and the output tile leaves through a TMA store in two halves (clipped
+    # at M / N). The tile loop is flattened into the K loop, so the next tile's loads are in flight while this
+    # one's epilogue runs. Operands as fp8: the s8 rewrite (kernel.s8wgmma), as in _acc_tile.
+    HALF: tl.constexpr = BLOCK_N // 2
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = _acc_tile_tma(a_desc, w_desc, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+        offs_cm = off_m + tl.arange(0, BLOCK_M)
+        offs_wn = (off_n + tl.arange(0, BLOCK_N)) % N  # a column tail wraps; the store clips it
+        out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+                       HAS_BIAS)
+        if INTERPRET and c_desc.dtype == tl.bfloat16:  # round as compiled code does (see _store_out)
+            y = _to_bf16_rne_bits(out)
+        else:
+            y = out.to(c_desc.dtype)
+        y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        c_desc.store([off_m, off_n], y0)
+        c_desc.store([off_m, off_n + HALF], y1)
+
+
+@triton.jit
 def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
                    stride_as, stride_ws, stride_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr, INTERPRET: tl.constexpr):
@@ -404,9 +460,12 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     n = w_q.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = -(-m // bm) * -(-n // bn)  # integer ceil: triton.cdiv is a ConstexprFunction (~2 us a call)
-    progs, dp, k_piece, split, part, cnt, opts = split_launch(cfg, tiles, k, a_q.device, a_scale)
     out_int32 = out.dtype == torch.int32
     has_bias = bias is not None and not out_int32
+    if cfg.get("PERSIST") and persistent_ok(a_q, w_q, out):
+        _launch_persistent(a_q, a_scale, w_q, w_scale, bias if has_bias else None, out, cfg, tiles)
+        return out
+    progs, dp, k_piece, split, part, cnt, opts = split_launch(cfg, tiles, k, a_q.device, a_scale)
     run_launch(cfg, _int8_gemm_kernel, (progs,),
                (a_q, w_q, out, a_scale, w_scale, bias if has_bias else a_scale, part, cnt,
                 m, n, k, dp, k_piece,
@@ -417,6 +476,37 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
                     INTERPRET=_quantize.INTERPRET, **opts),
                a_q.device)
     return out
+
+
+def persistent_ok(a_q: torch.Tensor, w_q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the persistent kernel takes these operands (else the same tile runs as ``_int8_gemm_kernel``, same
+    bits): what TMA descriptors need (16-byte aligned bases and row strides, unit last strides) and a 2-byte
+    output (its tile's half staged for the TMA store)."""
+    return out.dtype in (torch.bfloat16, torch.float16) and all(tma_ok(t) for t in (a_q, w_q, out))
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can describe the 2-D tensor ``t``: unit column stride, 16-byte aligned base and
+    row stride."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: int) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    dev = a_q.device
+    progs = min(tiles, _sm_count(dev) if dev.type == "cuda" else 4)
+    run_launch(cfg, _int8_gemm_persistent_kernel, (progs,),
+               (TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, bk]),
+                TensorDescriptor(w_q, [n, k], [w_q.stride(0), 1], [bn, bk]),
+                TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn // 2]),
+                a_scale, w_scale, a_scale if bias is None else bias, m, n, k,
+                a_scale.stride(0), w_scale.stride(0), 0 if bias is None else bias.stride(0)),
+               dict(NUM_PROGS=progs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+                    HAS_BIAS=bias is not None, INTERPRET=_quantize.INTERPRET),
+               dev)
 
 
 def run_launch(cfg: dict, jit_fn, grid: tuple, args: tuple, constexprs: dict, device: torch.device) -> None:
@@ -464,7 +554,8 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     dev = a_q.device
     # exact-M memo first (the switch's raw value in the key: A/B rows in one process); the per-call path is a lookup
     s8 = s8wgmma.usable(dev)
-    exact = (dev, n, k, m, tail_split, _config.get("INT8_FUSED_TAIL_SPLIT"), s8)
+    persist = s8 and bool(_config.get("INT8_FUSED_PERSISTENT"))
+    exact = (dev, n, k, m, tail_split, _config.get("INT8_FUSED_TAIL_SPLIT"), s8, persist)
     cfg = _TUNED.get(exact)
     if cfg is not None:
         return cfg
@@ -473,7 +564,7 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     bucket = autotune.m_bucket(m)
     if dev.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the first config
         return autotune.interpreter_configs()[1 if m <= autotune.SMALL_M else 0]
-    memo_key = (dev, n, k, bucket, s8)
+    memo_key = (dev, n, k, bucket, s8, persist)
     cfg = _TUNED.get(memo_key)
     if cfg is None or tail_split:
         props = torch.cuda.get_device_properties(a_q.device)
@@ -489,9 +580,9 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
         with not_recorded():
             if cfg is None:
                 cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket,
-                                            s8=s8)
+                                            s8=s8, persist=persist)
                 cfg = _TUNED[memo_key] = autotune.pick_config(
-                    _device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8), cands, time_fn, meta)
+                    _device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, persist), cands, time_fn, meta)
             if tail_split:
                 cfg = choose_split(cfg, m, n, k, _slots(cfg, dev), _device_cache(dev), time_fn, meta)
     _TUNED[exact] = cfg
@@ -523,6 +614,8 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
     row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile configs' file) under a key prefixed with
     ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the SwiGLU-epilogue GEMM)."""
     from . import autotune
+    if cfg.get("PERSIST"):  # its programs share the tiles out evenly: no partial wave to split
+        return cfg
     tiles_m = -(-m // cfg["BLOCK_M"])
     tiles, kb = tiles_m * -(-n // cfg["BLOCK_N"]), -(-k // cfg["BLOCK_K"])
     layouts = {}

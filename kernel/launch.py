@@ -36,12 +36,33 @@ _USE_FAST = not config.get("INT8_FUSED_JIT_LAUNCH") and not config.get("TRITON_I
 
 
 def arg_key(v):
-    """What a compiled kernel depends on of a non-integer argument (a tensor: dtype and 16-byte alignment)."""
+    """What a compiled kernel depends on of a non-integer argument (a tensor: dtype and 16-byte alignment; a TMA
+    descriptor: its tensor's dtype, block shape and padding)."""
     if isinstance(v, torch.Tensor):
         return v.dtype, v.data_ptr() % 16 == 0
     if isinstance(v, int):
         return v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31)
+    if is_descriptor(v):
+        return "desc", v.base.dtype, tuple(v.block_shape), v.padding
     return v
+
+
+def is_descriptor(v) -> bool:
+    """A host TMA descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``)."""
+    return type(v).__name__ == "TensorDescriptor" and hasattr(v, "base") and hasattr(v, "block_shape")
+
+
+def base_of(v):
+    """The tensor a TMA descriptor describes; any other argument itself."""
+    return v.base if is_descriptor(v) else v
+
+
+def on_base(v, t: torch.Tensor):
+    """``v`` for the tensor ``t``: a TMA descriptor of ``v``'s shape, strides, block and padding over ``t`` (the
+    same layout), else ``t``."""
+    if not is_descriptor(v):
+        return t
+    return type(v)(t, v.shape, v.strides, v.block_shape, v.padding)
 
 
 def _hook_set(hook) -> bool:

@@ -154,8 +154,9 @@ def first_call(out: torch.Tensor, run_s8, run_ref) -> bool:
 
 def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
               device: torch.device, out_pos: int) -> None:
-    """``launch.launch(jit_fn, ...)`` of an INT8 GEMM kernel whose dot reads ``args``' int8 operands, run as s8 wgmma
-    (its fp8 build, rewritten) where ``usable``; ``args[out_pos]`` is the output the first call checks."""
+    """``launch.launch(jit_fn, ...)`` of an INT8 GEMM kernel whose dot reads ``args``' int8 operands (tensors or TMA
+    descriptors of them), run as s8 wgmma (its fp8 build, rewritten) where ``usable``; ``args[out_pos]`` is the
+    output the first call checks (or a TMA descriptor of it)."""
     import triton
     if not usable(device) or launch.launch_hooked(triton.knobs.runtime):
         launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
@@ -176,13 +177,15 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
         launch.run_compiled(compiled, tail, grid, args, device)
 
     if id(compiled) not in _CHECKED:
+        target = args[out_pos]  # the output, or a TMA descriptor of it
+
         def run_ref(scratch):
             ref_args = list(args)
-            ref_args[out_pos] = scratch
+            ref_args[out_pos] = launch.on_base(target, scratch)
             with launch.not_recorded():
                 launch.launch(jit_fn, grid, tuple(ref_args), constexprs, num_warps, num_stages, device)
         try:
-            same = first_call(args[out_pos], run_s8, run_ref)
+            same = first_call(launch.base_of(target), run_s8, run_ref)
             why = f"{jit_fn.__name__}'s s8 build differed from its int8 build on its first call"
         except Exception as e:  # noqa: BLE001 - loading or launching the rewritten binary failed
             same, why = False, f"{jit_fn.__name__}'s s8 build failed to run: {type(e).__name__}: {str(e)[:300]}"
@@ -197,9 +200,15 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
     launch.note(launch.Launch(jit_fn, grid, args, constexprs, num_warps, num_stages, compiled, tail))
 
 
+def _int8_operand(a) -> bool:
+    """An int8 tensor, or a TMA descriptor of one: the operands the fp8 build reads as fp8."""
+    b = launch.base_of(a)
+    return isinstance(b, torch.Tensor) and b.dtype == torch.int8
+
+
 def _build(jit_fn, grid, args, constexprs, num_warps, num_stages):
     """(rewritten kernel, constexpr tail) for these arguments, or None after turning the path off."""
-    fp8 = tuple(a.view(torch.float8_e4m3fn) if isinstance(a, torch.Tensor) and a.dtype == torch.int8 else a
+    fp8 = tuple(launch.on_base(a, launch.base_of(a).view(torch.float8_e4m3fn)) if _int8_operand(a) else a
                 for a in args)
     try:
         k8 = jit_fn.warmup(*fp8, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)

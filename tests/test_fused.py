@@ -302,6 +302,28 @@ def test_gemm_swiglu_tail_split_is_bit_exact(kf, monkeypatch, split):
         assert torch.equal(kf.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0), plain)
 
 
+@pytest.mark.parametrize("dtype,m,f,k,bias,clamp", [
+    (BF16, 150, 48, 96, True, False),   # 5 row tiles x 3 F tiles over 4 programs, an F tail (48 of 2 x 32)
+    (FP16, 37, 40, 80, False, True),    # K tail (TMA reads past K as zero), fp16 overflow clamped
+])
+def test_gemm_swiglu_persistent_kernel_gives_the_plain_kernels_bits(kf, dtype, m, f, k, bias, clamp):
+    """The persistent TMA form of the SwiGLU-epilogue GEMM (its W13 as [2, F, K]: one load of a tile's w1 and w3
+    rows, F tails read as zero) against the plain kernel of the same tile, bit for bit (NaN rows included), into a
+    poisoned strided output."""
+    from kernel import autotune, launch, s8wgmma
+    if DEV != "cpu":
+        pytest.skip("the interpreter's run of the kernel; on sm_90 bench/s8_check.py compares them")
+    g = torch.Generator().manual_seed(m + f)
+    a_q, a_s, w, ws, b = _int8_operands(m, f, k, dtype, g, bias, 2.0 if dtype == FP16 else 0.02)
+    cfg = autotune.interpreter_configs()[0]
+    plain = kf._launch_gemm_swiglu(a_q, a_s, w, ws, b, torch.empty((m, f), dtype=dtype), clamp, cfg)
+    h = torch.full((m + 2, f + 8), float("nan"), dtype=dtype)[:m, :f]
+    with launch.record() as rec:
+        kf._launch_gemm_swiglu(a_q, a_s, w, ws, b, h, clamp, {**cfg, "S8": True, "PERSIST": True})
+    assert [ln.jit_fn for ln in rec] == [kf._gemm_swiglu_persistent_kernel]
+    assert s8wgmma.same_bits(h.contiguous(), plain)
+
+
 def test_gemm_swiglu_edges(kf):
     import kernel
     g = torch.Generator().manual_seed(3)

@@ -77,14 +77,16 @@ def test_the_path_is_not_usable_off_sm90_and_says_why_when_turned_off(monkeypatc
 
 def test_candidates_hold_the_s8_tile_on_sm90_only_when_asked():
     big = 227 * 1024
-    s8 = [c for c in autotune.candidates((9, 0), big, 4096, s8=True) if c.get("S8")]
-    assert s8 == [{"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
-                   "S8": True}]
+    tile = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "S8": True}
+    assert [c for c in autotune.candidates((9, 0), big, 4096, s8=True) if c.get("S8")] == [tile]
+    assert [c for c in autotune.candidates((9, 0), big, 4096, s8=True, persist=True) if c.get("S8")] == [
+        tile, {**tile, "PERSIST": True}]
     assert not any(c.get("S8") for c in autotune.candidates((9, 0), big, 4096))
     assert not any(c.get("S8") for c in autotune.candidates((8, 9), big, 4096, s8=True))
     assert not any(c.get("S8") for c in autotune.candidates((9, 0), big, 16, s8=True))  # GEMV tiles only
     # tunings with and without them are kept apart (INT8_FUSED_S8_WGMMA=0 gets the winner of its own candidates)
     assert autotune.ConfigCache.key(4608, 4608, 4096, True) == "N4608_K4608_M4096_s8"
+    assert autotune.ConfigCache.key(4608, 4608, 4096, True, True) == "N4608_K4608_M4096_s8p"
     assert autotune.ConfigCache.key(4608, 4608, 4096) == "N4608_K4608_M4096"
 
 
@@ -108,6 +110,83 @@ def test_an_s8_config_runs_the_int8_build_where_the_path_cannot_run(bias, out_dt
         ref = acc.double() * a_s.double()[:, None] * w_s.double()[None, :] + b.double()[None, :]
         err = (out.double() - ref).abs() / (ref.abs() + 1e-30)
         assert err.max() <= 2.0 ** -8 + 1e-6
+
+
+def _persist_cfg():
+    return {**autotune.interpreter_configs()[0], "S8": True, "PERSIST": True}  # 32 x 32 x 32, 4 programs
+
+
+@pytest.mark.parametrize("m,n,k,bias,out_dtype", [
+    (150, 72, 96, True, torch.bfloat16),     # row / column tails, 15 tiles over 4 programs
+    (37, 48, 80, False, torch.float16),      # K tail (80 = 2.5 K steps): TMA reads past K as zero
+    (64, 64, 64, True, torch.float16),       # whole tiles
+])
+def test_the_persistent_kernel_gives_the_plain_kernels_bits(m, n, k, bias, out_dtype):
+    """The persistent TMA kernel (here Triton's int8 build on the interpreter; on sm_90 its s8 rewrite) against the
+    plain kernel of the same tile, bit for bit, and the int32 sums of both against torch._int_mm; the output starts
+    poisoned (NaN), so an unwritten or a spilled-over tile shows."""
+    from kernel import launch
+    torch.manual_seed(5)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a_s, w_s = torch.rand(m) * 1e-2, torch.rand(n) * 1e-2
+    b = torch.randn(n).to(out_dtype) if bias else None
+    cfg = _persist_cfg()
+    plain = gemm.launch_int8_gemm(a, a_s, w, w_s, b, torch.empty((m, n), dtype=out_dtype),
+                                  autotune.interpreter_configs()[0])
+    out = torch.full((m + 3, n + 8), float("nan"), dtype=out_dtype)[:m, :n]  # a strided output: rows 16-byte aligned
+    with launch.record() as rec:
+        gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, cfg)
+    assert [ln.jit_fn for ln in rec] == [gemm._int8_gemm_persistent_kernel]
+    assert s8wgmma.same_bits(out.contiguous(), plain)
+    acc = int8_matmul_ref(a, w)
+    assert torch.equal(acc, torch._int_mm(a, w.t()).to(acc.dtype))
+    i32 = torch.empty((m, n), dtype=torch.int32)
+    assert torch.equal(gemm.launch_int8_gemm(a, a_s, w, w_s, None, i32, cfg), acc.to(torch.int32))  # plain kernel
+
+
+@pytest.mark.parametrize("case", ["K not 16-aligned", "fp32 out", "int32 out", "A column stride"])
+def test_the_persistent_config_runs_the_plain_kernel_where_tma_cannot(case):
+    """Operands a TMA descriptor cannot describe (a row stride not a multiple of 16 bytes, a strided K) or an output
+    that is not 2-byte: the same tile runs as the plain kernel; same bits as the plain config."""
+    from kernel import launch
+    m, n, k = 40, 48, 100 if case == "K not 16-aligned" else 64
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    if case == "A column stride":
+        a = torch.randint(-127, 128, (m, 2 * k), dtype=torch.int8)[:, ::2]
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    dt = {"fp32 out": torch.float32, "int32 out": torch.int32}.get(case, torch.bfloat16)
+    a_s, w_s = torch.rand(m), torch.rand(n)
+    assert not gemm.persistent_ok(a, w, torch.empty((m, n), dtype=dt))
+    with launch.record() as rec:
+        out = gemm.launch_int8_gemm(a, a_s, w, w_s, None, torch.empty((m, n), dtype=dt), _persist_cfg())
+    assert [ln.jit_fn for ln in rec] == [gemm._int8_gemm_kernel]
+    ref = gemm.launch_int8_gemm(a, a_s, w, w_s, None, torch.empty((m, n), dtype=dt), autotune.interpreter_configs()[0])
+    assert s8wgmma.same_bits(out, ref)
+
+
+def test_a_plan_of_the_persistent_kernel_makes_its_descriptors_over_the_new_tensors(monkeypatch):
+    """A plan records the persistent launch with TMA descriptors of the call's tensors; a later call with other
+    activations must read and write those (a descriptor kept from the recorded call would read stale rows)."""
+    monkeypatch.setattr(gemm, "select_config", lambda *a, **kw: _persist_cfg())
+    m, n, k = 70, 48, 64
+    w, w_s = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+    a1, s1 = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.rand(m)
+    y1, p = kernel.int8_gemm_planned(a1, s1, w, w_s, None, torch.bfloat16)
+    assert p is not None and any(st[0] is gemm._int8_gemm_persistent_kernel for st in p._steps)
+    a2, s2 = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.rand(m)
+    y2 = p(a2, s2, w, w_s, None)
+    ref = gemm.launch_int8_gemm(a2, s2, w, w_s, None, torch.empty((m, n), dtype=torch.bfloat16),
+                                autotune.interpreter_configs()[0])
+    assert y2 is not y1 and s8wgmma.same_bits(y2, ref) and not s8wgmma.same_bits(y1, y2)
+
+
+def test_choose_split_leaves_a_persistent_config_whole(tmp_path):
+    calls = []
+    cfg = {**autotune.s8_configs()[1]}
+    got = gemm.choose_split(cfg, 4608, 12288, 4608, 132, autotune.ConfigCache(tmp_path / "c.json"),
+                            lambda c: calls.append(c) or 1.0)
+    assert got == cfg and calls == []
 
 
 def test_interleaved_medians_takes_medians_and_drops_a_variant_that_fails():
@@ -137,7 +216,9 @@ import kernel.gemm as g
 from kernel import s8wgmma
 
 TYPES = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16", "h_ptr": "*bf16", "as_ptr": "*fp32",
-         "ws_ptr": "*fp32", "bias_ptr": "*fp32", "part_ptr": "*i32", "cnt_ptr": "*i32"}
+         "ws_ptr": "*fp32", "bias_ptr": "*fp32", "part_ptr": "*i32", "cnt_ptr": "*i32",
+         "a_desc": "tensordesc<fp8e4nv[128, 128]>", "w_desc": "tensordesc<fp8e4nv[256, 128]>",
+         "c_desc": "tensordesc<bf16[128, 128]>"}
 # what a launch on Ideogram 4's block shapes specializes on: unit K / column strides are the constant 1 (Triton
 # specializes integers equal to 1), pointers and the other integers divisible by 16
 UNIT = {"stride_ak": 1, "stride_wk": 1, "stride_cn": 1, "stride_hn": 1, "stride_as": 1, "stride_ws": 1,
@@ -151,13 +232,19 @@ CASES = [
     ("gemm split 2", g._int8_gemm_kernel, {"HAS_BIAS": True, "OUT_INT32": False, "EVEN_K": True, "SPLIT": 2}, {}),
     ("swiglu", kf._gemm_swiglu_kernel, {"HAS_BIAS": False, "EVEN_K": True, "SPLIT": 1, "DT": 1, "CLAMP_FP16": False},
      {}),
+    ("persistent bias bf16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": True, "NUM_PROGS": 132}, {}),
+    ("persistent fp16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": False, "NUM_PROGS": 132},
+     {"c_desc": "tensordesc<fp16[128, 128]>"}),
+    ("swiglu persistent", kf._gemm_swiglu_persistent_kernel,
+     {"HAS_BIAS": False, "NUM_PROGS": 132, "DT": 1, "CLAMP_FP16": False},
+     {"w_desc": "tensordesc<fp8e4nv[2, 128, 128]>", "h_desc": "tensordesc<bf16[128, 128]>"}),
 ]
 cuobjdump = os.path.join(os.path.dirname(s8wgmma.ptxas_path()), "cuobjdump")
 for name, fn, consts, types in CASES:
     params = list(inspect.signature(fn.fn).parameters)
     consts = {p: v for p, v in {**UNIT, **TILE, **consts}.items() if p in params}
     sig = {p: "constexpr" if p in consts else {**TYPES, **types}.get(p, "i32") for p in params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts and "desc" not in p}
     k8 = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
     before = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+\.\w+\.\w+\.\w+)", k8.asm["ptx"])))
@@ -177,7 +264,8 @@ for name, fn, consts, types in CASES:
 
 
 def test_pack_gemm_kernels_build_for_sm90_as_s8_wgmma_n256(tmp_path):
-    """The plain GEMM (bias, int32 out, K tail, tail split) and the SwiGLU-epilogue GEMM at 128 x 256 tiles, built
+    """The plain GEMM (bias, int32 out, K tail, tail split), the SwiGLU-epilogue GEMM and the persistent TMA forms
+    of both (bf16 with a bias, fp16; SwiGLU) at 128 x 256 tiles, built
     for sm_90 with fp8 operand types as ``kernel.s8wgmma`` builds them: Triton issues their dots as fp8 n256 wgmma,
     the rewrite leaves only s8 n256 ones, ptxas assembles them, and (where cuobjdump ships) nothing spills. In a
     subprocess without TRITON_INTERPRET."""
@@ -188,5 +276,5 @@ def test_pack_gemm_kernels_build_for_sm90_as_s8_wgmma_n256(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 5 and all(" OK " in ln for ln in lines), out[-3000:]
+    assert len(lines) == 8 and all(" OK " in ln for ln in lines), out[-3000:]
 
