@@ -84,10 +84,11 @@
 #   persist   bench/gemm_persist.py: the s8 n256 GEMM as a persistent kernel (flattened / warp-specialised)
 #   ps8       bench/s8_check.py with the persistent s8 GEMMs (plain and SwiGLU) beside the non-persistent tile
 #   pideo     issue 14's anchors with the persistent s8 GEMMs on and off
+#   pab       the persistent GEMMs A/B'd (prepared calls keyed by the switch), a pack row after comfy-kitchen's
 #   shapesall bench/shapes.py over all 55 shapes (budget 330 s: a fresh process tunes every shape first)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -403,6 +404,10 @@ PY
     timeout 560 $sampler --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0,fp8_fast~cudnn,\
 fp8_fast~kitchen,pack:fused_triton" \
       --out "$OUT/sampler-pideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  pab)  # the persistent GEMMs A/B'd with every prepared call keyed by the switch, then a pack row after a
+        # comfy-kitchen row (run cb: that one ran host-bound)
+    timeout 560 $sampler --paths "pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton,fp8_fast~kitchen,\
+pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;;
   shapesall)  # every linear shape with the dispatch's host-free GPU times (run bs reached 12 of 55 in 80 s)
     timeout 400 python3 bench/shapes.py --budget-s 330 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;

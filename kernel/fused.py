@@ -145,11 +145,13 @@ GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warp
 
 def tunables() -> tuple:
     """The module data the wrappers read at each call to choose kernels and tiles (the sweep and tests change
-    them) and the tail-split switch: part of a prepared call's key (``kernel.plan.call``), so a change is never served a
-    stale plan."""
+    them) and the switches that choose the GEMMs' tiles (tail split, s8 path, persistent kernels): part of a
+    prepared call's key (``kernel.plan.call``), so a change is never served a stale plan. (H200, run cb: without
+    the last two, an ``INT8_FUSED_PERSISTENT=0`` row re-issued the persistent SwiGLU GEMM planned by an earlier row.)"""
     return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, QK_PREFETCH,
             MAX_SINGLE, LN_PLAN, LN_ONE_PASS, RESIDUAL_LN_ONE_PASS, GELU_PLAN, GELU_FAST, GELU_ONE_PASS,
-            _q.QUANT_ONE_PASS, _q.QUANT_ROW_LOOP, _plan, launch, config.get("INT8_FUSED_TAIL_SPLIT"))
+            _q.QUANT_ONE_PASS, _q.QUANT_ROW_LOOP, _plan, launch, config.get("INT8_FUSED_TAIL_SPLIT"),
+            config.get("INT8_FUSED_S8_WGMMA"), config.get("INT8_FUSED_PERSISTENT"))
 
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -431,3 +431,15 @@ def test_a_changed_quantizer_plan_is_not_served_a_stale_plan(monkeypatch):
     assert seen == ["_quant_rows_seg_kernel", "_quant_rows_loop_kernel", "_quant_rows_kernel"]
     rq, rs = quantize_per_token_ref(x, None)
     assert torch.equal(q, rq) and torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("switch", ["INT8_FUSED_S8_WGMMA", "INT8_FUSED_PERSISTENT", "INT8_FUSED_TAIL_SPLIT"])
+def test_the_gemm_tile_switches_key_the_prepared_calls(switch):
+    """The switches that choose the GEMMs' tiles are part of the prepared calls' key salt (kernel.fused.tunables()):
+    an A/B row with one of them changed must not re-issue launches planned under the other value (on the H200, run
+    cb, an ``INT8_FUSED_PERSISTENT=0`` row re-issued the persistent SwiGLU GEMM an earlier row had planned)."""
+    kf = _kf()
+    base = kf.tunables()
+    with config.override(**{switch: "0" if switch == "INT8_FUSED_TAIL_SPLIT" else False}):
+        assert kf.tunables() != base
+    assert kf.tunables() == base
