@@ -162,6 +162,15 @@ def fp8_cublas_us(m: int, n: int, k: int, bench) -> float:
     return bench(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
 
 
+def finish_row(row: dict, m: int, n: int, k: int, bench) -> dict:
+    """``row`` with cuBLAS FP8's time beside its ``us`` (µs a variant, or the error a variant raised) and ``tops``
+    (TOP/s of each timed one)."""
+    row["us"]["fp8_cublas"] = fp8_cublas_us(m, n, k, bench)
+    ops = 2.0 * m * n * k
+    row["tops"] = {p: round(ops / u / 1e6, 1) for p, u in row["us"].items() if isinstance(u, float)}
+    return row
+
+
 def gemm_row(label: str, m: int, n: int, k: int, math: float) -> dict:
     a, w, a_s, w_s, out = int8_operands(m, n, k)
     cfg = gemm.select_config(a, a_s, w, w_s, None, out)

@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from bench import provenance  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench.gemm_floor import SHAPES, fp8_cublas_us, int8_operands  # noqa: E402  (Ideogram 4 / Flux.1 / Z-Image)
+from bench.gemm_floor import SHAPES, finish_row, int8_operands  # noqa: E402  (Ideogram 4 / Flux.1 / Z-Image)
 from kernel import s8wgmma  # noqa: E402
 
 VARIANTS = [  # (name, BLOCK_K, stages)
@@ -158,10 +158,7 @@ def run_shape(label, m, n, k):
             row["us"][name] = bench(lambda: f(a_, w_, out, a_s, w_s, m, n, k, **args))
         except Exception as e:  # noqa: BLE001
             row["us"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-    row["us"]["fp8_cublas"] = fp8_cublas_us(m, n, k, bench)
-    ops = 2.0 * m * n * k
-    row["tops"] = {p: round(ops / u / 1e6, 1) for p, u in row["us"].items() if isinstance(u, float)}
-    return row
+    return finish_row(row, m, n, k, bench)
 
 
 def main() -> int:

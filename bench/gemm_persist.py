@@ -36,7 +36,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench import provenance  # noqa: E402
-from bench.gemm_floor import SHAPES, fp8_cublas_us, int8_operands  # noqa: E402
+from bench.gemm_floor import SHAPES, finish_row, int8_operands  # noqa: E402
 from kernel import s8wgmma  # noqa: E402
 
 BM, BN = 128, 256
@@ -145,10 +145,7 @@ def run_shape(label, m, n, k, sms, only_variants=None):
             row["build"][name] = {"wgmma": nrew, "from": shapes, "regs": kb.n_regs, "spills": kb.n_spills}
         except Exception as e:  # noqa: BLE001 - reported: what Triton builds here is the question
             row["us"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-    row["us"]["fp8_cublas"] = fp8_cublas_us(m, n, k, bench)
-    ops = 2.0 * m * n * k
-    row["tops"] = {p: round(ops / u / 1e6, 1) for p, u in row["us"].items() if isinstance(u, float)}
-    return row
+    return finish_row(row, m, n, k, bench)
 
 
 def main() -> int:
