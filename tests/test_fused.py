@@ -303,8 +303,8 @@ def test_gemm_swiglu_tail_split_is_bit_exact(kf, monkeypatch, split):
 
 
 @pytest.mark.parametrize("dtype,m,f,k,bias,clamp", [
-    (BF16, 150, 48, 96, True, False),   # 5 row tiles x 3 F tiles over 4 programs, an F tail (48 of 2 x 32)
-    (FP16, 37, 40, 80, False, True),    # K tail (TMA reads past K as zero), fp16 overflow clamped
+    (BF16, 150, 48, 96, True, False),   # 5 row tiles x 3 F tiles (HALF 16) over 4 programs, a bias
+    (FP16, 37, 40, 80, False, True),    # F tail (40 = 2.5 x 16) and K tail: TMA reads zero there; fp16 clamped
 ])
 def test_gemm_swiglu_persistent_kernel_gives_the_plain_kernels_bits(kf, dtype, m, f, k, bias, clamp):
     """The persistent TMA form of the SwiGLU-epilogue GEMM (its W13 as [2, F, K]: one load of a tile's w1 and w3
