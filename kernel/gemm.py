@@ -8,6 +8,9 @@ an [K, N] weight runs ~4x slower, so W is never transposed). Any strides are tak
 fast path is unit K-stride, which Triton specialises on. Any M, N, K: M/N tails wrap on load (``% M``) and are
 masked on store, K tails are masked (``EVEN_K`` drops that mask when BLOCK_K divides K).
 
+``_int8_gemm_persistent_kernel`` (sm_90, the s8 tile of ``kernel.s8wgmma``): the same GEMM, same output bits, as a
+persistent kernel with TMA loads and stores, an autotune candidate where its operands suit TMA (``persistent_ok``).
+
 ``_w8a8_small_m_kernel``: the whole W8A8 linear for M <= 16 rows in one launch (per-row absmax over K, quantize
 on the fly with the quantizer's exact arithmetic, GEMM, epilogue): bit-identical to quantize + GEMM, one launch and
 two allocations fewer on the adaLN / time-embedding GEMVs, which are host-bound.

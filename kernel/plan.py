@@ -9,7 +9,8 @@ for a bf16 ``F.linear``. A small linear's speed is its host time.
 A :class:`Plan` is built from the launches ``kernel.launch.record`` saw during one checked call (``build``). Each
 tensor argument of those launches must be one of the call's operands or one of the tensors the call allocated;
 everything else (integers: shapes, strides; constexprs; grids; the compiled kernels; a buffer its launcher keeps
-across calls, ``launch.keep``) is kept. A later call passes
+across calls, ``launch.keep``) is kept. A TMA descriptor argument over such a tensor is made again, with the same
+shape, strides and block, over the later call's tensor. A later call passes
 its operands; the plan compares each operand's signature — dtype, shape, strides, device and 16-byte alignment,
 everything the recorded integers and the compiled kernels depend on — with the recorded one, allocates the
 temporaries and re-issues the launches with the new tensors. Any difference returns None, and the caller runs the

@@ -11,7 +11,7 @@ How: the kernel is built for the operands' bytes viewed as fp8 (e4m3): Triton th
 PTX's wgmma instructions are rewritten to ``.s32.s8.s8`` (integer wgmma has no operand-scale immediates), ptxas
 (Triton's own) assembles them, and the accumulator registers hold int32 sums, which the kernel's fp8 branch reads
 back with a bitcast (``kernel.gemm._acc_tile``). The launcher only passes pointers, so the int8 tensors are passed
-as they are.
+as they are (and TMA descriptors of them: the persistent kernels' operands, built for fp8 descriptors).
 
 Safety: each rewritten binary is checked on its first call: its output against the int8 build's of the same tile
 config on the same operands, bit for bit. A failed build or check turns the path off for this process (logged,
