@@ -73,7 +73,7 @@ class Plan:
             jit_fn, grid, template, subs, compiled, tail, constexprs, warps, stages = st
             args = list(template)
             for pos, slot, desc in subs:
-                args[pos] = vals[slot] if desc is None else desc_type(vals[slot], *desc)
+                args[pos] = vals[slot] if desc is None else launch.descriptor_over(desc_type, vals[slot], *desc)
             if compiled is not None:
                 if hooked is None:
                     import triton
