@@ -320,7 +320,7 @@ def _swiglu_w_rows(pid_n, F, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _gemm_swiglu_persistent_kernel(a_desc, w_desc, h_desc, as_ptr, ws_ptr, bias_ptr, M, F, K,
-                                   stride_as, stride_ws, stride_bias, NUM_PROGS: tl.constexpr,
+                                   stride_as, stride_ws, stride_bias, NUM_PROGS,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
                                    CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
@@ -1085,8 +1085,8 @@ def _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp
                      TensorDescriptor(w13, [2, f, k], [f * w13.stride(0), w13.stride(0), 1], [2, half, bk]),
                      TensorDescriptor(h, [m, f], [h.stride(0), 1], [bm, half]),
                      a_scale, w_scale, bias if bias is not None else a_scale, m, f, k,
-                     a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
-                    dict(NUM_PROGS=progs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+                     a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0, progs),
+                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
                          HAS_BIAS=bias is not None, DT=_DT_CODE[h.dtype],
                          CLAMP_FP16=bool(clamp_fp16) and h.dtype == torch.float16, INTERPRET=INTERPRET),
                     a_q.device)

@@ -168,14 +168,15 @@ def _acc_tile_tma(a_desc, w_desc, off_m, off_n, K, BLOCK_M: tl.constexpr, BLOCK_
 
 @triton.jit
 def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_ptr, M, N, K,
-                                 stride_as, stride_ws, stride_bias, NUM_PROGS: tl.constexpr,
+                                 stride_as, stride_ws, stride_bias, NUM_PROGS,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
     # The same GEMM as _int8_gemm_kernel (same sums, same epilogue arithmetic: same output bits) as a persistent
-    # kernel: NUM_PROGS programs loop over the tiles in grouped order, A / W tiles come through TMA descriptors
-    # (rows / K past the end read as zero) and the output tile leaves through a TMA store in two halves (clipped
-    # at M / N). The tile loop is flattened into the K loop, so the next tile's loads are in flight while this
-    # one's epilogue runs. Operands as fp8: the s8 rewrite (kernel.s8wgmma), as in _acc_tile.
+    # kernel: NUM_PROGS programs (a runtime value: one binary for any grid) loop over the tiles in grouped order,
+    # A / W tiles come through TMA descriptors (rows / K past the end read as zero) and the output tile leaves
+    # through a TMA store in two halves (clipped at M / N). The tile loop is flattened into the K loop, so the next
+    # tile's loads are in flight while this one's epilogue runs. Operands as fp8: the s8 rewrite (kernel.s8wgmma),
+    # as in _acc_tile.
     HALF: tl.constexpr = BLOCK_N // 2
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, NUM_PROGS, flatten=True):
@@ -506,8 +507,8 @@ def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: 
                 TensorDescriptor(w_q, [n, k], [w_q.stride(0), 1], [bn, bk]),
                 TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn // 2]),
                 a_scale, w_scale, a_scale if bias is None else bias, m, n, k,
-                a_scale.stride(0), w_scale.stride(0), 0 if bias is None else bias.stride(0)),
-               dict(NUM_PROGS=progs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+                a_scale.stride(0), w_scale.stride(0), 0 if bias is None else bias.stride(0), progs),
+               dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
                     HAS_BIAS=bias is not None, INTERPRET=_quantize.INTERPRET),
                dev)
 
