@@ -162,3 +162,19 @@ def test_interpreter_and_cpu_take_tritons_path(monkeypatch):
     for _ in range(2):
         kl.launch(jit, (3,), (x, 100), dict(BLOCK=64, SINGLE=True), 4, 1, torch.device("cpu"))
     assert len(jit.slow) == 2 and jit.compiled.runs == [] and kl._COMPILED == {}
+
+
+def test_tma_descriptors_are_keyed_and_remade_over_another_tensor():
+    """A TMA descriptor argument is keyed by its tensor's dtype, block and padding (what Triton specializes on), not
+    by its tensor; ``on_base`` makes the same descriptor over another tensor of that layout, equal to the checked
+    constructor's (a prepared call's replay), and leaves other arguments to the new tensor itself."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    a, b = torch.zeros(64, 48, dtype=torch.int8), torch.ones(64, 48, dtype=torch.int8)
+    da = TensorDescriptor(a, [64, 48], [48, 1], [32, 16])
+    assert kl.is_descriptor(da) and not kl.is_descriptor(a) and kl.base_of(da) is a and kl.base_of(a) is a
+    db = kl.on_base(da, b)
+    assert db == TensorDescriptor(b, [64, 48], [48, 1], [32, 16]) and db.base is b and da.base is a
+    assert kl.arg_key(da) == kl.arg_key(db) == ("desc", torch.int8, (32, 16), "zero")
+    assert kl.arg_key(TensorDescriptor(a, [64, 48], [48, 1], [32, 32])) != kl.arg_key(da)   # another block
+    assert kl.arg_key(kl.on_base(da, b.view(torch.float8_e4m3fn))) != kl.arg_key(da)        # another dtype
+    assert kl.on_base(a, b) is b
