@@ -1044,8 +1044,7 @@ def _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg: di
     f = h.shape[1]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     half = bn // 2
-    if cfg.get("PERSIST") and h.dtype in (torch.bfloat16, torch.float16) and all(
-            gemm.tma_ok(t) for t in (a_q, w13, h)):
+    if cfg.get("PERSIST") and gemm.persistent_ok(a_q, w13, h):
         _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg)
         return h
     progs, dp, k_piece, split, part, cnt, _ = split_launch(cfg, -(-m // bm) * -(-f // half), k, a_q.device,
@@ -1078,8 +1077,7 @@ def _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp
     f = h.shape[1]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     half = bn // 2
-    tiles = -(-m // bm) * -(-f // half)
-    progs = min(tiles, _q._sm_count(a_q.device) if a_q.is_cuda else 4)
+    progs = gemm.persistent_programs(-(-m // bm) * -(-f // half), a_q.device)
     gemm.run_launch(cfg, _gemm_swiglu_persistent_kernel, (progs,),
                     (TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, bk]),
                      TensorDescriptor(w13, [2, f, k], [f * w13.stride(0), w13.stride(0), 1], [2, half, bk]),
@@ -1101,12 +1099,12 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
     whichever of the merged w1+w3 GEMM's config, the s8 128 x 256 tile, its persistent TMA form and the first
     Hopper tile this kernel timed fastest (medians of interleaved rounds; kept in the autotune file under
     ``SW_..._tilep``, or ``SW_..._tile`` without the persistent form). Its epilogue is heavier than the plain
-    GEMM's, and a 128 x 256 tile runs one CTA an SM: the plain GEMM's pick need not be its own. Elsewhere ``cfg``
-    (without the persistent form)."""
+    GEMM's, and a 128 x 256 tile runs one CTA an SM: the plain GEMM's pick need not be its own. Elsewhere
+    ``cfg``."""
     from . import autotune, s8wgmma
     persist = bool(config.get("INT8_FUSED_PERSISTENT"))
     if not s8wgmma.usable(a_q.device):
-        return {k_: v for k_, v in cfg.items() if k_ != "PERSIST"}
+        return cfg
     m, k = a_q.shape
     bucket = autotune.m_bucket(m)
     memo = (a_q.device, h.shape[1], k, bucket, tuple(sorted(cfg.items())), persist)
@@ -1116,11 +1114,8 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
         key = f"SW_{autotune.ConfigCache.key(w13.shape[0], k, bucket)}_tile" + ("p" if persist else "")
         hit = cache.get(key)
         if hit is None:
-            cands = [cfg]  # first: it wins ties, and its failure is raised
-            for c in (*autotune.s8_configs(persist), autotune.hopper_configs()[0]):
-                if {k_: v for k_, v in c.items() if k_ != "SPLIT"} not in [
-                        {k_: v for k_, v in d.items() if k_ != "SPLIT"} for d in cands]:
-                    cands.append(c)
+            # the merged GEMM's config first: it wins ties, and its failure is raised
+            cands = [cfg, *(c for c in (*autotune.s8_configs(persist), autotune.hopper_configs()[0]) if c != cfg)]
 
             def time_fn(c):
                 return gemm.timed_ms(lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16,

@@ -495,13 +495,18 @@ def tma_ok(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
+def persistent_programs(tiles: int, device: torch.device) -> int:
+    """The persistent kernels' grid: a program an SM (4 on the interpreter), no more than there are tiles."""
+    return min(tiles, _sm_count(device) if device.type == "cuda" else 4)
+
+
 def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: int) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
     m, k = a_q.shape
     n = w_q.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     dev = a_q.device
-    progs = min(tiles, _sm_count(dev) if dev.type == "cuda" else 4)
+    progs = persistent_programs(tiles, dev)
     run_launch(cfg, _int8_gemm_persistent_kernel, (progs,),
                (TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, bk]),
                 TensorDescriptor(w_q, [n, k], [w_q.stride(0), 1], [bn, bk]),

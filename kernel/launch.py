@@ -62,10 +62,10 @@ def on_base(v, t: torch.Tensor):
     ``t``. ``t`` must have ``v``'s base's layout (dtype size, 16-byte alignment), as a prepared call's operands do."""
     if not is_descriptor(v):
         return t
-    return descriptor_over(type(v), t, v.shape, v.strides, v.block_shape, v.padding)
+    return descriptor_over(t, type(v), v.shape, v.strides, v.block_shape, v.padding)
 
 
-def descriptor_over(desc_type, t: torch.Tensor, shape, strides, block_shape, padding):
+def descriptor_over(t: torch.Tensor, desc_type, shape, strides, block_shape, padding):
     """A TMA descriptor over ``t`` with a layout already checked once (the recorded call's): made without the
     class's checks, a third of its construction time on the host path of every call."""
     d = object.__new__(desc_type)

@@ -42,12 +42,11 @@ def signature(t: torch.Tensor | None):
 class Plan:
     """Launches recorded from one checked call; ``plan(*operands)`` -> the result, or None when an operand's
     signature differs from the recorded call's (then run the checked path)."""
-    __slots__ = ("_sigs", "_temps", "_steps", "_result", "_device", "_index", "_desc_type")
+    __slots__ = ("_sigs", "_temps", "_steps", "_result", "_device", "_index")
 
-    def __init__(self, sigs, temps, steps, result, device, desc_type=None):
+    def __init__(self, sigs, temps, steps, result, device):
         self._sigs, self._temps, self._steps, self._result = sigs, temps, steps, result
         self._device, self._index = device, device.index if device.type == "cuda" else None
-        self._desc_type = desc_type  # the TMA descriptor class the recorded launches took, if any
 
     def __call__(self, *operands):
         sigs = self._sigs
@@ -68,12 +67,11 @@ class Plan:
         for shape, dtype in self._temps:
             vals.append(torch.empty(shape, dtype=dtype, device=dev))
         hooked = None
-        desc_type = self._desc_type
         for st in self._steps:
             jit_fn, grid, template, subs, compiled, tail, constexprs, warps, stages = st
             args = list(template)
             for pos, slot, desc in subs:
-                args[pos] = vals[slot] if desc is None else launch.descriptor_over(desc_type, vals[slot], *desc)
+                args[pos] = vals[slot] if desc is None else launch.descriptor_over(vals[slot], *desc)
             if compiled is not None:
                 if hooked is None:
                     import triton
@@ -139,13 +137,13 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
         result_slot = _slot(slots, result)
         if result_slot is None:
             return None
-    steps, desc_type = [], None
+    steps = []
     for ln in launches:
         subs, template = [], list(ln.args)
         for pos, a in enumerate(ln.args):
             desc = None
             if launch.is_descriptor(a):  # a TMA descriptor: made again over the new tensor, same layout
-                desc_type, desc = type(a), (a.shape, a.strides, a.block_shape, a.padding)
+                desc = (type(a), a.shape, a.strides, a.block_shape, a.padding)
                 a = a.base
             if isinstance(a, torch.Tensor):
                 slot = _slot(slots, a)
@@ -159,7 +157,7 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
                 template[pos] = None  # the plan holds no other tensor of the recorded call
         steps.append((ln.jit_fn, tuple(ln.grid), tuple(template), tuple(subs), ln.compiled, ln.tail,
                       ln.constexprs, ln.num_warps, ln.num_stages))
-    return Plan(tuple(sigs), tuple(alloc), tuple(steps), result_slot, device, desc_type)
+    return Plan(tuple(sigs), tuple(alloc), tuple(steps), result_slot, device)
 
 
 def _view_of(ops: list, t: torch.Tensor) -> int | None:
