@@ -86,9 +86,13 @@
 #   pideo     issue 14's anchors with the persistent s8 GEMMs on and off
 #   pab       the persistent GEMMs A/B'd (prepared calls keyed by the switch), a pack row after comfy-kitchen's
 #   shapesall bench/shapes.py over all 55 shapes (budget 330 s: a fresh process tunes every shape first)
+#   cdgemm    HEAD's persistent GEMMs on the GPU: bench/s8_check.py, then every linear shape (bench/shapes.py, host-bound
+#             rows also as streams of calls)
+#   cdmodels  Flux / Z-Image / Wan 1.3B: bf16, pack, pack with INT8_FUSED_PERSISTENT=0, pack, fp8_fast
+#   cdideo    issue 14's anchors at HEAD: Ideogram 4 dual, bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cdideo ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -410,6 +414,18 @@ fp8_fast~kitchen,pack:fused_triton" \
 pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;;
   shapesall)  # every linear shape with the dispatch's host-free GPU times (run bs reached 12 of 55 in 80 s)
     timeout 400 python3 bench/shapes.py --budget-s 330 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
+  cdgemm)  # HEAD's persistent GEMMs (runtime program count, descriptors remade without checks) exact on the GPU, then
+           # every linear shape with them (host-bound rows also as streams of calls)
+    timeout 220 python3 bench/s8_check.py --out "$OUT/h200-s8-check.json" 2>&1 | tee "$OUT/s8-check.log"
+    cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/" 2>/dev/null
+    timeout 300 python3 bench/shapes.py --budget-s 250 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
+  cdmodels)  # the persistent GEMMs on the host-bound models: Flux / Z-Image / Wan 1.3B, the switch A/B'd between pack rows
+    timeout 400 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton,fp8_fast" \
+      --out "$OUT/h200-e2e-models-cdmodels.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  cdideo)  # issue 14's anchors at HEAD, one process
+    timeout 560 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
+      --out "$OUT/sampler-cdideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

@@ -21,8 +21,9 @@ Timing (quant.dispatch.time_call, the metric the dispatch itself decides on): pe
 with L2 flushed before it (weights come from HBM, as in a model where every layer has its own) and the GPU held
 busy while the host issues it (since run bs: the GPU time no longer includes waiting for the host), and the host
 time to issue it; the call's cost is max(GPU, host) ("eff"). Medians over 3 rounds x 7 calls, paths interleaved.
-ratio = bf16 eff / path eff (> 1: faster than bf16). Must finish in < 3 min on an H200: shapes are run in the
-order below until ``--budget-s`` is spent (the rest are listed as skipped). The first pass of a process includes
+ratio = bf16 eff / path eff (> 1: faster than bf16). Rows where a path is host-bound are also timed as
+streams of back-to-back calls (``stream_us``: bf16, bf16_module, dispatched) and the summary compares those.
+Must finish in < 3 min on an H200: shapes are run in the order below until ``--budget-s`` is spent (the rest are listed as skipped). The first pass of a process includes
 Triton compiles and the GEMM autotune (cached in INT8_FUSED_CACHE_DIR for the next run).
 """
 from __future__ import annotations
@@ -49,6 +50,8 @@ from quant.linear import Int8Linear  # noqa: E402
 
 E4M3_MAX = 448.0
 ROUNDS, REPS = 3, 7
+STREAM_PATHS = ("bf16", "bf16_module", "dispatched")  # timed as streams of calls where a path is host-bound
+STREAM_CALLS, STREAM_ROUNDS = 200, 5
 
 # (model, layer, M, N, K, bias). N = out_features, K = in_features (nn.Linear weight [N, K]).
 SHAPES = [
@@ -176,6 +179,28 @@ def check_small_m(log) -> int:
     return failures
 
 
+def stream_us(f, calls: int) -> float:
+    """Wall time a call of ``calls`` back-to-back calls of ``f`` ended by one synchronize (µs): what a call costs in
+    a stream, max(host, GPU) without per-call sampling noise (L2 stays warm across the calls)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def stream_row(fns, modes, ok, calls: int = STREAM_CALLS, rounds: int = STREAM_ROUNDS) -> dict:
+    """``stream_us`` of STREAM_PATHS, rounds interleaved, medians (for host-bound rows, where per-call host samples
+    of ~20-60 µs scatter by several µs between paths that run the same Python)."""
+    t = {p: [] for p in STREAM_PATHS if ok.get(p)}
+    for _ in range(rounds):
+        for p in t:
+            with config.override(INT8_FUSED_DISPATCH=modes.get(p, "auto")):
+                t[p].append(stream_us(fns[p], calls))
+    return {p: round(statistics.median(v), 2) for p, v in t.items()}
+
+
 def rel_err(y, x, w, b) -> float:
     ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -250,6 +275,9 @@ def main():
             if ref.get("eff_us"):
                 row["paths"][p]["x_bf16"] = round(ref["eff_us"] / row["paths"][p]["eff_us"], 3)
                 row["paths"][p]["x_bf16_gpu"] = round(ref["gpu_us"] / max(row["paths"][p]["gpu_us"], 1e-3), 3)
+        if any(row["paths"].get(p, {}).get("host_us", 0) > row["paths"].get(p, {}).get("gpu_us", 1e9)
+               for p in STREAM_PATHS):
+            row["stream_us"] = stream_row(fns, modes, ok)
         row["calls"] = dict(layer.dispatch_calls)
         row["seconds"] = round(time.perf_counter() - t_shape, 2)
         rows.append(row)
@@ -283,6 +311,18 @@ def main():
             d["x_bf16_module"] = round(mod["eff_us"] / d["eff_us"], 3)
     log(f"dispatched vs bf16 as an nn.Linear module call: {len(rows) - len(mod_below)}/{len(rows)} shapes >= 1.0x"
         + (f"; below: {', '.join(mod_below)}" if mod_below else ""))
+    streamed = [r for r in rows if len(r.get("stream_us", {})) == len(STREAM_PATHS)]
+    for r in streamed:
+        st = r["stream_us"]
+        st["x_bf16_module"] = round(st["bf16_module"] / st["dispatched"], 3)
+        st["x_bf16"] = round(st["bf16"] / st["dispatched"], 3)
+    st_below = [f"{r['model']} {r['layer']} ({r['stream_us']['x_bf16_module']:.2f}x)" for r in streamed
+                if r["stream_us"]["x_bf16_module"] < 1.0]
+    each = ", ".join(f"{r['model']} {r['layer']} {r['stream_us']['dispatched']:.1f} vs {r['stream_us']['bf16_module']:.1f}"
+                     f" (bare F.linear {r['stream_us']['bf16']:.1f}) us" for r in streamed)
+    log(f"host-bound shapes as a stream of {STREAM_CALLS} calls (median of {STREAM_ROUNDS}): dispatched vs an "
+        f"nn.Linear module call {len(streamed) - len(st_below)}/{len(streamed)} >= 1.0x"
+        + (f"; below: {', '.join(st_below)}" if st_below else "") + f"; {each}")
     picked = [r["dispatch"]["picked"] for r in rows]
     log(f"dispatch picked int8 for {picked.count('int8')} shapes, float for {picked.count('float')}: "
         + ", ".join(f"{r['model']} {r['layer']}" for r in rows if r["dispatch"]["picked"] == "float"))
