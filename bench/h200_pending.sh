@@ -90,10 +90,11 @@
 #             rows also as streams of calls)
 #   cdmodels  Flux / Z-Image / Wan 1.3B: bf16, pack, pack with INT8_FUSED_PERSISTENT=0, pack, fp8_fast
 #   cddiag    Z-Image / Flux: bf16, pack, pack PERSISTENT=0, pack, the pack rows profiled (syncs, copies, gaps)
+#   cdtma     bench/tma_encode.py, then Flux with the kept TMA encodings A/B'd (cProfiled)
 #   cdideo    issue 14's anchors at HEAD: Ideogram 4 dual, bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdideo ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdideo ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -431,6 +432,13 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton" \
       --profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0" \
       --out "$OUT/h200-e2e-models-cddiag.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  cdtma)  # the persistent launches' host cost: TMA encoding alone and a small persistent launch with the kept
+          # encodings on / off, then Flux (run cf: host-paced persistent rows) with them A/B'd, cProfiled
+    timeout 90 python3 bench/tma_encode.py 2>&1 | tee "$OUT/tma-encode.log"
+    timeout 400 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
+      --paths "pack:fused_triton,pack:fused_triton%INT8_FUSED_TMA_MEMO=0,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton" \
+      --host-profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_TMA_MEMO=0" \
+      --out "$OUT/h200-e2e-models-cdtma.json" 2>&1 | tee -a "$OUT/last.log" ;;
   cdideo)  # issue 14's anchors at HEAD, one process
     timeout 560 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
       --out "$OUT/sampler-cdideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
