@@ -91,10 +91,11 @@
 #   cdmodels  Flux / Z-Image / Wan 1.3B: bf16, pack, pack with INT8_FUSED_PERSISTENT=0, pack, fp8_fast
 #   cddiag    Z-Image / Flux: bf16, pack, pack PERSISTENT=0, pack, the pack rows profiled (syncs, copies, gaps)
 #   cdtma     bench/tma_encode.py, then Flux with the kept TMA encodings A/B'd (cProfiled)
+#   cdab      Flux / Z-Image / Wan 1.3B: the pack with INT8_FUSED_PERSISTENT A/B'd on the loaded model (--ab)
 #   cdideo    issue 14's anchors at HEAD: Ideogram 4 dual, bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdideo ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -439,6 +440,11 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
       --paths "pack:fused_triton,pack:fused_triton%INT8_FUSED_TMA_MEMO=0,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton" \
       --host-profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_TMA_MEMO=0" \
       --out "$OUT/h200-e2e-models-cdtma.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  cdab)  # the persistent GEMMs A/B'd on each loaded model (4 timed runs with, 4 with INT8_FUSED_PERSISTENT=0,
+         # interleaved: the host's speed drifts between rows): Flux / Z-Image / Wan 1.3B
+    timeout 500 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
+      --paths "pack:fused_triton" --ab INT8_FUSED_PERSISTENT=0 \
+      --out "$OUT/h200-e2e-models-cdab.json" 2>&1 | tee -a "$OUT/last.log" ;;
   cdideo)  # issue 14's anchors at HEAD, one process
     timeout 560 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
       --out "$OUT/sampler-cdideo.json" 2>&1 | tee -a "$OUT/last.log" ;;

@@ -59,6 +59,13 @@ def triton_status(device: torch.device | None = None) -> tuple[bool, str]:
     return True, f"Triton on '{torch.cuda.get_device_name(idx)}' (sm_{major}{minor})"
 
 
+def gemm_switches() -> tuple:
+    """The switches that choose the INT8 GEMMs' kernels and tiles (tail split, s8 path, persistent kernels): part
+    of every prepared call's key (``kernel.plan``), so an A/B of one of them on a loaded model re-plans its calls."""
+    return (config.get("INT8_FUSED_TAIL_SPLIT"), config.get("INT8_FUSED_S8_WGMMA"),
+            config.get("INT8_FUSED_PERSISTENT"))
+
+
 _USABLE: dict[tuple, tuple[bool, str]] = {}  # per device: the status is checked once, not per call
 
 

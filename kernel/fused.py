@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import _check_2d, _check_usable, _gemm_operands, _vector
+from . import _check_2d, _check_usable, _gemm_operands, _vector, gemm_switches
 from .gemm import (_acc_tile, _acc_tile_tma, _dequant, _program_tile, _tile_ids, _tile_sum, choose_split,
                    select_config, split_launch, tail_split_on)
 from . import gemm
@@ -150,8 +150,7 @@ def tunables() -> tuple:
     the last two, an ``INT8_FUSED_PERSISTENT=0`` row re-issued the persistent SwiGLU GEMM planned by an earlier row.)"""
     return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, QK_PREFETCH,
             MAX_SINGLE, LN_PLAN, LN_ONE_PASS, RESIDUAL_LN_ONE_PASS, GELU_PLAN, GELU_FAST, GELU_ONE_PASS,
-            _q.QUANT_ONE_PASS, _q.QUANT_ROW_LOOP, _plan, launch, config.get("INT8_FUSED_TAIL_SPLIT"),
-            config.get("INT8_FUSED_S8_WGMMA"), config.get("INT8_FUSED_PERSISTENT"))
+            _q.QUANT_ONE_PASS, _q.QUANT_ROW_LOOP, _plan, launch, *gemm_switches())
 
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

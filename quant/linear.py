@@ -300,6 +300,8 @@ class Int8Linear(nn.Module):
         signatures match it, else the checked call, recording a new plan (``kernel.plan``; the checked call
         alone while INT8_FUSED_PLANS=0). Plans hold no tensor, only launches, so nothing goes stale when ComfyUI moves or
         swaps the weights: a changed operand signature just fails the plan's check."""
+        k = backends.kernel()
+        key = (*key, k.gemm_switches())  # an A/B of a GEMM switch on a loaded model is never served the other's plan
         plans = self.__dict__.get("_plans")
         plan = None if plans is None else plans.get(key)
         on = _plan.enabled()
@@ -307,7 +309,6 @@ class Int8Linear(nn.Module):
             y = plan(*ops)
             if y is not None:
                 return y
-        k = backends.kernel()
         if plan is False or not on:  # this call cannot be planned (no launch, a converted operand) or plans are off
             return k.int8_linear(*ops, out_dtype=dtype) if key[0] == "linear" else k.int8_gemm(*ops, out_dtype=dtype)
         y, plan = (k.int8_linear_planned if key[0] == "linear" else k.int8_gemm_planned)(*ops, out_dtype=dtype)

@@ -443,3 +443,20 @@ def test_the_gemm_tile_switches_key_the_prepared_calls(switch):
     with config.override(**{switch: "0" if switch == "INT8_FUSED_TAIL_SPLIT" else False}):
         assert kf.tunables() != base
     assert kf.tunables() == base
+
+
+@pytest.mark.parametrize("switch", ["INT8_FUSED_S8_WGMMA", "INT8_FUSED_PERSISTENT", "INT8_FUSED_TAIL_SPLIT"])
+def test_a_layer_plans_again_when_a_gemm_switch_changes(monkeypatch, switch):
+    """An Int8Linear's own plans (its linear and its fused blocks' GEMMs) are keyed by the GEMM switches too: an A/B
+    of one on a loaded model (bench ``--ab``) records the switched call instead of re-issuing the other value's
+    launches; back to the first value, the first plan runs again."""
+    planned, checked = _spy(monkeypatch, "int8_linear_planned"), _spy(monkeypatch, "int8_linear")
+    layer = _layer()
+    x = _x(24, 72)
+    y = layer.int8_call(x)
+    assert torch.equal(layer.int8_call(x), y) and len(planned) == 1
+    with config.override(**{switch: "0" if switch == "INT8_FUSED_TAIL_SPLIT" else False}):
+        assert torch.equal(layer.int8_call(x), y) and len(planned) == 2
+        assert torch.equal(layer.int8_call(x), y) and len(planned) == 2
+    assert torch.equal(layer.int8_call(x), y) and len(planned) == 2 and not checked
+    assert len(layer._plans) == 2
