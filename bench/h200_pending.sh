@@ -90,7 +90,7 @@
 #             rows also as streams of calls)
 #   cdmodels  Flux / Z-Image / Wan 1.3B: bf16, pack, pack with INT8_FUSED_PERSISTENT=0, pack, fp8_fast
 #   cddiag    Z-Image / Flux: bf16, pack, pack PERSISTENT=0, pack, the pack rows profiled (syncs, copies, gaps)
-#   cdtma     bench/tma_encode.py, then Flux with the kept TMA encodings A/B'd (cProfiled)
+#   cdtma     bench/tma_encode.py, then Flux: pack, pack PERSISTENT=0, pack (cProfiled)
 #   cdab      Flux / Z-Image / Wan 1.3B: the pack with INT8_FUSED_PERSISTENT A/B'd on the loaded model (--ab)
 #   cdideo    issue 14's anchors at HEAD: Ideogram 4 dual, bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
@@ -433,12 +433,13 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton" \
       --profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0" \
       --out "$OUT/h200-e2e-models-cddiag.json" 2>&1 | tee -a "$OUT/last.log" ;;
-  cdtma)  # the persistent launches' host cost: TMA encoding alone and a small persistent launch with the kept
-          # encodings on / off, then Flux (run cf: host-paced persistent rows) with them A/B'd, cProfiled
+  cdtma)  # the persistent launches' host cost: TMA encoding alone and a small persistent launch against the
+          # non-persistent one, then Flux (run cf: host-paced persistent rows), cProfiled. Run cg ran this at cbb85e0,
+          # with a kept-encoding switch (INT8_FUSED_TMA_MEMO, removed after: encoding costs 0.8 us) A/B'd too
     timeout 90 python3 bench/tma_encode.py 2>&1 | tee "$OUT/tma-encode.log"
     timeout 400 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux \
-      --paths "pack:fused_triton,pack:fused_triton%INT8_FUSED_TMA_MEMO=0,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton" \
-      --host-profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_TMA_MEMO=0" \
+      --paths "pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton" \
+      --host-profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0" \
       --out "$OUT/h200-e2e-models-cdtma.json" 2>&1 | tee -a "$OUT/last.log" ;;
   cdab)  # the persistent GEMMs A/B'd on each loaded model (4 timed runs with, 4 with INT8_FUSED_PERSISTENT=0,
          # interleaved: the host's speed drifts between rows): Flux / Z-Image / Wan 1.3B

@@ -1,8 +1,8 @@
 """Host cost of the persistent GEMMs' TMA descriptors on a GPU: Triton's ``fill_tma_descriptor`` (one
 ``cuTensorMapEncodeTiled`` a descriptor, three a persistent launch) alone, and one persistent INT8 GEMM launch on a
-small problem (a few µs of GPU work, so a loop of launches runs at the host's rate) with the pack's kept encodings
-(``INT8_FUSED_TMA_MEMO``, ``kernel.launch.memo_tma_encode``) on and off, beside the non-persistent kernel of the same
-tile. µs a call, medians of interleaved rounds.
+small problem (a few µs of GPU work, so a loop of launches runs at the host's rate) beside the non-persistent kernel
+of the same tile (both through the checked launch path). µs a call, medians of interleaved rounds. (Run cg ran an
+earlier form at cbb85e0 that also A/B'd a kept-encoding switch, since removed.)
 
     python bench/tma_encode.py [--calls 2000] [--rounds 7]
 """
@@ -37,7 +37,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("bench/tma_encode.py needs a CUDA GPU")
     import triton
-    from kernel import config, gemm, launch
+    from kernel import gemm
     dev = torch.device("cuda")
     m, n, k = 256, 512, 256
     a_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=dev)
@@ -51,35 +51,28 @@ def main() -> int:
     def persistent():
         gemm._launch_persistent(a_q, a_s, w_q, w_s, None, out, cfg, tiles)
 
-    persistent()  # builds, checks the s8 binary, installs the kept encodings
+    persistent()  # builds and checks the s8 binary
     ref = out.clone()
-    gemm.launch_int8_gemm(a_q, a_s, w_q, w_s, None, out, {k_: v for k_, v in cfg.items() if k_ != "PERSIST"})
+    plain_cfg = {k_: v for k_, v in cfg.items() if k_ != "PERSIST"}
+    gemm.launch_int8_gemm(a_q, a_s, w_q, w_s, None, out, plain_cfg)
     torch.cuda.synchronize()
     same = torch.equal(out, ref)
-    plain_cfg = {k_: v for k_, v in cfg.items() if k_ != "PERSIST"}
-    utils = triton.runtime.driver.active.utils
-    raw_fill = utils.fill_tma_descriptor
-    print(f"kept encodings installed: {getattr(raw_fill, 'int8_fused_memo', False)}; persistent == plain tile: {same}")
+    raw_fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+    print(f"persistent == plain tile: {same}")
 
     def encode():
         raw_fill(a_q.data_ptr(), 3, 1, 0, [128, 128], [m, k], [k, 1], 0)
 
-    rows = {"fill_tma_descriptor (kept)": [], "fill_tma_descriptor (INT8_FUSED_TMA_MEMO=0)": [],
-            "persistent launch (kept)": [], "persistent launch (INT8_FUSED_TMA_MEMO=0)": [],
-            "non-persistent launch": []}
+    rows = {"fill_tma_descriptor": [], "persistent launch": [], "non-persistent launch": []}
     for _ in range(a.rounds):
-        rows["fill_tma_descriptor (kept)"].append(per_call_us(encode, a.calls))
-        rows["persistent launch (kept)"].append(per_call_us(persistent, a.calls))
-        with config.override(INT8_FUSED_TMA_MEMO=False):
-            rows["fill_tma_descriptor (INT8_FUSED_TMA_MEMO=0)"].append(per_call_us(encode, a.calls))
-            rows["persistent launch (INT8_FUSED_TMA_MEMO=0)"].append(
-                per_call_us(persistent, a.calls))
+        rows["fill_tma_descriptor"].append(per_call_us(encode, a.calls))
+        rows["persistent launch"].append(per_call_us(persistent, a.calls))
         rows["non-persistent launch"].append(
             per_call_us(lambda: gemm.launch_int8_gemm(a_q, a_s, w_q, w_s, None, out, plain_cfg), a.calls))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"M {m} N {n} K {k}; µs a call, median of {a.rounds} x {a.calls}; kept encodings {len(launch._TMA_MEMO)}")
+          f"M {m} N {n} K {k}; µs a call, median of {a.rounds} x {a.calls}")
     for name, v in rows.items():
-        print(f"  {name:48s} {statistics.median(v):8.2f}  (min {min(v):.2f}, max {max(v):.2f})")
+        print(f"  {name:24s} {statistics.median(v):8.2f}  (min {min(v):.2f}, max {max(v):.2f})")
     return 0 if same else 1
 
 

@@ -87,9 +87,6 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_PERSISTENT", bool, True,
            "sm_90 with the s8 path on: the INT8 GEMMs (plain and SwiGLU-epilogue) may also time and run the s8 "
            "tile as a persistent kernel with TMA loads and stores (same bits); `0`: the non-persistent kernel only"),
-    Switch("INT8_FUSED_TMA_MEMO", bool, True,
-           "the persistent kernels' TMA descriptors: Triton's host encoding of a descriptor is kept per address, "
-           "shape, strides and box and reused (the same 128 bytes); `0`: encoded on every launch, as Triton does"),
     Switch("INT8_FUSED_PLANS", bool, True,
            "`0`: every INT8 linear / GEMM call takes the checked path (operand checks, config lookup, launch) "
            "instead of re-issuing the launches prepared on its first call (`kernel/plan.py`); for A/B runs"),

@@ -1077,7 +1077,6 @@ def _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     half = bn // 2
     progs = gemm.persistent_programs(-(-m // bm) * -(-f // half), a_q.device)
-    gemm.memo_tma_encode()
     gemm.run_launch(cfg, _gemm_swiglu_persistent_kernel, (progs,),
                     (TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, bk]),
                      TensorDescriptor(w13, [2, f, k], [f * w13.stride(0), w13.stride(0), 1], [2, half, bk]),

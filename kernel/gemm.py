@@ -27,7 +27,7 @@ import triton.language as tl
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
 from .quantize import _rint, _sm_count
 from . import config as _config
-from .launch import keep, launch, memo_tma_encode, not_recorded
+from .launch import keep, launch, not_recorded
 from . import s8wgmma
 
 
@@ -507,7 +507,6 @@ def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: 
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     dev = a_q.device
     progs = persistent_programs(tiles, dev)
-    memo_tma_encode()
     run_launch(cfg, _int8_gemm_persistent_kernel, (progs,),
                (TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, bk]),
                 TensorDescriptor(w_q, [n, k], [w_q.stride(0), 1], [bn, bk]),

@@ -73,50 +73,6 @@ def descriptor_over(t: torch.Tensor, desc_type, shape, strides, block_shape, pad
     return d
 
 
-_TMA_MEMO: dict = {}        # fill_tma_descriptor's arguments -> the CUtensorMap it made for them
-_TMA_MEMO_MAX = 4096
-_TMA_INSTALLED = [False]
-
-
-def memo_tma_encode() -> None:
-    """Make Triton's host TMA descriptor encoding (``driver.active.utils.fill_tma_descriptor``, called for every
-    descriptor argument of every launch) return the tensor map it made before for the same arguments
-    (``kept_encoder``). Installed once, on the first persistent launch (no CUDA work at import). Not on the
-    interpreter, whose descriptors Triton does not encode."""
-    if _TMA_INSTALLED[0] or config.get("TRITON_INTERPRET"):
-        return
-    _TMA_INSTALLED[0] = True
-    try:
-        import triton
-        utils = triton.runtime.driver.active.utils
-        fill = utils.fill_tma_descriptor
-    except Exception:  # noqa: BLE001 - a Triton without host descriptor encoding: nothing to keep
-        return
-    if not getattr(fill, "int8_fused_memo", False):
-        utils.fill_tma_descriptor = kept_encoder(fill)
-
-
-def kept_encoder(fill):
-    """``fill`` (Triton's ``fill_tma_descriptor``: address, swizzle, element size and type, box, shape, strides,
-    padding -> a CUtensorMap) returning the map it made before for equal arguments. A CUtensorMap is a function of
-    exactly these (the launcher copies its 128 bytes into the kernel's parameters), so a kept one is the one it
-    would make again. ``INT8_FUSED_TMA_MEMO=0`` calls ``fill`` every time."""
-    def fill_kept(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
-        if not config.get("INT8_FUSED_TMA_MEMO"):
-            return fill(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding)
-        key = (ptr, swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides), padding)
-        m = _TMA_MEMO.get(key)
-        if m is None:
-            m = fill(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding)
-            if len(_TMA_MEMO) >= _TMA_MEMO_MAX:
-                _TMA_MEMO.clear()
-            _TMA_MEMO[key] = m
-        return m
-
-    fill_kept.int8_fused_memo = True
-    return fill_kept
-
-
 def _hook_set(hook) -> bool:
     """Whether a launch-hook knob holds a hook: None and an empty chain do not; a bare callable does."""
     if hook is None:

@@ -179,36 +179,3 @@ def test_tma_descriptors_are_keyed_and_remade_over_another_tensor():
     assert kl.arg_key(kl.on_base(da, b.view(torch.float8_e4m3fn))) != kl.arg_key(da)        # another dtype
     assert kl.on_base(a, b) is b
 
-
-def test_kept_tma_encoder_reuses_a_map_only_for_equal_arguments():
-    """kernel.launch.kept_encoder: Triton's descriptor encoding is called once per distinct argument tuple (address,
-    swizzle, element size / type, box, shape, strides, padding); any differing argument encodes again; the switch
-    off encodes every call; the store is bounded."""
-    from kernel import config, launch
-    made = []
-
-    def fill(*args):
-        made.append(args)
-        return object()
-
-    enc = launch.kept_encoder(fill)
-    launch._TMA_MEMO.clear()
-    base = (4096, 3, 1, 0, [128, 128], [256, 512], [512, 1], 0)
-    first = enc(*base)
-    assert enc(*base) is first and len(made) == 1
-    for i, v in [(0, 8192), (1, 2), (2, 2), (3, 1), (4, [64, 128]), (5, [256, 256]), (6, [1024, 1]), (7, 1)]:
-        other = list(base)
-        other[i] = v
-        assert enc(*other) is not first
-    assert len(made) == 9
-    with config.override(INT8_FUSED_TMA_MEMO=False):
-        assert enc(*base) is not first and enc(*base) is not first
-    assert len(made) == 11 and enc(*base) is first
-    old_max = launch._TMA_MEMO_MAX
-    try:
-        launch._TMA_MEMO_MAX = len(launch._TMA_MEMO)
-        enc(12288, *base[1:])
-        assert len(launch._TMA_MEMO) == 1 and enc(*base) is not first
-    finally:
-        launch._TMA_MEMO_MAX = old_max
-        launch._TMA_MEMO.clear()
