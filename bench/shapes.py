@@ -44,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernel  # noqa: E402
 from bench import provenance as provenance_  # noqa: E402
+from bench.host_int8 import per_call_us as stream_us  # noqa: E402
 from kernel import autotune, config  # noqa: E402
 from quant import dispatch  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
@@ -179,19 +180,9 @@ def check_small_m(log) -> int:
     return failures
 
 
-def stream_us(f, calls: int) -> float:
-    """Wall time a call of ``calls`` back-to-back calls of ``f`` ended by one synchronize (µs): what a call costs in
-    a stream, max(host, GPU) without per-call sampling noise (L2 stays warm across the calls)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
 def stream_row(fns, modes, ok, calls: int = STREAM_CALLS, rounds: int = STREAM_ROUNDS) -> dict:
-    """``stream_us`` of STREAM_PATHS, rounds interleaved, medians (for host-bound rows, where per-call host samples
+    """``stream_us`` (bench/host_int8.py's ``per_call_us``: the wall time a call of ``calls`` back-to-back calls ended
+    by one synchronize, max(host, GPU) with L2 warm across them) of STREAM_PATHS, rounds interleaved, medians (for host-bound rows, where per-call host samples
     of ~20-60 µs scatter by several µs between paths that run the same Python)."""
     t = {p: [] for p in STREAM_PATHS if ok.get(p)}
     for _ in range(rounds):

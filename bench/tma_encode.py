@@ -1,8 +1,9 @@
 """Host cost of the persistent GEMMs' TMA descriptors on a GPU: Triton's ``fill_tma_descriptor`` (one
 ``cuTensorMapEncodeTiled`` a descriptor, three a persistent launch) alone, and one persistent INT8 GEMM launch on a
 small problem (a few µs of GPU work, so a loop of launches runs at the host's rate) beside the non-persistent kernel
-of the same tile (both through the checked launch path). µs a call, medians of interleaved rounds. (Run cg ran an
-earlier form at cbb85e0 that also A/B'd a kept-encoding switch, since removed.)
+of the same tile (both through the checked launch path). µs a call (a loop of calls ended by one synchronize,
+``bench/host_int8.py``'s ``per_call_us``), medians of interleaved rounds. (Run cg ran an earlier form at cbb85e0:
+it also A/B'd a kept-encoding switch, since removed, and timed the loop without its final synchronize.)
 
     python bench/tma_encode.py [--calls 2000] [--rounds 7]
 """
@@ -11,22 +12,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-
-def per_call_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return dt / calls * 1e6
+from bench.host_int8 import per_call_us  # noqa: E402
 
 
 def main() -> int:
