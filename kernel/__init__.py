@@ -59,11 +59,19 @@ def triton_status(device: torch.device | None = None) -> tuple[bool, str]:
     return True, f"Triton on '{torch.cuda.get_device_name(idx)}' (sm_{major}{minor})"
 
 
+_GEMM_SWITCHES: list = [None, None]  # [config generation, the switches' values read then]
+
+
 def gemm_switches() -> tuple:
     """The switches that choose the INT8 GEMMs' kernels and tiles (tail split, s8 path, persistent kernels): part
-    of every prepared call's key (``kernel.plan``), so an A/B of one of them on a loaded model re-plans its calls."""
-    return (config.get("INT8_FUSED_TAIL_SPLIT"), config.get("INT8_FUSED_S8_WGMMA"),
-            config.get("INT8_FUSED_PERSISTENT"))
+    of every prepared call's key (``kernel.plan``), so an A/B of one of them on a loaded model re-plans its calls.
+    Read again only when ``config.generation()`` moved (this runs on every INT8 call)."""
+    cached = _GEMM_SWITCHES
+    if cached[0] != config._generation[0]:
+        cached[1] = (config.get("INT8_FUSED_TAIL_SPLIT"), config.get("INT8_FUSED_S8_WGMMA"),
+                     config.get("INT8_FUSED_PERSISTENT"))
+        cached[0] = config._generation[0]
+    return cached[1]
 
 
 _USABLE: dict[tuple, tuple[bool, str]] = {}  # per device: the status is checked once, not per call

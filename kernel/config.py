@@ -110,6 +110,7 @@ SWITCHES = {s.name: s for s in (
 
 _read: dict[str, object] = {}      # name -> value parsed from the environment, on first get
 _overrides: dict[str, object] = {}  # name -> value set by override()
+_generation = [0]                   # bumped whenever what ``get`` returns may change (override, reload)
 
 
 def _parse(s: Switch, raw: str | None):
@@ -153,6 +154,7 @@ def override(**values):
             raise TypeError(f"{name} takes a {s.type.__name__}, got {v!r}")
     saved = {n: _overrides[n] for n in values if n in _overrides}
     _overrides.update({n: SWITCHES[n].default if v is None else v for n, v in values.items()})
+    _generation[0] += 1
     try:
         yield
     finally:
@@ -161,11 +163,19 @@ def override(**values):
                 _overrides[n] = saved[n]
             else:
                 _overrides.pop(n, None)
+        _generation[0] += 1
 
 
 def reload() -> None:
     """Forget what was read, so the next ``get`` of each switch reads the environment again."""
     _read.clear()
+    _generation[0] += 1
+
+
+def generation() -> int:
+    """A number that changes whenever a switch's value may have changed (``override``, ``reload``): callers that
+    derive something from switches on every call (``kernel.gemm_switches``) keep it until this moves."""
+    return _generation[0]
 
 
 def markdown_table() -> str:

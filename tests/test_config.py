@@ -135,3 +135,30 @@ def test_markdown_table_lists_every_switch():
         assert row.startswith(f"| `{name}` |") and "\n" not in row
     # the README's table is this table, word for word (a new or changed switch shows up as a failure here)
     assert config.markdown_table().strip() in (ROOT / "README.md").read_text()
+
+
+def test_generation_moves_with_every_change_and_gemm_switches_follow(monkeypatch):
+    """config.generation() moves on entering and leaving an override and on reload; kernel.gemm_switches (cached per
+    generation, read on every INT8 call) always says what config.get says."""
+    import kernel
+    g0 = config.generation()
+    base = kernel.gemm_switches()
+    assert base == (config.get("INT8_FUSED_TAIL_SPLIT"), config.get("INT8_FUSED_S8_WGMMA"),
+                    config.get("INT8_FUSED_PERSISTENT"))
+    with config.override(INT8_FUSED_PERSISTENT=not base[2], INT8_FUSED_TAIL_SPLIT="0"):
+        g1 = config.generation()
+        assert g1 != g0
+        assert kernel.gemm_switches() == ("0", base[1], not base[2])
+        with config.override(INT8_FUSED_S8_WGMMA=not base[1]):
+            assert kernel.gemm_switches() == ("0", not base[1], not base[2])
+        assert kernel.gemm_switches() == ("0", base[1], not base[2])
+    assert config.generation() not in (g0, g1) and kernel.gemm_switches() == base
+    monkeypatch.setenv("INT8_FUSED_PERSISTENT", "0" if base[2] else "1")
+    g2 = config.generation()
+    config.reload()
+    try:
+        assert config.generation() != g2 and kernel.gemm_switches()[2] is (not base[2])
+    finally:
+        monkeypatch.undo()
+        config.reload()
+    assert kernel.gemm_switches() == base
