@@ -178,4 +178,3 @@ def test_tma_descriptors_are_keyed_and_remade_over_another_tensor():
     assert kl.arg_key(TensorDescriptor(a, [64, 48], [48, 1], [32, 32])) != kl.arg_key(da)   # another block
     assert kl.arg_key(kl.on_base(da, b.view(torch.float8_e4m3fn))) != kl.arg_key(da)        # another dtype
     assert kl.on_base(a, b) is b
-
