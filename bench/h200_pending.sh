@@ -86,8 +86,8 @@
 #   pideo     issue 14's anchors with the persistent s8 GEMMs on and off
 #   pab       the persistent GEMMs A/B'd (prepared calls keyed by the switch), a pack row after comfy-kitchen's
 #   shapesall bench/shapes.py over all 55 shapes (budget 330 s: a fresh process tunes every shape first)
-#   cdgemm    HEAD's persistent GEMMs on the GPU: bench/s8_check.py, then every linear shape (bench/shapes.py, host-bound
-#             rows also as streams of calls)
+#   cdgemm    HEAD's persistent GEMMs on the GPU: bench/s8_check.py, then every linear shape (bench/shapes.py,
+#             host-bound rows also as streams of calls)
 #   cdmodels  Flux / Z-Image / Wan 1.3B: bf16, pack, pack with INT8_FUSED_PERSISTENT=0, pack, fp8_fast
 #   cddiag    Z-Image / Flux: bf16, pack, pack PERSISTENT=0, pack, the pack rows profiled (syncs, copies, gaps)
 #   cdtma     bench/tma_encode.py, then Flux: pack, pack PERSISTENT=0, pack (cProfiled)
@@ -422,13 +422,13 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
     timeout 220 python3 bench/s8_check.py --out "$OUT/h200-s8-check.json" 2>&1 | tee "$OUT/s8-check.log"
     cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/" 2>/dev/null
     timeout 300 python3 bench/shapes.py --budget-s 250 --out "$OUT/h200-shapes.json" 2>&1 | tee "$OUT/shapes.log" ;;
-  cdmodels)  # the persistent GEMMs on the host-bound models: Flux / Z-Image / Wan 1.3B, the switch A/B'd between pack rows
+  cdmodels)  # the persistent GEMMs on the host-bound models: Flux / Z-Image / Wan 1.3B, the switch between pack rows
     timeout 400 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models flux,zimage,wan13 \
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton,fp8_fast" \
       --out "$OUT/h200-e2e-models-cdmodels.json" 2>&1 | tee -a "$OUT/last.log" ;;
-  cddiag)  # why some pack rows of run ce ran host-paced (Z-Image's third at 2x the host time, GPU lag 0 at every step end;
-           # Flux's persistent rows): Z-Image / Flux, bf16, pack, pack PERSISTENT=0, pack, the pack rows profiled (syncs,
-           # copies, idle gaps by launcher)
+  cddiag)  # why some pack rows of run ce ran host-paced (Z-Image's third at 2x the host time, GPU lag 0 at every
+           # step end; Flux's persistent rows): Z-Image / Flux, bf16, pack, pack PERSISTENT=0, pack, the pack rows
+           # profiled (syncs, copies, idle gaps by launcher)
     timeout 400 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage,flux \
       --paths "bf16,pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0,pack:fused_triton" \
       --profile "pack:fused_triton,pack:fused_triton%INT8_FUSED_PERSISTENT=0" \

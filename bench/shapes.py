@@ -23,8 +23,8 @@ busy while the host issues it (since run bs: the GPU time no longer includes wai
 time to issue it; the call's cost is max(GPU, host) ("eff"). Medians over 3 rounds x 7 calls, paths interleaved.
 ratio = bf16 eff / path eff (> 1: faster than bf16). Rows where a path is host-bound are also timed as
 streams of back-to-back calls (``stream_us``: bf16, bf16_module, dispatched) and the summary compares those.
-Must finish in < 3 min on an H200: shapes are run in the order below until ``--budget-s`` is spent (the rest are listed as skipped). The first pass of a process includes
-Triton compiles and the GEMM autotune (cached in INT8_FUSED_CACHE_DIR for the next run).
+Must finish in < 3 min on an H200: shapes are run in the order below until ``--budget-s`` is spent (the rest
+are listed as skipped). The first pass of a process includes Triton compiles and the GEMM autotune (cached in INT8_FUSED_CACHE_DIR for the next run).
 """
 from __future__ import annotations
 
@@ -181,9 +181,10 @@ def check_small_m(log) -> int:
 
 
 def stream_row(fns, modes, ok, calls: int = STREAM_CALLS, rounds: int = STREAM_ROUNDS) -> dict:
-    """``stream_us`` (bench/host_int8.py's ``per_call_us``: the wall time a call of ``calls`` back-to-back calls ended
-    by one synchronize, max(host, GPU) with L2 warm across them) of STREAM_PATHS, rounds interleaved, medians (for host-bound rows, where per-call host samples
-    of ~20-60 µs scatter by several µs between paths that run the same Python)."""
+    """``stream_us`` (bench/host_int8.py's ``per_call_us``: the wall time a call of ``calls`` back-to-back calls
+    ended by one synchronize, max(host, GPU) with L2 warm across them) of STREAM_PATHS, rounds interleaved, medians.
+    For host-bound rows, where per-call host samples of ~20-60 µs scatter by several µs between paths that run the
+    same Python."""
     t = {p: [] for p in STREAM_PATHS if ok.get(p)}
     for _ in range(rounds):
         for p in t:
@@ -309,8 +310,9 @@ def main():
         st["x_bf16"] = round(st["bf16"] / st["dispatched"], 3)
     st_below = [f"{r['model']} {r['layer']} ({r['stream_us']['x_bf16_module']:.2f}x)" for r in streamed
                 if r["stream_us"]["x_bf16_module"] < 1.0]
-    each = ", ".join(f"{r['model']} {r['layer']} {r['stream_us']['dispatched']:.1f} vs {r['stream_us']['bf16_module']:.1f}"
-                     f" (bare F.linear {r['stream_us']['bf16']:.1f}) us" for r in streamed)
+    each = ", ".join(f"{r['model']} {r['layer']} {r['stream_us']['dispatched']:.1f} vs "
+                     f"{r['stream_us']['bf16_module']:.1f} (bare F.linear {r['stream_us']['bf16']:.1f}) us"
+                     for r in streamed)
     log(f"host-bound shapes as a stream of {STREAM_CALLS} calls (median of {STREAM_ROUNDS}): dispatched vs an "
         f"nn.Linear module call {len(streamed) - len(st_below)}/{len(streamed)} >= 1.0x"
         + (f"; below: {', '.join(st_below)}" if st_below else "") + f"; {each}")
