@@ -24,7 +24,8 @@ time to issue it; the call's cost is max(GPU, host) ("eff"). Medians over 3 roun
 ratio = bf16 eff / path eff (> 1: faster than bf16). Rows where a path is host-bound are also timed as
 streams of back-to-back calls (``stream_us``: bf16, bf16_module, dispatched) and the summary compares those.
 Must finish in < 3 min on an H200: shapes are run in the order below until ``--budget-s`` is spent (the rest
-are listed as skipped). The first pass of a process includes Triton compiles and the GEMM autotune (cached in INT8_FUSED_CACHE_DIR for the next run).
+are listed as skipped). The first pass of a process includes Triton compiles and the GEMM autotune (cached in
+INT8_FUSED_CACHE_DIR for the next run).
 """
 from __future__ import annotations
 
