@@ -66,11 +66,11 @@ def gemm_switches() -> tuple:
     """The switches that choose the INT8 GEMMs' kernels and tiles (tail split, s8 path, persistent kernels): part
     of every prepared call's key (``kernel.plan``), so an A/B of one of them on a loaded model re-plans its calls.
     Read again only when ``config.generation()`` moved (this runs on every INT8 call)."""
-    cached = _GEMM_SWITCHES
-    if cached[0] != config._generation[0]:
+    cached, gen = _GEMM_SWITCHES, config.generation()
+    if cached[0] != gen:
         cached[1] = (config.get("INT8_FUSED_TAIL_SPLIT"), config.get("INT8_FUSED_S8_WGMMA"),
                      config.get("INT8_FUSED_PERSISTENT"))
-        cached[0] = config._generation[0]
+        cached[0] = gen
     return cached[1]
 
 

@@ -1101,7 +1101,7 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
     GEMM's, and a 128 x 256 tile runs one CTA an SM: the plain GEMM's pick need not be its own. Elsewhere
     ``cfg``."""
     from . import autotune, s8wgmma
-    persist = bool(config.get("INT8_FUSED_PERSISTENT"))
+    persist = bool(gemm_switches()[2])
     if not s8wgmma.usable(a_q.device):
         return cfg
     m, k = a_q.shape

@@ -27,6 +27,7 @@ import triton.language as tl
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
 from .quantize import _rint, _sm_count
 from . import config as _config
+from . import gemm_switches
 from .launch import keep, launch, not_recorded
 from . import s8wgmma
 
@@ -563,8 +564,9 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     dev = a_q.device
     # exact-M memo first (the switch's raw value in the key: A/B rows in one process); the per-call path is a lookup
     s8 = s8wgmma.usable(dev)
-    persist = s8 and bool(_config.get("INT8_FUSED_PERSISTENT"))
-    exact = (dev, n, k, m, tail_split, _config.get("INT8_FUSED_TAIL_SPLIT"), s8, persist)
+    switches = gemm_switches()  # (tail split, s8 path, persistent kernels)
+    persist = s8 and bool(switches[2])
+    exact = (dev, n, k, m, tail_split, switches[0], s8, persist)
     cfg = _TUNED.get(exact)
     if cfg is not None:
         return cfg
