@@ -93,9 +93,12 @@
 #   cdtma     bench/tma_encode.py, then Flux: pack, pack PERSISTENT=0, pack (cProfiled)
 #   cdab      Flux / Z-Image / Wan 1.3B: the pack with INT8_FUSED_PERSISTENT A/B'd on the loaded model (--ab)
 #   cdideo    issue 14's anchors at HEAD: Ideogram 4 dual, bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack
+#   psplit    the persistent GEMM's tail split: bench/persist_split.py, then the Ideogram 4 / Flux.1 linear shapes
+#   psideo    issue 14's anchors with it: Ideogram 4 dual, bf16, pack (INT8_FUSED_TAIL_SPLIT=0 A/B'd), fp8_fast~cudnn,
+#             fp8_fast~kitchen, pack
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -449,6 +452,15 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
   cdideo)  # issue 14's anchors at HEAD, one process
     timeout 560 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
       --out "$OUT/sampler-cdideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  psplit)  # the persistent GEMM's tail split (K pieces for the tiles past the last whole wave): exact, timed, picked;
+           # then the Ideogram 4 / Flux.1 linear shapes with it
+    timeout 200 python3 bench/persist_split.py --out "$OUT/h200-persist-split.json" 2>&1 | tee "$OUT/persist-split.log"
+    cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/" 2>/dev/null
+    timeout 240 python3 bench/shapes.py --only 'ideogram4|flux1' --budget-s 200 --out "$OUT/h200-shapes.json" 2>&1 \
+      | tee "$OUT/shapes.log" ;;
+  psideo)  # issue 14's anchors with the persistent tail split, the split A/B'd on the loaded pack (one process)
+    timeout 560 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
+      --ab INT8_FUSED_TAIL_SPLIT=0 --out "$OUT/sampler-psideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

@@ -329,7 +329,7 @@ def _gemm_swiglu_persistent_kernel(a_desc, w_desc, h_desc, as_ptr, ws_ptr, bias_
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(F, HALF)
     for tile in tl.range(tl.program_id(0), tiles, NUM_PROGS, flatten=True):
         pid_m, pid_n = _tile_ids(tile, M, F, BLOCK_M, HALF, GROUP_M)
-        acc = _acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * HALF, K, BLOCK_M, BLOCK_N, BLOCK_K, True)
+        acc = _acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * HALF, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, True)
         y = _swiglu_values(acc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
                            _swiglu_w_rows(pid_n, F, BLOCK_N), M, stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N,
                            HAS_BIAS, DT, CLAMP_FP16, INTERPRET)

@@ -142,22 +142,24 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
 
 
 @triton.jit
-def _acc_tile_tma(a_desc, w_desc, off_m, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _acc_tile_tma(a_desc, w_desc, off_m, off_n, k_lo, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, W_HALVES: tl.constexpr):
-    """``_acc_tile`` through TMA descriptors: the exact int32 tile of A rows ``off_m``.. and W rows ``off_n``.. (rows
-    and K past the ends read as zero). ``W_HALVES``: ``w_desc`` describes W as [2, N / 2, K] and the tile's rows
-    are BLOCK_N / 2 rows of each half from ``off_n`` on (the SwiGLU GEMM's w1 and w3 rows), one load of both."""
+    """``_acc_tile`` through TMA descriptors: the exact int32 tile of A rows ``off_m``.. and W rows ``off_n``.. over
+    K elements ``k_lo``..``k_lo + k_len`` (rows and K past the ends read as zero; ``k_len`` a multiple of BLOCK_K
+    unless the range ends at K). ``W_HALVES``: ``w_desc`` describes W as [2, N / 2, K] and the tile's rows are
+    BLOCK_N / 2 rows of each half from ``off_n`` on (the SwiGLU GEMM's w1 and w3 rows), one load of both."""
     FP8: tl.constexpr = a_desc.dtype == tl.float8e4nv
     if FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for kk in range(tl.cdiv(K, BLOCK_K)):
-        a = a_desc.load([off_m, kk * BLOCK_K])
+    for kk in range(tl.cdiv(k_len, BLOCK_K)):
+        k = k_lo + kk * BLOCK_K
+        a = a_desc.load([off_m, k])
         if W_HALVES:
-            w = tl.reshape(w_desc.load([0, off_n, kk * BLOCK_K]), (BLOCK_N, BLOCK_K))
+            w = tl.reshape(w_desc.load([0, off_n, k]), (BLOCK_N, BLOCK_K))
         else:
-            w = w_desc.load([off_n, kk * BLOCK_K])
+            w = w_desc.load([off_n, k])
         if FP8:
             acc = tl.dot(a, w.T, acc)
         else:
@@ -168,34 +170,54 @@ def _acc_tile_tma(a_desc, w_desc, off_m, off_n, K, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_ptr, M, N, K,
-                                 stride_as, stride_ws, stride_bias, NUM_PROGS,
+def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_ptr, part_ptr, cnt_ptr, M, N, K,
+                                 DP_TILES, K_PIECE, stride_as, stride_ws, stride_bias, NUM_PROGS,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+                                 GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                                 INTERPRET: tl.constexpr):
     # The same GEMM as _int8_gemm_kernel (same sums, same epilogue arithmetic: same output bits) as a persistent
     # kernel: NUM_PROGS programs (a runtime value: one binary for any grid) loop over the tiles in grouped order,
     # A / W tiles come through TMA descriptors (rows / K past the end read as zero) and the output tile leaves
     # through a TMA store in two halves (clipped at M / N). The tile loop is flattened into the K loop, so the next
     # tile's loads are in flight while this one's epilogue runs. Operands as fp8: the s8 rewrite (kernel.s8wgmma),
-    # as in _acc_tile.
-    HALF: tl.constexpr = BLOCK_N // 2
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGS, flatten=True):
+    # as in _acc_tile. SPLIT > 1 (the tail split, ``tail_layout`` with a slot a program): the loop runs the first
+    # DP_TILES tiles (whole waves), then program q runs piece q % SPLIT (K_PIECE long) of tile DP_TILES + q //
+    # SPLIT, and a tile's last piece to finish sums the exact int32 partials (``_sum_pieces``) and stores it.
+    for tile in tl.range(tl.program_id(0), DP_TILES, NUM_PROGS, flatten=True):
         pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = _acc_tile_tma(a_desc, w_desc, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
-        offs_cm = off_m + tl.arange(0, BLOCK_M)
-        offs_wn = (off_n + tl.arange(0, BLOCK_N)) % N  # a column tail wraps; the store clips it
-        out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
-                       HAS_BIAS)
-        if INTERPRET and c_desc.dtype == tl.bfloat16:  # round as compiled code does (see _store_out)
-            y = _to_bf16_rne_bits(out)
-        else:
-            y = out.to(c_desc.dtype)
-        y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-        c_desc.store([off_m, off_n], y0)
-        c_desc.store([off_m, off_n + HALF], y1)
+        acc = _acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+        _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                          stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET)
+    if SPLIT > 1:
+        q = tl.program_id(0)
+        tile = DP_TILES + q // SPLIT
+        if tile < tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N):
+            pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            k_lo = (q % SPLIT) * K_PIECE
+            acc = _acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, tl.minimum(K - k_lo, K_PIECE),
+                                BLOCK_M, BLOCK_N, BLOCK_K, False)
+            acc, last = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, q % SPLIT, BLOCK_M, BLOCK_N, SPLIT)
+            if last:
+                _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                                  stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET)
+
+
+@triton.jit
+def _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, off_m, off_n, M, N, stride_as, stride_ws, stride_bias,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The persistent kernel's epilogue: ``_dequant`` of the int32 tile at (``off_m``, ``off_n``), stored through
+    ``c_desc`` in two halves (clipped at M / N)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    offs_cm = off_m + tl.arange(0, BLOCK_M)
+    offs_wn = (off_n + tl.arange(0, BLOCK_N)) % N  # a column tail wraps; the store clips it
+    out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias, HAS_BIAS)
+    if INTERPRET and c_desc.dtype == tl.bfloat16:  # round as compiled code does (see _store_out)
+        y = _to_bf16_rne_bits(out)
+    else:
+        y = out.to(c_desc.dtype)
+    y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    c_desc.store([off_m, off_n], y0)
+    c_desc.store([off_m, off_n + HALF], y1)
 
 
 @triton.jit
@@ -436,20 +458,23 @@ def _scratch(device: torch.device, partials: int, counters: int):
     return have
 
 
-def split_launch(cfg: dict, tiles: int, k: int, device: torch.device, unused: torch.Tensor):
+def split_launch(cfg: dict, tiles: int, k: int, device: torch.device, unused: torch.Tensor,
+                 slots: int | None = None):
     """The tail split of one launch of ``tiles`` tiles with ``cfg`` (``cfg["SPLIT"]``, default 1): (programs,
     whole-tile programs, K elements a piece, pieces a tail tile, partials, counters, extra launch options). The plain
-    launch: (tiles, tiles, 0, 1, unused, unused, {})."""
+    launch: (tiles, tiles, 0, 1, unused, unused, {}). ``slots``: the programs running at once (default
+    ``_slots``; a persistent kernel: its programs, one a slot, which loop over the whole tiles first)."""
     bk = cfg["BLOCK_K"]
     if cfg.get("SPLIT", 1) > 1:
-        slots = _slots(cfg, device)
+        persistent = slots is not None
+        slots = slots if persistent else _slots(cfg, device)
         dp, split, per = tail_layout(tiles, slots, cfg["SPLIT"], -(-k // bk))
         if split > 1:
             part, cnt = _scratch(device, (tiles - dp) * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles - dp)
             # The pieces' sum would take the sm_90 build from 119 to 176 registers a thread at 8 warps (one CTA
             # an SM); capped at the plain build's occupancy it spills a few words at most (tests/test_fused.py).
             opts = {}
-            if device.type == "cuda":
+            if device.type == "cuda" and not persistent:
                 regs = 65536 // (slots // _sm_count(device) * 32 * cfg["num_warps"]) // 8 * 8
                 opts = {"maxnreg": regs} if regs < 255 else {}
             return dp + (tiles - dp) * split, dp, per * bk, split, part, cnt, opts
@@ -508,14 +533,15 @@ def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: 
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     dev = a_q.device
     progs = persistent_programs(tiles, dev)
+    _, dp, k_piece, split, part, cnt, _ = split_launch(cfg, tiles, k, dev, a_scale, progs)
     run_launch(cfg, _int8_gemm_persistent_kernel, (progs,),
                (TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, bk]),
                 TensorDescriptor(w_q, [n, k], [w_q.stride(0), 1], [bn, bk]),
                 TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn // 2]),
-                a_scale, w_scale, a_scale if bias is None else bias, m, n, k,
+                a_scale, w_scale, a_scale if bias is None else bias, part, cnt, m, n, k, dp, k_piece,
                 a_scale.stride(0), w_scale.stride(0), 0 if bias is None else bias.stride(0), progs),
                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-                    HAS_BIAS=bias is not None, INTERPRET=_quantize.INTERPRET),
+                    HAS_BIAS=bias is not None, SPLIT=split, INTERPRET=_quantize.INTERPRET),
                dev)
 
 
@@ -595,7 +621,8 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
                 cfg = _TUNED[memo_key] = autotune.pick_config(
                     _device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, persist), cands, time_fn, meta)
             if tail_split:
-                cfg = choose_split(cfg, m, n, k, _slots(cfg, dev), _device_cache(dev), time_fn, meta)
+                slots = _sm_count(dev) if cfg.get("PERSIST") else _slots(cfg, dev)  # a persistent program an SM
+                cfg = choose_split(cfg, m, n, k, slots, _device_cache(dev), time_fn, meta)
     _TUNED[exact] = cfg
     return cfg
 
@@ -625,7 +652,7 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
     row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile configs' file) under a key prefixed with
     ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the SwiGLU-epilogue GEMM)."""
     from . import autotune
-    if cfg.get("PERSIST"):  # its programs share the tiles out evenly: no partial wave to split
+    if cfg.get("PERSIST") and kind:  # the persistent SwiGLU kernel runs whole tiles only
         return cfg
     tiles_m = -(-m // cfg["BLOCK_M"])
     tiles, kb = tiles_m * -(-n // cfg["BLOCK_N"]), -(-k // cfg["BLOCK_K"])
@@ -636,7 +663,8 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
             layouts[s] = lay
     if not layouts:
         return cfg
-    key = f"{kind}{autotune.ConfigCache.key(n, k, autotune.m_bucket(m), bool(cfg.get('S8')))}_T{tiles_m}_split"
+    key = autotune.ConfigCache.key(n, k, autotune.m_bucket(m), bool(cfg.get("S8")), bool(cfg.get("PERSIST")))
+    key = f"{kind}{key}_T{tiles_m}_split"
     hit = cache.get(key)
     if hit is None:
         med = autotune.interleaved_medians({1: cfg, **{s: {**cfg, "SPLIT": s} for s in layouts}}, time_fn,

@@ -5,6 +5,7 @@ Whether a rewritten binary computes the right sums is the GPU's to say: bench/s8
 
 Run: TRITON_INTERPRET=1 python -m pytest tests/test_s8wgmma.py -q
 """
+import json
 import os
 import subprocess
 import sys
@@ -181,12 +182,54 @@ def test_a_plan_of_the_persistent_kernel_makes_its_descriptors_over_the_new_tens
     assert y2 is not y1 and s8wgmma.same_bits(y2, ref) and not s8wgmma.same_bits(y1, y2)
 
 
-def test_choose_split_leaves_a_persistent_config_whole(tmp_path):
-    calls = []
+@pytest.mark.parametrize("m,n,k,split,bias,out_dtype", [
+    (150, 40, 96, 2, True, torch.bfloat16),   # 5 x 2 tiles on 4 programs: 2 whole waves, a tail of 2 in 2 pieces
+    (160, 32, 80, 4, False, torch.float16),   # 5 tiles: a tail of 1 in 3 pieces of 1 K step (K tail: 80 = 2.5 steps)
+    (33, 72, 128, 2, True, torch.float16),    # 2 x 3 tiles: row / column tails, a tail of 2 in 2 pieces
+])
+def test_the_persistent_tail_split_gives_the_plain_kernels_bits(m, n, k, split, bias, out_dtype):
+    """The persistent kernel with the tail split (its programs loop over the whole waves, then each runs one K piece
+    of a tail tile; the last piece sums the int32 partials): the plain kernel's bits from a poisoned output, twice
+    (the first launch leaves its counters at 0), and one launch of the persistent kernel, nothing else."""
+    from kernel import launch
+    torch.manual_seed(6)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a_s, w_s = torch.rand(m) * 1e-2, torch.rand(n) * 1e-2
+    b = torch.randn(n).to(out_dtype) if bias else None
+    tiles = -(-m // 32) * -(-n // 32)
+    assert gemm.tail_layout(tiles, 4, split, -(-k // 32))[1] > 1  # the case does split
+    plain = gemm.launch_int8_gemm(a, a_s, w, w_s, b, torch.empty((m, n), dtype=out_dtype),
+                                  autotune.interpreter_configs()[0])
+    acc = int8_matmul_ref(a, w).double()
+    ref = acc * a_s.double()[:, None] * w_s.double()[None, :] + (b.double()[None, :] if bias else 0)
+    assert ((plain.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6).all()  # the plain kernel, by hand
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), dtype=out_dtype)
+        with launch.record() as rec:
+            gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, {**_persist_cfg(), "SPLIT": split})
+        assert [ln.jit_fn for ln in rec] == [gemm._int8_gemm_persistent_kernel]
+        assert s8wgmma.same_bits(out, plain)
+        assert all(not c.any() for _, c in gemm._SCRATCH.values())  # every counter back at 0
+
+
+def test_choose_split_times_a_persistent_config_on_a_program_an_sm(tmp_path):
+    """The persistent GEMM's tail: 576 tiles of 128 x 256 (Ideogram 4 o at M 4096) on 132 programs leave 48 tiles
+    after 4 whole waves, room for 2 pieces each; the split is kept when it times faster, under its own key. The
+    persistent SwiGLU kernel (``kind``) runs whole tiles: nothing timed."""
     cfg = {**autotune.s8_configs()[1]}
-    got = gemm.choose_split(cfg, 4608, 12288, 4608, 132, autotune.ConfigCache(tmp_path / "c.json"),
-                            lambda c: calls.append(c) or 1.0)
-    assert got == cfg and calls == []
+    calls = []
+
+    def clock(c):
+        calls.append(c.get("SPLIT", 1))
+        return {1: 1.0, 2: 0.9}[c.get("SPLIT", 1)]
+    cache = autotune.ConfigCache(tmp_path / "c.json")
+    assert gemm.tail_layout(576, 132, 4, 36) == (528, 2, 18)
+    assert gemm.choose_split(cfg, 4096, 4608, 4608, 132, cache, clock) == {**cfg, "SPLIT": 2}
+    assert calls == [1, 2] * gemm.SPLIT_ROUNDS
+    assert json.loads((tmp_path / "c.json").read_text())["configs"]["N4608_K4608_M4096_s8p_T32_split"] == {"SPLIT": 2}
+    assert gemm.choose_split(cfg, 4096, 12288, 4608, 132, cache, clock, kind="SW_") == cfg
+    assert len(calls) == 2 * gemm.SPLIT_ROUNDS
 
 
 def test_interleaved_medians_takes_medians_and_drops_a_variant_that_fails():
@@ -232,9 +275,10 @@ CASES = [
     ("gemm split 2", g._int8_gemm_kernel, {"HAS_BIAS": True, "OUT_INT32": False, "EVEN_K": True, "SPLIT": 2}, {}),
     ("swiglu", kf._gemm_swiglu_kernel, {"HAS_BIAS": False, "EVEN_K": True, "SPLIT": 1, "DT": 1, "CLAMP_FP16": False},
      {}),
-    ("persistent bias bf16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": True}, {}),
-    ("persistent fp16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": False},
+    ("persistent bias bf16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": True, "SPLIT": 1}, {}),
+    ("persistent fp16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": False, "SPLIT": 1},
      {"c_desc": "tensordesc<fp16[128, 128]>"}),
+    ("persistent split 2", g._int8_gemm_persistent_kernel, {"HAS_BIAS": False, "SPLIT": 2}, {}),
     ("swiglu persistent", kf._gemm_swiglu_persistent_kernel,
      {"HAS_BIAS": False, "DT": 1, "CLAMP_FP16": False},
      {"w_desc": "tensordesc<fp8e4nv[2, 128, 128]>", "h_desc": "tensordesc<bf16[128, 128]>"}),
@@ -266,7 +310,7 @@ for name, fn, consts, types in CASES:
 
 def test_pack_gemm_kernels_build_for_sm90_as_s8_wgmma_n256(tmp_path):
     """The plain GEMM (bias, int32 out, K tail, tail split), the SwiGLU-epilogue GEMM and the persistent TMA forms
-    of both (bf16 with a bias, fp16; SwiGLU) at 128 x 256 tiles, built
+    of both (bf16 with a bias, fp16, tail split; SwiGLU) at 128 x 256 tiles, built
     for sm_90 with fp8 operand types as ``kernel.s8wgmma`` builds them: Triton issues their dots as fp8 n256 wgmma,
     the rewrite leaves only s8 n256 ones, ptxas assembles them, and (where cuobjdump ships) nothing spills. In a
     subprocess without TRITON_INTERPRET."""
@@ -277,5 +321,5 @@ def test_pack_gemm_kernels_build_for_sm90_as_s8_wgmma_n256(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 8 and all(" OK " in ln for ln in lines), out[-3000:]
+    assert len(lines) == 9 and all(" OK " in ln for ln in lines), out[-3000:]
 
