@@ -96,9 +96,10 @@
 #   psplit    the persistent GEMM's tail split: bench/persist_split.py, then the Ideogram 4 / Flux.1 linear shapes
 #   psideo    issue 14's anchors with it: Ideogram 4 dual, bf16, pack (INT8_FUSED_TAIL_SPLIT=0 A/B'd), fp8_fast~cudnn,
 #             fp8_fast~kitchen, pack
+#   pshost    Ideogram 4 dual, the pack: where its host time goes now that it paces the step (cProfile of 2 steps)
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -461,6 +462,9 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
   psideo)  # issue 14's anchors with the persistent tail split, the split A/B'd on the loaded pack (one process)
     timeout 560 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
       --ab INT8_FUSED_TAIL_SPLIT=0 --out "$OUT/sampler-psideo.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  pshost)  # run cj's pack step followed its host (host 165 ms a step, GPU busy 143): where that host time goes
+    timeout 400 $sampler --paths "pack:fused_triton" --profile none --host-profile "pack:fused_triton" \
+      --out "$OUT/sampler-pshost.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
