@@ -97,9 +97,10 @@
 #   psideo    issue 14's anchors with it: Ideogram 4 dual, bf16, pack (INT8_FUSED_TAIL_SPLIT=0 A/B'd), fp8_fast~cudnn,
 #             fp8_fast~kitchen, pack
 #   pshost    Ideogram 4 dual, the pack: where its host time goes now that it paces the step (cProfile of 2 steps)
+#   hostops   bench/host_ops.py under torch's cudaMallocAsync allocator (ComfyUI's on NVIDIA), then the native one
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost|hostops ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -465,6 +466,10 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
   pshost)  # run cj's pack step followed its host (host 165 ms a step, GPU busy 143): where that host time goes
     timeout 400 $sampler --paths "pack:fused_triton" --profile none --host-profile "pack:fused_triton" \
       --out "$OUT/sampler-pshost.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  hostops)  # host cost a call of the torch ops in an Ideogram 4 block, under both allocators
+    PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync timeout 120 python3 bench/host_ops.py \
+      --json "$OUT/h200-host-ops-async.json" 2>&1 | tee "$OUT/host-ops.log"
+    timeout 120 python3 bench/host_ops.py --json "$OUT/h200-host-ops-native.json" 2>&1 | tee -a "$OUT/host-ops.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done
