@@ -150,9 +150,7 @@ class FusedIdeogram4Block(qf.FetchedBlock):
 
     def forward(self, x, attn_mask, freqs_cis, adaln_input, transformer_options={}):
         mod = qf.linear(self.adaln_modulation, adaln_input)
-        scale_msa, gate_msa, scale_mlp, gate_mlp = mod.chunk(4, dim=-1)
-        gate_msa, gate_mlp = torch.tanh(gate_msa), torch.tanh(gate_mlp)
-        scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
+        scale_msa, gate_msa, scale_mlp, gate_mlp = qf.adaln_chunks(mod)  # 1 + s, tanh(g): two launches, not four
         b, l, k = x.shape
         attn, ff = self.attention, self.feed_forward
         a_q, a_s = qf.norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), scale_msa, l,

@@ -98,9 +98,10 @@
 #             fp8_fast~kitchen, pack
 #   pshost    Ideogram 4 dual, the pack: where its host time goes now that it paces the step (cProfile of 2 steps)
 #   hostops   bench/host_ops.py under torch's cudaMallocAsync allocator (ComfyUI's on NVIDIA), then the native one
+#   direct    bench/sdpa_direct.py; Ideogram 4 dual bf16, pack (INT8_FUSED_SDPA_DIRECT=0 A/B'd); Z-Image the same
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost|hostops ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost|hostops|direct ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -470,6 +471,12 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
     PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync timeout 120 python3 bench/host_ops.py \
       --json "$OUT/h200-host-ops-async.json" 2>&1 | tee "$OUT/host-ops.log"
     timeout 120 python3 bench/host_ops.py --json "$OUT/h200-host-ops-native.json" 2>&1 | tee -a "$OUT/host-ops.log" ;;
+  direct)  # the Router's direct cuDNN call (bits, host) and the two-launch adaLN chunks on the host-paced steps
+    timeout 120 python3 bench/sdpa_direct.py --out "$OUT/h200-sdpa-direct.json" 2>&1 | tee "$OUT/sdpa-direct.log"
+    timeout 260 $sampler --paths "bf16,pack:fused_triton" --profile none --ab INT8_FUSED_SDPA_DIRECT=0 \
+      --out "$OUT/sampler-direct.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 200 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage --paths "bf16,pack:fused_triton" \
+      --ab INT8_FUSED_SDPA_DIRECT=0 --out "$OUT/h200-e2e-models-direct.json" 2>&1 | tee -a "$OUT/last.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 done

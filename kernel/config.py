@@ -77,7 +77,8 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_TAIL_SPLIT", str, "gemm",
            "GEMMs whose last wave of tiles would leave most SMs idle run those tiles in K pieces where that timed "
            "at least 2 % faster on this GPU (`kernel/gemm.py` `tail_layout`: the same int32 sums, the same output "
-           "bits; medians of 3 interleaved timings): `gemm` the INT8 GEMM (measured on the H200: runs bp–br), "
+           "bits; medians of 3 interleaved timings): `gemm` the INT8 GEMM, persistent or not (measured on the "
+           "H200: runs bp–br, ci), "
            "`all` the SwiGLU-epilogue GEMM too (H200, runs bt–bv: no step faster, the pack's own timing kept whole "
            "tiles), `0` none"),
     Switch("INT8_FUSED_S8_WGMMA", bool, True,
@@ -96,6 +97,11 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_ATTN_INT8_AUTO", bool, False,
            "`1`: the Apply node's attention `auto` also times the pack's INT8 attention kernel (`int8`, "
            "approximate: int8 Q·Kᵀ) and may pick it; unset, `auto` chooses among the exact SDPA backends only"),
+    Switch("INT8_FUSED_SDPA_DIRECT", bool, True,
+           "`0`: attention calls the Apply node routes to cuDNN go through `F.scaled_dot_product_attention` "
+           "inside torch's backend-priority context; unset, a call torch sends to cuDNN for its shape (no mask, "
+           "no gradient) calls torch's cuDNN attention op directly: the same kernel, less host time "
+           "(`quant/attention.py`)"),
     Switch("INT8_FUSED_CACHE_DIR", str, "~/.cache/comfyui-int8-fused",
            "folder of the GEMM autotune cache: one JSON file per GPU and Triton version, so a new process "
            "does not tune again"),

@@ -70,6 +70,11 @@ try:
 except (ImportError, AttributeError, TypeError, ValueError):  # torch < 2.3
     sdpa_kernel, _SDPA, _SET_PRIORITY = None, {}, False
 COMFY_ORDER = ("flash", "cudnn", "efficient", "math")  # comfy/ops.py SDPA_BACKEND_PRIORITY
+# The op torch's SDPA runs for a cuDNN call (aten/src/ATen/native/transformers/attention.cpp: no mask, no grad: the
+# query, key and value as given, compute_log_sumexp False, its output first). Where this call's shape and strides
+# are known to go to cuDNN (``Router._which``), the Router calls it directly: the same kernel and bits without the
+# priority context and the dispatcher's backend checks (host time: the Ideogram 4 step is host-paced, run cj).
+_CUDNN_OP = getattr(getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None), "default", None)
 
 
 def check_mode(mode: str) -> str:
@@ -235,10 +240,25 @@ def run_int8(q, k, v, extra) -> torch.Tensor:
     return _attention8().attention_int8(q, k, v, scale=extra.get("scale"))
 
 
+def _switch(name: str) -> bool:
+    from . import kernel_module
+    return bool(kernel_module("config").get(name))
+
+
 def int8_auto_allowed() -> bool:
     """INT8_FUSED_ATTN_INT8_AUTO: may ``auto`` time and choose ``int8``."""
-    from . import kernel_module
-    return bool(kernel_module("config").get("INT8_FUSED_ATTN_INT8_AUTO"))
+    return _switch("INT8_FUSED_ATTN_INT8_AUTO")
+
+
+def direct_cudnn_ok(q, k, v, mask, extra, devices=("cuda",)) -> bool:
+    """Whether a call torch would send to cuDNN may call its op directly (``_CUDNN_OP``): the op exists, a device
+    of ``devices``, no mask, no keyword but ``scale``, nothing that needs a gradient, not under torch.compile, and
+    ``INT8_FUSED_SDPA_DIRECT`` on."""
+    if _CUDNN_OP is None or mask is not None or q.device.type not in devices or any(n != "scale" for n in extra):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return not torch.compiler.is_compiling() and _switch("INT8_FUSED_SDPA_DIRECT")
 
 
 # ------------------------------------------------------------------------------------ the override
@@ -248,15 +268,17 @@ class Router:
     ``time_fn(name, run)`` -> ms times one backend for ``auto`` (default: ``cuda_time(run)``); ``cache``: an
     object with ``get(key) -> dict | None`` and ``put(key, dict)`` (default: ``disk_cache(device)``);
     ``probe_devices``: device types ``auto`` probes on (CUDA; tests add "cpu" with a fake ``time_fn``);
-    ``int8_devices``: device types ``int8`` runs on (CUDA; tests add "cpu" under TRITON_INTERPRET=1)."""
+    ``int8_devices``: device types ``int8`` runs on (CUDA; tests add "cpu" under TRITON_INTERPRET=1);
+    ``direct_devices``: device types whose cuDNN calls run torch's cuDNN op directly (``direct_cudnn_ok``)."""
 
-    def __init__(self, mode: str, time_fn=None, cache=None, probe_devices=("cuda",), int8_devices=("cuda",)):
+    def __init__(self, mode: str, time_fn=None, cache=None, probe_devices=("cuda",), int8_devices=("cuda",),
+                 direct_devices=("cuda",)):
         self.mode = check_mode(mode)
         if mode == COMFY:
             raise ValueError("comfy_default installs no override; do not build a Router for it")
         self.time_fn = time_fn or (lambda name, run: cuda_time(run))
         self.cache, self.probe_devices = cache, tuple(probe_devices)
-        self.int8_devices = tuple(int8_devices)
+        self.int8_devices, self.direct_devices = tuple(int8_devices), tuple(direct_devices)
         self.counts: collections.Counter = collections.Counter()  # backend that ran -> calls
         self.winners: dict = {}  # auto: shape key -> backend name
         self.probes: dict = {}   # auto: shape key -> {backend: ms} of the probes this Router ran
@@ -287,10 +309,14 @@ class Router:
             self.counts[INT8] += 1
             return output(out)
         names = order(backend)
-        with _kernel(names):
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
-                                                                   is_causal=False, **extra)
-        self.counts[self._which(q, k, v, mask, extra, names)] += 1
+        ran = self._which(q, k, v, mask, extra, names)
+        if ran == "cudnn" and direct_cudnn_ok(q, k, v, mask, extra, self.direct_devices):
+            out = _CUDNN_OP(q, k, v, None, False, 0.0, False, False, scale=extra.get("scale"))[0]
+        else:
+            with _kernel(names):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0,
+                                                                       is_causal=False, **extra)
+        self.counts[ran] += 1
         return output(out)
 
     def _comfy(self, func, args, kwargs):

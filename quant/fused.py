@@ -274,6 +274,16 @@ def _norm_eps(norm: nn.Module, x: torch.Tensor) -> float:
     return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
 
 
+def adaln_chunks(mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(1 + scale_msa, tanh(gate_msa), 1 + scale_mlp, tanh(gate_mlp)) of an adaLN modulation ``mod`` [..., 4 K]
+    holding scale_msa, gate_msa, scale_mlp, gate_mlp along its last dim (``mod.chunk(4, -1)``), each [..., K]:
+    two launches (both 1 + s, both tanh, on strided views) where the blocks' code issues four, each element as
+    torch's own op computes it. The results are views of [..., 2, K] tensors (unit last stride)."""
+    m4 = mod.unflatten(-1, (4, -1))
+    s, g = 1.0 + m4[..., 0::2, :], torch.tanh(m4[..., 1::2, :])
+    return s[..., 0, :], g[..., 0, :], s[..., 1, :], g[..., 1, :]
+
+
 def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tensor, tokens: int,
                            inv_smooth: torch.Tensor | None):
     """int8 input of the next GEMM from ``norm(x2) * scale`` ([M, K], scale [B, K]): one kernel, or the

@@ -123,37 +123,36 @@ class FusedLumina2Block(qf.FetchedBlock):
             return self.fn.block_forward(self, x, x_mask, freqs_cis, adaln_input,
                                          transformer_options=transformer_options, **kw)
         fn = self.fn
-        scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).chunk(4, dim=1)
+        # modulate(): x * (1 + scale.unsqueeze(1)); the kernels take the (1 + scale) and tanh(gate) rows [B, K], all
+        # four from two launches (the block's code: chunk(4, dim=1) of [B, 4 K], then four ops)
+        s_msa, tanh_msa, s_mlp, tanh_mlp = qf.adaln_chunks(self.adaLN_modulation(adaln_input))
         b, l, k = x.shape
         attn = self.attention
-        # modulate(): x * (1 + scale.unsqueeze(1)); the kernel takes the (1 + scale) rows [B, K]
-        s_msa = 1 + scale_msa
         a_q, a_s = qf.norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), s_msa, l,
                                              qf.inv_smooth_of(attn.qkv, x.device))
         o = self._attention(a_q, a_s, b, l, torch.promote_types(x.dtype, s_msa.dtype), x_mask, freqs_cis,
                             transformer_options)
         if fn.clamp_fp16 is not None:
             o = fn.clamp_fp16(o)
-        s_mlp = 1 + scale_mlp
         ff = self.feed_forward
         inv13 = qf.inv_smooth_of(ff.w13, x.device)
         # x + tanh(gate) * attention_norm2(o), then ffn_norm1 * (1 + s) + quantize: one kernel (torch otherwise)
-        tail = qf.gated_residual(x.reshape(-1, k), o.reshape(-1, k), self.attention_norm2, gate_msa.tanh(), l,
+        tail = qf.gated_residual(x.reshape(-1, k), o.reshape(-1, k), self.attention_norm2, tanh_msa, l,
                                  self.ffn_norm1, s_mlp, inv13)
         if tail is not None:
             x2, a_q, a_s = tail
             x = x2.view(b, l, k)
         else:
-            x = x + gate_msa.unsqueeze(1).tanh() * qf.rms(self.attention_norm2, o)
+            x = x + tanh_msa.unsqueeze(1) * qf.rms(self.attention_norm2, o)
             a_q, a_s = qf.norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), s_mlp, l, inv13)
         del o
         h = ff.forward_quantized(a_q, a_s, torch.promote_types(x.dtype, s_mlp.dtype)).view(b, l, -1)
         if fn.clamp_fp16 is not None:
             h = fn.clamp_fp16(h)
-        tail = qf.gated_residual(x.reshape(-1, k), h.reshape(-1, k), self.ffn_norm2, gate_mlp.tanh(), l)
+        tail = qf.gated_residual(x.reshape(-1, k), h.reshape(-1, k), self.ffn_norm2, tanh_mlp, l)
         if tail is not None:
             return tail[0].view(b, l, k)
-        return x + gate_mlp.unsqueeze(1).tanh() * qf.rms(self.ffn_norm2, h)
+        return x + tanh_mlp.unsqueeze(1) * qf.rms(self.ffn_norm2, h)
 
     def _attention(self, a_q, a_s, bsz, seqlen, dtype, x_mask, freqs_cis, transformer_options):
         """JointAttention.forward of the running ComfyUI from the int8 qkv input on."""

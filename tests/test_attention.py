@@ -132,6 +132,44 @@ def test_calls_it_cannot_take_go_to_comfyuis_function(att):
     assert dict(router.counts) == {"comfy_default": 2}
 
 
+def test_a_call_torch_sends_to_cudnn_runs_its_op_directly(att, pack, monkeypatch):
+    """Where torch runs cuDNN for the call's shape (``_which``; forced here, a CPU has no cuDNN attention), the
+    Router calls torch's cuDNN op itself (a stand-in computing the float64 reference, as the op's output tuple)
+    with the call's q, k, v and scale, and returns its output in ComfyUI's layout, counted as cudnn. A mask, a
+    keyword but ``scale``, a tensor that needs a gradient, another device or INT8_FUSED_SDPA_DIRECT=0: torch's
+    SDPA under the priority context (the stand-in is not called)."""
+    config = pack.quant.kernel_module("config")  # the pack's own switches (the package ComfyUI imported)
+    calls = []
+
+    def op(q, k, v, bias, lse, dropout, causal, debug, scale=None):
+        calls.append((bias, lse, dropout, causal, debug, scale))
+        return (_ref(q, k, v, scale=scale).to(q.dtype), None)
+    monkeypatch.setattr(att, "_CUDNN_OP", op)
+    monkeypatch.setattr(att.Router, "_which", lambda self, *a: "cudnn")
+    router = att.Router("cudnn", direct_devices=("cpu",))
+    never = lambda *a, **k: pytest.fail("ComfyUI's function called")  # noqa: E731
+    q, k, v = _qkv(seed=9)
+    out = router(never, _flat(q), _flat(k), _flat(v), 4, None, None, False, False, scale=0.1)
+    assert torch.equal(out, _flat(_ref(q, k, v, scale=0.1).float()))
+    assert calls == [(None, False, 0.0, False, False, 0.1)] and dict(router.counts) == {"cudnn": 1}
+    mask = _masks()["4d bool"]
+    qg, kg, vg = _qkv(hk=2, seed=3)  # GQA: 4 query heads on 2 K/V heads, SDPA's enable_gqa keyword
+    others = [((q, k, v, 4), {"mask": mask, "skip_reshape": True}),
+              ((qg, kg, vg, 4), {"skip_reshape": True, "enable_gqa": True}),
+              ((q.clone().requires_grad_(), k, v, 4), {"skip_reshape": True})]
+    for args, kw in others:
+        with torch.enable_grad():
+            got = router(never, *args, **kw)
+        assert torch.allclose(got.double(), _flat(_ref(*args[:3], kw.get("mask"))), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
+    assert not att.direct_cudnn_ok(q, k, v, None, {})  # a CPU tensor: default devices are CUDA only
+    with config.override(INT8_FUSED_SDPA_DIRECT=False):
+        router(never, q, k, v, 4, skip_reshape=True)
+    assert len(calls) == 1 and router.counts["cudnn"] == 5
+    router(never, q, k, v, 4, skip_reshape=True)
+    assert len(calls) == 2
+
+
 class _MemCache:
     """The ConfigCache interface in memory."""
 

@@ -189,6 +189,23 @@ def test_norm_without_eps_uses_torchs_fp32_epsilon(kf, dtype):
     assert torch.equal(q, rq) and torch.allclose(qs, rs, rtol=2 ** -20, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+@pytest.mark.parametrize("shape", [(1, 1, 4 * 48), (2, 1, 4 * 48), (3, 4 * 40)], ids=["B1", "B2", "2d"])
+def test_adaln_chunks_equals_the_blocks_four_ops(dtype, shape):
+    """``qf.adaln_chunks`` (two launches on strided views) against the blocks' own code: ``chunk(4, -1)``, then
+    ``1 + s`` and ``tanh(g)`` each on its own chunk, bit for bit, same shapes; values large enough that tanh
+    saturates and 1 + s rounds."""
+    torch.manual_seed(7)
+    mod = (torch.randn(shape) * 4).to(dtype)
+    s1, g1, s2, g2 = mod.chunk(4, dim=-1)
+    want = (1.0 + s1, torch.tanh(g1), 1.0 + s2, torch.tanh(g2))
+    got = qf.adaln_chunks(mod)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape and g.dtype == dtype and g.stride(-1) == 1
+        bits = torch.int32 if dtype == FP32 else torch.int16
+        assert torch.equal(g.contiguous().view(bits), w.contiguous().view(bits))
+
+
 @pytest.mark.parametrize("dtype,m,f,smooth,pair,path", [
     (BF16, 5, 160, False, False, "one_pass"), (BF16, 1, 48, True, True, "single"),
     (BF16, 6, 100, True, False, "chunked"), (BF16, 6, 100, True, False, "one_pass"),
