@@ -213,6 +213,25 @@ def test_the_persistent_tail_split_gives_the_plain_kernels_bits(m, n, k, split, 
         assert all(not c.any() for _, c in gemm._SCRATCH.values())  # every counter back at 0
 
 
+def test_a_plan_of_the_persistent_tail_split_repeats_it_with_its_scratch(monkeypatch):
+    """A plan of the persistent split GEMM keeps the partials / counters its launch used (``launch.keep``) and
+    re-issues the launch over a later call's tensors: that call's bits, as the plain kernel gives them."""
+    cfg = {**_persist_cfg(), "SPLIT": 2}
+    monkeypatch.setattr(gemm, "select_config", lambda *a, **kw: cfg)
+    m, n, k = 150, 40, 96  # 10 tiles on 4 programs: a tail of 2 in 2 pieces
+    w, w_s = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+    _, p = kernel.int8_gemm_planned(torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.rand(m), w, w_s, None,
+                                    torch.bfloat16)
+    assert p is not None and [st[0] for st in p._steps] == [gemm._int8_gemm_persistent_kernel]
+    part = gemm._SCRATCH[(None, 0)][0]
+    assert any(t is part for st in p._steps for t in st[2])
+    a2, s2 = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.rand(m)
+    y = p(a2, s2, w, w_s, None)
+    ref = gemm.launch_int8_gemm(a2, s2, w, w_s, None, torch.empty((m, n), dtype=torch.bfloat16),
+                                autotune.interpreter_configs()[0])
+    assert s8wgmma.same_bits(y, ref)
+
+
 def test_choose_split_times_a_persistent_config_on_a_program_an_sm(tmp_path):
     """The persistent GEMM's tail: 576 tiles of 128 x 256 (Ideogram 4 o at M 4096) on 132 programs leave 48 tiles
     after 4 whole waves, room for 2 pieces each; the split is kept when it times faster, under its own key. The
