@@ -423,9 +423,11 @@ _SLOTS: dict[tuple, int] = {}       # (device index, tile config) -> programs th
 def _slots(cfg: dict, device: torch.device) -> int:
     """How many programs of this config the GPU runs at once: SMs x CTAs an SM, bounded by the config's shared
     memory, its threads and its registers (128 a thread assumed: sm_90 builds the 8-warp 128 x 128 tile with
-    119). The interpreter: 4."""
+    119); a persistent config (``PERSIST``): a program an SM. The interpreter: 4."""
     if device.type != "cuda":
         return 4
+    if cfg.get("PERSIST"):
+        return _sm_count(device)
     key = (device.index, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
     n = _SLOTS.get(key)
     if n is None:
@@ -458,23 +460,21 @@ def _scratch(device: torch.device, partials: int, counters: int):
     return have
 
 
-def split_launch(cfg: dict, tiles: int, k: int, device: torch.device, unused: torch.Tensor,
-                 slots: int | None = None):
+def split_launch(cfg: dict, tiles: int, k: int, device: torch.device, unused: torch.Tensor):
     """The tail split of one launch of ``tiles`` tiles with ``cfg`` (``cfg["SPLIT"]``, default 1): (programs,
     whole-tile programs, K elements a piece, pieces a tail tile, partials, counters, extra launch options). The plain
-    launch: (tiles, tiles, 0, 1, unused, unused, {}). ``slots``: the programs running at once (default
-    ``_slots``; a persistent kernel: its programs, one a slot, which loop over the whole tiles first)."""
+    launch: (tiles, tiles, 0, 1, unused, unused, {}). A persistent kernel's programs (one a slot, ``_slots``) loop
+    over the whole tiles first, then run the pieces."""
     bk = cfg["BLOCK_K"]
     if cfg.get("SPLIT", 1) > 1:
-        persistent = slots is not None
-        slots = slots if persistent else _slots(cfg, device)
+        slots = _slots(cfg, device)
         dp, split, per = tail_layout(tiles, slots, cfg["SPLIT"], -(-k // bk))
         if split > 1:
             part, cnt = _scratch(device, (tiles - dp) * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles - dp)
             # The pieces' sum would take the sm_90 build from 119 to 176 registers a thread at 8 warps (one CTA
             # an SM); capped at the plain build's occupancy it spills a few words at most (tests/test_fused.py).
             opts = {}
-            if device.type == "cuda" and not persistent:
+            if device.type == "cuda":
                 regs = 65536 // (slots // _sm_count(device) * 32 * cfg["num_warps"]) // 8 * 8
                 opts = {"maxnreg": regs} if regs < 255 else {}
             return dp + (tiles - dp) * split, dp, per * bk, split, part, cnt, opts
@@ -533,7 +533,7 @@ def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: 
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     dev = a_q.device
     progs = persistent_programs(tiles, dev)
-    _, dp, k_piece, split, part, cnt, _ = split_launch(cfg, tiles, k, dev, a_scale, progs)
+    _, dp, k_piece, split, part, cnt, _ = split_launch(cfg, tiles, k, dev, a_scale)
     run_launch(cfg, _int8_gemm_persistent_kernel, (progs,),
                (TensorDescriptor(a_q, [m, k], [a_q.stride(0), 1], [bm, bk]),
                 TensorDescriptor(w_q, [n, k], [w_q.stride(0), 1], [bn, bk]),
@@ -621,8 +621,7 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
                 cfg = _TUNED[memo_key] = autotune.pick_config(
                     _device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, persist), cands, time_fn, meta)
             if tail_split:
-                slots = _sm_count(dev) if cfg.get("PERSIST") else _slots(cfg, dev)  # a persistent program an SM
-                cfg = choose_split(cfg, m, n, k, slots, _device_cache(dev), time_fn, meta)
+                cfg = choose_split(cfg, m, n, k, _slots(cfg, dev), _device_cache(dev), time_fn, meta)
     _TUNED[exact] = cfg
     return cfg
 
