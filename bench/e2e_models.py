@@ -372,6 +372,8 @@ def main() -> int:
     ap.add_argument("--ideogram-layers", type=int, default=34)
     ap.add_argument("--profile", default="", help="comma-separated paths to profile (a 2-step run each)")
     ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
+    ap.add_argument("--host-sample", default="", help="comma-separated paths: 4 steps with the host thread's "
+                    "stack sampled every ms (e2e_sampler's host_sampled)")
     ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only, "
                                                    "idle gaps by size (e2e_sampler's gpu_gaps)")
     ap.add_argument("--clocks", action="store_true", help="sample nvidia-smi's SM clock / power in timed rows")

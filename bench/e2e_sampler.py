@@ -105,6 +105,8 @@ def main() -> int:
                                         "core_int8+pack:fused_triton,bf16@legacy,pack:fused_triton@legacy")
     ap.add_argument("--profile", default="all", help="'all', 'none' or comma-separated paths to profile")
     ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
+    ap.add_argument("--host-sample", default="", help="comma-separated paths: 4 steps with the host thread's stack "
+                    "sampled every ms (bench/stack_sample.py): where its wall time goes, without cProfile's slowdown")
     ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only "
                                                    "(no host events: the host stays ahead), idle gaps by size")
     ap.add_argument("--clocks", action="store_true", help="sample nvidia-smi's SM clock / power in timed rows")
@@ -421,6 +423,26 @@ class SamplerBench:
         return {"host_profile_wall_s_per_step": round(wall, 4), "host_own_ms_per_step": by_own,
                 "host_cum_ms_per_step": by_cum}
 
+    def host_sampled(self, guider, model, latent, noise, steps: int = 4, top: int = 30) -> dict:
+        """Steps 1..``steps`` of a run with this thread's Python stack sampled every ms (``bench/stack_sample.py``):
+        ms of wall time a step by innermost line (own, with the C calls it makes) and by function (cumulative)."""
+        import threading
+
+        from stack_sample import StackSampler
+        torch = self.torch
+        s = StackSampler(threading.get_ident())
+
+        def cb(step, *_):
+            if step == 0:
+                torch.cuda.synchronize()
+                s.__enter__()
+        self.sample(guider, model, latent, noise, steps + 1, cb)
+        torch.cuda.synchronize()
+        s.__exit__(None, None, None)
+        t = s.table(per=steps, top=top)
+        return {"host_sample_wall_s_per_step": round(t["wall_s"] / steps, 4), "host_sample_n": t["samples"],
+                "host_sample_own_ms_per_step": t["own"], "host_sample_cum_ms_per_step": t["cum"]}
+
     def ab(self, guider, model, latent, noise, reps: int = 4) -> dict:
         """``--ab NAME=value``: timed runs of this row's model alternating that switch with the row's setting,
         ``reps`` of each (switched first). The host's speed drifts within a process (bench/RESULTS.md), so only
@@ -454,6 +476,13 @@ class SamplerBench:
         self.maybe_host_profile(row, path, guider, model, latent, noise)
         if self.dev.type != "cuda":
             return
+        if path in self.a.host_sample.split(","):
+            row.update(self.host_sampled(guider, model, latent, noise))
+            log(f"    host (stack samples, {row['host_sample_n']}) {row['host_sample_wall_s_per_step'] * 1e3:.1f} "
+                "ms/step wall; ms a step:")
+            for key in ("host_sample_own_ms_per_step", "host_sample_cum_ms_per_step"):
+                for where, ms in row[key]:
+                    log(f"    {key[12:15]} {ms:8.2f} ms  {where}")
         if getattr(self.a, "ab", "") and path.startswith("pack:") and "%" not in path:
             row.update(self.ab(guider, model, latent, noise))
         if path in self.a.gpu_gaps.split(","):

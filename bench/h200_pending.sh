@@ -100,9 +100,11 @@
 #   hostops   bench/host_ops.py under torch's cudaMallocAsync allocator (ComfyUI's on NVIDIA), then the native one
 #   direct    bench/sdpa_direct.py; Ideogram 4 dual bf16, pack (INT8_FUSED_SDPA_DIRECT=0 A/B'd); Z-Image the same
 #   direct2   bench/sdpa_direct.py alone (GPU times as interleaved rounds)
+#   hsample   where the host-paced steps' host time goes, by stack sampling (no cProfile slowdown): Ideogram 4 dual,
+#             Z-Image, Flux.1 (the pack); the host-bound linear shapes again, 15 stream rounds
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost|hostops|direct|direct2 ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost|hostops|direct|direct2|hsample ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -478,6 +480,13 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
       --out "$OUT/sampler-direct.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 200 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage --paths "bf16,pack:fused_triton" \
       --ab INT8_FUSED_SDPA_DIRECT=0 --out "$OUT/h200-e2e-models-direct.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  hsample)  # runs ck / cm: the pack's steps are host-paced; cProfile slows Python 1.5x, sampling does not
+    timeout 90 python3 bench/shapes.py --only 'odd|final_layer|time_projection|adaln|t_embedding' --stream-rounds 15 \
+      --out "$OUT/h200-shapes-hs.json" 2>&1 | tee "$OUT/shapes-hs.log"
+    timeout 240 $sampler --paths "pack:fused_triton" --profile none --host-sample "pack:fused_triton" \
+      --out "$OUT/sampler-hsample.json" 2>&1 | tee -a "$OUT/last.log"
+    timeout 200 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage,flux --paths "pack:fused_triton" \
+      --host-sample "pack:fused_triton" --out "$OUT/h200-e2e-models-hsample.json" 2>&1 | tee -a "$OUT/last.log" ;;
   direct2)  # run cm timed the direct call's GPU time after the context's, shape by shape: interleaved now
     timeout 200 python3 bench/sdpa_direct.py --out "$OUT/h200-sdpa-direct.json" 2>&1 | tee "$OUT/sdpa-direct.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;

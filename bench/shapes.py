@@ -203,6 +203,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/h200-shapes.json")
     ap.add_argument("--only", default=None, help="regex on 'model layer' (e.g. 'odd|ideogram4')")
+    ap.add_argument("--stream-rounds", type=int, default=STREAM_ROUNDS, help="interleaved rounds of each stream")
     ap.add_argument("--budget-s", type=float, default=170.0, help="start no new shape after this many seconds")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -270,7 +271,7 @@ def main():
                 row["paths"][p]["x_bf16_gpu"] = round(ref["gpu_us"] / max(row["paths"][p]["gpu_us"], 1e-3), 3)
         if any(row["paths"].get(p, {}).get("host_us", 0) > row["paths"].get(p, {}).get("gpu_us", 1e9)
                for p in STREAM_PATHS):
-            row["stream_us"] = stream_row(fns, modes, ok)
+            row["stream_us"] = stream_row(fns, modes, ok, rounds=args.stream_rounds)
         row["calls"] = dict(layer.dispatch_calls)
         row["seconds"] = round(time.perf_counter() - t_shape, 2)
         rows.append(row)
@@ -314,7 +315,7 @@ def main():
     each = ", ".join(f"{r['model']} {r['layer']} {r['stream_us']['dispatched']:.1f} vs "
                      f"{r['stream_us']['bf16_module']:.1f} (bare F.linear {r['stream_us']['bf16']:.1f}) us"
                      for r in streamed)
-    log(f"host-bound shapes as a stream of {STREAM_CALLS} calls (median of {STREAM_ROUNDS}): dispatched vs an "
+    log(f"host-bound shapes as a stream of {STREAM_CALLS} calls (median of {args.stream_rounds}): dispatched vs an "
         f"nn.Linear module call {len(streamed) - len(st_below)}/{len(streamed)} >= 1.0x"
         + (f"; below: {', '.join(st_below)}" if st_below else "") + f"; {each}")
     picked = [r["dispatch"]["picked"] for r in rows]
