@@ -18,8 +18,13 @@ import time
 from pathlib import Path
 
 
+_FILES: dict = {}  # code object's file name -> its last two path parts (a sample must stay cheap)
+
+
 def _where(code, line: int | None = None) -> str:
-    f = "/".join(Path(code.co_filename).parts[-2:])
+    f = _FILES.get(code.co_filename)
+    if f is None:
+        f = _FILES[code.co_filename] = "/".join(Path(code.co_filename).parts[-2:])
     return f"{f}:{code.co_firstlineno if line is None else line}({code.co_name})"
 
 
@@ -28,8 +33,8 @@ class StackSampler:
 
     def __init__(self, ident: int, interval_s: float = 0.001, switch_s: float = 2e-4):
         self.ident, self.interval, self.switch = ident, interval_s, switch_s
-        self.own: collections.Counter = collections.Counter()
-        self.cum: collections.Counter = collections.Counter()
+        self.own: collections.Counter = collections.Counter()  # "file:line(function)" of the innermost frame
+        self.cum: collections.Counter = collections.Counter()  # code objects on the stack
         self.samples, self.wall = 0, 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -45,10 +50,10 @@ class StackSampler:
             self.own[_where(f.f_code, f.f_lineno)] += 1
             seen = set()
             while f is not None:
-                w = _where(f.f_code)
-                if w not in seen:
-                    seen.add(w)
-                    self.cum[w] += 1
+                c = f.f_code
+                if c not in seen:  # a function counted once a sample (recursion)
+                    seen.add(c)
+                    self.cum[c] += 1
                 f = f.f_back
 
     def __enter__(self) -> "StackSampler":
@@ -72,5 +77,5 @@ class StackSampler:
         scale = self.wall * 1e3 / per / n
 
         def rows(c):
-            return [[w[-110:], round(k * scale, 2)] for w, k in c.most_common(top)]
+            return [[(w if isinstance(w, str) else _where(w))[-110:], round(k * scale, 2)] for w, k in c.most_common(top)]
         return {"samples": self.samples, "wall_s": round(self.wall, 4), "own": rows(self.own), "cum": rows(self.cum)}
