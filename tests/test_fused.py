@@ -940,9 +940,11 @@ def _hopper_check() -> str:
         (kf._gated_residual_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True, "HAS_SMOOTH": True,
                                      "NEXT_PROD_DT": 1, "BLOCK": 8192}),
         (kf._gated_residual_seg_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
-                                         "HAS_SMOOTH": True, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 512, "S2": 0}),
+                                         "HAS_SMOOTH": True, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 512, "S2": 0,
+                                         "PREFETCH_X": True}),
         (kf._gated_residual_seg_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
-                                         "HAS_SMOOTH": False, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 2048, "S2": 1024}),
+                                         "HAS_SMOOTH": False, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 2048, "S2": 1024,
+                                         "PREFETCH_X": False}),
     ]
     for fn, consts in cases:
         v4, cubin, ptx = _sm90_compile(kf, fn, {**consts, **common}, 16,
