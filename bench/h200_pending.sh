@@ -104,11 +104,12 @@
 #             Z-Image, Flux.1 (the pack); the host-bound linear shapes again, 15 stream rounds
 #   rpre      the residual tail reading x before o's norm (RESIDUAL_PREFETCH, bench/fused_sweep.py), then issue 14's
 #             anchors at HEAD in one process: Ideogram 4 dual, bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack
+#   shapes15  every linear shape (bench/shapes.py), host-bound rows as 15-round streams
 #   gaps2     the pack's steps traced on the GPU only (--gpu-gaps: busy time against span, idle gaps by size):
 #             Ideogram 4 dual, Z-Image, Flux.1
 # Carry (built by bench/device_carry.sh, ck zipped to fit): .carry/comfy .carry/whl .carry/stub .carry/ck.zip
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost|hostops|direct|direct2|hsample|rpre|gaps2 ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_pending.sh kernels|ideogram|pressure|models|attn-models|residual|gemm|defaults|qkrope|sweep|alu|hostprof|final|layout|qkmodels|hostgap|tails|ideohost|closing|gaps|segments|conds|anchors|zhost|closing2|ideoanchors|condscheck|fetch|ideofetch|fetchab|floors|swiglu|zswiglu|closing3|hostint8|plans|planmodels|planideo|rowseg|closing4|tailsmodels|lnqk|restails|ideo5|rowloop|closing5|final5|split|splitideo|splitmodels|final6|swsplit|shapesall|swideo|floor|n256|s8|s8ideo|s8all|persist|ps8|pideo|pab|cdgemm|cdmodels|cddiag|cdtma|cdab|cdideo|psplit|psideo|pshost|hostops|direct|direct2|hsample|rpre|gaps2|shapes15 ..."; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
@@ -500,6 +501,9 @@ pack:fused_triton" --out "$OUT/sampler-pab.json" 2>&1 | tee -a "$OUT/last.log" ;
       --out "$OUT/sampler-gaps2.json" 2>&1 | tee -a "$OUT/last.log"
     timeout 240 python3 bench/e2e_models.py --comfy .carry/comfy --steps 6 --models zimage,flux --paths "pack:fused_triton" \
       --gpu-gaps "pack:fused_triton" --out "$OUT/h200-e2e-models-gaps2.json" 2>&1 | tee -a "$OUT/last.log" ;;
+  shapes15)  # run co: 5 stream rounds (run cd) left host-bound rows within sampling noise; 15 settle them
+    timeout 400 python3 bench/shapes.py --stream-rounds 15 --budget-s 300 --out "$OUT/h200-shapes.json" 2>&1 \
+      | tee "$OUT/shapes.log" ;;
   direct2)  # run cm timed the direct call's GPU time after the context's, shape by shape: interleaved now
     timeout 200 python3 bench/sdpa_direct.py --out "$OUT/h200-sdpa-direct.json" 2>&1 | tee "$OUT/sdpa-direct.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
