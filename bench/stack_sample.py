@@ -77,5 +77,6 @@ class StackSampler:
         scale = self.wall * 1e3 / per / n
 
         def rows(c):
-            return [[(w if isinstance(w, str) else _where(w))[-110:], round(k * scale, 2)] for w, k in c.most_common(top)]
+            return [[(w if isinstance(w, str) else _where(w))[-110:], round(k * scale, 2)]
+                    for w, k in c.most_common(top)]
         return {"samples": self.samples, "wall_s": round(self.wall, 4), "own": rows(self.own), "cum": rows(self.cum)}
