@@ -23,6 +23,8 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=4608)
     ap.add_argument("--quick", action="store_true", help="each kernel's default plan only (A/B runs of a switch)")
     ap.add_argument("--only", default="", help="comma-separated substrings: the cases whose names contain one")
+    ap.add_argument("--warm-s", type=float, default=3.0, help="seconds of bf16 matmuls before the first timing (run "
+                    "cp's first readings, on a GPU just started, drifted down by 10 %% over a few seconds)")
     a = ap.parse_args()
     import torch.nn.functional as F
     import triton
@@ -119,6 +121,7 @@ def main() -> int:
     cases["quant_rows K=4608"] = (lambda: quantize_per_token(x), 3 * m * k, qseg + [(8192, True, 16)])
     cases["quant_rows K=12288"] = (lambda: quantize_per_token(xq), 3 * 4608 * 12288, qseg + [(4096, False, 8)])
     only = [w for w in a.only.split(",") if w]
+    _warm(dev, a.warm_s)
     for name, (fn, nbytes, plans) in cases.items():
         if only and not any(w in name for w in only):
             continue
@@ -185,6 +188,19 @@ def main() -> int:
     kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
     kernel.quantize.QUANT_ROW_LOOP, kf.RESIDUAL_PREFETCH = quant_loop, res_prefetch
     return 0
+
+
+def _warm(dev: torch.device, seconds: float) -> None:
+    """Keeps the GPU busy for ``seconds`` (bf16 matmuls), so the timings that follow start at a settled clock."""
+    if seconds <= 0:
+        return
+    import time
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a @ a
+        torch.cuda.synchronize(dev)
 
 
 def _bytes(t: torch.Tensor) -> bytes:
