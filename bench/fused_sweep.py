@@ -48,7 +48,6 @@ def main() -> int:
     ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
     default_plan, gelu_fast, one_pass, res_pass = kf._plan, kf.GELU_FAST, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS
     gelu_pass, rms_pass, ln_pass, qk_prefetch = kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kf.LN_ONE_PASS, kf.QK_PREFETCH
-    res_prefetch = kf.RESIDUAL_PREFETCH
     res_ln_pass = kf.RESIDUAL_LN_ONE_PASS
     import kernel.quantize
     quant_pass, quant_loop = kernel.quantize.QUANT_ONE_PASS, kernel.quantize.QUANT_ROW_LOOP
@@ -93,11 +92,9 @@ def main() -> int:
                              (triton.next_power_of_2(kw), True, 8), (triton.next_power_of_2(kw), True, 16)])
     ro = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)  # Ideogram 4's residual tail, K 4608
     rg = torch.tanh(torch.randn(1, k, device=dev, generator=g)).to(torch.bfloat16)
-    # ("rprefetch", b): RESIDUAL_PREFETCH = b (x read before / after o's norm), twice each, interleaved
     cases["gated_residual+next K=4608"] = (
         lambda: kf.gated_residual_rmsnorm(x, ro, w, 1e-5, rg, m, w, 1e-6, s)[1:], 2 * m * k * 2 + m * k * 3,
-        [("rprefetch", False), ("rprefetch", True), ("rprefetch", False), ("rprefetch", True), ("seg", 4), ("seg", 8),
-         ("seg", 16), (8192, True, 16), (8192, True, 8)])
+        [("seg", 4), ("seg", 8), ("seg", 16), (8192, True, 16), (8192, True, 8)])
     # QK RMSNorm + RoPE into [B, L, H, D] buffers: Ideogram 4 (18 heads of 256, split-half pairs), Flux (24 of 128)
     for label, hh, dd, split in (("ideogram4", 18, 256, True), ("flux", 24, 128, False)):
         qkv = torch.randn(1, m, 3 * hh * dd, device=dev, generator=g).to(torch.bfloat16)
@@ -128,7 +125,7 @@ def main() -> int:
         kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
         kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
         kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
-        kernel.quantize.QUANT_ROW_LOOP, kf.RESIDUAL_PREFETCH = quant_loop, res_prefetch
+        kernel.quantize.QUANT_ROW_LOOP = quant_loop
         ref_q, ref_s = (t.clone() for t in fn())  # (qk_norm_rope's run returns its output buffers)
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
         for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
@@ -143,12 +140,10 @@ def main() -> int:
                     plan, seg = ("seg", plan[2]), True  # the segment plan of that many warps, looped
                 if plan is not None and plan[0] == "prefetch":
                     kf.QK_PREFETCH = plan[1]
-                rpre = plan is not None and plan[0] == "rprefetch"
-                kf.RESIDUAL_PREFETCH = plan[1] if rpre else res_prefetch
                 kf.SWIGLU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                       one_pass if plan is None else None)
                 kf.RESIDUAL_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
-                                        res_pass if plan is None or rpre else None)
+                                        res_pass if plan is None else None)
                 kf.GELU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                     gelu_pass if plan is None else None)
                 kf.RMS_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
@@ -159,7 +154,7 @@ def main() -> int:
                                   ln_pass if plan is None else None)
                 kf.RESIDUAL_LN_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
                                            res_ln_pass if plan is None else None)
-                kf._plan = (default_plan if plan is None or seg or plan[0] in ("prefetch", "rprefetch") else
+                kf._plan = (default_plan if plan is None or seg or plan[0] == "prefetch" else
                             (lambda n, *args, _p=plan, **kw: _p))
                 try:
                     q, sc = fn()
@@ -176,7 +171,6 @@ def main() -> int:
                           "looping over rows: " if loop else
                           f"one pass, segments, warps={plan[1]:2d}: " if seg else
                           f"QK_PREFETCH={plan[1]!s:5s}: " if plan[0] == "prefetch" else
-                          f"RESIDUAL_PREFETCH={plan[1]!s:5s}: " if rpre else
                           f"BLOCK={plan[0]:5d} single={plan[1]!s:5s} warps={plan[2]:2d}: ") +
                           f"{us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  equal={same} sha1 {digest}{vs_torch}",
                           flush=True)
@@ -186,7 +180,7 @@ def main() -> int:
     kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
     kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
     kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
-    kernel.quantize.QUANT_ROW_LOOP, kf.RESIDUAL_PREFETCH = quant_loop, res_prefetch
+    kernel.quantize.QUANT_ROW_LOOP = quant_loop
     return 0
 
 

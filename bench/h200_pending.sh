@@ -102,8 +102,9 @@
 #   direct2   bench/sdpa_direct.py alone (GPU times as interleaved rounds)
 #   hsample   where the host-paced steps' host time goes, by stack sampling (no cProfile slowdown): Ideogram 4 dual,
 #             Z-Image, Flux.1 (the pack); the host-bound linear shapes again, 15 stream rounds
-#   rpre      the residual tail reading x before o's norm (RESIDUAL_PREFETCH, bench/fused_sweep.py), then issue 14's
-#             anchors at HEAD in one process: Ideogram 4 dual, bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack
+#   rpre      bench/fused_sweep.py's residual-tail rows (at a71ba43 also x read before / after o's norm: that
+#             RESIDUAL_PREFETCH was removed after run cs), then issue 14's anchors in one process: Ideogram 4 dual,
+#             bf16, pack, fp8_fast~cudnn, fp8_fast~kitchen, pack
 #   shapes15  every linear shape (bench/shapes.py), host-bound rows as 15-round streams
 #   gaps2     the pack's steps traced on the GPU only (--gpu-gaps: busy time against span, idle gaps by size):
 #             Ideogram 4 dual, Z-Image, Flux.1

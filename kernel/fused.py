@@ -98,10 +98,6 @@ SWIGLU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, wa
 # gated_residual_rmsnorm over segments (K = 4608: 4096 + 512) for rows up to MAX_SINGLE; None: one tile.
 # H200 (run y, with the next norm + quantization): 57.5 us with 4 warps, 70 with 8 or 16; one 8192 tile 89-96 us.
 RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)
-# that kernel reads the residual x with o, before o's sum of squares; False: after it (x's memory latency then
-# follows the reduction). Same arithmetic, same bits. H200 (bench/fused_sweep.py, run cp, M 4608, interleaved, L2
-# flushed): 91.8 / 86.8 us against 96.6 / 87.6, within the drift of that run. Module data, read at each call.
-RESIDUAL_PREFETCH = True
 # rmsnorm_modulate_quantize over segments (K = 4608: 4096 + 512, the row read once) for rows up to max_row; None,
 # or a longer row: the kernel of RMS_PLAN (K = 4608 there: 1024-wide chunks, three passes). H200 (bench/fused_sweep.py,
 # run bb, M 4608): 35.0 us with 4 warps, 39.7 with 8 or 16; RMS_PLAN's 48.1, its other tiles 49.6-74.2 (memory
@@ -152,8 +148,7 @@ def tunables() -> tuple:
     them) and the switches that choose the GEMMs' tiles (tail split, s8 path, persistent kernels): part of a
     prepared call's key (``kernel.plan.call``), so a change is never served a stale plan. (H200, run cb: without
     the last two, an ``INT8_FUSED_PERSISTENT=0`` row re-issued the persistent SwiGLU GEMM planned by an earlier row.)"""
-    return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, RESIDUAL_PREFETCH,
-            QK_GROUP_ELEMS, QK_PREFETCH,
+    return (RMS_PLAN, RMS_ONE_PASS, SWIGLU_PLAN, SWIGLU_ONE_PASS, RESIDUAL_ONE_PASS, QK_GROUP_ELEMS, QK_PREFETCH,
             MAX_SINGLE, LN_PLAN, LN_ONE_PASS, RESIDUAL_LN_ONE_PASS, GELU_PLAN, GELU_FAST, GELU_ONE_PASS,
             _q.QUANT_ONE_PASS, _q.QUANT_ROW_LOOP, _plan, launch, *gemm_switches())
 
@@ -520,32 +515,14 @@ def _gr_seg_rows(o_row, K, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr)
 
 
 @triton.jit
-def _gr_seg_x(x_row, K, OFF: tl.constexpr, SEG: tl.constexpr):
-    ks = OFF + tl.arange(0, SEG)
-    return tl.load(x_row + ks, mask=ks < K, other=0.0)  # kept in its storage dtype
-
-
-@triton.jit
-def _gr_seg_xs(x_row, K, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
-    """A row's used segments of x in its dtype (an unused one is a placeholder)."""
-    x0 = _gr_seg_x(x_row, K, 0, S0)
-    x1, x2 = x0, x0
-    if S1 > 0:
-        x1 = _gr_seg_x(x_row, K, S0, S1)
-    if S2 > 0:
-        x2 = _gr_seg_x(x_row, K, S0 + S1, S2)
-    return x0, x1, x2
-
-
-@triton.jit
-def _gr_seg_y(o, x, wn_ptr, g_row, y_row, K, rstd, OFF: tl.constexpr, SEG: tl.constexpr,
+def _gr_seg_y(o, x_row, wn_ptr, g_row, y_row, K, rstd, OFF: tl.constexpr, SEG: tl.constexpr,
               NORM_DT: tl.constexpr, GATE_DT: tl.constexpr, OUT_DT: tl.constexpr, INTERPRET: tl.constexpr):
     ks = OFF + tl.arange(0, SEG)
     mask = ks < K
     wn = tl.load(wn_ptr + ks, mask=mask, other=0.0).to(tl.float32)
     n = _round(o * rstd * wn, NORM_DT, INTERPRET)
     t = _round(tl.load(g_row + ks, mask=mask, other=0.0).to(tl.float32) * n, GATE_DT, INTERPRET)
-    y = _round(x.to(tl.float32) + t, OUT_DT, INTERPRET)
+    y = _round(tl.load(x_row + ks, mask=mask, other=0.0).to(tl.float32) + t, OUT_DT, INTERPRET)
     tl.store(y_row + ks, y.to(y_row.dtype.element_ty), mask=mask)
     return y, tl.sum(y * y, axis=0)
 
@@ -566,7 +543,7 @@ def _gated_residual_seg_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_pt
                                NORM_DT: tl.constexpr, GATE_DT: tl.constexpr, OUT_DT: tl.constexpr,
                                HAS_NEXT: tl.constexpr, HAS_SMOOTH: tl.constexpr, NEXT_PROD_DT: tl.constexpr,
                                SCALE_RECIP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-                               PREFETCH_X: tl.constexpr, INTERPRET: tl.constexpr):
+                               INTERPRET: tl.constexpr):
     # _gated_residual_kernel over up to three power-of-2 segments of the row (K = 4608: 4096 + 512, where the
     # one-tile kernel masks 3584 of 8192 lanes); the row stays in registers. The sums of squares add per segment.
     row = tl.program_id(0)
@@ -574,18 +551,14 @@ def _gated_residual_seg_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_pt
     bidx = (row // tokens_per_batch).to(tl.int64)
     o_row, x_row, y_row = o_ptr + r64 * stride_om, x_ptr + r64 * stride_xm, y_ptr + r64 * stride_ym
     g_row = g_ptr + bidx * stride_gb
-    if PREFETCH_X:  # the residual x read before o's sum of squares: its memory latency overlaps o's
-        x0, x1, x2 = _gr_seg_xs(x_row, K, S0, S1, S2)
     o0, o1, o2, ssq = _gr_seg_rows(o_row, K, S0, S1, S2)
     rstd = _rstd(ssq, K, eps, INTERPRET)
-    if not PREFETCH_X:
-        x0, x1, x2 = _gr_seg_xs(x_row, K, S0, S1, S2)
-    y0, ysq = _gr_seg_y(o0, x0, wn_ptr, g_row, y_row, K, rstd, 0, S0, NORM_DT, GATE_DT, OUT_DT, INTERPRET)
+    y0, ysq = _gr_seg_y(o0, x_row, wn_ptr, g_row, y_row, K, rstd, 0, S0, NORM_DT, GATE_DT, OUT_DT, INTERPRET)
     if S1 > 0:
-        y1, ysq1 = _gr_seg_y(o1, x1, wn_ptr, g_row, y_row, K, rstd, S0, S1, NORM_DT, GATE_DT, OUT_DT, INTERPRET)
+        y1, ysq1 = _gr_seg_y(o1, x_row, wn_ptr, g_row, y_row, K, rstd, S0, S1, NORM_DT, GATE_DT, OUT_DT, INTERPRET)
         ysq += ysq1
     if S2 > 0:
-        y2, ysq2 = _gr_seg_y(o2, x2, wn_ptr, g_row, y_row, K, rstd, S0 + S1, S2, NORM_DT, GATE_DT, OUT_DT,
+        y2, ysq2 = _gr_seg_y(o2, x_row, wn_ptr, g_row, y_row, K, rstd, S0 + S1, S2, NORM_DT, GATE_DT, OUT_DT,
                              INTERPRET)
         ysq += ysq2
     if HAS_NEXT:
@@ -1262,7 +1235,7 @@ def gated_residual_rmsnorm(x: torch.Tensor, o: torch.Tensor, norm_weight: torch.
     segs = _segments(k, RESIDUAL_ONE_PASS)
     if segs is not None:
         fn, warps = _gated_residual_seg_kernel, _seg_warps(segs, RESIDUAL_ONE_PASS)
-        consts.update(S0=segs[0], S1=segs[1], S2=segs[2], PREFETCH_X=bool(RESIDUAL_PREFETCH))
+        consts.update(S0=segs[0], S1=segs[1], S2=segs[2])
     else:
         block, _, warps = _plan(k)
         fn = _gated_residual_kernel

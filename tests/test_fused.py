@@ -391,18 +391,15 @@ def test_fused_feed_forward_swiglu_epilogue_switch(clamp):
         _assert_within_rounding(outs[True], outs[False])
 
 
-@pytest.mark.parametrize("one_pass,prefetch", [(True, True), (True, False), (False, True)],
-                         ids=["segments", "segments_x_after_norm", "one_tile"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["segments", "one_tile"])
 @pytest.mark.parametrize("dtype,m,k,b,nxt", [(BF16, 6, 64, 2, True), (BF16, 5, 100, 1, False),
                                              (BF16, 5, 100, 5, True), (FP16, 6, 48, 3, True),
                                              (FP32, 4, 64, 2, True)])
-def test_gated_residual_rmsnorm(kf, monkeypatch, dtype, m, k, b, nxt, one_pass, prefetch):
+def test_gated_residual_rmsnorm(kf, monkeypatch, dtype, m, k, b, nxt, one_pass):
     """``x + gate * rms_norm(o)`` (the block's residual tail) and the next norm * (1 + s) quantized, against
-    ComfyUI's torch sequence; segments of at least 16 (100 -> 64 + 32 + 16, the last partial), with x read before
-    or after o's norm (``RESIDUAL_PREFETCH``), or one tile."""
+    ComfyUI's torch sequence; segments of at least 16 (100 -> 64 + 32 + 16, the last partial) or one tile."""
     monkeypatch.setattr(kf, "RESIDUAL_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4)
                         if one_pass else None)
-    monkeypatch.setattr(kf, "RESIDUAL_PREFETCH", prefetch)
     seen = _spy_launches(kf, monkeypatch)
     g = torch.Generator().manual_seed(m * 10 + k)
     x, o = _rand((m, k), dtype, g), _rand((m, k), dtype, g, 5.0)
@@ -414,7 +411,6 @@ def test_gated_residual_rmsnorm(kf, monkeypatch, dtype, m, k, b, nxt, one_pass, 
     y, q, qs = kf.gated_residual_rmsnorm(x, o, wn, 1e-5, gate, tpb, *((w2, 1e-6, s2, inv) if nxt else ()))
     assert [("S0" in c, c.get("S1"), c.get("S2")) for c in seen] == (
         [(True, {64: 0, 100: 32, 48: 16}[k], {64: 0, 100: 16, 48: 0}[k])] if one_pass else [(False, None, None)])
-    assert [c.get("PREFETCH_X") for c in seen] == [prefetch if one_pass else None]
     yr = (x.reshape(b, tpb, k) + gate.reshape(b, 1, k) * F.rms_norm(o, (k,), wn, 1e-5).reshape(b, tpb, k))
     yr = yr.reshape(m, k)
     if EXACT and dtype != FP32:
@@ -940,11 +936,9 @@ def _hopper_check() -> str:
         (kf._gated_residual_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True, "HAS_SMOOTH": True,
                                      "NEXT_PROD_DT": 1, "BLOCK": 8192}),
         (kf._gated_residual_seg_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
-                                         "HAS_SMOOTH": True, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 512, "S2": 0,
-                                         "PREFETCH_X": True}),
+                                         "HAS_SMOOTH": True, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 512, "S2": 0}),
         (kf._gated_residual_seg_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
-                                         "HAS_SMOOTH": False, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 2048, "S2": 1024,
-                                         "PREFETCH_X": False}),
+                                         "HAS_SMOOTH": False, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 2048, "S2": 1024}),
     ]
     for fn, consts in cases:
         v4, cubin, ptx = _sm90_compile(kf, fn, {**consts, **common}, 16,
