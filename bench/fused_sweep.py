@@ -23,8 +23,8 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=4608)
     ap.add_argument("--quick", action="store_true", help="each kernel's default plan only (A/B runs of a switch)")
     ap.add_argument("--only", default="", help="comma-separated substrings: the cases whose names contain one")
-    ap.add_argument("--warm-s", type=float, default=3.0, help="seconds of bf16 matmuls before the first timing (run "
-                    "cp's first readings, on a GPU just started, drifted down by 10 %% over a few seconds)")
+    ap.add_argument("--warm-s", type=float, default=3.0, help="seconds of bf16 matmuls before the first timing (on a GPU just started "
+                    "the first readings drifted down by 10 %% over a few seconds)")
     a = ap.parse_args()
     import torch.nn.functional as F
     import triton

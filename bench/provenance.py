@@ -1,5 +1,5 @@
 """The commit a bench run measured: ``$BENCH_COMMIT`` when set (the device machine's copy of the working tree keeps
-a stale git HEAD, so bench/h200_pending.sh's callers pass the commit they sent), else this checkout's git HEAD."""
+a stale git HEAD, so bench/h200.sh's callers pass the commit they sent), else this checkout's git HEAD."""
 from __future__ import annotations
 
 import os

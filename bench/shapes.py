@@ -19,7 +19,7 @@ Run from the repository root on a CUDA GPU with torch + triton importable (no Co
 
 Timing (quant.dispatch.time_call, the metric the dispatch itself decides on): per call, CUDA events around the call
 with L2 flushed before it (weights come from HBM, as in a model where every layer has its own) and the GPU held
-busy while the host issues it (since run bs: the GPU time no longer includes waiting for the host), and the host
+busy while the host issues it (so the GPU time does not include waiting for the host), and the host
 time to issue it; the call's cost is max(GPU, host) ("eff"). Medians over 3 rounds x 7 calls, paths interleaved.
 ratio = bf16 eff / path eff (> 1: faster than bf16). Rows where a path is host-bound are also timed as
 streams of back-to-back calls (``stream_us``: bf16, bf16_module, dispatched) and the summary compares those.

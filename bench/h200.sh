@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The H200 benchmark suites, one device call each (every suite finishes in under 10 minutes on one H200).
+#
+#   usage (on the device machine, from the repository root):
+#     BENCH_COMMIT=<commit> INT8_FUSED_CACHE_DIR=/tmp/<name> bash bench/h200.sh <suite> [<suite> ...]
+#     BENCH_COMMIT=<commit> bash bench/h200.sh exec <command ...>   # any command, with the same setup
+#   Results land in $OUT (default /tmp/h200-out): one JSON per bench plus its log, gpu.txt (GPU, driver, torch,
+#   Triton, CUDA, commit). BENCH_COMMIT names the tree sent (the device copy's git HEAD is stale); a fresh
+#   INT8_FUSED_CACHE_DIR makes the run tune every kernel again (the first call of each shape then includes tuning).
+#   Needs what bench/device_carry.sh builds here: .carry/comfy .carry/whl .carry/stub .carry/ck.zip (or .carry/ck).
+#
+# Suites:
+#   kernels  bench/kernels.py: the quantizer and GEMM checked bit for bit on the GPU (against the torch reference
+#            and torch._int_mm), then every W8A8 path at Ideogram 4's block shapes (bf16, dequantize-to-bf16,
+#            torch._int_mm, FP8 row-wise, fp8_e4m3fn_fast, comfy-kitchen, the pack); bench/attention.py --check:
+#            the pack's INT8 attention checked, then timed against SDPA flash / cuDNN / efficient.
+#   shapes   bench/shapes.py: every linear shape of Ideogram 4, Flux.1, Z-Image, Wan 2.x and SD3.5 (55 shapes):
+#            bf16, fp8_e4m3fn_fast, the pack's INT8 forced and as dispatched; host-bound shapes also as streams
+#            of calls against an nn.Linear (15 rounds). All 55 took 207 s with a fresh autotune folder (fcad30a).
+#   fused    bench/fused.py: each fused row kernel against the torch ops it replaces at M 4608 (time, bandwidth,
+#            int8 code flips); bench/fused_sweep.py: the row kernels' tile plans.
+#   host     bench/host_int8.py: host time of each layer of the INT8 call stack on a problem too small for the
+#            GPU to matter (M 64 x K 256 x N 256).
+#   sampler  bench/e2e_sampler.py: Ideogram 4 (34 layers, random weights) at 1024², DualModelGuider, 6 euler steps
+#            through ComfyUI 0.33.0's sampler under DynamicVRAM, in one process: bf16, the pack, fp8_e4m3fn_fast
+#            with cuDNN attention, fp8_e4m3fn_fast with comfy-kitchen attention, the pack again (235 s of wall
+#            time at 822c06c, with a short row-kernel sweep before it).
+#   models   bench/e2e_models.py: Flux.1-dev 1024², Z-Image 1024², Wan 2.1 1.3B 480p 33 frames, one forward a
+#            step: bf16, the pack, fp8_e4m3fn_fast, the pack again (249 s of wall time at 822c06c).
+#   check    after a change that must not change outputs: Ideogram 4 dual (bf16, pack, pack) and Flux.1 (bf16,
+#            pack, pack), then the pack rows' final-latent rel L2 against bf16 compared with the recorded values
+#            (equal to the last digit = the same output bits; step times to compare with bench/RESULTS.md).
+#   exec     the rest of the line as a command, after the same setup (for a bench that has no suite yet).
+set -uo pipefail
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
+OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 INT8_FUSED_CACHE_DIR=${INT8_FUSED_CACHE_DIR:-$OUT/autotune}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl || exit 1
+ck=$PWD/.carry/ck
+if [ -f .carry/ck.zip ]; then
+  [ -d /tmp/ck/comfy_kitchen ] || { mkdir -p /tmp/ck && python3 -m zipfile -e .carry/ck.zip /tmp/ck; }
+  ck=/tmp/ck
+fi
+export PYTHONPATH=/tmp/site:$ck:$PWD/.carry/stub
+{ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+} 2>&1 | tee "$OUT/gpu.txt"
+if [ "$1" = exec ]; then shift; exec "$@"; fi
+sampler="python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6 --profile none"
+models="python3 bench/e2e_models.py --comfy .carry/comfy --steps 6"
+for suite in "$@"; do
+case $suite in
+  kernels)
+    timeout 240 python3 bench/kernels.py --commit "${BENCH_COMMIT:-}" --out "$OUT/h200-kernels.json" 2>&1 \
+      | tee "$OUT/kernels.log"
+    timeout 260 python3 bench/attention.py --check --out "$OUT/h200-attention.json" 2>&1 | tee "$OUT/attention.log" ;;
+  shapes)
+    timeout 400 python3 bench/shapes.py --stream-rounds 15 --budget-s 300 --out "$OUT/h200-shapes.json" 2>&1 \
+      | tee "$OUT/shapes.log"
+    cp "$INT8_FUSED_CACHE_DIR"/autotune*.json "$OUT/" 2>/dev/null ;;
+  fused)
+    timeout 90 python3 bench/fused.py --out "$OUT/h200-fused.json" 2>&1 | tee "$OUT/fused.log"
+    timeout 240 python3 bench/fused_sweep.py 2>&1 | tee "$OUT/fused-sweep.log" ;;
+  host)
+    timeout 120 python3 bench/host_int8.py --json "$OUT/h200-host-int8.json" 2>&1 | tee "$OUT/host-int8.log" ;;
+  sampler)
+    timeout 480 $sampler --paths "bf16,pack:fused_triton,fp8_fast~cudnn,fp8_fast~kitchen,pack:fused_triton" \
+      --out "$OUT/h200-e2e-sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
+  models)
+    timeout 540 $models --models flux,zimage,wan13 --paths "bf16,pack:fused_triton,fp8_fast,pack:fused_triton" \
+      --out "$OUT/h200-e2e-models.json" 2>&1 | tee "$OUT/models.log" ;;
+  check)
+    timeout 330 $sampler --paths "bf16,pack:fused_triton,pack:fused_triton" --out "$OUT/check-sampler.json" 2>&1 \
+      | tee "$OUT/check-sampler.log"
+    timeout 240 $models --models flux --paths "bf16,pack:fused_triton,pack:fused_triton" \
+      --out "$OUT/check-models.json" 2>&1 | tee "$OUT/check-models.log"
+    # The pack rows' rel L2 against bf16 as recorded at 822c06c (bench/results/*-runs/*-822c06c.json).
+    python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+want = {("ideogram4", "pack:fused_triton"): 0.033619217574596405, ("flux", "pack:fused_triton"): 0.013207584619522095}
+ok = True
+for name, model in (("check-sampler.json", "ideogram4"), ("check-models.json", None)):
+    f = Path(sys.argv[1]) / name
+    rows = json.loads(f.read_text())["rows"] if f.exists() else []
+    for r in rows:
+        key = (r.get("model", model), r.get("path"))
+        if key in want and "rel_l2_vs_bf16" in r:
+            same = r["rel_l2_vs_bf16"] == want[key]
+            ok &= same
+            print(f"{key[0]} {key[1]}: rel L2 {r['rel_l2_vs_bf16']!r} (recorded {want[key]!r}) "
+                  f"{'same bits' if same else 'DIFFERENT'}; {r.get('s_per_step', float('nan')):.4f} s/step")
+    if not rows:
+        ok = False
+        print(f"{name}: no rows")
+print("check:", "PASS" if ok else "FAIL")
+EOF
+    ;;
+  *) echo "unknown suite $suite (kernels, shapes, fused, host, sampler, models, check, exec)"; exit 2 ;;
+esac
+done
