@@ -1,9 +1,11 @@
 """The timing widget shows the attention backend next to the GEMM backend (web/int8_fused.js), in a real browser on
 the pinned ComfyUI server (the page and server of tests/test_widget_browser.py). Runs with known attention fields are
-sent through the widget's WebSocket listeners, as nodes/timing.py sends them; the texts are written out by hand."""
+sent through the widget's WebSocket listeners, as nodes/timing.py sends them; the texts are written out by hand, and
+every comparison row lies within its node in the classic and the Nodes 2.0 design (screenshots
+tests/artifacts/timing_widget_attention_{classic,nodes2}.png)."""
 import pytest
 
-from test_widget_browser import APPLY, open_page
+from test_widget_browser import APPLY, ARTIFACTS, _set_nodes2, assert_rows_fit, open_page
 
 MID = "\u00b7"
 
@@ -55,9 +57,24 @@ def test_badge_and_comparison_show_the_attention_that_ran(page):
     ids = page.evaluate(f"""() => [0, 1].map((i) => {{
       const n = LiteGraph.createNode("{APPLY}"); n.pos = [100 + 400 * i, 1400]; app.graph.add(n);
       return String(n.id); }})""")
+    fits = {}
     try:
         got = page.evaluate(SEND, ids)
+        for design in ("classic", "nodes2"):  # each node's rows within its box, at the default width
+            _set_nodes2(page, design == "nodes2")
+            page.evaluate("""(id) => { const [x, y] = app.graph.getNodeById(Number(id)).pos;
+              app.canvas.ds.scale = 1; app.canvas.ds.offset = [-x + 300, -y + 140];
+              app.graph.setDirtyCanvas(true, true); }""", ids[0])
+            page.wait_for_function("""([ids, vue]) => ids.every((id) => {
+                const e = document.querySelector(`.int8-timing[data-node="${id}"]`);
+                return e && e.getBoundingClientRect().height > 0 && !!e.closest("[data-node-id]") === vue; })""",
+                                   arg=[ids, design == "nodes2"], timeout=60_000)
+            page.wait_for_timeout(500)
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / f"timing_widget_attention_{design}.png"))
+            fits[design] = [assert_rows_fit(page, i)["vue"] for i in ids]
     finally:
+        _set_nodes2(page, False)
         page.evaluate("""(ids) => {
           const s = window.__int8Fused.state;
           s.runs = s.runs.filter((r) => !String(r.run).startsWith("attn-known-"));
@@ -78,4 +95,5 @@ def test_badge_and_comparison_show_the_attention_that_ran(page):
             "bf16 1 s/step (baseline)"]
     assert got["done"]["compare"] == rows and got["done"]["self"] == rows[:1]
     assert got["other"]["compare"] == rows and got["other"]["self"] == rows[1:2]
+    assert fits == {"classic": [False, False], "nodes2": [True, True]}
     assert [e for e in page.errors if "int8" in e.lower()] == []

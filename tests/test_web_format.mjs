@@ -87,7 +87,8 @@ test("without bf16 the dequant baseline is used; without either, no ratios", () 
 
 test("runs compared under a routed attention take a bf16 run of any attention as baseline", () => {
   // as compareRuns in int8_fused.js hands them over: the compare key in backend, the GEMM backend in gemm
-  const routed = (gemm, attn, mean, started) => run(`${gemm} \u00b7 attn ${attn}`, mean, started, { gemm });
+  const routed = (gemm, attn, mean, started) =>
+    run(`${gemm} \u00b7 attn ${attn}`, mean, started, { gemm, attention: attn });
   const rows = f.compareRows([routed("bf16", "cudnn", 0.3, 1), routed("bf16", "flash", 0.36, 2),
                               routed("fused_triton", "cudnn", 0.2, 3), run("dequant_bf16", 0.6, 4)]);
   assert.deepEqual(rows.map((r) => r.label), [
@@ -99,6 +100,35 @@ test("runs compared under a routed attention take a bf16 run of any attention as
   // a plain bf16 run still wins over routed ones
   const plain = f.compareRows([routed("bf16", "cudnn", 0.3, 5), run("bf16", 0.4, 1)]);
   assert.equal(plain[0].label, "bf16 \u00b7 attn cudnn 0.3 s/step, 1.33\u00d7 bf16");
+});
+
+test("a row names its attention once: a baseline that ran the same attention is named by its GEMM backend", () => {
+  // the miniature demo graph: attention auto, which on a CPU runs ComfyUI's own, so every run is keyed
+  // "<backend> \u00b7 attn comfy_default" (ratios 0.2516 / 0.139 = 1.81, 0.2516 / 0.93 = 0.271)
+  const auto = (gemm, mean, started) => run(`${gemm} \u00b7 attn comfy_default`, mean, started,
+    { gemm, attention: "comfy_default", attention_requested: "auto" });
+  const rows = f.compareRows([auto("bf16", 0.2516, 1), auto("dequant_bf16", 0.93, 2),
+                              auto("torch_int_mm", 0.139, 3)]);
+  assert.deepEqual(rows.map((r) => r.label), [
+    "torch_int_mm \u00b7 attn comfy_default 0.139 s/step, 1.81\u00d7 bf16",
+    "bf16 \u00b7 attn comfy_default 0.252 s/step (baseline)",
+    "dequant_bf16 \u00b7 attn comfy_default 0.93 s/step, 0.271\u00d7 bf16",
+  ]);
+  assert.deepEqual(rows.map((r) => [r.name, r.numbers]), [
+    ["torch_int_mm \u00b7 attn comfy_default", "0.139 s/step, 1.81\u00d7 bf16"],
+    ["bf16 \u00b7 attn comfy_default", "0.252 s/step (baseline)"],
+    ["dequant_bf16 \u00b7 attn comfy_default", "0.93 s/step, 0.271\u00d7 bf16"],
+  ]);
+  for (const r of rows) assert.equal(r.label.split("attn").length, 2, r.label);  // "attn" exactly once
+  // a plain run (ComfyUI's attention, asked for) against that baseline: the same attention ran, no label
+  const mixed = f.compareRows([auto("bf16", 0.3, 1), run("fused_triton", 0.2, 2)]);
+  assert.equal(mixed[0].label, "fused_triton 0.2 s/step, 1.5\u00d7 bf16");
+  // another attention on the baseline is still named: it is not the row's
+  const other = f.compareRows([auto("bf16", 0.3, 1),
+    run("fused_triton \u00b7 attn cudnn", 0.2, 2, { gemm: "fused_triton", attention: "cudnn" })]);
+  assert.equal(other[0].label,
+    "fused_triton \u00b7 attn cudnn 0.2 s/step, 1.5\u00d7 bf16 \u00b7 attn comfy_default");
+  assert.equal(f.baselineName({ backend: "x" }, { backend: "bf16" }), "bf16");  // runs without attention fields
 });
 
 test("runs of one sampling by one node's two models are summed per step", () => {

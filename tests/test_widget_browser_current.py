@@ -1,12 +1,22 @@
 """The timing widget in the current frontend: the same browser checks as tests/test_widget_browser.py (empty
-state; known runs, written out by hand), on ComfyUI 0.33.0's server and its frontend (comfyui-frontend-package
-1.49.6) instead of the pinned 0.3.75 (1.32.9). Screenshot: tests/artifacts/timing_widget_error.png is
-overwritten by the later of the two; this one also writes tests/artifacts/timing_widget_current.png."""
+state; known runs, written out by hand; the miniature demo graph sampled from the UI; the side-by-side rows within
+the node in the classic and the Nodes 2.0 design), on ComfyUI 0.33.0's server and its frontend
+(comfyui-frontend-package 1.49.6) instead of the pinned 0.3.75 (1.32.9). Screenshots: tests/artifacts/
+timing_widget_error.png is overwritten by the later of the two; this one also writes timing_widget_current.png,
+timing_widget_1.49.6.png, timing_widget_nodes2_1.49.6.png and timing_widget_fit_{classic,nodes2}_1.49.6.png."""
 import pytest
 
 import test_widget_browser as W
-from test_widget_browser import (test_widget_shows_a_clean_empty_state,  # noqa: F401  (run here too)
+from test_widget_browser import (test_comparison_rows_fit_the_node_in_both_designs,  # noqa: F401  (run here too)
+                                 test_widget_shows_a_clean_empty_state,
+                                 test_widget_shows_backend_and_the_servers_per_step_times,
                                  test_widget_shows_known_runs_as_hand_written_text)
+
+
+@pytest.fixture(scope="module")
+def comfy_server(comfy_server_current):
+    """The tests imported from test_widget_browser.py talk to the current server."""
+    return comfy_server_current
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ export function latestByBackend(runs, workload = null) {
 
 /** The baseline run among the latest per backend (see BASELINES, in that order), or null. For each name a plain
  *  run first, else the latest run of that GEMM backend compared under a routed attention ("bf16 \u00b7 attn cudnn",
- *  its GEMM backend in ``gemm``). */
+ *  its GEMM backend in ``gemm``, the attention that ran in ``attention``). */
 export function pickBaseline(latest) {
   for (const name of BASELINES) {
     if (latest.has(name)) return latest.get(name);
@@ -116,15 +116,31 @@ export function pickBaseline(latest) {
   return null;
 }
 
-/** One comparison line: "fused_triton 0.21 s/step, 1.58× bf16" (or "(baseline)", or no ratio). */
-export function compareLabel(run, baseline) {
-  const head = `${run.backend} ${fmtPerStep(run.mean)}`;
-  if (!baseline) return head;
-  if (baseline === run) return `${head} (baseline)`;
-  return `${head}, ${fmtRatio(speedup(baseline.mean, run.mean))} ${baseline.backend}`;
+// The attention a run ran when its summary names none (runs from before the attention input).
+const DEFAULT_ATTENTION = "comfy_default";
+
+/** The baseline as a row names it: its GEMM backend alone ("bf16") when it ran the row's attention, else its
+ *  compare key ("bf16 \u00b7 attn flash"), so a row never repeats its own attention label. */
+export function baselineName(run, baseline) {
+  const same = (run.attention ?? DEFAULT_ATTENTION) === (baseline.attention ?? DEFAULT_ATTENTION);
+  return same && baseline.gemm ? baseline.gemm : baseline.backend;
 }
 
-/** Rows of the side-by-side comparison, fastest first: [{backend, device, mean, ratio, label}]. */
+/** The numbers of one comparison row: "0.21 s/step, 1.58\u00d7 bf16" (or "(baseline)", or no ratio). */
+export function compareNumbers(run, baseline) {
+  const head = fmtPerStep(run.mean);
+  if (!baseline) return head;
+  if (baseline === run) return `${head} (baseline)`;
+  return `${head}, ${fmtRatio(speedup(baseline.mean, run.mean))} ${baselineName(run, baseline)}`;
+}
+
+/** One comparison line: "fused_triton 0.21 s/step, 1.58\u00d7 bf16" (or "(baseline)", or no ratio). */
+export function compareLabel(run, baseline) {
+  return `${run.backend} ${compareNumbers(run, baseline)}`;
+}
+
+/** Rows of the side-by-side comparison, fastest first: [{backend, device, mean, ratio, name, numbers, label}];
+ *  ``name`` is the compare key (backend, and attention where routed), ``numbers`` the rest of the label. */
 export function compareRows(runs, workload = null) {
   const latest = latestByBackend(runs, workload);
   const base = pickBaseline(latest);
@@ -135,6 +151,8 @@ export function compareRows(runs, workload = null) {
       device: r.device,
       mean: r.mean,
       ratio: base ? speedup(base.mean, r.mean) : null,
+      name: r.backend,
+      numbers: compareNumbers(r, base),
       label: compareLabel(r, base),
     }));
 }

@@ -14,6 +14,11 @@ const PACK_MODULE = /int8[-_]fused/i;
 const WIDGET = "int8_timing";
 const CHART_H = 46;
 const MARGIN = 6;
+const ROW_H = 16;        // one comparison row on one line
+const ROW2_H = 32;       // one row on two lines: name, then numbers (2 px apart from the next)
+// Room for a row's text: node width - 2 margins - padding and border (14) - dot and gap (12) - what the
+// Vue-rendered nodes take on top (16).
+const ROW_INSET = 2 * MARGIN + 14 + 12 + 16;
 const MAX_RUNS = 256;  // summaries kept in the page (the server keeps its last 64)
 const COLORS = {
   fused_triton: "#4caf50", comfy_kitchen: "#26a69a", torch_int_mm: "#42a5f5",
@@ -43,7 +48,7 @@ function injectStyle() {
   s.id = "int8-fused-style";
   s.textContent = `
 .int8-timing{box-sizing:border-box;display:flex;flex-direction:column;gap:3px;padding:4px 6px;
-  font:11px/1.35 var(--font-sans, sans-serif);color:var(--input-text, #ddd);
+  min-width:0;contain:inline-size;font:11px/1.35 var(--font-sans, sans-serif);color:var(--input-text, #ddd);
   background:var(--comfy-input-bg, #222);border:1px solid var(--border-color, #444);border-radius:6px;
   overflow:hidden;pointer-events:auto}
 .int8-timing>*{flex:none}
@@ -59,7 +64,11 @@ function injectStyle() {
 .int8-timing .int8-max{position:absolute;top:0;right:2px;font-size:9px;color:var(--descrip-text, #999)}
 .int8-timing .int8-compare{margin:0;padding:0;list-style:none;border-top:1px solid var(--border-color, #444);
   padding-top:2px}
-.int8-timing .int8-compare li{height:16px;display:flex;align-items:center;gap:5px;white-space:nowrap}
+.int8-timing .int8-compare li{height:${ROW_H}px;display:grid;column-gap:5px;
+  grid-template-columns:7px minmax(0,max-content) minmax(0,1fr);align-items:center;white-space:nowrap;min-width:0}
+.int8-timing .int8-compare li>span{min-width:0;overflow:hidden;text-overflow:ellipsis}
+.int8-timing .int8-compare.int8-two li{height:${ROW2_H}px;grid-template-columns:7px minmax(0,1fr);align-content:center}
+.int8-timing .int8-compare.int8-two .int8-nums{grid-column:2}
 .int8-timing .int8-compare li.int8-self{font-weight:600}
 .int8-timing .int8-dot{width:7px;height:7px;border-radius:50%;flex:none}
 .int8-timing details{color:var(--descrip-text, #999)}
@@ -207,12 +216,29 @@ function render(w) {
     li.dataset.backend = r.backend;
     const dot = el("span", "int8-dot");
     dot.style.background = color(r.backend.split(" ")[0]);
-    li.append(dot, el("span", "", r.label));
-    li.title = `${r.backend} on ${r.device}`;
+    // the space keeps the row's text its label; a grid drops it from the layout
+    li.append(dot, el("span", "int8-name", r.name), " ", el("span", "int8-nums", r.numbers));
+    li.title = `${r.label}\n${r.backend} on ${r.device}`;
     return li;
   }));
+  const fits = oneLineFit(root, node);
+  const two = rows.some((r) => !fits(r));
+  compare.classList.toggle("int8-two", two);
   compare.style.display = rows.length > 1 ? "" : "none";
-  relayout(w, rows.length > 1 ? rows.length : 0);
+  relayout(w, rows.length > 1 ? rows.length * (two ? ROW2_H : ROW_H) : 0);
+}
+
+let measureCtx = null;
+
+/** row -> whether its name and numbers fit side by side at the node's width (measured in the widget's font, bold
+ *  as the node's own row; from the node's size, so the same whether or not the widget is laid out yet). When one
+ *  row does not, every row puts its numbers on a second line: the contain:inline-size root never widens the node
+ *  (the Vue-rendered nodes would otherwise size to the rows). */
+function oneLineFit(root, node) {
+  measureCtx ??= document.createElement("canvas").getContext("2d");
+  measureCtx.font = `600 11px ${getComputedStyle(root).fontFamily || "sans-serif"}`;
+  const room = (node.size?.[0] ?? 320) - ROW_INSET;
+  return (row) => measureCtx.measureText(row.name).width + 5 + measureCtx.measureText(row.numbers).width <= room;
 }
 
 /** No chart for a run that ended before its first step (it failed or was cancelled while loading). */
@@ -225,8 +251,9 @@ function listHeight(run) {
   return Math.min(5, Math.ceil((run.step_seconds?.length ?? 0) / 2)) * 14;
 }
 
-/** The widget's height from what it shows; grows the node when it needs more room. */
-function relayout(w, compareRows) {
+/** The widget's height from what it shows (``compareH``: the comparison rows' height); grows the node when it
+ *  needs more room. */
+function relayout(w, compareH) {
   const { run, finished } = runFor(w.node);
   let h = 10 + 18 + 3;  // padding + head
   if (!run) h += 32;
@@ -234,7 +261,7 @@ function relayout(w, compareRows) {
     h += (chartShown(run, finished) ? CHART_H + 3 : 0) + 16 + 3 + 16 + 3 + (w.steps.open ? listHeight(run) : 0);
     if (fmt.errorText(run)) h += 16;  // the error takes two lines
   }
-  if (compareRows) h += 3 + 3 + compareRows * 16;
+  if (compareH) h += 3 + 3 + compareH;
   if (h === w.height) return;
   const prev = w.height;
   w.height = h;
@@ -293,6 +320,12 @@ function attach(node) {
   node.onRemoved = function () {
     state.widgets.delete(w);
     return onRemoved?.apply(this, arguments);
+  };
+  const onResize = node.onResize;
+  node.onResize = function () {  // a row may now fit on one line, or need two
+    const r = onResize?.apply(this, arguments);
+    if (this.graph) render(w);
+    return r;
   };
   const onAdded = node.onAdded;
   node.onAdded = function () {  // the node gets its id when added to a graph
