@@ -1,4 +1,4 @@
-"""Flux.1, Z-Image, Wan 2.1 1.3B and Ideogram 4 sampled by ComfyUI's own sampler (issue 13's targets).
+"""Flux.1, Z-Image, Wan 2.1 (1.3B, 14B), Qwen-Image and Ideogram 4 sampled by ComfyUI's own sampler.
 
 The method of bench/e2e_sampler.py for more architectures: ComfyUI 0.33.0 set up as ``main.py`` does on an
 NVIDIA GPU (``e2e_sampler.comfy_setup``: cudaMallocAsync, comfy-aimdo, DynamicVRAM), and per model a FULL-SIZE
@@ -21,6 +21,11 @@ state dict must detect the same model class and config (asserted). Ideogram 4 us
              256 tokens (a detailed prompt plus the chat template; ComfyUI does not pad it)
   wan13      Wan 2.1 T2V 1.3B: dim 1536, ffn 8960, 12 heads, 30 layers, in/out 16. 480x832, 33 frames:
              latent [1,16,9,60,104] = 14040 tokens; umT5 text 512 x 4096
+  wan14      Wan 2.1 T2V 14B: dim 5120, ffn 13824, 40 heads, 40 layers; the inputs of wan13
+  qwen       Qwen-Image (20 B): 60 blocks, 24 heads x 128 = 3072, joint_attention_dim 3584 (Qwen2.5-VL 7B),
+             in_channels 64 (16-channel latent, 2x2 patches); ComfyUI detects image_model, in_channels and
+             num_layers, the rest are the model's defaults. 1024x1024: latent [1,16,1,128,128] = 4096 image
+             tokens; text 256 tokens of 3584
   ideogram4  Ideogram 4: 34 layers, hidden 4608 (bench/e2e.py). 1024x1024: latent [1,128,64,64]; text 512
              tokens of 53248
 
@@ -35,12 +40,27 @@ Apply node's ``attention`` input for pack paths, or installs the pack's attentio
 takes a trailing ``%SWITCH=value`` (one ``kernel.config`` switch read at call time, set for that row only: A/B
 rows in one process, e.g. ``pack:fused_triton%INT8_FUSED_QK_ROPE=flux``).
 
+``core_int8`` is ComfyUI core's ``int8_tensorwise`` file layout (per-channel scales) of the block linears (every
+2-D weight of the repeated blocks; Ideogram 4: bench/e2e.py's). A run whose only path is core_int8 in its own
+process (--cold / --vram-gib / --isolate) drops the bf16 state dict before loading, as a user with the int8 file.
+
 Measurement: ComfyUI's sampler, CFGGuider with cfg 1.0 (ComfyUI then skips the unconditional pass: one model
 forward per step; s_per_step = one forward through ComfyUI's sampler), euler, 'simple' schedule, --steps steps:
-one warm-up sampling run (autotune, DynamicVRAM faulting), one timed run with CUDA events in the step callback
-(median step; e2e_sampler's ``SamplerBench.timed``). Also the final latent's relative L2 to bf16's and peak
-device memory in use. Each (model, path) is built, measured and unloaded before the next; a failing path
-records its error and the run goes on. JSON (provenance + rows) is written after every row.
+a first sampling run (autotune, compiles, DynamicVRAM faulting; synced: ``first_sample_s``, the first sample of
+that path in this process), one timed run with CUDA events in the step callback (median step; e2e_sampler's
+``SamplerBench.timed``), then two whole samples synced before and after: ``s_per_step_whole`` (best / steps,
+the headline figure of the summary, its x bf16 / x fp8_fast and the issue-13 checks), ``model_calls_s`` and
+``per_sample_tax_s`` (e2e_sampler's ``SamplerBench.whole``). Also the final latent's relative L2 to bf16's, peak
+device memory in use (less what another process holds) and host RAM (VmRSS / VmHWM; ``host_rss_peak_row_gib``
+from the model's load on). Each (model, path) is built, measured and unloaded before the next; a failing path
+records ``status`` "oom" or "error" and its message, and the run goes on. JSON (provenance + rows) is written
+after every row.
+
+``--cold`` / ``--vram-gib N[,M]`` / ``--isolate``: each (model, path) in its own process (bench/e2e_runs.py), with
+new, empty autotune and Triton caches (--cold), or all but N GiB of the GPU held by another process before
+ComfyUI starts (--vram-gib: ComfyUI plans DynamicVRAM's offload for an N GiB card; on the CPU the size is
+recorded as not applicable). ``--per-process model``: one process per model for all its paths (less start-up
+time; the host RAM figures then share the process). Rows at a size get issue 36's checks (e2e_runs.vram_targets).
 
 ``--device cpu --tiny`` smoke-runs the whole code path on the CPU (legacy patcher, shrunken models that
 ComfyUI's detection still recognises: fewer blocks everywhere, narrower Flux and Wan; Z-Image and Ideogram 4
@@ -59,7 +79,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from e2e_sampler import SamplerBench, comfy_setup  # noqa: E402  (nothing there imports torch or ComfyUI at import time)
+from e2e_sampler import SamplerBench, add_isolation_args, comfy_setup, isolated  # noqa: E402  (nothing there imports torch or ComfyUI at import time)
 
 NOTE = ("s_per_step = one forward through ComfyUI's sampler (CFGGuider, cfg 1.0: ComfyUI skips the "
         "unconditional pass), median of the timed run's steps; euler, 'simple' schedule")
@@ -83,6 +103,17 @@ ZIMAGE = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 3
 WAN13 = {"image_model": "wan2.1", "dim": 1536, "out_dim": 16, "num_heads": 12, "ffn_dim": 8960, "num_layers": 30,
          "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
          "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "model_type": "t2v"}
+WAN14 = dict(WAN13, dim=5120, num_heads=40, ffn_dim=13824, num_layers=40)
+# ComfyUI's Qwen-Image detection reads these three; width (24 heads x 128), joint_attention_dim 3584 and out_channels
+# 16 are QwenImageTransformer2DModel's defaults
+QWEN = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60}
+WAN_TINY = {"dim": 256, "num_heads": 2, "ffn_dim": 512, "num_layers": 1}
+
+
+def wan_inputs(tiny: bool) -> dict:
+    return {"latent": (1, 16, 2, 8, 8) if tiny else (1, 16, 9, 60, 104),
+            "text": (1, 16, 4096) if tiny else (1, 512, 4096),
+            "what": "480x832, 33 frames (latent 9x60x104), umT5 512 tokens"}
 
 MODELS = {
     # name: (ComfyUI supported_models class, unet_config, tiny overrides, inputs(tiny) -> dict)
@@ -96,10 +127,12 @@ MODELS = {
                lambda tiny: {"latent": (1, 16, 8, 8) if tiny else (1, 16, 128, 128),
                              "text": (1, 32, 64) if tiny else (1, 256, 2560),
                              "what": "1024x1024, caption 256 tokens of 2560"}),
-    "wan13": ("WAN21_T2V", WAN13, {"dim": 256, "num_heads": 2, "ffn_dim": 512, "num_layers": 1},
-              lambda tiny: {"latent": (1, 16, 2, 8, 8) if tiny else (1, 16, 9, 60, 104),
-                            "text": (1, 16, 4096) if tiny else (1, 512, 4096),
-                            "what": "480x832, 33 frames (latent 9x60x104), umT5 512 tokens"}),
+    "wan13": ("WAN21_T2V", WAN13, WAN_TINY, wan_inputs),
+    "wan14": ("WAN21_T2V", WAN14, WAN_TINY, wan_inputs),
+    "qwen": ("QwenImage", QWEN, {"num_layers": 1},
+             lambda tiny: {"latent": (1, 16, 1, 8, 8) if tiny else (1, 16, 1, 128, 128),
+                           "text": (1, 8, 3584) if tiny else (1, 256, 3584),
+                           "what": "1024x1024 (latent 1x128x128), text 256 tokens of 3584"}),
     "ideogram4": ("Ideogram4", None, {"layers": 1},
                   lambda tiny: {"latent": (1, 128, 4, 4) if tiny else (1, 128, 64, 64),
                                 "text": (1, 8, 53248) if tiny else (1, 512, 53248),
@@ -107,7 +140,10 @@ MODELS = {
 }
 
 # detection selects these models by their width, so --tiny keeps it
-WIDTH_FIXED = {"zimage": 3840, "ideogram4": 4608}
+WIDTH_FIXED = {"zimage": 3840, "ideogram4": 4608, "qwen": 3072}
+# where the repeated blocks' linears live (core_int8 quantizes their 2-D weights)
+BLOCKS = {"flux": ("double_blocks.", "single_blocks."), "zimage": ("layers.",), "wan13": ("blocks.",),
+          "wan14": ("blocks.",), "qwen": ("transformer_blocks.",)}
 
 # issue 13: (min x bf16, min x fp8_fast, max s/step) for the pack's paths
 TARGETS = {"flux": (1.5, 1.3, 0.115), "zimage": (1.5, 1.2, None), "wan13": (1.5, 1.2, None),
@@ -163,6 +199,7 @@ class ModelsBench(SamplerBench):
         super().__init__(a, dynamic, e2e)
         self.ref = {}  # model -> bf16 final latent
         self.ref_pack = {}  # model -> the plain pack row's final latent (switched rows compare against it)
+        self._core_models: dict = {}  # model -> core int8 state dict
         self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "models": {}}
 
     # ------------------------------------------------------------------ per model
@@ -215,15 +252,24 @@ class ModelsBench(SamplerBench):
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(3))
         return ctx, extra, latent, noise, spec
 
+    def core_sd_for(self, name: str, sd: dict) -> dict:
+        """ComfyUI core's ``int8_tensorwise`` state dict of ``name`` (per-channel scales, made on the device, kept
+        on the CPU): Ideogram 4's block linears (bench/e2e.py), elsewhere every 2-D weight of the blocks."""
+        if name not in self._core_models:
+            if name == "ideogram4":
+                self._core_models[name] = self.e2e.core_int8_state_dict(sd, self.dev)
+            else:
+                self._core_models[name] = core_int8_state_dict(sd, BLOCKS[name], self.dev)
+        return self._core_models[name]
+
     def run_model(self, name: str):
-        torch = self.torch
         t0 = time.perf_counter()
         try:
             sd, cls, cfg = self.make_sd(name)
         except Exception as e:
             import traceback
             traceback.print_exc()
-            self.rows.append({"model": name, "error": f"state dict: {type(e).__name__}: {e}"[:500]})
+            self.rows.append({"model": name, **self.runs.error_fields(e, "state dict: ")})
             self.write()
             return
         n_params = sum(v.numel() for v in sd.values())
@@ -233,34 +279,48 @@ class ModelsBench(SamplerBench):
                                           "latent": list(latent.shape), "text": list(ctx.shape)}
         log(f"{name}: {cls}, {n_params / 1e9:.3f} B params, state dict in {time.perf_counter() - t0:.1f} s; "
             f"latent {list(latent.shape)}, text {list(ctx.shape)}")
-        for req in self.a.paths.split(","):
+        paths = self.a.paths.split(",")
+        if self.a.child and all(p.split("%")[0].split("~")[0].split("@")[0] == "core_int8" for p in paths):
+            self.core_sd_for(name, sd)  # a core INT8 user loads the int8 file alone: no bf16 copy in RAM
+            sd = None
+        for req in paths:
             req, _, switch = req.partition("%")
             with self.switch(switch):
-                self.run_row(name, req, switch, sd, cls, cfg, ctx, extra, latent, noise)
+                self.run_row(name, req, switch, sd, cls, cfg, ctx, extra, latent, noise,
+                             drop_sd=self.a.child and len(paths) == 1)
         del sd
+        self._core_models.pop(name, None)
         self.ref.pop(name, None)
         self.cleanup()
 
-    def run_row(self, name, req, switch, sd, cls, cfg, ctx, extra, latent, noise):
-        """One (model, path) row: build, warm up, time, compare with bf16, profile as asked; errors recorded."""
+    def run_row(self, name, req, switch, sd, cls, cfg, ctx, extra, latent, noise, drop_sd=False):
+        """One (model, path) row: build, first sample, time, whole samples, compare with bf16, profile as asked;
+        errors recorded (``status`` "oom" / "error"). ``drop_sd``: the bench lets go of its state dict once the
+        model is loaded (a process of one path: its host RAM is then what a user's ComfyUI holds)."""
         torch = self.torch
         path = self.smoke_path(name, req)
         if path is None:
             why = (f"CPU smoke run: {req} skipped on {name} (full width {WIDTH_FIXED[name]}: ~40 s of fp8 "
                    f"casts on the CPU; the path is exercised on flux and wan13)")
             log(why)
-            self.rows.append({"model": name, "path": req, "skipped": why})
+            self.rows.append({"model": name, "path": req, "status": "skipped", "skipped": why})
             return
-        row = {"model": name, "path": path + (f"%{switch}" if switch else "")}
+        row = {"model": name, "path": path + (f"%{switch}" if switch else ""),
+               "params": self.doc_extra["models"][name]["params"]}
         if path != req:
             row["requested_path"] = req
             log(f"{name}: CPU smoke run: {req} -> {path} (the Triton interpreter is too slow at width "
                 f"{WIDTH_FIXED[name]}, which ComfyUI's detection fixes; the fused path is exercised on flux/wan13)")
+        self.rss_mark()
         t1 = time.perf_counter()
         m = g = None
         try:
             log(f"{name}: building {path}")
-            m = self.load_path(path, sd, label=f"{name} {path}")
+            m = self.load_path(path, sd, core_sd=lambda: self.core_sd_for(name, sd), label=f"{name} {path}")
+            if drop_sd:
+                for d in (sd, self._core_models.get(name)):
+                    if d is not None:
+                        d.clear()
             row.update(self.check_detection(name, m, cls, cfg))
             row["patcher"] = type(m).__name__
             row["build_s"] = time.perf_counter() - t1
@@ -268,13 +328,14 @@ class ModelsBench(SamplerBench):
             g = comfy.samplers.CFGGuider(m)
             g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
             g.set_cfg(1.0)
-            t2 = time.perf_counter()
-            # warm-up: autotune, DynamicVRAM faults (a CPU smoke run has neither: one step runs the code path)
-            self.sample(g, m, latent, noise, self.a.steps if self.dev.type == "cuda" else 1)
-            row["warmup_s"] = time.perf_counter() - t2
+            # first sample: autotune, compiles, DynamicVRAM faults (a CPU smoke run: one step runs the code path)
+            self.first_sample(row, (name, row["path"]), g, m, latent, noise,
+                              self.a.steps if self.dev.type == "cuda" else 1)
+            row["warmup_s"] = row["first_sample_s"]
             out, s, s_wall, peak = self.timed(g, m, latent, noise)
             row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()),
                        **self.last_gc)
+            row.update(self.whole(g, m, latent, noise))
             if path.startswith("pack:"):
                 row["dispatch"] = self.dispatch_line(m)
             if path.split("~")[0] == "bf16" and name not in self.ref:  # bf16 with any attention
@@ -291,11 +352,13 @@ class ModelsBench(SamplerBench):
                 for k, ms, pct in row["top_kernels_ms_per_step"]:
                     log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
             self.row_extras(row, row["path"], g, m, latent, noise)
+            row["status"] = "ok"
         except Exception as e:  # a path that cannot run is reported, not hidden
             import traceback
             traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            row.update(self.runs.error_fields(e))
         row["total_s"] = time.perf_counter() - t1
+        row.update(self.host_fields())
         self.rows.append(row)
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
         self.write()
@@ -307,60 +370,73 @@ class ModelsBench(SamplerBench):
         t0 = time.perf_counter()
         for name in self.a.models.split(","):
             if name not in MODELS:
-                self.rows.append({"model": name, "error": f"unknown model (have {', '.join(MODELS)})"})
+                self.rows.append({"model": name, "status": "error",
+                                  "error": f"unknown model (have {', '.join(MODELS)})"})
                 continue
             self.run_model(name)
-        if self.dev.type == "cuda":  # a CPU smoke run makes no timing claims
-            self.rows.extend(self.targets())
+        if self.dev.type == "cuda" and not self.a.child:  # a CPU smoke run makes no timing claims
+            self.rows.extend(targets(self.rows))
         self.doc_extra["wall_s"] = time.perf_counter() - t0
         self.write()
-        self.table()
+        if not self.a.child:  # an isolated run's parent prints the summary of all its children
+            table(self.rows)
         log(f"wrote {self.a.out} ({time.perf_counter() - t0:.0f} s)")
         return 0
 
-    # ------------------------------------------------------------------ summary
-    def speedups(self, r: dict) -> tuple[float | None, float | None]:
-        base = {x["path"]: x.get("s_per_step") for x in self.rows if x.get("model") == r["model"] and "path" in x}
-        s = r.get("s_per_step")
-        fx = lambda ref: ref / s if (ref and s) else None  # noqa: E731
-        return fx(base.get("bf16")), fx(base.get("fp8_fast"))
 
-    def targets(self) -> list[dict]:
-        """Issue 13's targets for each pack path measured: x bf16, x fp8_fast, s/step (None: no target)."""
-        out = []
-        for i, r in enumerate(self.rows):
-            if not r.get("path", "").startswith("pack:") or "s_per_step" not in r or r["model"] not in TARGETS:
-                continue
+def core_int8_state_dict(sd: dict, blocks: tuple, device) -> dict:
+    """``sd`` with every 2-D ``.weight`` under ``blocks`` in ComfyUI core's ``int8_tensorwise`` layout: int8 weight,
+    per-output-channel ``weight_scale`` (absmax / 127), ``comfy_quant`` = {"format": "int8_tensorwise"}."""
+    import torch
+    conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".weight") and v.dim() == 2 and k.startswith(blocks):
+            p = k[: -len(".weight")]
+            w = v.to(device).float()
+            scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
+            out[k] = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).cpu()
+            out[f"{p}.weight_scale"] = scale.cpu()
+            out[f"{p}.comfy_quant"] = conf.clone()
+        else:
+            out[k] = v
+    return out
+
+
+# ----------------------------------------------------------------------------- summary (also of isolated runs)
+KEYS = ("model", "vram_gib", "cold")  # rows compared with one another: same model, card size, caches
+
+
+def targets(rows: list[dict], keys: tuple = KEYS) -> list[dict]:
+    """Issue 13's targets for each pack row on the headline figure (whole sample, else median step): x bf16,
+    x fp8_fast, s/step (None: no target); and issue 36's for rows at a --vram-gib size (e2e_runs.vram_targets)."""
+    from e2e_runs import headline, speedups, vram_targets
+    out = []
+    for i, r in enumerate(rows):
+        if not r.get("path", "").startswith("pack:") or headline(r) is None or "check" in r:
+            continue
+        xb, xf = speedups(rows, r, keys)
+        if r.get("model") in TARGETS and r.get("vram_gib") is None:
             min_bf, min_fp8, max_s = TARGETS[r["model"]]
-            xb, xf = self.speedups(r)
             checks = {}
             if min_bf is not None and xb is not None:
                 checks[f"x_bf16>={min_bf}"] = xb >= min_bf
             if min_fp8 is not None and xf is not None:
                 checks[f"x_fp8_fast>={min_fp8}"] = xf >= min_fp8
             if max_s is not None:
-                checks[f"s_per_step<={max_s}"] = r["s_per_step"] <= max_s
+                checks[f"s_per_step<={max_s}"] = headline(r) <= max_s
             out.append({"check": "issue13", "model": r["model"], "path": r["path"], "row": i, "x_bf16": xb,
-                        "x_fp8_fast": xf, "checks": checks, "pass": all(checks.values()) if checks else None})
-        return out
+                        "x_fp8_fast": xf, "basis": "s_per_step_whole" if r.get("s_per_step_whole") else "s_per_step",
+                        "checks": checks, "pass": all(checks.values()) if checks else None})
+    out.extend(vram_targets(rows, keys))
+    return out
 
-    def table(self):
-        print(f"\n{NOTE}\n{'model':<10} {'path':<24} {'s/step':>8} {'x bf16':>7} {'x fp8':>7} {'rel L2':>8} "
-              f"{'peak GiB':>8} {'build s':>7} {'compute':>8}  targets")
-        tg = {r["row"]: r for r in self.rows if r.get("check") == "issue13"}  # by row: a path can repeat
-        for i, r in enumerate(self.rows):
-            if "path" not in r or "check" in r:
-                continue
-            if "s_per_step" not in r:
-                print(f"{r['model']:<10} {r['path']:<24} {r.get('error', r.get('skipped', ''))[:120]}")
-                continue
-            xb, xf = self.speedups(r)
-            f = lambda v, n=7, d=2: f"{v:{n}.{d}f}" if v is not None else f"{'-':>{n}}"  # noqa: E731
-            t = tg.get(i)
-            ts = "" if not t else " ".join(f"{k}:{'PASS' if v else 'FAIL'}" for k, v in t["checks"].items())
-            print(f"{r['model']:<10} {r['path']:<24} {r['s_per_step']:8.4f} {f(xb)} {f(xf)} "
-                  f"{f(r.get('rel_l2_vs_bf16'), 8, 4)} {r.get('peak_gib', 0):8.1f} {f(r.get('build_s'), 7, 1)} "
-                  f"{r.get('compute_dtype', ''):>8}  {ts}")
+
+def table(rows: list[dict]) -> None:
+    """The summary (e2e_runs.summary: the whole-sample s/step first), then the target checks."""
+    from e2e_runs import print_checks, summary
+    summary(rows, ("model", "path"), KEYS, NOTE)
+    print_checks(rows)
 
 
 def main() -> int:
@@ -382,11 +458,19 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
+    add_isolation_args(ap)
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-models.json"))
     a = ap.parse_args()
     if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
         print("bench/e2e_models.py needs a ComfyUI 0.33.0 tree (with comfy/ldm/ideogram4): --comfy or COMFYUI_CURRENT")
         return 2
+    if isolated(a):  # before torch is imported: each child starts with its own caches / free memory
+        import e2e_runs
+        units = [{"models": m, "paths": p} for m in a.models.split(",")
+                 for p in (a.paths.split(",") if a.per_process == "path" else [a.paths])]
+        return e2e_runs.run_isolated(Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device,
+                                     a.child_timeout, table=table,
+                                     finish=None if a.device == "cpu" else targets)
     cpu = a.device == "cpu"
     dynamic = comfy_setup(a.comfy, cpu, a.comfy_flag)
     import torch

@@ -25,11 +25,22 @@ A ``@legacy`` suffix loads with ``disable_dynamic=True`` (the legacy ``ModelPatc
 ``--text-pad N``: the positive conditioning carries an ``attention_mask`` whose last N text tokens are padding
 (Ideogram 4 then builds a block-diagonal attention mask; the pack's fused_triton path removes the padded tokens).
 
-Per (path, workflow, resolution): one warm-up sampling run (autotune, DynamicVRAM faulting), one timed
-run (CUDA events in the step callback: s_per_step = median step; s_per_step_wall = whole run / steps),
-the final latent's relative L2 to bf16's, peak device memory in use (``mem_get_info``; DynamicVRAM's
-vbar is not in torch's allocator) and, at the first resolution, a profiled 2-step run: host->device
-copies per step (count, MiB; the pack must show no weight copies) and the GEMM kernels that ran.
+Per (path, workflow, resolution): a first sampling run (autotune, DynamicVRAM faulting; its time, synced before
+and after, is ``first_sample_s``: for the path's first row the first sample of that path in this process), one
+timed run (CUDA events in the step callback: s_per_step = median step; s_per_step_wall = that run / steps),
+then two whole samples, synced before and after, without a step callback: ``s_per_step_whole`` = the best
+one's time / steps (the headline figure: what a user waits for), ``model_calls_s`` = its model calls' time
+(CUDA events around each ``apply_model``) and ``per_sample_tax_s`` = the rest (the sample's time outside model
+calls). Also the final latent's relative L2 to bf16's, peak device memory in use (``mem_get_info``; DynamicVRAM's
+vbar is not in torch's allocator; less what other processes hold), the process's host RAM (VmRSS / VmHWM) and,
+at the first resolution, a profiled 2-step run: host->device copies per step (count, MiB; the pack must show no
+weight copies) and the GEMM kernels that ran. A row that fails says ``status`` "oom" or "error" (else "ok").
+
+``--cold`` / ``--vram-gib N[,M]`` / ``--isolate``: each path in its own process (bench/e2e_runs.py): ``--cold``
+with new, empty autotune and Triton caches; ``--vram-gib`` with all but N GiB of the GPU held by another process
+before ComfyUI starts (ComfyUI plans DynamicVRAM's offload for an N GiB card); rows say ``cold``, ``vram_gib``,
+and their host RAM peak (``host_rss_peak_row_gib``: from the model's load on; a process of one path lets go of the
+bench's state dicts once loaded). ``--per-process model``: one process for all the paths (less start-up time).
 
 ``--pressure GIB`` adds rows under VRAM pressure: a filler allocation leaves GIB free before loading
 (DynamicVRAM must then stream weights), batched workflow, first resolution.
@@ -91,6 +102,36 @@ def comfy_setup(comfy_dir: str, cpu: bool, comfy_flags: list[str]) -> bool:
     return dynamic
 
 
+def add_isolation_args(ap) -> None:
+    """``--cold``, ``--vram-gib``, ``--isolate`` (bench/e2e_runs.py) and the flags a child run gets."""
+    ap.add_argument("--cold", action="store_true", help="each path in its own process with new, empty autotune "
+                    "(INT8_FUSED_CACHE_DIR) and Triton (TRITON_CACHE_DIR) caches: first_sample_s is a cold start")
+    ap.add_argument("--vram-gib", default="", help="N[,M...]: each path in its own process with all but N GiB of "
+                    "the GPU held by another process before ComfyUI starts (one round per size)")
+    ap.add_argument("--isolate", action="store_true", help="each path in its own process (host RAM per path)")
+    ap.add_argument("--per-process", choices=("path", "model"), default="path",
+                    help="with --cold / --vram-gib / --isolate: one process per path (default), or per model with all "
+                         "its paths (less start-up time; host RAM then as each path's growth in that process)")
+    ap.add_argument("--child-timeout", type=float, default=600.0, help="seconds one child process may run")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a child of an isolated run
+
+
+def isolated(a) -> bool:
+    """Whether this process is the parent of an isolated run (bench/e2e_runs.py)."""
+    return (a.cold or bool(a.vram_gib) or a.isolate) and not a.child
+
+
+# rows compared with one another in the summary (x bf16, x fp8_fast): same workflow, resolution, card size, caches
+SUMMARY_KEYS = ("workflow", "resolution", "text_pad", "pressure_free_gib", "vram_gib", "cold")
+
+
+def summary(rows: list[dict]) -> None:
+    """The summary table (bench/e2e_runs.py: the whole-sample s/step first) and the target checks."""
+    import e2e_runs
+    e2e_runs.summary(rows, ("workflow", "resolution", "path"), SUMMARY_KEYS)
+    e2e_runs.print_checks(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy", default=os.environ.get("COMFYUI_CURRENT"), help="ComfyUI 0.33.0 tree")
@@ -116,12 +157,19 @@ def main() -> int:
     ap.add_argument("--pressure-paths", default="core_int8,pack:fused_triton")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
+    add_isolation_args(ap)
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-sampler.json"))
     a = ap.parse_args()
     if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
         print("bench/e2e_sampler.py needs a ComfyUI tree with comfy/ldm/ideogram4: --comfy or COMFYUI_CURRENT")
         return 2
     cpu = a.device == "cpu"
+    if isolated(a):  # before torch is imported: each child starts with its own caches / free memory
+        import e2e_runs
+        units = [{"paths": p} for p in a.paths.split(",")] if a.per_process == "path" else [{"paths": a.paths}]
+        return e2e_runs.run_isolated(Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device,
+                                     a.child_timeout, table=summary,
+                                     finish=lambda rows: [] if cpu else e2e_runs.vram_targets(rows, SUMMARY_KEYS))
     dynamic = comfy_setup(a.comfy, cpu, a.comfy_flag)
     import torch
     if not cpu and not torch.cuda.is_available():
@@ -139,6 +187,10 @@ class SamplerBench:
         import comfy.model_management as mm
         self.a, self.dynamic, self.e2e, self.torch, self.mm = a, dynamic, e2e, torch, mm
         self.dev = mm.get_torch_device()
+        import e2e_runs
+        self.runs = e2e_runs
+        self.others = e2e_runs.others_bytes()  # device memory another process holds (--vram-gib's holder)
+        self.first_done: set = set()  # paths whose first sample in this process is recorded
         self.rows: list[dict] = []
         self.ref: dict = {}  # (workflow, res) -> bf16 final latent
         self.pack = e2e.load_pack()
@@ -285,8 +337,63 @@ class SamplerBench:
                                 if len(host) > 1 else None)
         else:
             deltas = [b - a for a, b in zip(marks, marks[1:])]
+        if used:
+            self.last_gc["peak_device_used_gib"] = max(used) / 2 ** 30
         return out.float().cpu(), statistics.median(deltas) if deltas else wall / steps, wall / steps, \
-            (max(used) / 2 ** 30 if used else 0.0)
+            (max(0, max(used) - self.others) / 2 ** 30 if used else 0.0)
+
+    def synced(self, fn):
+        """(``fn()``, its wall time in s) with the device synchronised before and after."""
+        cuda = self.dev.type == "cuda"
+        if cuda:
+            self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if cuda:
+            self.torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    def first_sample(self, row: dict, key, guider, model, latent, noise, steps: int) -> None:
+        """The row's first sampling run (autotune, compiles, DynamicVRAM's first load), synced: ``first_sample_s``;
+        ``first_of_path`` when it is the first sample of ``key`` (a path, or (model, path)) in this process."""
+        _, t = self.synced(lambda: self.sample(guider, model, latent, noise, steps))
+        row.update(first_sample_s=t, first_sample_steps=steps, first_of_path=key not in self.first_done)
+        self.first_done.add(key)
+
+    def whole(self, guider, model, latent, noise, reps: int = 2) -> dict:
+        """``reps`` whole samples of --steps steps, each synced before and after, no step callback; of the best:
+        ``s_per_step_whole`` (its time / steps), ``model_calls_s`` (its model calls' time: CUDA events around each
+        ``apply_model``, an APPLY_MODEL wrapper on the guider's patcher, on the GPU's timeline; wall time on the
+        CPU) and ``per_sample_tax_s`` (the rest: loading, conditioning, the sampler's work between calls)."""
+        import comfy.patcher_extension as pe
+        torch, steps, cuda = self.torch, self.a.steps, self.dev.type == "cuda"
+        spans: list = []
+
+        def timer(executor, *args, **kw):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = executor(*args, **kw)
+                b.record()
+                spans.append((a, b))
+            else:
+                t = time.perf_counter()
+                out = executor(*args, **kw)
+                spans.append(time.perf_counter() - t)
+            return out
+        key, patcher, runs = "int8_bench_call_timer", guider.model_patcher, []
+        patcher.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, key, timer)
+        try:
+            for _ in range(reps):
+                spans.clear()
+                _, wall = self.synced(lambda: self.sample(guider, model, latent, noise, steps))
+                calls = sum(a.elapsed_time(b) / 1e3 for a, b in spans) if cuda else sum(spans)
+                runs.append((wall, calls, len(spans)))
+        finally:
+            patcher.remove_wrappers_with_key(pe.WrappersMP.APPLY_MODEL, key)
+        wall, calls, n = min(runs)
+        return {"s_per_step_whole": wall / steps, "whole_sample_s": [round(w, 4) for w, _, _ in runs],
+                "model_calls_s": calls, "model_calls_per_sample": n, "per_sample_tax_s": wall - calls}
 
     last_gc: dict = {}
 
@@ -527,14 +634,15 @@ class SamplerBench:
             for i, res in enumerate(res_list if not pressure else res_list[:1]):
                 ctx, latent, noise = self.conds(res)
                 g = self.guider(wf, cond, uncond, ctx)
-                row = {"resolution": res, "workflow": wf, "path": path, "patcher": patcher,
-                       "text_pad": self.a.text_pad}
+                row = {"model": "ideogram4", "resolution": res, "workflow": wf, "path": path, "patcher": patcher,
+                       "text_pad": self.a.text_pad, "params": self.params}
                 if pressure:
                     row["pressure_free_gib"] = pressure
                 try:
-                    self.sample(g, cond, latent, noise, self.a.steps)  # warm-up: autotune, vbar faults
+                    self.first_sample(row, path, g, cond, latent, noise, self.a.steps)  # autotune, vbar faults
                     out, s, s_wall, peak = self.timed(g, cond, latent, noise)
                     row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, **self.last_gc)
+                    row.update(self.whole(g, cond, latent, noise))
                     base = path.split("@")[0]
                     if base == "bf16" and not pressure:
                         self.ref.setdefault((wf, res), out)
@@ -551,10 +659,12 @@ class SamplerBench:
                     if i == 0:  # their own flags (--host-profile, --ab, --gpu-gaps), with or without --profile
                         self.row_extras(row, path, g, cond, latent, noise)
                     self.latents[(path, wf, res, pressure)] = out
+                    row["status"] = "ok"
                 except Exception as e:  # a path that cannot run is reported, not hidden
                     import traceback
                     traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {e}"[:500]
+                    row.update(self.runs.error_fields(e))
+                row.update(self.host_fields())
                 self.rows.append(row)
                 log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                                 if k not in ("top_kernels_ms_per_step", "h2d_sources")}))
@@ -571,18 +681,31 @@ class SamplerBench:
         gen = self.dev if self.dev.type == "cuda" else torch.device("cpu")
         sds = {"cond": self.e2e.random_state_dict(a.layers, gen, seed=0),
                "uncond": self.e2e.random_state_dict(a.layers, gen, seed=1)}
+        self.params = sum(v.numel() for sd in sds.values() for v in sd.values())  # both backbones
+        if a.child and all(p.split("%")[0].split("~")[0].split("@")[0] == "core_int8" for p in a.paths.split(",")):
+            for br in ("cond", "uncond"):  # a core INT8 user loads the int8 files alone
+                self.core_sd(br, sds[br])
+                sds[br] = None
         log(f"DynamicVRAM {'on' if self.dynamic else 'off'}; state dicts built")
         for path in a.paths.split(","):
             log(f"building {path}")
             base, _, sw = path.partition("%")  # a %SWITCH=value suffix: that kernel.config switch for this row
             with self.switch(sw):
+                self.rss_mark()
                 try:
                     cond, uncond, patcher = self.build(base, sds)
+                    if a.child and len(a.paths.split(",")) == 1 and not a.pressure:
+                        # a process of one path lets go of its state dicts: its host RAM is a user's ComfyUI's
+                        for d in [*sds.values(), *self._core_cache.values()]:
+                            if d is not None:
+                                d.clear()
                 except Exception as e:
                     import traceback
                     traceback.print_exc()
-                    self.rows.append({"path": path, "error": f"build: {type(e).__name__}: {e}"[:500]})
+                    self.rows.append({"path": path, **self.runs.error_fields(e, "build: "), **self.host_fields()})
                     self.write()
+                    cond = uncond = None
+                    self.cleanup()
                     continue
                 self.measure(path, patcher, cond, uncond)
             del cond, uncond
@@ -602,8 +725,31 @@ class SamplerBench:
         self.consistency()
         self.check()
         self.write()
+        if not a.child:  # an isolated run's parent prints the summary of all its children
+            summary(self.rows)
         log(f"wrote {a.out}")
         return 0
+
+    proc_peak = 0.0  # the process's VmHWM before the last restart (rss_mark)
+
+    def rss_mark(self) -> None:
+        """Before a path's load: the host RSS now, and VmHWM restarted, so the row's host peak is the path's."""
+        r = self.runs.host_rss()
+        self.proc_peak = max(self.proc_peak, r.get("host_rss_peak_gib", 0.0))
+        self.rss0 = r.get("host_rss_gib")
+        self.rss_reset = self.runs.reset_peak_rss()
+
+    def host_fields(self) -> dict:
+        """Host RAM of this process (GiB): now, its peak, and (after ``rss_mark``) the peak since the mark
+        (``host_rss_peak_row_gib``; None where the kernel does not restart VmHWM)."""
+        r = self.runs.host_rss()
+        since = r.get("host_rss_peak_gib")
+        if since is not None:
+            r["host_rss_peak_gib"] = max(since, self.proc_peak)
+        if getattr(self, "rss0", None) is not None:
+            r["host_rss_before_load_gib"] = self.rss0
+            r["host_rss_peak_row_gib"] = since if self.rss_reset else None
+        return r
 
     def cleanup(self):
         self.mm.unload_all_models()
@@ -656,7 +802,7 @@ class SamplerBench:
         import comfyui_version
         doc = dict(self.e2e.provenance(self.dev), comfyui=comfyui_version.__version__, dynamic_vram=self.dynamic,
                    command=" ".join(["python3"] + [str(x) for x in sys.orig_argv[1:]]), **self.doc_extra,
-                   rows=self.rows)
+                   caches=self.runs.caches(self.pack), rows=self.rows)
         Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(self.a.out).write_text(json.dumps(doc, indent=1))
 

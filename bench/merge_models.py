@@ -1,27 +1,52 @@
 """Merge the H200 runs of bench/e2e_models.py (bench/results/models-runs/h200-e2e-models-<run>.json, one device
 call each) into bench/results/h200-e2e-models.json: every measured row tagged with its run and commit, the rows
-of a run that failed in the bench itself (``error``) kept apart under ``bench_errors``.
-Run: python3 bench/merge_models.py
+of a run that failed in the bench itself (``error`` without an ``oom`` status: a row that ran out of memory is
+a result) kept apart under ``bench_errors``. A run named ``<commit>-cold`` holds the ``--cold`` rows.
+
+Also the VRAM-limited runs (bench/results/vram-runs/h200-vram-limited-<run>.json, from bench/e2e_models.py and
+bench/e2e_sampler.py with ``--vram-gib``) into bench/results/h200-vram-limited.json, issue 36's checks computed
+again over the merged rows (within a run, model, workflow and size).
+Prints the summary of each (the whole-sample s/step first). Run: python3 bench/merge_models.py
 """
 import json
 from pathlib import Path
 
+import e2e_runs
+
 HERE = Path(__file__).resolve().parent
+KEYS = ("run", "model", "workflow", "resolution", "vram_gib", "cold")
+
+
+def merge(folder: str, prefix: str) -> tuple[dict, list, list]:
+    """(run -> document without rows, rows, bench errors) of ``results/<folder>/<prefix><run>.json``."""
+    rows, errors, meta = [], [], {}
+    for f in sorted((HERE / "results" / folder).glob(f"{prefix}*.json")):
+        doc = json.loads(f.read_text())
+        run = f.stem[len(prefix):]
+        meta[run] = {k: v for k, v in doc.items() if k != "rows"}
+        for r in doc["rows"]:
+            if r.get("check") in ("issue13", "issue36"):  # their row numbers are the run's: computed again
+                continue
+            r = dict(r, run=run, commit=doc.get("commit"))
+            r.pop("h2d_sources", None)
+            (errors if "error" in r and r.get("status") != "oom" else rows).append(r)
+    return meta, rows, errors
 
 
 def main() -> None:
-    rows, errors, meta = [], [], {}
-    for f in sorted((HERE / "results" / "models-runs").glob("h200-e2e-models-*.json")):
-        doc = json.loads(f.read_text())
-        run = f.stem.rsplit("-", 1)[-1]
-        meta[run] = {k: v for k, v in doc.items() if k != "rows"}
-        for r in doc["rows"]:
-            r = dict(r, run=run, commit=doc.get("commit"))
-            r.pop("h2d_sources", None)
-            (errors if "error" in r else rows).append(r)
+    meta, rows, errors = merge("models-runs", "h200-e2e-models-")
     out = HERE / "results" / "h200-e2e-models.json"
     out.write_text(json.dumps({"runs": meta, "rows": rows, "bench_errors": errors}, indent=1))
+    e2e_runs.summary(rows, ("run", "model", "path"), KEYS)
     print(f"{len(rows)} rows ({len(errors)} bench errors) from runs {', '.join(meta)} -> {out}")
+    meta, rows, errors = merge("vram-runs", "h200-vram-limited-")
+    if meta:
+        rows += e2e_runs.vram_targets(rows, KEYS)
+        out = HERE / "results" / "h200-vram-limited.json"
+        out.write_text(json.dumps({"runs": meta, "rows": rows, "bench_errors": errors}, indent=1))
+        e2e_runs.summary(rows, ("run", "model", "path"), KEYS)
+        e2e_runs.print_checks(rows)
+        print(f"{len(rows)} rows ({len(errors)} bench errors) from runs {', '.join(meta)} -> {out}")
 
 
 if __name__ == "__main__":

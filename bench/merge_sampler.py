@@ -6,11 +6,14 @@ columns {resolution, workflow, path, patcher, s_per_step, h2d_copies_per_step, p
 Python stacks (run d onward): copies made once per sampling run (ComfyUI's load at its start, the sampler's
 setup) are counted apart (``h2d_copies_per_run_start``); ``h2d_weight_copies_per_step`` leaves out ComfyUI's
 own per-step copy of the conditioning (``model_base._apply_model``). Runs without stacks keep the raw count of
-the 2-step profile window (``h2d_copies_per_step_raw``) and null there.
+the 2-step profile window (``h2d_copies_per_step_raw``) and null there. A run named ``<commit>-cold`` holds the
+``--cold`` rows. Prints the summary (the whole-sample s/step first).
 Run: python3 bench/merge_sampler.py
 """
 import json
 from pathlib import Path
+
+import e2e_runs
 
 HERE = Path(__file__).resolve().parent
 RUN_START = ("patch_weight_to_device", "partially_load", "outer_sample")
@@ -20,7 +23,7 @@ def main() -> None:
     rows, meta = [], {}
     for f in sorted((HERE / "results" / "sampler-runs").glob("h200-e2e-sampler-*.json")):
         doc = json.loads(f.read_text())
-        run = f.stem.rsplit("-", 1)[-1]
+        run = f.stem[len("h200-e2e-sampler-"):]
         meta[run] = {k: v for k, v in doc.items() if k != "rows"}
         for r in doc["rows"]:
             r = dict(r, run=run)
@@ -40,6 +43,8 @@ def main() -> None:
             rows.append(r)
     out = HERE / "results" / "h200-e2e-sampler.json"
     out.write_text(json.dumps({"runs": meta, "rows": rows}, indent=1))
+    e2e_runs.summary(rows, ("run", "workflow", "resolution", "path"),
+                     ("run", "workflow", "resolution", "text_pad", "pressure_free_gib", "vram_gib", "cold"))
     print(f"{len(rows)} rows from runs {', '.join(meta)} -> {out}")
 
 

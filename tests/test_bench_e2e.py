@@ -1,0 +1,238 @@
+"""The sampler benches' CPU smoke paths (bench/e2e_models.py, bench/e2e_sampler.py, bench/e2e_runs.py) through the
+real ComfyUI 0.33.0 (COMFYUI_CURRENT): whole-sample figures and the per-sample tax, ``--cold`` and ``--vram-gib``
+(one process per path), core INT8 and the Wan 2.1 14B / Qwen-Image layouts; OOM and dead children as row
+statuses. No timing assertions: the figures are checked against how they are defined (a whole sample is its model
+calls plus the rest; one model call a step at cfg 1.0, two with DualModelGuider's two backbones)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import e2e_runs  # noqa: E402  (no torch / ComfyUI at import)
+
+
+def _bench(comfy_current, script: str, args: list[str], out: Path, timeout: float = 1500) -> tuple[dict, str]:
+    """Runs ``bench/<script>`` on the CPU under the current ComfyUI; (its JSON document, its output)."""
+    py = os.environ.get("COMFYUI_CURRENT_PYTHON") or sys.executable
+    env = dict(os.environ, TRITON_INTERPRET="1", COMFYUI_CURRENT=str(comfy_current))
+    cp = subprocess.run([py, str(ROOT / "bench" / script), "--device", "cpu", *args, "--out", str(out)], env=env,
+                        capture_output=True, text=True, timeout=timeout)
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    return json.loads(out.read_text()), cp.stdout
+
+
+def _measured(doc: dict) -> list[dict]:
+    return [r for r in doc["rows"] if "path" in r and "check" not in r]
+
+
+def _whole_is_calls_plus_tax(r: dict, steps: int, calls_per_step: int) -> None:
+    best = min(r["whole_sample_s"])
+    assert len(r["whole_sample_s"]) == 2
+    assert r["s_per_step_whole"] * steps == pytest.approx(best, abs=1e-4)  # the best whole sample / steps
+    assert r["model_calls_per_sample"] == steps * calls_per_step
+    assert 0 < r["model_calls_s"] <= best + 1e-4
+    assert r["per_sample_tax_s"] == pytest.approx(best - r["model_calls_s"], abs=1e-4)
+    assert r["first_sample_s"] > 0 and r["first_of_path"] is True
+
+
+def test_models_cold_vram_rows_one_process_each(comfy_current, tmp_path):
+    doc, out = _bench(comfy_current, "e2e_models.py", ["--tiny", "--models", "flux", "--paths",
+                                                       "bf16,pack:torch_int_mm", "--steps", "2", "--cold",
+                                                       "--vram-gib", "8"], tmp_path / "cold.json")
+    assert doc["isolated"] and doc["cold"] and doc["parent_imported_torch"] is False
+    assert doc["gpu"] == "cpu (smoke run)" and doc["commit"]  # provenance from the children
+    rows = _measured(doc)
+    assert [r["path"] for r in rows] == ["bf16", "pack:torch_int_mm"]
+    dirs = set()
+    for r in rows:
+        assert r["status"] == "ok" and r["isolated"] and r["cold"] and r["vram_gib"] == 8.0
+        assert "not applicable" in r["vram_gib_note"] and r["held_gib"] is None
+        _whole_is_calls_plus_tax(r, steps=2, calls_per_step=1)  # cfg 1.0: one forward a step
+        # the child's pack and Triton read the fresh folders the parent made for it; removed afterwards
+        assert r["child_caches"] == {"int8_fused": r["int8_fused_cache_dir"], "triton": r["triton_cache_dir"]}
+        assert not Path(r["int8_fused_cache_dir"]).parent.exists()
+        dirs.add(r["int8_fused_cache_dir"])
+        assert 0 < r["host_rss_peak_row_gib"] <= r["host_rss_peak_gib"]
+        assert r["host_rss_before_load_gib"] <= r["host_rss_peak_row_gib"]
+    assert len(dirs) == 2  # each path its own cold caches
+    header = next(ln for ln in out.splitlines() if ln.startswith("model "))
+    assert header.split()[:5] == ["model", "path", "vram", "whole", "x"]  # the whole sample is the headline
+
+
+def test_models_wan14_qwen_core_int8(comfy_current, tmp_path):
+    doc, _ = _bench(comfy_current, "e2e_models.py", ["--tiny", "--models", "wan14,qwen", "--paths", "bf16,core_int8",
+                                                     "--steps", "1"], tmp_path / "models.json")
+    rows = {(r["model"], r["path"]): r for r in _measured(doc)}
+    assert rows[("wan14", "bf16")]["model_class"] == "WAN21_T2V"
+    assert rows[("qwen", "bf16")]["model_class"] == "QwenImage"
+    for r in rows.values():
+        assert r["status"] == "ok" and r["finite"], r
+        _whole_is_calls_plus_tax(r, steps=1, calls_per_step=1)
+    for m in ("wan14", "qwen"):
+        # core int8_tensorwise weights (per-channel absmax / 127): near bf16's output, yet not bf16's
+        assert 0 < rows[(m, "core_int8")]["rel_l2_vs_bf16"] < 0.05
+        assert rows[(m, "bf16")]["rel_l2_vs_bf16"] == 0.0
+
+
+def test_full_size_wan14_qwen_layouts_detected(comfy_current):
+    """The full-size layouts (built on the meta device) are what ComfyUI's detection maps back to the same model
+    and config; their sizes are the published ones (Wan 2.1 14B, Qwen-Image 20B)."""
+    from comfy_harness import run_in_current_comfy
+    cp = run_in_current_comfy(f"""
+import json, sys, torch
+sys.path.insert(0, {str(ROOT / "bench")!r})
+import comfy.model_detection as md
+import e2e_models
+out = {{}}
+for name in ("wan14", "qwen"):
+    cfg = e2e_models.unet_config(name, tiny=False)
+    dm = md.model_config_from_unet_config(cfg).get_model({{}}, device=torch.device("meta")).diffusion_model
+    sd = dict(dm.named_parameters())
+    det = md.detect_unet_config(sd, "")
+    q = "blocks.0.self_attn.q.weight" if name == "wan14" else "transformer_blocks.0.attn.to_q.weight"
+    out[name] = {{"params": sum(p.numel() for p in sd.values()), "dim": sd[q].shape[0], "blocks": det["num_layers"],
+                 "class": type(md.model_config_from_unet(sd, "")).__name__,
+                 "same": all(det.get(k) == v for k, v in cfg.items())}}
+print("RESULT " + json.dumps(out))
+""", check=True)
+    res = json.loads(cp.stdout.split("RESULT ", 1)[1])
+    assert res["wan14"]["class"] == "WAN21_T2V" and res["wan14"]["same"]
+    assert res["wan14"]["dim"] == 5120 and res["wan14"]["blocks"] == 40
+    assert abs(res["wan14"]["params"] / 14e9 - 1) < 0.05
+    assert res["qwen"]["class"] == "QwenImage" and res["qwen"]["same"]
+    assert res["qwen"]["dim"] == 3072 and res["qwen"]["blocks"] == 60
+    assert abs(res["qwen"]["params"] / 20e9 - 1) < 0.05
+
+
+def test_sampler_dual_isolated_times_both_backbones(comfy_current, tmp_path):
+    """Ideogram 4's DualModelGuider through an isolated run: the model-call timer sees the conditional and the
+    unconditional backbone (two calls a step). No blocks (--layers 0) keeps it small on the CPU."""
+    doc, out = _bench(comfy_current, "e2e_sampler.py", ["--layers", "0", "--res", "32", "--text-tokens", "4",
+                                                        "--steps", "1", "--workflows", "dual", "--paths", "bf16",
+                                                        "--profile", "none", "--isolate",
+                                                        "--comfy-flag=--bf16-unet"], tmp_path / "dual.json")
+    assert doc["isolated"] and doc["cold"] is False and doc["parent_imported_torch"] is False
+    (r,) = _measured(doc)
+    assert r["status"] == "ok" and r["workflow"] == "dual" and r["isolated"] and r["vram_gib"] is None
+    _whole_is_calls_plus_tax(r, steps=1, calls_per_step=2)
+    assert any(ln.split()[:3] == ["dual", "32", "bf16"] for ln in out.splitlines())
+
+
+# ----------------------------------------------------------------------------- bench/e2e_runs.py alone
+def test_child_argv_and_sizes():
+    argv = ["--comfy", "c", "--cold", "--vram-gib", "24,16", "--paths=bf16", "--models", "flux", "--steps", "6",
+            "--out", "x.json", "--isolate", "--child-timeout", "9"]
+    assert e2e_runs.child_argv(argv) == ["--comfy", "c", "--steps", "6"]
+    assert e2e_runs.vram_sizes("24,16,12") == [24.0, 16.0, 12.0] and e2e_runs.vram_sizes("") == [None]
+
+
+def test_error_status():
+    import torch
+    assert e2e_runs.error_fields(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))[
+        "status"] == "oom"
+    assert e2e_runs.error_fields(RuntimeError("CUDA error: out of memory"))["status"] == "oom"
+    e = e2e_runs.error_fields(ValueError("bad"), "build: ")
+    assert e == {"status": "error", "error": "build: ValueError: bad"}
+
+
+@pytest.mark.parametrize("body, status", [
+    ("import time; print('loading'); time.sleep(60)", "timeout"),
+    ("print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB'); raise SystemExit(1)", "oom"),
+    ("import os; os.abort()", "crashed"),
+])
+def test_dead_child_is_a_row(tmp_path, body, status):
+    script = tmp_path / "child.py"
+    script.write_text(body)
+    rows, meta = e2e_runs.run_child(script, [], {"models": "flux", "paths": "bf16,pack:fused_triton"}, cold=False,
+                                    gib=12.0, held={"held_gib": 100.0, "free_gib": 12.0, "others_bytes": 1},
+                                    cpu=False, timeout=3)
+    assert meta == {}
+    assert [(r["model"], r["path"], r["status"]) for r in rows] == [("flux", "bf16", status),
+                                                                   ("flux", "pack:fused_triton", status)]
+    assert all(r["vram_gib"] == 12.0 and r["held_gib"] == 100.0 and r["free_gib_at_start"] == 12.0 for r in rows)
+
+
+def test_child_rows_are_tagged(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text("import json, os, sys\n"
+                      "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                      "json.dump({'gpu': 'g', 'rows': [{'path': 'bf16', 'status': 'ok', 'argv': sys.argv[1:],\n"
+                      "  'others': os.environ['" + e2e_runs.OTHERS_ENV + "'],\n"
+                      "  'cache': os.environ['INT8_FUSED_CACHE_DIR']}]}, open(out, 'w'))\n")
+    rows, meta = e2e_runs.run_child(script, ["--steps", "6"], {"paths": "bf16"}, cold=True, gib=16.0,
+                                    held={"held_gib": 120.0, "free_gib": 16.0, "others_bytes": 123}, cpu=False,
+                                    timeout=60)
+    (r,) = rows
+    assert meta == {"gpu": "g"}
+    assert r["argv"][:2] == ["--steps", "6"] and r["argv"][-4:] == ["bf16", "--vram-gib", "16", "--cold"]
+    assert "--child" in r["argv"] and r["others"] == "123" and r["cache"] == r["int8_fused_cache_dir"]
+    assert r["cold"] and r["isolated"] and r["vram_gib"] == 16.0 and r["held_gib"] == 120.0
+
+
+def test_summary_ratios_and_vram_targets(capsys):
+    """Ratios on the whole-sample figure, within one (model, card size); issue 36's checks per size."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import e2e_models
+    p = 10 * 2 ** 30  # 10 Gi parameters: bf16 20 GiB, int8 10 GiB
+    rows = [
+        {"model": "m", "path": "bf16", "vram_gib": 16.0, "status": "ok", "s_per_step_whole": 0.9, "s_per_step": 0.1},
+        {"model": "m", "path": "fp8_fast", "vram_gib": 16.0, "status": "ok", "s_per_step_whole": 0.6},
+        {"model": "m", "path": "core_int8", "vram_gib": 16.0, "status": "ok", "s_per_step_whole": 0.5,
+         "host_rss_peak_row_gib": 30.0},
+        {"model": "m", "path": "pack:fused_triton", "vram_gib": 16.0, "status": "ok", "s_per_step_whole": 0.4,
+         "params": p, "host_rss_peak_row_gib": 29.0},
+        {"model": "m", "path": "bf16", "vram_gib": 8.0, "status": "ok", "s_per_step_whole": 2.0},
+        {"model": "m", "path": "fp8_fast", "vram_gib": 8.0, "status": "ok", "s_per_step_whole": 0.5},
+        {"model": "m", "path": "core_int8", "vram_gib": 8.0, "status": "ok", "s_per_step_whole": 1.0,
+         "host_rss_peak_row_gib": 30.0},
+        {"model": "m", "path": "pack:fused_triton", "vram_gib": 8.0, "status": "oom", "error": "out of memory",
+         "params": p},
+    ]
+    xb, xf = e2e_runs.speedups(rows, rows[3], e2e_models.KEYS)
+    assert xb == pytest.approx(0.9 / 0.4) and xf == pytest.approx(0.6 / 0.4)
+    checks = {(c["vram_gib"]): c for c in e2e_models.targets(rows)}
+    assert checks[16.0]["checks"] == {"x_fp8_fast>=1.3": True, "x_bf16>=2 (int8 fits, bf16 not)": True,
+                                      "no OOM where core samples": True, "host RAM <= core's": True}
+    assert checks[16.0]["pass"] is True
+    # at 8 GiB the int8 weights do not fit either: no 2x claim; the pack's OOM where core sampled fails
+    assert checks[8.0]["checks"] == {"no OOM where core samples": False} and checks[8.0]["pass"] is False
+    e2e_models.table(rows)
+    lines = capsys.readouterr().out.splitlines()
+    pack16 = next(ln for ln in lines if "pack:fused_triton" in ln and " 16 " in ln).split()
+    assert pack16[2:6] == ["16", "0.4000", "2.25", "1.50"]
+    assert any("pack:fused_triton" in ln and "oom" in ln for ln in lines)
+
+
+def test_merge_keeps_oom_rows_and_checks_each_run(tmp_path):
+    """bench/merge_models.py: OOM rows are results, bench errors kept apart, run names with dashes kept whole,
+    issue 36's checks computed within each run."""
+    bench = tmp_path / "bench"
+    for d in ("models-runs", "vram-runs"):
+        (bench / "results" / d).mkdir(parents=True)
+    for f in ("merge_models.py", "e2e_runs.py"):
+        (bench / f).write_text((ROOT / "bench" / f).read_text())
+
+    def row(path, s, run_status="ok", **kw):
+        return {"model": "m", "path": path, "vram_gib": 16.0, "status": run_status, "s_per_step_whole": s, **kw}
+    a = [row("bf16", 1.0), row("fp8_fast", 0.6), row("pack:fused_triton", 0.5),
+         {"check": "issue36", "row": 2, "checks": {}}]
+    b = [row("bf16", 1.0), row("fp8_fast", 0.3), row("pack:fused_triton", None, "oom", error="CUDA out of memory"),
+         {"model": "m", "path": "core_int8", "status": "error", "error": "build: KeyError: 'x'"}]
+    for name, rows in (("h200-vram-limited-abc1234-a", a), ("h200-vram-limited-abc1234-b", b)):
+        (bench / "results" / "vram-runs" / f"{name}.json").write_text(json.dumps({"commit": "abc1234", "rows": rows}))
+    cp = subprocess.run([sys.executable, str(bench / "merge_models.py")], capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    doc = json.loads((bench / "results" / "h200-vram-limited.json").read_text())
+    assert sorted(doc["runs"]) == ["abc1234-a", "abc1234-b"]
+    assert [(r["run"], r["path"]) for r in doc["bench_errors"]] == [("abc1234-b", "core_int8")]
+    oom = next(r for r in doc["rows"] if r.get("status") == "oom")
+    assert oom["run"] == "abc1234-b" and oom["commit"] == "abc1234"
+    # the runs' own check rows are dropped, then computed again within each run: a's pack against a's fp8_fast
+    checks = [(c["run"], c["x_fp8_fast"], c["checks"]) for c in doc["rows"] if c.get("check") == "issue36"]
+    assert checks == [("abc1234-a", pytest.approx(0.6 / 0.5), {"x_fp8_fast>=1.3": False}), ("abc1234-b", None, {})]
