@@ -16,7 +16,10 @@ patches on the MODEL are merged into float weights first.
 Files go under ComfyUI's first ``diffusion_models`` folder (``models/unet`` in a default install, which
 ComfyUI lists before ``models/diffusion_models``; both are read by the loaders), and the node shows the
 path it wrote. An existing file is an error unless ``overwrite`` is on; writes are atomic (temporary file
-+ rename; temporaries left by a killed server are removed by the next save in that folder).
++ rename; temporaries left by a killed server are removed by the next save in that folder). The name must end in
+a file name (not ``/``, not a bare extension or a hidden ``.name``); any name the file system takes saves, a
+longer one is refused before anything is computed. Every tensor of the model is written: INT8 layers as such
+(also those inside fused modules), every other tensor from the unpatched module tree, whatever wraps it.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import os
 
 from .. import adapters
 from ..quant import select
-from ..quant.fmt_write import write_core_int8, write_pack
+from ..quant.fmt_write import NameTooLongError, check_name_lengths, write_core_int8, write_pack
 from ..quant.formats import OutputExistsError
 from ..quant.linear import Int8Linear
 from ..quant.quantize import quantize_weight_per_channel
@@ -51,26 +54,42 @@ def _quantize(weight, bias, smooth) -> dict:
             "smooth": None if smooth is None else smooth.float().cpu()}
 
 
+def _own_tensors(m):
+    """(name, tensor) of a module's own parameters and persistent buffers (its state-dict entries)."""
+    skip = getattr(m, "_non_persistent_buffers_set", ())
+    return [(pn, t) for pn, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+            if t is not None and pn not in skip]
+
+
+def _under(name: str, quant: dict) -> bool:
+    """Whether ``name`` is a quantized layer or inside one."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in quant for i in range(1, len(parts) + 1))
+
+
 def collect(model, fmt: str, preset: str = "blocks", calibration=None):
     """(quant layers, float tensors, protected names) of a MODEL, relative to its diffusion model."""
     if getattr(model, "patches", None):
         import comfy.model_management as mm
         mm.load_models_gpu([model], force_full_load=True)  # merges LoRA/weight patches into the weights
     dm = model.model.diffusion_model
-    patched = {k[len("diffusion_model."):]: v for k, v in getattr(model, "object_patches", {}).items()
-               if k.startswith("diffusion_model.")}
-    named = list(dm.named_modules())
-    if hasattr(model, "object_patches_backup"):  # Apply on fused_triton: fused modules hold their INT8
-        patched.update(int8_layers(model))     # linears (int8_layers()); name them on the unpatched tree
+    # INT8 layers: Int8Linear object patches and those held by fused modules (int8_layers()). Every other tensor
+    # is read from the unpatched tree: a wrapper (a fused block, the llm_cond_proj cache) may hold its float
+    # layers as children the original names do not reach.
+    mods = dict(dm.named_modules())
+    if hasattr(model, "object_patches_backup"):
         with original_tree(model) as root:
-            named = list(root.named_modules())
-    mods = {n: patched.get(n, m) for n, m in named}
+            mods = dict(root.named_modules())
+    if getattr(model, "object_patches", None):
+        mods.update((n, m) for n, m in int8_layers(model).items() if n in mods)
     has_int8 = any(isinstance(m, Int8Linear) for m in mods.values())
     rules = adapters.block_rules(dm)
     chosen = set() if has_int8 else {n for n, _ in select.select_linears(dm, preset, rules=rules)}
     quant, floats, protected = {}, {}, []
+    expected = [f"{n}.{pn}" if n else pn for n, m in mods.items() if not isinstance(m, Int8Linear)
+                for pn, _ in _own_tensors(m)]  # the float model's state-dict keys (INT8 layers: written as such)
     for name, m in mods.items():
-        if any(name.startswith(p + ".") for p in quant):
+        if _under(name, quant):
             continue
         if isinstance(m, Int8Linear):
             quant[name] = _layer_of(m)
@@ -83,10 +102,12 @@ def collect(model, fmt: str, preset: str = "blocks", calibration=None):
                 smooth = cal.smooth if (cal is not None and fmt == "int8_fused") else None
                 quant[name] = _quantize(m.weight, m.bias, smooth)
                 continue
-        for pn, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
-            if t is None or pn in getattr(m, "_non_persistent_buffers_set", ()):
-                continue
+        for pn, t in _own_tensors(m):
             floats[f"{name}.{pn}" if name else pn] = t.detach().cpu()
+    missing = [k for k in expected if k not in floats and not _under(k.rpartition(".")[0], quant)]
+    if missing:
+        raise RuntimeError(f"Save INT8 Model: {len(missing)} tensors of the model were not collected (e.g. "
+                           f"{missing[:4]}); nothing written")
     if not quant:
         raise ValueError("Save INT8 Model: the model has no INT8 layer and none was selected for quantization; "
                          "connect a model from 'Apply Fused INT8 GEMM' / 'Load Ideogram 4.0 INT8' or pick a preset")
@@ -102,9 +123,19 @@ def output_path(filename: str) -> str:
     if not rel or rel.startswith("/") or ".." in rel.split("/") or "\x00" in rel:
         raise ValueError(f"Save INT8 Model: invalid file name {filename!r}; give a name relative to the "
                          "diffusion_models folder, without '..' or NUL characters")
+    last = rel.rsplit("/", 1)[-1]
+    if not last.strip() or last.startswith("."):
+        raise ValueError(f"Save INT8 Model: invalid file name {filename!r}; it must end in a file name (not '/', "
+                         "and not a bare extension or a name starting with '.', which would be a hidden file), "
+                         "e.g. 'int8/model_int8'")
     if not rel.endswith(".safetensors"):
         rel += ".safetensors"
-    return os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], rel)
+    path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], rel)
+    try:
+        check_name_lengths(path)
+    except NameTooLongError as e:
+        raise NameTooLongError(f"Save INT8 Model: invalid file name {filename!r}: {e}") from None
+    return path
 
 
 def save_model(model, path: str, fmt: str, overwrite: bool = False, preset: str = "blocks", calibration=None):

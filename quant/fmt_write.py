@@ -10,13 +10,14 @@ Layer tensors are passed in the normalized form ``quant.formats`` reads back: pe
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 
 import torch
 
 from . import kernel_module
-from .formats import FMT_PACK, PACK_FORMAT_VERSION, OutputExistsError
+from .formats import ERROR_MODULE, FMT_PACK, PACK_FORMAT_VERSION, OutputExistsError
 from .quantize import dequantize, quantize_weight_per_channel
 
 _atomic = kernel_module("atomic")
@@ -27,10 +28,12 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str,
     """Write ``tensors`` as safetensors at ``path`` atomically (``kernel.atomic.atomic_write``); returns the path.
 
     Raises OutputExistsError when ``path`` exists (also when it appears while writing) and ``overwrite``
-    is off, ValueError for a path holding NUL."""
+    is off, ValueError for a path holding NUL, NameTooLongError (a ValueError) for a name longer than the
+    file system takes (checked before anything is serialized)."""
     from safetensors.torch import save_file
 
     path = os.fspath(path)
+    check_name_lengths(path)
     if os.path.exists(path) and not overwrite:  # early, before serializing anything
         raise OutputExistsError(f"{path} already exists; choose another name or turn overwrite on")
     try:
@@ -41,6 +44,37 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str,
             raise
         raise OutputExistsError(f"{path} appeared while saving; not overwritten. Choose another name or "
                                 "turn overwrite on") from None
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:
+            raise
+        raise NameTooLongError(f"cannot write {path}: the file system refuses the name as too long ({e.strerror}); "
+                               "choose a shorter name") from None
+
+
+class NameTooLongError(ValueError):
+    """A file or folder name longer than its file system allows."""
+
+
+NameTooLongError.__module__ = ERROR_MODULE
+
+
+def check_name_lengths(path: str) -> None:
+    """Raise NameTooLongError when a folder or file name of ``path`` that does not exist yet is longer, in bytes
+    (UTF-8 on Linux), than the file system of its nearest existing folder takes (``NAME_MAX``, usually 255)."""
+    path = os.path.abspath(os.fspath(path))
+    base, new = path, []
+    while not os.path.isdir(base):
+        base, part = os.path.split(base)
+        if not part:
+            break
+        new.append(part)
+    limit = _atomic.name_max(base)
+    for part in reversed(new):
+        n = len(os.fsencode(part))
+        if n > limit:
+            shown = part if len(part) <= 48 else part[:40] + "..."
+            raise NameTooLongError(f"the name {shown!r} is {n} bytes long (UTF-8); the file system of {base} "
+                                   f"takes at most {limit} bytes per file or folder name: choose a shorter name")
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
