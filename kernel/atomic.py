@@ -1,22 +1,34 @@
 """Atomic file writes: the one helper behind every file the pack writes (models, calibrations, autotune cache).
 
 ``atomic_write(path, write)`` has ``write(tmp)`` fill a temporary ``<dir>/.<name>.<pid>.tmp`` beside the target
-and renames it over the target with ``os.replace`` (atomic on one filesystem): a reader sees the old file or
-the new one, never half of one, and a crash leaves the target untouched. A process killed while writing leaves
+(``.<hash of name><ext>.<pid>.tmp`` where that would pass the folder's name limit) and renames it over the target
+with ``os.replace`` (atomic on one filesystem): a reader sees the old file or the new one, never half of one, and
+a crash leaves the target untouched. A process killed while writing leaves
 its temporary behind; every write removes the stale temporaries of this naming in its folder
 (``clean_stale``).
+
+``locked(path)`` holds an exclusive lock for ``path`` across processes (a read-modify-write of a shared file, e.g.
+the JSON caches of ``kernel/jsoncache.py``): ``fcntl.flock`` on a sidecar ``.<name>.lock``, which its holder removes
+again. Where ``fcntl`` is missing (Windows) or the lock file cannot be made (a read-only folder) it locks nothing.
 
 It lives in ``kernel/`` (which imports nothing else of the pack) so that the autotune cache
 (``kernel/autotune.py``) and the checkpoint writers (``quant/fmt_write.py``) share it; no torch here.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import os
 import re
 import threading
 import time
 from typing import Callable
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 # Temporaries of atomic_write (".<name>.<pid>.tmp" for the file types the pack writes) and of the calibration
 # writer of earlier versions (tempfile ".tmp-XXXXXXXX.safetensors").
@@ -65,6 +77,25 @@ def clean_stale(folder: str) -> list[str]:
     return removed
 
 
+def name_max(folder: str) -> int:
+    """The longest file name, in bytes, that ``folder`` (an existing folder) takes; 255 where it cannot be told."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (AttributeError, OSError, ValueError, TypeError):
+        return 255
+
+
+def _tmp_name(folder: str, base: str) -> str:
+    """``.<base>.<pid>.tmp``, or a short ``.<hash><ext>.<pid>.tmp`` when that is longer than ``folder`` allows
+    (a target name near the limit must still save); both match ``_TMP``."""
+    tmp = f".{base}.{os.getpid()}.tmp"
+    if len(os.fsencode(tmp)) <= name_max(folder):
+        return tmp
+    ext = os.path.splitext(base)[1]
+    ext = ext if len(ext) <= 16 else ""
+    return f".{hashlib.sha1(os.fsencode(base)).hexdigest()[:16]}{ext}.{os.getpid()}.tmp"
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None], overwrite: bool = True) -> str:
     """Create ``path`` from ``write(tmp)``, which writes the whole content to the path ``tmp``; returns ``path``.
 
@@ -77,7 +108,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], overwrit
     d, base = os.path.split(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     clean_stale(d)
-    tmp = os.path.join(d, f".{base}.{os.getpid()}.tmp")
+    tmp = os.path.join(d, _tmp_name(d, base))
     with _LOCKS_GUARD:
         lock = _LOCKS.setdefault(tmp, threading.Lock())
     with lock:
@@ -90,3 +121,35 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], overwrit
             if os.path.exists(tmp):
                 os.remove(tmp)
     return path
+
+
+@contextlib.contextmanager
+def locked(path: str | os.PathLike):
+    """Hold an exclusive lock for ``path`` (module doc) for the ``with`` block; makes ``path``'s folder.
+
+    The holder unlinks ``.<name>.lock`` before it unlocks, so no lock file stays behind; a waiter that then holds
+    the lock of an unlinked (or since replaced) lock file opens the current one and waits again."""
+    d, base = os.path.split(os.path.abspath(os.fspath(path)))
+    lock, fd = os.path.join(d, f".{base}.lock"), None
+    while fcntl is not None:
+        try:
+            os.makedirs(d, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            fd = None  # a read-only folder: nothing to lock, nothing will be written either
+            break
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+        fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
+            os.close(fd)

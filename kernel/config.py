@@ -26,23 +26,29 @@ _FALSE = ("0", "false", "off", "no")
 
 @dataclasses.dataclass(frozen=True)
 class Switch:
+    """One switch. ``choices``: a str switch's valid values (lower case; empty: any text). A value is matched
+    case-insensitively; with ``0`` among the choices the other off words (``off``, ``false``, ``no``, ``none``)
+    mean ``0``, and the on words (``1``, ``on``, ``true``, ``yes``) mean ``1`` when that is a choice, else the
+    default. Any other value warns once, naming the switch and the valid values, and gives the default."""
     name: str
     type: type      # bool or str; an unset or empty variable means ``default``
     default: object
     doc: str        # one line, for the README table
     at_import: bool = False
+    choices: tuple = ()
 
 
 SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_BACKEND", str, None,
            "a backend name (`fused_triton`, `torch_int_mm`, ...): Apply lists it first (its default) and the "
-           "Ideogram 4 loader's `auto` takes it; for A/B runs from the shell"),
+           "Ideogram 4 loader's `auto` takes it; for A/B runs from the shell; an unknown name warns once when the "
+           "pack loads and counts as unset"),
     Switch("INT8_FUSED_FUSION", bool, True,
            "`0`: no fused modules (norm/SwiGLU + quantization, w1+w3 as one GEMM), one INT8 GEMM per linear; "
            "for A/B runs"),
     Switch("INT8_FUSED_PAD_ELISION", str, None,
            "Ideogram 4's trailing padded text tokens dropped from the conditional pass: unset = on for "
-           "`fused_triton` only, `0` off, `1` on for every backend"),
+           "`fused_triton` only, `0` off, `1` on for every backend", choices=("auto", "0", "1")),
     Switch("INT8_FUSED_RESIDUAL", bool, True,
            "`0`: run the residual tails of Ideogram 4, Lumina 2 / Z-Image (gated residual + RMSNorm) and Wan "
            "(residual + LayerNorm) as torch ops instead of one fused kernel each (Ideogram 4's kernel equals "
@@ -50,18 +56,17 @@ SWITCHES = {s.name: s for s in (
            at_import=True),
     Switch("INT8_FUSED_FLUX_TAILS", bool, True,
            "Flux.1's residual tails (`img += y * gate`, and with the next LayerNorm · modulation + quantization) as "
-           "one kernel each (`kernel/fused.py` `residual_add*`, `round_product`: the same two roundings as torch's "
-           "ops); `0`: torch's ops. On by default since run bk: on the loaded model (H200, 4 + 4 interleaved runs) "
-           "0.0929 s a step against 0.0967 without (run bh: 0.0967 against 0.0992; bench/RESULTS.md)"),
+           "one kernel each (`kernel/residual.py` `residual_add*`, `round_product`: the same two roundings as torch's "
+           "ops); `0`: torch's ops (A/B runs)"),
     Switch("INT8_FUSED_QK_ROPE", str, "all",
-           "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/fused.py` `qk_norm_rope`, "
+           "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/rope.py` `qk_norm_rope`, "
            "`qk_rmsnorm_rope_rows`) instead of ComfyUI's ops: `all` the fused blocks of Flux.1, Ideogram 4, "
            "Lumina 2 / Z-Image and Wan 2.x (in place of comfy_kitchen's ops where ComfyUI calls them), `flux` "
-           "Flux.1's only, `0` none (A/B runs)"),
+           "Flux.1's only, `0` none (A/B runs)", choices=("all", "flux", "0")),
     Switch("INT8_FUSED_SWIGLU_EPILOGUE", bool, True,
            "`0`: SwiGLU feed-forwards (Ideogram 4, Lumina 2 / Z-Image) write the merged w1+w3 GEMM's [M, 2F] "
            "output and quantize silu(a)·b in a second kernel; unset, the GEMM computes silu(a)·b in its epilogue "
-           "and writes [M, F] (`kernel/fused.py` `gemm_swiglu`; the same int8 codes bit for bit)"),
+           "and writes [M, F] (`kernel/swiglu.py` `gemm_swiglu`; the same int8 codes bit for bit)"),
     Switch("INT8_FUSED_GPU_CONDS", bool, True,
            "`0`: leave the sampling run's conditioning on the CPU, where ComfyUI concatenates it and copies it "
            "to the GPU from pageable memory in every model call (a copy that drains the GPU queue); unset, the "
@@ -77,10 +82,8 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_TAIL_SPLIT", str, "gemm",
            "GEMMs whose last wave of tiles would leave most SMs idle run those tiles in K pieces where that timed "
            "at least 2 % faster on this GPU (`kernel/gemm.py` `tail_layout`: the same int32 sums, the same output "
-           "bits; medians of 3 interleaved timings): `gemm` the INT8 GEMM, persistent or not (measured on the "
-           "H200: runs bp–br, ci), "
-           "`all` the SwiGLU-epilogue GEMM too (H200, runs bt–bv: no step faster, the pack's own timing kept whole "
-           "tiles), `0` none"),
+           "bits; medians of 3 interleaved timings): `gemm` the INT8 GEMM, persistent or not, "
+           "`all` the SwiGLU-epilogue GEMM too (no step was faster on the H200), `0` none", choices=("gemm", "all", "0")),
     Switch("INT8_FUSED_S8_WGMMA", bool, True,
            "sm_90: the INT8 GEMMs may time and run 128 x 256 tiles as s8 wgmma n256 (`kernel/s8wgmma.py`: Triton's "
            "fp8 build with its wgmma rewritten to s8, each binary checked bit for bit against Triton's int8 build "
@@ -108,7 +111,7 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_DISPATCH", str, "auto",
            "`fused_triton` layers per shape: `auto` runs the INT8 kernel where it beat the float path when "
            "timed on this GPU (once per shape, cached next to the autotune cache), else F.linear on a bf16 "
-           "copy of the weight; `int8` / `float` force one path (A/B runs, tests)"),
+           "copy of the weight; `int8` / `float` force one path (A/B runs, tests)", choices=("auto", "int8", "float")),
     Switch("TRITON_INTERPRET", bool, False,
            "Triton's own switch: `1` runs the kernels in Triton's CPU interpreter (tests only, far too slow for "
            "inference)", at_import=True),
@@ -119,11 +122,29 @@ _overrides: dict[str, object] = {}  # name -> value set by override()
 _generation = [0]                   # bumped whenever what ``get`` returns may change (override, reload)
 
 
+def _choice(s: Switch, v: str):
+    """A value of a str switch with ``choices`` (lower case, stripped) as one of them, or None."""
+    if v in s.choices:
+        return v
+    if "0" in s.choices and v in _FALSE + ("none",):
+        return "0"
+    if v in _TRUE:
+        return "1" if "1" in s.choices else s.default
+    return None
+
+
 def _parse(s: Switch, raw: str | None):
     if raw is None or raw.strip() == "":
         return s.default
     if s.type is str:
-        return raw.strip()
+        if not s.choices:
+            return raw.strip()
+        v = _choice(s, raw.strip().lower())
+        if v is not None:
+            return v
+        log.warning("%s=%r is not one of %s: using the default (%s)", s.name, raw, "|".join(s.choices),
+                    "unset" if s.default is None else s.default)
+        return s.default
     v = raw.strip().lower()
     if v in _TRUE or v in _FALSE:
         return v in _TRUE
@@ -139,6 +160,11 @@ def _switch(name: str) -> Switch:
     return s
 
 
+def parse(name: str, raw: str | None):
+    """``raw`` read as switch ``name``'s environment value would be (validated; an invalid value warns)."""
+    return _parse(_switch(name), raw)
+
+
 def get(name: str):
     """The switch's value: an override, else the environment as read on the first call, else its default."""
     if name in _overrides:
@@ -152,14 +178,15 @@ def get(name: str):
 def override(**values):
     """Set switches for the duration (tests, benchmarks), e.g. ``with config.override(INT8_FUSED_FUSION=False):``.
 
-    Values have the switch's type (None restores the default of a str switch); nested overrides restore the
-    outer ones. Switches read "at import" were already taken by their module: override changes ``get`` only."""
+    Values have the switch's type (None restores the default of a str switch; a str switch's value is read as
+    the environment's: an invalid one warns and gives the default); nested overrides restore the outer ones.
+    Switches read "at import" were already taken by their module: override changes ``get`` only."""
     for name, v in values.items():
         s = _switch(name)
         if not (isinstance(v, s.type) or (v is None and s.type is str)):
             raise TypeError(f"{name} takes a {s.type.__name__}, got {v!r}")
     saved = {n: _overrides[n] for n in values if n in _overrides}
-    _overrides.update({n: SWITCHES[n].default if v is None else v for n, v in values.items()})
+    _overrides.update({n: _parse(SWITCHES[n], v) if SWITCHES[n].type is str else v for n, v in values.items()})
     _generation[0] += 1
     try:
         yield
@@ -185,10 +212,12 @@ def generation() -> int:
 
 
 def markdown_table() -> str:
-    """The README table: switch | default | what it does."""
+    """The README table: switch | default | what it does (with a str switch's valid values)."""
     rows = ["| switch | default | what it does |", "|---|---|---|"]
     for s in SWITCHES.values():
         default = ("unset" if s.default is None else f"`{int(s.default)}`" if s.type is bool
                    else f"`{s.default}`")
-        rows.append(f"| `{s.name}` | {default} | {s.doc} |")
+        values = f". Values: {', '.join(f'`{c}`' for c in s.choices)}; anything else warns and means the default" \
+            if s.choices else ""
+        rows.append(f"| `{s.name}` | {default} | {s.doc}{values} |")
     return "\n".join(rows)

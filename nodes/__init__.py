@@ -15,3 +15,7 @@ for _name in _MODULES:
     _mod = importlib.import_module(f".{_name}", __name__)
     NODE_CLASS_MAPPINGS.update(getattr(_mod, "NODE_CLASS_MAPPINGS", {}))
     NODE_DISPLAY_NAME_MAPPINGS.update(getattr(_mod, "NODE_DISPLAY_NAME_MAPPINGS", {}))
+
+from .apply import forced_backend  # noqa: E402
+
+forced_backend()  # an unknown INT8_FUSED_BACKEND warns once, when ComfyUI loads the pack

@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import struct
 
 import torch
+
+log = logging.getLogger("int8_fused")
 
 FMT_TRANSFORMERLAB = "transformerlab"
 FMT_CORE = "comfy_int8"
@@ -419,6 +422,10 @@ class Int8Checkpoint:
                                   f"{neg.numel()} negative values (e.g. channel {int(neg[0])}: "
                                   f"{float(s[neg[0]]):.4g}); scales are max|row| / 127 >= 0, so the file is "
                                   "damaged. Download or save it again")
+        if not s.any():  # one zero row is legal; a whole layer of them is not a model anyone trained
+            log.warning("%s: %slayer %r: every weight scale (%r, %d channels) is zero, so the layer outputs only "
+                        "its bias: almost surely a damaged file. Download or save it again", self.name,
+                        _bn(branch), name, e.scale, s.numel())
         return q, s, b, sm
 
     def branch_state_dict(self, branch: str) -> dict[str, torch.Tensor]:

@@ -9,8 +9,10 @@ Presets work on module names relative to the diffusion model (``layers.0.attenti
 * ``blocks+modulation``: the above plus the modulation GEMVs.
 * ``all``: every linear, embedders and final layer included.
 
-``include`` / ``exclude`` are comma-separated regular expressions matched (``re.search``) against the
-names; ``exclude`` wins. Layers smaller than ``MIN_FEATURES`` in either dimension stay float.
+``include`` / ``exclude`` are regular expressions matched (``re.search``) against the names, one per line or
+separated by commas outside ``{}``, ``[]`` and ``()`` (``[0-9]{1,2}`` stays whole; ``\\,`` is a literal comma);
+``exclude`` wins. Which layers each pattern matched is logged; one that matches nothing is a warning. Layers
+smaller than ``MIN_FEATURES`` in either dimension stay float.
 
 Which containers hold the blocks and which linears are modulation GEMVs is architecture knowledge: each model
 adapter (``adapters/``) declares its own :class:`BlockRules`; ``GENERIC`` (the union over the DiTs ComfyUI loads)
@@ -19,6 +21,7 @@ serves architectures without an adapter.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 import torch
@@ -60,18 +63,68 @@ def block_rules(containers, modulation: str) -> BlockRules:
 
 
 GENERIC = BlockRules(_BLOCK, _MODULATION)
+log = logging.getLogger("int8_fused")
+_QUANTIFIER = re.compile(r"\{\d*,\d*\}")
+SHOWN = 4  # layer names shown per pattern in the log
+
+
+def split_patterns(text: str | None) -> list[str]:
+    """The regular expressions in ``text``: one per line, or separated by commas that are not escaped (``\\,``)
+    and not inside a ``{m,n}`` quantifier, a ``[...]`` class or a ``(...)`` group; stripped, empty ones dropped."""
+    out, cur, depth, i, text = [], [], 0, 0, text or ""
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            cur.append(text[i:i + 2])
+            i += 2
+            continue
+        if c == "[":  # a class runs to the first unescaped "]" after its first character ("[]a]", "[^]a]")
+            j = i + 1 + (text[i + 1:i + 2] == "^")
+            j += text[j:j + 1] == "]"
+            while j < len(text) and text[j] not in "]\n":
+                j += 2 if text[j] == "\\" else 1
+            j += text[j:j + 1] == "]"  # an unclosed class ends at the line's end (re.compile then names it)
+            cur.append(text[i:j])
+            i = j
+            continue
+        m = _QUANTIFIER.match(text, i) if c == "{" else None
+        if m:
+            cur.append(m.group())
+            i = m.end()
+            continue
+        depth += (c == "(") - (c == ")" and depth > 0)
+        if c == "\n" or (c == "," and depth == 0):
+            out.append("".join(cur))
+            cur, depth = [], 0
+        else:
+            cur.append(c)
+        i += 1
+    out.append("".join(cur))
+    return [p.strip() for p in out if p.strip()]
 
 
 def _patterns(text: str | None) -> list[re.Pattern]:
     out = []
-    for p in (text or "").split(","):
-        p = p.strip()
-        if p:
-            try:
-                out.append(re.compile(p))
-            except re.error as e:
-                raise ValueError(f"layer pattern {p!r} is not a valid regular expression: {e}") from None
+    for p in split_patterns(text):
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"layer pattern {p!r} is not a valid regular expression: {e}") from None
     return out
+
+
+def log_matches(what: str, patterns: list[re.Pattern], names) -> None:
+    """Log how many of ``names`` (and the first few) each of ``patterns`` matched; a pattern that matches none is
+    a warning naming it (``what``: the input it came from, e.g. ``exclude``)."""
+    names = list(names)
+    for p in patterns:
+        hit = [n for n in names if p.search(n)]
+        if hit:
+            log.info("INT8 layers: %s pattern %r matched %d layer(s): %s%s", what, p.pattern, len(hit),
+                     ", ".join(hit[:SHOWN]), ", ..." if len(hit) > SHOWN else "")
+        else:
+            log.warning("INT8 layers: %s pattern %r matched no layer (of %d); check it (patterns are separated by "
+                        "commas outside {}, [] and () or by new lines)", what, p.pattern, len(names))
 
 
 def is_linear(m: nn.Module) -> bool:
@@ -99,7 +152,7 @@ def is_modulation(name: str, rules: BlockRules = GENERIC) -> bool:
 
 
 def compile_patterns(text: str | None) -> list[re.Pattern]:
-    """Comma-separated regular expressions -> compiled list; a bad one raises ValueError naming it."""
+    """Regular expressions (``split_patterns``) -> compiled list; a bad one raises ValueError naming it."""
     return _patterns(text)
 
 
@@ -120,10 +173,11 @@ def select_from(named_modules, preset: str = "blocks", include: str | None = Non
     if preset not in PRESETS:
         raise ValueError(f"unknown layer preset {preset!r}; choose one of {', '.join(PRESETS)}")
     inc, exc = _patterns(include), _patterns(exclude)
-    chosen = []
+    chosen, linears = [], []
     for name, m in named_modules:
         if not is_linear(m):
             continue
+        linears.append(name)
         if min(m.in_features, m.out_features) < MIN_FEATURES:
             continue
         if preset == "all":
@@ -136,4 +190,6 @@ def select_from(named_modules, preset: str = "blocks", include: str | None = Non
             take = False
         if take:
             chosen.append((name, m))
+    log_matches("include", inc, linears)
+    log_matches("exclude", exc, linears)
     return chosen

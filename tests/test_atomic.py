@@ -60,8 +60,9 @@ def test_a_failing_writer_or_an_existing_target_changes_nothing(tmp_path):
 def test_autotune_cache_writes_through_the_helper(tmp_path, monkeypatch):
     path = tmp_path / "gemm-gpu.json"
     seen = []
-    real = autotune.atomic_write
-    monkeypatch.setattr(autotune, "atomic_write", lambda p, w: seen.append(p) or real(p, w))
+    atomic = sys.modules["kernel.atomic"]  # the cache's file handling (kernel.jsoncache) writes through it
+    real = atomic.atomic_write
+    monkeypatch.setattr(atomic, "atomic_write", lambda p, w: seen.append(p) or real(p, w))
     cache = autotune.ConfigCache(path)
     cache.put("k", {"BLOCK_M": 64}, {"gpu": "x"})
     assert seen == [path] and json.loads(path.read_text()) == {"gpu": "x", "configs": {"k": {"BLOCK_M": 64}}}
