@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 
 import torch
 
@@ -93,6 +94,7 @@ def run_calibration(model, positive, negative, latent, seed, steps, cfg, sampler
         raise ValueError(f"activation_scales must be 'dynamic' or 'static', got {activation_scales!r}")
     if steps < 1:
         raise ValueError("INT8 Calibrate needs steps >= 1")
+    t0 = time.perf_counter()
     # Load THIS patcher first: clones share one module tree, and another clone (e.g. the Apply node's
     # INT8 copy) may still have its object patches applied to it from the last run.
     mm.load_models_gpu([model])
@@ -116,6 +118,7 @@ def run_calibration(model, positive, negative, latent, seed, steps, cfg, sampler
                             noise_mask=latent.get("noise_mask"), callback=on_step,
                             disable_pbar=not comfy.utils.PROGRESS_BAR_ENABLED, seed=seed)
     mm.throw_exception_if_processing_interrupted()
+    t1 = time.perf_counter()
 
     def on_layer(i, n):
         mm.throw_exception_if_processing_interrupted()
@@ -127,9 +130,12 @@ def run_calibration(model, positive, negative, latent, seed, steps, cfg, sampler
             "latent_shape": list(lat.shape), "preset": preset, "include": include, "exclude": exclude,
             "bucket_rule": "bucket = step * buckets // steps (sampling step index)",
             "image_tokens_only": bool(image_tokens_only)}
-    return build_calibration(capture, _weight_fn(model, dev), alpha=alpha, alpha_search=alpha_search,
-                             protect_top_k=protect_top_k, protect_threshold=protect_threshold,
-                             static_scales=activation_scales == "static", meta=meta, progress=on_layer)
+    cal = build_calibration(capture, _weight_fn(model, dev), alpha=alpha, alpha_search=alpha_search,
+                            protect_top_k=protect_top_k, protect_threshold=protect_threshold,
+                            static_scales=activation_scales == "static", meta=meta, progress=on_layer)
+    # where the time went: loading + sampling with the hooks, then the per-layer analysis (weights read once)
+    cal.meta["seconds"] = {"sampling": round(t1 - t0, 3), "layers": round(time.perf_counter() - t1, 3)}
+    return cal
 
 
 class Int8Calibrate:
@@ -171,9 +177,11 @@ class Int8Calibrate:
                 "preset": (list(select.PRESETS), {"default": "blocks", "tooltip": (
                     "Which linears to calibrate; use the same as in Apply Fused INT8 GEMM.")}),
                 "include": ("STRING", {"default": "", "tooltip": (
-                    "Comma-separated regular expressions of extra layer names (as in Apply).")}),
+                    "Regular expressions of extra layer names, one per line or separated by commas outside "
+                    "{m,n}, [...] and (...) (as in Apply).")}),
                 "exclude": ("STRING", {"default": "", "tooltip": (
-                    "Comma-separated regular expressions of layer names to skip (as in Apply).")}),
+                    "Regular expressions of layer names to skip, one per line or separated by commas outside "
+                    "{m,n}, [...] and (...) (as in Apply).")}),
                 "activation_scales": (["dynamic", "static"], {"default": "dynamic", "tooltip": (
                     "'static' also stores per-timestep-bucket activation scales in the calibration. "
                     "The Apply node runs dynamic per-token scales either way.")}),

@@ -110,12 +110,42 @@ class LayerStats:
         """fp32 [B, K] per-bucket per-channel absmax, on the CPU (rows of unreached buckets are 0)."""
         return self.chan_absmax.cpu()
 
+    def same_input(self, other: "LayerStats") -> bool:
+        """Whether ``other`` saw the very activations this layer saw: the same width, rows per bucket and
+        bit-identical per-bucket channel absmax and token statistics over the whole run (two layers called on one
+        tensor, as SwiGLU's w1 and w3 are; distinct activations never agree on every channel's maximum)."""
+        if self.chan_absmax is None or other.chan_absmax is None:
+            return False
+        return (self.in_features == other.in_features and self.tok_count == other.tok_count
+                and all(torch.equal(a, b.to(a.device)) for a, b in ((self.chan_absmax, other.chan_absmax),
+                                                                    (self.tok_sum, other.tok_sum),
+                                                                    (self.tok_max, other.tok_max))))
+
     def token_summary(self) -> dict:
         """Per-token absmax statistics over all buckets: tokens, mean and max."""
         n = self.tokens
         s = float(self.tok_sum.sum()) if n else 0.0
         return {"tokens": n, "mean": s / n if n else math.nan,
                 "max": float(self.tok_max.max()) if n else math.nan}
+
+
+def shared_input_groups(stats: dict) -> list[list[str]]:
+    """Groups (2 or more names, model order) of layers under one parent module that read one activation
+    (:meth:`LayerStats.same_input`): SwiGLU's w1 / w3, separate q / k / v projections. A fused kernel quantizes
+    such an input once, so the layers need one smoothing vector (``quant.blocks.merge_int8``)."""
+    by_parent: dict = {}
+    for n, st in stats.items():
+        if st.tokens:
+            by_parent.setdefault((n.rpartition(".")[0], st.in_features), []).append(n)
+    groups = []
+    for names in by_parent.values():
+        while names:
+            same = [names[0]] + [n for n in names[1:] if stats[names[0]].same_input(stats[n])]
+            if len(same) > 1:
+                groups.append(same)
+            names = [n for n in names if n not in same]
+    order = {n: i for i, n in enumerate(stats)}
+    return sorted(groups, key=lambda g: order[g[0]])
 
 
 class ActivationCapture:

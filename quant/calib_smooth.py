@@ -30,10 +30,12 @@ ERROR_BACKENDS = ("dequant_bf16", "torch_int_mm")
 
 
 def smooth_factors(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
-    """SmoothQuant divisor s (fp32 [K]) from per-channel activation and weight-column absmax [K]."""
+    """SmoothQuant divisor s (fp32 [K], on the CPU) from per-channel activation and weight-column absmax [K],
+    which may sit on different devices (the capture keeps its statistics on the CPU, the weight is read on the
+    GPU)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
-    a, w = act_absmax.detach().double().flatten(), w_absmax.detach().double().flatten()
+    a, w = act_absmax.detach().double().flatten().cpu(), w_absmax.detach().double().flatten().cpu()
     if a.shape != w.shape:
         raise ValueError(f"activation absmax has {a.numel()} channels, weight columns {w.numel()}")
     live = (a > 0) & (w > 0) & torch.isfinite(a) & torch.isfinite(w)
@@ -75,13 +77,35 @@ def search_alpha(x: torch.Tensor, weight: torch.Tensor, act_absmax: torch.Tensor
     Returns (alpha or None, s or None, its error, {alpha or "none": error}). Ties go to the
     earlier candidate; "none" is tried first, so smoothing is kept only when it strictly helps.
     """
-    wabs = weight_col_absmax(weight)
-    errs = {"none": w8a8_error(x, weight, None, backend)}
-    best = (None, None, errs["none"])
-    for a in grid:
-        s = smooth_factors(act_absmax, wabs, float(a))
-        e = w8a8_error(x, weight, s, backend)
-        errs[float(a)] = e
-        if e < best[2]:
-            best = (float(a), s, e)
-    return best[0], best[1], best[2], errs
+    a, s, errs, table = search_alpha_group([x], [weight], act_absmax, grid, backend)
+    return a, s, errs[0], {k: v[0] for k, v in table.items()}
+
+
+def shared_col_absmax(weights) -> torch.Tensor:
+    """fp32 [K] on the CPU: the column absmax over several [N_i, K] weights that read one activation."""
+    return torch.stack([weight_col_absmax(w).cpu() for w in weights]).amax(dim=0)
+
+
+def search_alpha_group(xs, weights, act_absmax: torch.Tensor, grid=ALPHA_GRID, backend: str = "dequant_bf16"
+                       ) -> tuple[float | None, torch.Tensor | None, list[float], dict]:
+    """``search_alpha`` for layers that read one activation and so share one smoothing vector (SwiGLU's w1 and
+    w3: a fused kernel quantizes their input once). ``xs`` / ``weights``: each layer's captured rows and weight;
+    the vector comes from the shared activation absmax and the column absmax over all the weights.
+
+    The pick: the lowest summed error among the candidates ("none" first, then ``grid``) that leave no layer worse
+    than at alpha 0.5 (when 0.5 is on the grid), ties to the earlier. For one layer that is the lowest error.
+    Returns (alpha or None, s or None, [error per layer], {alpha or "none": [error per layer]}).
+    """
+    wabs = shared_col_absmax(weights)
+    cands = [("none", None)] + [(float(a), smooth_factors(act_absmax, wabs, float(a))) for a in grid]
+    table = {k: [w8a8_error(x, w, s, backend) for x, w in zip(xs, weights)] for k, s in cands}
+    cap = table.get(0.5)
+    best = None
+    for k, s in cands:
+        e = table[k]
+        if cap is not None and any(a > b for a, b in zip(e, cap)):
+            continue
+        if best is None or sum(e) < sum(table[best[0]]):
+            best = (k, s)
+    k, s = best
+    return (None if k == "none" else k), s, table[k], table

@@ -9,7 +9,9 @@ Flow (the "INT8 Calibrate" node drives it; everything here is plain torch):
    the relative W8A8 output error with and without smoothing (measured on the captured sample with
    ``Int8Linear``, fp32 compute, against the float product), and a ranking that marks the worst
    layers ``protected`` (kept in float): the ``protect_top_k`` largest errors and every layer whose
-   error exceeds ``protect_threshold``.
+   error exceeds ``protect_threshold``. Layers that read one activation (SwiGLU's w1 / w3; found from the
+   capture's statistics) share one vector, from the column absmax over their weights, so that a fused kernel
+   can still quantize their input once.
 3. Optionally static per-timestep-bucket activation scales ``max_t,j |X[t, j] / s_j| / 127``.
 
 A :class:`Calibration` is saved as safetensors (tensors ``<layer>.smooth`` and
@@ -25,8 +27,8 @@ import os
 
 import torch
 
-from .calib_capture import ActivationCapture
-from .calib_smooth import ALPHA_GRID, search_alpha, smooth_factors, w8a8_error, weight_col_absmax
+from .calib_capture import ActivationCapture, shared_input_groups
+from .calib_smooth import ALPHA_GRID, search_alpha_group, shared_col_absmax, smooth_factors, w8a8_error
 from .fmt_write import atomic_save
 from .formats import CheckpointError, json_metadata
 from .quantize import QMAX
@@ -131,6 +133,10 @@ class Calibration:
             gm = lambda v: math.exp(sum(math.log(max(e, 1e-12)) for e in v) / len(v))
             head.append(f"mean W8A8 error (geometric): plain {gm([l.err_plain for l in self.layers.values()]):.4g}"
                         f" -> calibrated {gm(errs):.4g}")
+        if m.get("shared_smoothing"):
+            g = m["shared_smoothing"]
+            head.append(f"{len(g)} groups of layers reading one activation share a smoothing vector "
+                        f"(e.g. {' + '.join(g[0])})")
         if m.get("unreached"):
             head.append(f"not reached during sampling (left uncalibrated): {', '.join(m['unreached'][:8])}"
                         + (" ..." if len(m["unreached"]) > 8 else ""))
@@ -249,30 +255,44 @@ def build_calibration(capture: ActivationCapture, get_weight, alpha: float = 0.5
         raise ValueError(f"none of the {len(capture.stats)} selected layers ran during calibration "
                          f"sampling (e.g. {next(iter(capture.stats))}): nothing to calibrate; check that "
                          f"the MODEL given is the one that samples and that steps >= 1")
+    groups = shared_input_groups(reached)
+    group_of = {g[0]: g for g in groups}
+    grouped = {n for g in groups for n in g}
     layers, wprobe = {}, {}
-    for i, (name, st) in enumerate(reached.items()):
-        st.check_finite()
-        w = get_weight(name, capture.modules[name]).detach()
-        if tuple(w.shape) != (st.out_features, st.in_features):
-            raise ValueError(f"weight of {name} has shape {tuple(w.shape)}, the layer declares "
-                             f"[{st.out_features}, {st.in_features}]")
-        wprobe[name] = weight_probe(w).tolist()
-        x, act = st.sample, st.act_absmax()
-        err_plain = w8a8_error(x, w, None, backend)
+    for name in reached:
+        if name in grouped and name not in group_of:
+            continue  # calibrated with the first layer of its group
+        names = group_of.get(name, [name])
+        sts = [reached[n] for n in names]
+        ws = []
+        for n, st in zip(names, sts):
+            st.check_finite()
+            w = get_weight(n, capture.modules[n]).detach()
+            if tuple(w.shape) != (st.out_features, st.in_features):
+                raise ValueError(f"weight of {n} has shape {tuple(w.shape)}, the layer declares "
+                                 f"[{st.out_features}, {st.in_features}]")
+            wprobe[n] = weight_probe(w).tolist()
+            ws.append(w)
+        xs, act = [st.sample for st in sts], sts[0].act_absmax()  # one activation: one absmax for the group
+        errs_plain = [w8a8_error(x, w, None, backend) for x, w in zip(xs, ws)]
         if alpha_search:
-            a, s, err_s, _ = search_alpha(x, w, act, alpha_grid, backend)
+            a, s, errs_s, _ = search_alpha_group(xs, ws, act, alpha_grid, backend)
         else:
             a = float(alpha)
-            s = smooth_factors(act, weight_col_absmax(w), a)
-            err_s = w8a8_error(x, w, s, backend)
+            s = smooth_factors(act, shared_col_absmax(ws), a)
+            errs_s = [w8a8_error(x, w, s, backend) for x, w in zip(xs, ws)]
         if s is None:
-            err_s = err_plain
-        lc = LayerCalibration(name, st.in_features, st.out_features, s, a, False, err_plain, err_s)
-        if static_scales:
-            lc.static_act_scale = static_act_scales(st.bucket_absmax(), s)
-        layers[name] = lc
-        if progress is not None:
-            progress(i + 1, len(reached))
+            errs_s = errs_plain
+        for n, st, ep, es in zip(names, sts, errs_plain, errs_s):
+            lc = LayerCalibration(n, st.in_features, st.out_features, None if s is None else s.clone(), a, False,
+                                  ep, es)
+            if static_scales:
+                lc.static_act_scale = static_act_scales(st.bucket_absmax(), s)
+            layers[n] = lc
+            if progress is not None:
+                progress(len(layers), len(reached))
+        del ws
+    layers = {n: layers[n] for n in reached}  # model order
     _protect(layers, protect_top_k, protect_threshold)
     meta = dict(meta or {})
     meta.update({
@@ -283,6 +303,7 @@ def build_calibration(capture: ActivationCapture, get_weight, alpha: float = 0.5
         "buckets": capture.n_buckets, "fingerprint": fingerprint(
             (n, (st.out_features, st.in_features)) for n, st in capture.stats.items()),
         "unreached": [n for n in capture.stats if n not in reached],
+        "shared_smoothing": groups,  # layers reading one activation: one smoothing vector each group
         "tokens": {n: st.token_summary() for n, st in reached.items()},
         "weight_probe": wprobe,  # a few weight entries per layer: tells same-shaped models apart
     })
