@@ -10,15 +10,16 @@ No import of triton or CUDA here.
 """
 from __future__ import annotations
 
-import json
+import logging
 import math
 import re
-import threading
 from pathlib import Path
 from typing import Callable
 
 from . import config
-from .atomic import atomic_write
+from .jsoncache import JsonCache
+
+log = logging.getLogger("int8_fused")
 
 Config = dict  # {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
 
@@ -107,28 +108,64 @@ def interpreter_configs() -> list[Config]:
     return [_cfg(32, 32, 32, 4, 1, group=2), _cfg(16, 16, 64, 4, 1, group=1)]
 
 
+# Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin) by compute capability: the GeForce
+# generations' 100 KB an SM less the 1 KB the driver keeps (sm_86 RTX 30, sm_89 RTX 40, sm_120 RTX 50), A100's 164 KB
+# and H100 / H200's 227 KB. ``candidates`` never offers a tile whose stages exceed it (tests/test_compile_targets.py
+# compiles every candidate for each of these targets and checks the compiled kernel's shared memory against it).
+SMEM_OPTIN = {(8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448, (12, 0): 101376}
+
+
+def smem_optin(capability: tuple[int, int], reported: int | None = None) -> int:
+    """Shared memory a block may use on a GPU of ``capability``: the lower of ``SMEM_OPTIN``'s figure and
+    ``reported`` (the device's own), whichever is known."""
+    table = SMEM_OPTIN.get(tuple(capability))
+    if table is None or not reported:
+        return int(reported or table or 0)
+    return min(table, int(reported))
+
+
 def smem_bytes(cfg: Config) -> int:
-    """Shared memory of the int8 A and W stages (1 byte an element)."""
-    return (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * cfg["num_stages"]
+    """Shared memory of the A and W stages, ``num_stages`` buffers (sm_90's wgmma pipeline holds that many,
+    mma.sync's cp.async ring one fewer): W int8, A int8 or, for tiles of up to SMALL_M rows (the small-M kernel
+    quantizes its bf16 rows on the fly), 2 bytes an element; a persistent config (``PERSIST``) also stages half an
+    output tile (2 bytes an element) for its TMA store. With ``fits_smem``'s 4 KB of headroom an upper bound of what
+    every compiled GEMM takes on every target (tests/test_compile_targets.py checks each candidate)."""
+    a_bytes = 2 if cfg["BLOCK_M"] <= SMALL_M else 1
+    stages = (a_bytes * cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * cfg["num_stages"]
+    return stages + (cfg["BLOCK_M"] * cfg["BLOCK_N"] if cfg.get("PERSIST") else 0)
+
+
+SMEM_HEADROOM = 4096  # bytes kept free beside ``smem_bytes``: barriers and the epilogue's scratch
 
 
 def fits_smem(cfg: Config, smem_limit: int) -> bool:
-    return smem_bytes(cfg) <= smem_limit - 4096  # headroom for barriers and the epilogue's scratch
+    return smem_bytes(cfg) <= smem_limit - SMEM_HEADROOM
 
 
-def candidates(capability: tuple[int, int], smem_limit: int, m_bucket: int, s8: bool = False,
+def candidates(capability: tuple[int, int], smem_limit: int | None, m_bucket: int, s8: bool = False,
                persist: bool = False) -> list[Config]:
     """The configs worth timing on a GPU of this capability for rows in this bucket (``s8``: with the s8 wgmma
-    n256 tiles, which need sm_90; ``persist``: and their persistent TMA form)."""
+    n256 tiles, which need sm_90; ``persist``: and their persistent TMA form). ``smem_limit``: the device's opt-in
+    shared memory a block (None: ``SMEM_OPTIN``'s figure); a tile must fit the lower of the two."""
+    cap = tuple(capability)
+    limit = smem_optin(cap, smem_limit)
     if m_bucket <= SMALL_M:
-        return [c for c in small_m_configs() if fits_smem(c, smem_limit)]
-    base = hopper_configs() if capability[0] == 9 else ampere_configs()
-    if s8 and tuple(capability) == (9, 0):
+        return [c for c in small_m_configs() if fits_smem(c, limit)]
+    base = hopper_configs() if cap[0] == 9 else ampere_configs()
+    if s8 and cap == (9, 0):
         base = base + s8_configs(persist)
     if m_bucket <= MEDIUM_M:
         base = base + [c for c in medium_m_configs() if c not in base]
-    out = [c for c in base if fits_smem(c, smem_limit) and c["BLOCK_M"] <= max(64, m_bucket)]
+    out = [c for c in base if fits_smem(c, limit) and c["BLOCK_M"] <= max(64, m_bucket)]
     return out or [_cfg(64, 64, 64, 4, 2)]
+
+
+def target_candidates(capability: tuple[int, int], s8: bool = True) -> dict[str, list[Config]]:
+    """Every config a GPU of ``capability`` may time, by row bucket ("small": M <= SMALL_M, "medium": up to
+    MEDIUM_M, "large"), at ``SMEM_OPTIN``'s limit; on sm_90 with the s8 tiles (``s8``) in both forms. What
+    bench/compile_targets.py compiles for that target."""
+    return {name: candidates(capability, None, bucket, s8=s8, persist=s8)
+            for name, bucket in (("small", SMALL_M), ("medium", MEDIUM_M), ("large", M_BUCKET_CAP))}
 
 
 def m_bucket(m: int) -> int:
@@ -148,17 +185,39 @@ def cache_file(gpu_name: str, triton_version: str) -> Path:
     return cache_dir() / f"gemm-{slug}.json"
 
 
-class ConfigCache:
-    """Winning configs of one GPU + Triton version: in memory, mirrored to a JSON file.
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+_GEMM_KEY = re.compile(r"^(?:[A-Z]+_)?N\d+_K\d+_M\d+(?:_s8p?)?(_T\d+_split)?(?:_tilep?)?$")
 
-    Writes merge with what is on disk (another process may have tuned other shapes meanwhile) and
-    replace the file atomically (``kernel.atomic``), so a reader never sees half a file. An unreadable file is
-    ignored."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._mem: dict[str, Config] | None = None
+def valid_entry(key: str, entry) -> bool:
+    """Whether a read entry of the GEMM cache may be used: under a GEMM key (``ConfigCache.key``, with the prefixes
+    and suffixes the kernels add) a tile config (``TILE_KEYS`` positive ints, other values ints or bools) or, for a
+    ``_T<tiles>_split`` key, ``{"SPLIT": n}``; under any other key (the attention cache's) a JSON object."""
+    if not isinstance(entry, dict):
+        return False
+    m = _GEMM_KEY.match(key)
+    if m is None:
+        return True
+    if not all(isinstance(v, int) for v in entry.values()):
+        return False
+    if m.group(1):
+        return type(entry.get("SPLIT")) is int and entry["SPLIT"] >= 1
+    return all(type(entry.get(t)) is int and entry[t] > 0 for t in TILE_KEYS)
+
+
+class ConfigCache(JsonCache):
+    """Winning configs of one GPU + Triton version: in memory, mirrored to a JSON file (``{"configs": {key:
+    config}}`` and the tuning's meta). ``kernel.jsoncache`` handles the file: writes merge with it under a lock
+    and replace it atomically; a damaged file is set aside (one warning) and its shapes tuned again.
+    ``valid``: which read entries may be used (default ``valid_entry``). ``gpu``: the GPU's name, whose shipped
+    table (``kernel.tuned``, its ``gemm`` section) seeds the keys the file lacks; ``seed``: another seed."""
+
+    def __init__(self, path: Path, valid=valid_entry, what: str = "GEMM autotune cache", who: str = "INT8 autotune",
+                 gpu: str | None = None, seed=None):
+        if seed is None and gpu:
+            from .tuned import Seed
+            seed = Seed(gpu, "gemm")
+        super().__init__(path, "configs", what=what, who=who, valid=valid, seed=seed)
 
     @staticmethod
     def key(n: int, k: int, bucket: int, s8: bool = False, persist: bool = False) -> str:
@@ -166,31 +225,6 @@ class ConfigCache:
         form too, suffix ``_s8p``), kept apart from the one without them (``INT8_FUSED_S8_WGMMA=0``, a GPU where
         that path was turned off; ``INT8_FUSED_PERSISTENT=0``)."""
         return f"N{n}_K{k}_M{bucket}" + (("_s8p" if persist else "_s8") if s8 else "")
-
-    def _read_disk(self) -> dict[str, Config]:
-        try:
-            data = json.loads(self.path.read_text())
-            return {k: v for k, v in data.get("configs", {}).items() if isinstance(v, dict)}
-        except (OSError, ValueError):
-            return {}
-
-    def get(self, key: str) -> Config | None:
-        with self._lock:
-            if self._mem is None:
-                self._mem = self._read_disk()
-            return self._mem.get(key)
-
-    def put(self, key: str, cfg: Config, meta: dict | None = None) -> None:
-        with self._lock:
-            merged = self._read_disk()
-            merged.update(self._mem or {})
-            merged[key] = cfg
-            self._mem = merged
-            text = json.dumps({**(meta or {}), "configs": merged}, indent=1, sort_keys=True)
-            try:
-                atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
-            except OSError:
-                pass  # NOTE: a read-only home only costs a re-tune in the next process
 
 
 TIMINGS: dict[str, list[tuple[Config, float]]] = {}  # key -> every candidate's time, for bench reports
@@ -200,12 +234,50 @@ FINAL_ROUNDS = 3     # kept a 128 x 128 tile 4-9 % slower than the s8 tile on tw
 
 
 def pick_config(cache: ConfigCache, key: str, configs: list[Config],
-                time_fn: Callable[[Config], float], meta: dict | None = None) -> Config:
-    """Cached winner for ``key``, or time every candidate (``time_fn`` -> ms; an exception such as
-    out-of-resources counts as infinitely slow), store the fastest and return it."""
-    hit = cache.get(key)
+                time_fn: Callable[[Config], float], meta: dict | None = None,
+                check: Callable[[Config], object] | None = None) -> Config:
+    """Cached winner for ``key``: the cache file's, else the shipped table's (``seed_entry``: ``check(config)`` runs
+    it once first), else time every candidate (``time_fn`` -> ms; an exception such as out-of-resources counts as
+    infinitely slow), store the fastest and return it. The timing is a ``kernel.tuned.progress`` task (logged)."""
+    hit = cache.get(key, seed=False)
     if hit is not None:
         return hit
+    hit = seed_entry(cache, key, check, configs)
+    if hit is not None:
+        return hit
+    from .tuned import progress
+    n = len(configs)
+    with progress.task("GEMM", progress.gemm_label(key), f"{n} candidate{'s' if n != 1 else ''}", cache.path):
+        return _tune(cache, key, configs, time_fn, meta)
+
+
+def seed_entry(cache, key: str, check: Callable[[Config], object] | None = None,
+               configs: list[Config] | None = None) -> Config | None:
+    """The shipped table's config of ``key`` (``cache.seed_get``) where it may run here, else None (then it is
+    tuned): its ``S8`` / ``PERSIST`` flags must be offered by one of ``configs`` (the current switches' and
+    Triton's candidates, when given), and ``check(config)`` (one build and launch) must not raise. A failed entry
+    is refused for the process; the first failure of a cache is logged as a warning, later ones at debug level."""
+    hit = cache.seed_get(key) if hasattr(cache, "seed_get") else None
+    if hit is None:
+        return None
+    if configs is not None and not all(any(c.get(f) for c in configs) for f in ("S8", "PERSIST") if hit.get(f)):
+        cache.refuse_seed(key)
+        return None
+    if check is not None:
+        try:
+            check(hit)
+        except Exception as e:  # noqa: BLE001 - whatever stops it from building or running: tune the shape
+            cache.refuse_seed(key)
+            first, cache._seed_failed = not getattr(cache, "_seed_failed", False), True
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "INT8 autotune: the shipped config of %s failed here (%s: %s); tuning it%s", key,
+                    type(e).__name__, str(e)[:300], " (shipped configs that fail later are tuned too, logged at debug "
+                    "level)" if first else "")
+            return None
+    return hit
+
+
+def _tune(cache, key: str, configs: list[Config], time_fn, meta) -> Config:
     best, best_ms = None, math.inf
     TIMINGS[key] = []
     for cfg in configs:

@@ -20,12 +20,14 @@ is 53,248). Importing this module imports triton.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
-from .quantize import _rint, _sm_count
+from .quantize import rint, sm_count
 from . import config as _config
 from . import gemm_switches
 from .launch import keep, launch, not_recorded
@@ -54,7 +56,7 @@ def _store_out(c_ptrs, v, c_mask, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped ordering of tile ``pid``: GROUP_M row-tiles sweep N together, so the W tiles they share stay in L2
     # (the standard Triton matmul trick; worth a few % on the 4608-row block GEMMs).
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -69,7 +71,7 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
-def _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
+def acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """The exact int32 tile ``A[offs_am, :] @ W[offs_wn, :].T`` (rows / columns in range: callers wrap tails).
     Operands passed as fp8 (int8 bytes, ``kernel.s8wgmma``): the dot is built as fp8 wgmma, which that module
@@ -106,7 +108,7 @@ def _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn
 
 
 @triton.jit
-def _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+def dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
              HAS_BIAS: tl.constexpr):
     """The epilogue's fp32 ``acc * a_scale[m] * w_scale[n] + bias[n]`` (``offs_wn`` in range)."""
     a_s = tl.load(as_ptr + offs_cm * stride_as, mask=offs_cm < M, other=0.0)
@@ -128,23 +130,23 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
     # SPLIT > 1 (the tail split, see ``tail_layout``): programs below DP_TILES run whole tiles; the rest run
     # K_PIECE-long pieces of the last tiles, SPLIT a tile, and the last piece of a tile to finish sums the
     # pieces' exact int32 partials (any order: same sum) and runs the epilogue.
-    tile, a_ptr, w_ptr, k_len = _program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT)
-    pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    tile, a_ptr, w_ptr, k_len = program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT)
+    pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # Row / column tails wrap (% M, % N) so the loads need no mask; the store masks them.
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_wn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    acc = _acc_tile(a_ptr, w_ptr, offs_am, offs_wn, k_len, stride_am, stride_ak, stride_wn, stride_wk,
+    acc = acc_tile(a_ptr, w_ptr, offs_am, offs_wn, k_len, stride_am, stride_ak, stride_wn, stride_wk,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-    acc, finish = _tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M, BLOCK_N, SPLIT)
+    acc, finish = tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M, BLOCK_N, SPLIT)
     if finish:  # a constant True without the split: no branch
         _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
                        stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, OUT_INT32, INTERPRET)
 
 
 @triton.jit
-def _acc_tile_tma(a_desc, w_desc, off_m, off_n, k_lo, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def acc_tile_tma(a_desc, w_desc, off_m, off_n, k_lo, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, W_HALVES: tl.constexpr):
-    """``_acc_tile`` through TMA descriptors: the exact int32 tile of A rows ``off_m``.. and W rows ``off_n``.. over
+    """``acc_tile`` through TMA descriptors: the exact int32 tile of A rows ``off_m``.. and W rows ``off_n``.. over
     K elements ``k_lo``..``k_lo + k_len`` (rows and K past the ends read as zero; ``k_len`` a multiple of BLOCK_K
     unless the range ends at K). ``W_HALVES``: ``w_desc`` describes W as [2, N / 2, K] and the tile's rows are
     BLOCK_N / 2 rows of each half from ``off_n`` on (the SwiGLU GEMM's w1 and w3 rows), one load of both."""
@@ -180,21 +182,21 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
     # A / W tiles come through TMA descriptors (rows / K past the end read as zero) and the output tile leaves
     # through a TMA store in two halves (clipped at M / N). The tile loop is flattened into the K loop, so the next
     # tile's loads are in flight while this one's epilogue runs. Operands as fp8: the s8 rewrite (kernel.s8wgmma),
-    # as in _acc_tile. SPLIT > 1 (the tail split, ``tail_layout`` with a slot a program): the loop runs the first
+    # as in acc_tile. SPLIT > 1 (the tail split, ``tail_layout`` with a slot a program): the loop runs the first
     # DP_TILES tiles (whole waves), then program q runs piece q % SPLIT (K_PIECE long) of tile DP_TILES + q //
     # SPLIT, and a tile's last piece to finish sums the exact int32 partials (``_sum_pieces``) and stores it.
     for tile in tl.range(tl.program_id(0), DP_TILES, NUM_PROGS, flatten=True):
-        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
+        pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
         _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
                           stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET)
     if SPLIT > 1:
         q = tl.program_id(0)
         tile = DP_TILES + q // SPLIT
         if tile < tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N):
-            pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             k_lo = (q % SPLIT) * K_PIECE
-            acc = _acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, tl.minimum(K - k_lo, K_PIECE),
+            acc = acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, tl.minimum(K - k_lo, K_PIECE),
                                 BLOCK_M, BLOCK_N, BLOCK_K, False)
             acc, last = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, q % SPLIT, BLOCK_M, BLOCK_N, SPLIT)
             if last:
@@ -205,12 +207,12 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
 @triton.jit
 def _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, off_m, off_n, M, N, stride_as, stride_ws, stride_bias,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
-    """The persistent kernel's epilogue: ``_dequant`` of the int32 tile at (``off_m``, ``off_n``), stored through
+    """The persistent kernel's epilogue: ``dequant`` of the int32 tile at (``off_m``, ``off_n``), stored through
     ``c_desc`` in two halves (clipped at M / N)."""
     HALF: tl.constexpr = BLOCK_N // 2
     offs_cm = off_m + tl.arange(0, BLOCK_M)
     offs_wn = (off_n + tl.arange(0, BLOCK_N)) % N  # a column tail wraps; the store clips it
-    out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias, HAS_BIAS)
+    out = dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias, HAS_BIAS)
     if INTERPRET and c_desc.dtype == tl.bfloat16:  # round as compiled code does (see _store_out)
         y = _to_bf16_rne_bits(out)
     else:
@@ -231,13 +233,13 @@ def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, 
     if OUT_INT32:
         tl.store(c_ptrs, acc, mask=c_mask)
     else:
-        out = _dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
+        out = dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                        HAS_BIAS)
         _store_out(c_ptrs, out, c_mask, INTERPRET)
 
 
 @triton.jit
-def _program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT: tl.constexpr):
+def program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT: tl.constexpr):
     """(tile, A and W at the program's first K element, its K elements): the program's whole tile without the
     split, else its piece (``_split_piece``)."""
     if SPLIT > 1:
@@ -251,7 +253,7 @@ def _program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLI
 
 
 @triton.jit
-def _tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               SPLIT: tl.constexpr):
     """(the tile's int32 sum, whether this program runs the tile's epilogue): the program's own ``acc`` and True
     without the split or for a whole tile; for a piece, ``_sum_pieces``."""
@@ -339,7 +341,7 @@ def _w8a8_small_m_kernel(x_ptr, inv_ptr, w_ptr, c_ptr, ws_ptr, bias_ptr,
         x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32)
         if HAS_SMOOTH:
             x = x * tl.load(inv_ptr + k * BLOCK_K + offs_k, mask=kmask, other=1.0).to(tl.float32)[None, :]
-        q = tl.minimum(tl.maximum(_rint(x * mult[:, None], INTERPRET), -127.0), 127.0)
+        q = tl.minimum(tl.maximum(rint(x * mult[:, None], INTERPRET), -127.0), 127.0)
         a = tl.where(usable[:, None], q, 0.0).to(tl.int8)
         w = tl.load(w_ptrs, mask=kmask[:, None], other=0)
         acc = tl.dot(a, w, acc, out_dtype=tl.int32)
@@ -381,22 +383,26 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
     m, k = x.shape
     n = w_q.shape[0]
     dev = x.device
-    memo_key = ("xq", dev, n, k)
+    switches = gemm_switches()
+    forced = switches[3] if len(switches) > 3 else None
+    memo_key = ("xq", dev, n, k, forced)
     cfg = _TUNED.get(memo_key)
     if cfg is not None:
         return cfg
     from . import autotune
     if dev.type != "cuda":
         return autotune.interpreter_configs()[1]
-    props = torch.cuda.get_device_properties(dev)
-    cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, autotune.SMALL_M)
+    cands = autotune.candidates(*_generation(dev, forced), autotune.SMALL_M)
+
+    def run(c):
+        launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, c)
 
     def time_fn(c):
-        return timed_ms(lambda: launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, c))
+        return timed_ms(lambda: run(c))
 
     with not_recorded():  # the candidates' timing launches are not part of a recorded call (kernel.plan)
-        cfg = autotune.pick_config(_device_cache(dev), "XQ_" + autotune.ConfigCache.key(n, k, autotune.SMALL_M),
-                                   cands, time_fn, tuning_meta(dev))
+        cfg = autotune.pick_config(device_cache(dev), "XQ_" + autotune.ConfigCache.key(n, k, autotune.SMALL_M),
+                                   cands, time_fn, tuning_meta(dev), check=run)
     _TUNED[memo_key] = cfg
     return cfg
 
@@ -420,27 +426,39 @@ def tail_layout(tiles: int, slots: int, split: int, k_blocks: int) -> tuple[int,
 _SLOTS: dict[tuple, int] = {}       # (device index, tile config) -> programs the GPU runs at once
 
 
-def _slots(cfg: dict, device: torch.device) -> int:
+def program_slots(cfg: dict, device: torch.device) -> int:
     """How many programs of this config the GPU runs at once: SMs x CTAs an SM, bounded by the config's shared
     memory, its threads and its registers (128 a thread assumed: sm_90 builds the 8-warp 128 x 128 tile with
     119); a persistent config (``PERSIST``): a program an SM. The interpreter: 4."""
     if device.type != "cuda":
         return 4
     if cfg.get("PERSIST"):
-        return _sm_count(device)
+        return sm_count(device)
     key = (device.index, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
     n = _SLOTS.get(key)
     if n is None:
-        from .autotune import smem_bytes
         props = torch.cuda.get_device_properties(device)
-        threads = 32 * cfg["num_warps"]
         # NOTE: older torch builds lack some of these properties: then one CTA an SM is assumed where unknown
-        smem = getattr(props, "shared_memory_per_multiprocessor", 0) or smem_bytes(cfg) + 1024
-        by_smem = smem // (smem_bytes(cfg) + 1024)
-        by_regs = getattr(props, "regs_per_multiprocessor", threads * 128) // (threads * 128)
-        by_threads = getattr(props, "max_threads_per_multi_processor", threads) // threads
-        n = _SLOTS[key] = _sm_count(device) * max(1, min(by_smem, by_regs, by_threads))
+        n = _SLOTS[key] = sm_count(device) * ctas_per_sm(cfg, getattr(props, "shared_memory_per_multiprocessor", 0),
+                                                          getattr(props, "regs_per_multiprocessor", 0),
+                                                          getattr(props, "max_threads_per_multi_processor", 0))
     return n
+
+
+def ctas_per_sm(cfg: dict, smem: int, regs: int, threads: int) -> int:
+    """CTAs of ``cfg`` an SM holds at once (at least 1), bounded by its shared memory (``autotune.smem_bytes`` + 1 KB
+    a CTA), registers (128 a thread assumed) and threads; one where any of them is given as 0 (unknown)."""
+    from .autotune import smem_bytes
+    t = 32 * cfg["num_warps"]
+    return max(1, min(have // need if have else 1
+                      for have, need in ((smem, smem_bytes(cfg) + 1024), (regs, t * 128), (threads, t))))
+
+
+def split_maxnreg(ctas: int, num_warps: int) -> int | None:
+    """The register cap (``maxnreg``) of a tail-split launch at ``ctas`` CTAs an SM of ``num_warps`` warps: the plain
+    build's occupancy kept; None where it would not bind (255 or more)."""
+    regs = 65536 // (ctas * 32 * num_warps) // 8 * 8
+    return regs if regs < 255 else None
 
 
 _SCRATCH: dict[tuple, tuple] = {}   # (device index, stream) -> (partials int32, counters int32, all zero)
@@ -463,11 +481,11 @@ def _scratch(device: torch.device, partials: int, counters: int):
 def split_launch(cfg: dict, tiles: int, k: int, device: torch.device, unused: torch.Tensor):
     """The tail split of one launch of ``tiles`` tiles with ``cfg`` (``cfg["SPLIT"]``, default 1): (programs,
     whole-tile programs, K elements a piece, pieces a tail tile, partials, counters, extra launch options). The plain
-    launch: (tiles, tiles, 0, 1, unused, unused, {}). A persistent kernel's programs (one a slot, ``_slots``) loop
+    launch: (tiles, tiles, 0, 1, unused, unused, {}). A persistent kernel's programs (one a slot, ``program_slots``) loop
     over the whole tiles first, then run the pieces."""
     bk = cfg["BLOCK_K"]
     if cfg.get("SPLIT", 1) > 1:
-        slots = _slots(cfg, device)
+        slots = program_slots(cfg, device)
         dp, split, per = tail_layout(tiles, slots, cfg["SPLIT"], -(-k // bk))
         if split > 1:
             part, cnt = _scratch(device, (tiles - dp) * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles - dp)
@@ -475,8 +493,8 @@ def split_launch(cfg: dict, tiles: int, k: int, device: torch.device, unused: to
             # an SM); capped at the plain build's occupancy it spills a few words at most (tests/test_fused.py).
             opts = {}
             if device.type == "cuda":
-                regs = 65536 // (slots // _sm_count(device) * 32 * cfg["num_warps"]) // 8 * 8
-                opts = {"maxnreg": regs} if regs < 255 else {}
+                regs = split_maxnreg(slots // sm_count(device), cfg["num_warps"])
+                opts = {"maxnreg": regs} if regs else {}
             return dp + (tiles - dp) * split, dp, per * bk, split, part, cnt, opts
     return tiles, tiles, 0, 1, unused, unused, {}
 
@@ -523,7 +541,7 @@ def tma_ok(t: torch.Tensor) -> bool:
 
 def persistent_programs(tiles: int, device: torch.device) -> int:
     """The persistent kernels' grid: a program an SM (4 on the interpreter), no more than there are tiles."""
-    return min(tiles, _sm_count(device) if device.type == "cuda" else 4)
+    return min(tiles, sm_count(device) if device.type == "cuda" else 4)
 
 
 def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: int) -> None:
@@ -566,16 +584,42 @@ def tuning_meta(device: torch.device) -> dict:
 
 
 _TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket) or (.., exact M, split asked, switch) -> config
-_CACHES: dict[int, object] = {}     # device index -> autotune.ConfigCache
+_CACHES: dict[tuple, object] = {}   # (device index, forced generation) -> autotune.ConfigCache
 
 
-def _device_cache(device: torch.device):
+def device_cache(device: torch.device):
+    """The device's autotune file; under ``forced_generation`` another file, named after the forced capability too."""
     from . import autotune
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CACHES:
-        _CACHES[idx] = autotune.ConfigCache(
-            autotune.cache_file(torch.cuda.get_device_name(idx), triton.__version__))
-    return _CACHES[idx]
+    switches = gemm_switches()
+    key = (idx, switches[3] if len(switches) > 3 else None)
+    if key not in _CACHES:
+        name = torch.cuda.get_device_name(idx) + (f" as sm_{key[1][0]}{key[1][1]}" if key[1] else "")
+        _CACHES[key] = autotune.ConfigCache(autotune.cache_file(name, triton.__version__), gpu=name)
+    return _CACHES[key]
+
+
+def _generation(device: torch.device, forced: tuple | None) -> tuple[tuple[int, int], int | None]:
+    """(capability, opt-in shared memory a block) whose tile set ``select_config`` offers on ``device``: the GPU's
+    own, or under ``forced_generation`` the forced capability with ``autotune.SMEM_OPTIN``'s figure for it."""
+    if forced is not None:
+        return forced, None
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor), props.shared_memory_per_block_optin
+
+
+@contextlib.contextmanager
+def forced_generation(capability: tuple[int, int]):
+    """Bench hook, not a user switch (bench/consumer_tiles.py): inside, the INT8 GEMMs choose their tiles as on a GPU
+    of ``capability`` (its ``autotune.candidates`` at its shared-memory limit, no s8 wgmma tiles unless it is sm_90),
+    timed on the GPU at hand, in an autotune file of their own; the row kernels' plans are the same on every GPU.
+    Part of ``kernel.gemm_switches()`` inside, so no prepared call (``kernel.plan``) crosses the boundary."""
+    from . import force_generation
+    force_generation(tuple(capability))
+    try:
+        yield
+    finally:
+        force_generation(None)
 
 
 def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype | None = None,
@@ -590,9 +634,10 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     dev = a_q.device
     # exact-M memo first (the switch's raw value in the key: A/B rows in one process); the per-call path is a lookup
     s8 = s8wgmma.usable(dev)
-    switches = gemm_switches()  # (tail split, s8 path, persistent kernels)
+    switches = gemm_switches()  # (tail split, s8 path, persistent kernels[, forced generation])
     persist = s8 and bool(switches[2])
-    exact = (dev, n, k, m, tail_split, switches[0], s8, persist)
+    forced = switches[3] if len(switches) > 3 else None
+    exact = (dev, n, k, m, tail_split, switches[0], s8, persist, forced)
     cfg = _TUNED.get(exact)
     if cfg is not None:
         return cfg
@@ -601,39 +646,39 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     bucket = autotune.m_bucket(m)
     if dev.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the first config
         return autotune.interpreter_configs()[1 if m <= autotune.SMALL_M else 0]
-    memo_key = (dev, n, k, bucket, s8, persist)
+    memo_key = (dev, n, k, bucket, s8, persist, forced)
     cfg = _TUNED.get(memo_key)
     if cfg is None or tail_split:
-        props = torch.cuda.get_device_properties(a_q.device)
+        cap, smem = _generation(dev, forced)
         meta = tuning_meta(dev)
         buf = [out]
 
-        def time_fn(c):
-            if buf[0] is None:  # made only when something is timed (a merged w1+w3 output is large)
+        def run(c):  # one launch; also how a shipped config is checked before it is trusted (autotune.seed_entry)
+            if buf[0] is None:  # made only when something runs (a merged w1+w3 output is large)
                 buf[0] = torch.empty((m, n), dtype=out_dtype, device=dev)
-            o = buf[0]
-            return timed_ms(lambda: launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, o, c))
+            launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, buf[0], c)
+
+        def time_fn(c):
+            return timed_ms(lambda: run(c))
 
         with not_recorded():
             if cfg is None:
-                cands = autotune.candidates((props.major, props.minor), props.shared_memory_per_block_optin, bucket,
-                                            s8=s8, persist=persist)
+                cands = autotune.candidates(cap, smem, bucket, s8=s8, persist=persist)
                 cfg = _TUNED[memo_key] = autotune.pick_config(
-                    _device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, persist), cands, time_fn, meta)
+                    device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, persist), cands, time_fn, meta,
+                    check=run)
             if tail_split:
-                cfg = choose_split(cfg, m, n, k, _slots(cfg, dev), _device_cache(dev), time_fn, meta)
+                cfg = choose_split(cfg, m, n, k, program_slots(cfg, dev), device_cache(dev), time_fn, meta, check=run)
     _TUNED[exact] = cfg
     return cfg
 
 
 def tail_split_on(kind: str) -> bool:
     """Whether INT8_FUSED_TAIL_SPLIT lets ``kind`` ("gemm": the INT8 GEMM, "swiglu": the SwiGLU-epilogue GEMM) time
-    the tail split: ``gemm`` (the default; ``1`` and an unknown value too) the INT8 GEMM only, ``all`` both, ``0``
-    neither."""
-    v = str(_config.get("INT8_FUSED_TAIL_SPLIT") or "gemm").strip().lower()
-    if v in ("0", "off", "false", "no", "none"):
-        return False
-    return kind == "gemm" or v == "all"
+    the tail split: ``gemm`` (the default) the INT8 GEMM only, ``all`` both, ``0`` neither (``kernel/config.py``
+    validates the value)."""
+    v = _config.get("INT8_FUSED_TAIL_SPLIT")
+    return v != "0" and (kind == "gemm" or v == "all")
 
 
 TAIL_SPLITS = (2, 3, 4)   # the pieces a tail tile is timed with (``choose_split``)
@@ -643,13 +688,15 @@ SPLIT_ROUNDS = 3          # ... as the median of this many interleaved rounds. H
                           # timing each made a 7 % "gain" of SPLIT 3 (bt) that run bv did not repeat
 
 
-def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None, kind: str = "") -> dict:
+def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None, kind: str = "",
+                 check=None) -> dict:
     """``cfg``, or ``cfg`` with the tail split (``SPLIT``) that timed (``time_fn(config)`` -> ms; the median of
     ``SPLIT_ROUNDS`` interleaved rounds) at least ``SPLIT_MARGIN`` faster than whole tiles for this many row tiles
     on a GPU running ``slots`` programs at once (on the H200, run bp: 2-8 % faster on 6 of 45 shapes, slower on
     others). Decided once per (N, K, M bucket,
     row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile configs' file) under a key prefixed with
-    ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the SwiGLU-epilogue GEMM)."""
+    ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the SwiGLU-epilogue GEMM), else taken from the
+    shipped table (``autotune.seed_entry``; ``check(config)`` runs it once first)."""
     from . import autotune
     if cfg.get("PERSIST") and kind:  # the persistent SwiGLU kernel runs whole tiles only
         return cfg
@@ -664,10 +711,13 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
         return cfg
     key = autotune.ConfigCache.key(n, k, autotune.m_bucket(m), bool(cfg.get("S8")), bool(cfg.get("PERSIST")))
     key = f"{kind}{key}_T{tiles_m}_split"
-    hit = cache.get(key)
+    hit = cache.get(key, seed=False) or autotune.seed_entry(
+        cache, key, check and (lambda h: h["SPLIT"] > 1 and check({**cfg, **h})))
     if hit is None:
-        med = autotune.interleaved_medians({1: cfg, **{s: {**cfg, "SPLIT": s} for s in layouts}}, time_fn,
-                                           SPLIT_ROUNDS)
+        from .tuned import progress
+        with progress.task("tail split", progress.gemm_label(key), f"{len(layouts) + 1} variants", cache.path):
+            med = autotune.interleaved_medians({1: cfg, **{s: {**cfg, "SPLIT": s} for s in layouts}}, time_fn,
+                                               SPLIT_ROUNDS)
         best, best_ms = 1, med.pop(1) * (1 - SPLIT_MARGIN)
         for s, ms in med.items():  # the splits that built
             if ms < best_ms:

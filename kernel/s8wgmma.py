@@ -10,7 +10,7 @@ How: the kernel is built for the operands' bytes viewed as fp8 (e4m3): Triton th
 ``wgmma ... m64n256k32.f32.e4m3.e4m3`` with the shared-memory layout that s8 wgmma reads too (8-bit, K-major). The
 PTX's wgmma instructions are rewritten to ``.s32.s8.s8`` (integer wgmma has no operand-scale immediates), ptxas
 (Triton's own) assembles them, and the accumulator registers hold int32 sums, which the kernel's fp8 branch reads
-back with a bitcast (``kernel.gemm._acc_tile``). The launcher only passes pointers, so the int8 tensors are passed
+back with a bitcast (``kernel.gemm.acc_tile``). The launcher only passes pointers, so the int8 tensors are passed
 as they are (and TMA descriptors of them: the persistent kernels' operands, built for fp8 descriptors).
 
 Safety: each rewritten binary is checked on its first call: its output against the int8 build's of the same tile
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import config, launch
+from . import config, gemm_switches, launch
 
 log = logging.getLogger("int8_fused")
 
@@ -58,14 +58,26 @@ def rewrite_ptx(ptx: str) -> tuple[str, int]:
     return out, n
 
 
-def ptxas_path() -> str:
-    """Triton's own ptxas (``TRITON_PTXAS_PATH`` when set, as Triton itself honours)."""
+def ptxas_path(arch: int = 90) -> str:
+    """The ptxas Triton itself runs for sm_``arch`` (``TRITON_PTXAS_PATH`` when set, as Triton honours): since
+    Triton 3.6 a second one (``ptxas-blackwell``, CUDA 13) for newer targets, sm_90 included from 3.9 on, whose PTX
+    (ISA 9.x) the older one rejects."""
+    try:
+        from triton.backends.nvidia import compiler as nv
+        try:
+            tool = nv.get_ptxas(arch)   # Triton 3.6+
+        except TypeError:
+            tool = nv.get_ptxas()       # Triton 3.4 / 3.5: one ptxas
+        if tool.path:
+            return tool.path
+    except Exception:  # noqa: BLE001 - older / newer layouts: the knob, else the wheel's copy
+        pass
     try:
         import triton
         p = triton.knobs.nvidia.ptxas.path
         if p:
             return p
-    except Exception:  # noqa: BLE001 - older / newer knob layouts: the wheel's copy
+    except Exception:  # noqa: BLE001
         pass
     import triton
     return os.environ.get("TRITON_PTXAS_PATH") or os.path.join(os.path.dirname(triton.__file__), "backends",
@@ -73,16 +85,30 @@ def ptxas_path() -> str:
 
 
 def assemble(ptx: str, arch: int = 90, fp_fusion: bool = True, extra: str | None = None) -> bytes:
-    """A cubin of ``ptx`` for sm_``arch`` (``a``: wgmma needs sm_90a), with the flags Triton's own build uses."""
+    """A cubin of ``ptx`` for sm_``arch`` (``a``: wgmma needs sm_90a), with the ptxas and flags Triton's own build
+    uses (``--regAllocOptLevel=2``: Triton 3.9's workaround for CUDA 13's ptxas)."""
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         Path(src).write_text(ptx)
-        cmd = [ptxas_path(), "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), *(extra.split() if extra else []),
+        ptxas = ptxas_path(arch)
+        fix = ["--regAllocOptLevel=2"] if _regalloc_fix() else []
+        cmd = [ptxas, "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), *fix, *(extra.split() if extra else []),
                f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}", src, "-o", dst]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"ptxas failed on the s8 rewrite ({r.returncode}): {r.stderr.strip()[:500]}")
         return Path(dst).read_bytes()
+
+
+def _regalloc_fix() -> bool:
+    """Whether the installed Triton passes ``--regAllocOptLevel=2`` to ptxas (read from its source: 3.9 does)."""
+    try:
+        import inspect
+
+        from triton.backends.nvidia import compiler as nv
+        return "regAllocOptLevel=2" in inspect.getsource(nv.CUDABackend.make_cubin)
+    except Exception:  # noqa: BLE001 - no source to read: Triton's older default
+        return False
 
 
 def rewritten(fp8_kernel):
@@ -103,6 +129,9 @@ def usable(device: torch.device) -> bool:
     if _OFF is not None or device.type != "cuda" or not config.get("INT8_FUSED_S8_WGMMA"):
         return False
     if not launch.fast_launch_ok():
+        return False
+    switches = gemm_switches()
+    if len(switches) > 3 and switches[3] != (9, 0):  # a bench forces another generation's tile set
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     cap = _CAPABILITY.get(idx)

@@ -14,6 +14,10 @@
 #                             *after* its own, so only what 0.33.0 needs differently lives there. The tests
 #                             that need a current ComfyUI run there (scripts/test.sh sets COMFYUI_CURRENT*).
 #   torchaudio 2.11.1 (--no-deps: it imports on torch 2.14): ComfyUI imports it at start.
+#   .runtime/triton-3.4.0, .runtime/triton-3.9.0  the oldest and newest Triton requirements.txt admits
+#                      (pip install --no-deps --target; 0.5 and 1.0 GB): tests/test_compile_targets.py compiles the
+#                      sm_90 GEMMs with each in a subprocess (PYTHONPATH). Each has its own stamp (.ready) and is
+#                      added by a reused runtime too, so adding them rebuilds nothing else.
 # Size: about 6.1 GB for .runtime/venv (PyPI's Linux torch is a CUDA build: 3.2 GB of nvidia libraries),
 #   about 0.6 GB for .runtime/venv-current, 1.9 GB of miniature models once the tests have run (one
 #   models/diffusion_models folder: ComfyUI-current's links to ComfyUI's). pip's
@@ -94,8 +98,29 @@ ensure_chromium() {
   fi
 }
 
+ensure_tritons() {
+  # The oldest and newest Triton requirements.txt admits, beside the runtime's own (compile tests only); under a
+  # lock: test runs started at once each run this script.
+  local v d
+  exec 9>"$rt/.tritons.lock"
+  flock 9
+  for v in $EXTRA_TRITONS; do
+    d="$rt/triton-$v"
+    [ -f "$d/.ready" ] && continue
+    say "installing triton $v into $d (compile tests)"
+    rm -rf "$d"
+    if pipi --no-deps --target "$d" "triton==$v" && [ -d "$d/triton" ]; then
+      touch "$d/.ready"
+    else
+      say "WARNING: triton $v could not be installed; tests/test_compile_targets.py's Triton $v test will skip"
+    fi
+  done
+  flock -u 9
+}
+EXTRA_TRITONS="3.4.0 3.9.0"
+
 if [ -f "$stamp" ] && [ -x "$vpy" ] && [ -f "$rt/ComfyUI/main.py" ] && current_ready; then
-  link_pack; ensure_chromium
+  link_pack; ensure_chromium; ensure_tritons
   say "runtime ready in $rt (reused)"; exit 0
 fi
 
@@ -147,6 +172,7 @@ else
 fi
 link_pack
 ensure_chromium
+ensure_tritons
 rm -f "$rt"/.ready-v*
 touch "$stamp"
 say "runtime ready in $rt ($((SECONDS - t0)) s)"
