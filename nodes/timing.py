@@ -75,7 +75,14 @@ WebSocket events (``PromptServer.instance.send_sync``, to every connected page):
                        prompt_id, status ("ok" | "interrupted" | "error"), error, timer ("cuda_events" |
                        "perf_counter"), steps, step_seconds [..], mean, median, total,
                        branches {branch: seconds}, calls, started (unix time)}
+  int8_fused.tuning   kernel.tuned.progress.snapshot() while kernels are tuned on a user's call (the widget's
+                       "Tuning INT8 kernels for this GPU" line, then the session's summary and the shipped tables'
+                       counts): sent by :class:`TuningRelay`, a progress listener, at most one per TUNING_INTERVAL_S
+                       (the latest one held back follows when the interval has passed; a session's end at once).
+                       A sampling's end ends the tuning session it ran (``progress.finish()``: its summary now
+                       rather than QUIET_S later) and sends the shipped tables' counts when they changed.
 HTTP: GET /int8_fused/runs -> {"runs": [summary, ...] (oldest first, at most RING_SIZE), "ring_size"}
+      GET /int8_fused/tuning -> the tuning snapshot now (a page opened during or after a tuning)
 """
 from __future__ import annotations
 
@@ -89,6 +96,8 @@ import time
 import weakref
 
 import torch
+
+from ..kernel.tuned import progress
 
 log = logging.getLogger("int8_fused")
 
@@ -120,6 +129,84 @@ def _send(event: str, data: dict) -> None:
         log.debug("int8_fused: could not send %s: %s", event, e)
 
 
+TUNING_EVENT = "int8_fused.tuning"
+TUNING_INTERVAL_S = 0.25
+
+
+class TuningRelay:
+    """A ``kernel.tuned.progress`` listener that sends its snapshots to the widget (``send(event, data)``;
+    None: ``_send``). Runs on the thread that tunes; at most one event per ``interval`` seconds: a snapshot
+    within the interval is held back (the latest one wins) and sent by a ``timer(delay, fn)`` thread when the
+    interval has passed, its elapsed time brought up to then; a session's end (a new summary) goes at once."""
+
+    def __init__(self, send=None, interval: float = TUNING_INTERVAL_S, clock=time.monotonic,
+                 timer=threading.Timer):
+        self.send, self.interval, self.clock, self.timer = send, interval, clock, timer
+        self._lock = threading.Lock()
+        self._sent_at: float | None = None
+        self._sent: dict | None = None       # the last snapshot sent
+        self._pending: tuple[dict, float] | None = None
+        self._timer = None
+
+    def __call__(self, snap: dict) -> None:
+        with self._lock:
+            now = self.clock()
+            ended = self._sent is not None and snap.get("last_summary") != self._sent.get("last_summary")
+            if ended or self._sent_at is None or now - self._sent_at >= self.interval:
+                self._emit(snap, now)
+                return
+            self._pending = (snap, now)
+            if self._timer is None:
+                self._timer = self.timer(self._sent_at + self.interval - now, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Send the snapshot held back, if any (the timer's call)."""
+        with self._lock:
+            self._timer = None
+            if self._pending is None:
+                return
+            snap, at = self._pending
+            now = self.clock()
+            if snap.get("current"):
+                snap = {**snap, "current": {**snap["current"], "elapsed_s": snap["current"]["elapsed_s"] + now - at}}
+            self._emit(snap, now)
+
+    def settle(self, snap: dict) -> None:
+        """Send ``snap`` now if it tells the widget more than the last one sent (a snapshot held back, a new
+        summary, the shipped tables' counts); nothing otherwise."""
+        with self._lock:
+            last = self._sent or {}
+            if self._pending is not None or any(snap.get(k) != last.get(k) for k in ("last_summary", "seeded")):
+                self._emit(snap, self.clock())
+
+    def _emit(self, snap: dict, now: float) -> None:
+        self._pending, self._sent, self._sent_at = None, snap, now
+        (self.send or _send)(TUNING_EVENT, snap)
+
+
+TUNING_RELAY = TuningRelay()
+
+
+def _register_tuning() -> None:
+    """The widget's tuning listener, once per process (a reloaded module replaces its own)."""
+    progress.PROGRESS.listeners[:] = [fn for fn in progress.PROGRESS.listeners
+                                      if not getattr(fn, "int8_fused_widget", False)]
+    TUNING_RELAY.int8_fused_widget = True
+    progress.PROGRESS.listeners.append(TUNING_RELAY)
+
+
+def end_tuning() -> None:
+    """A sampling ended: the tuning session it ran ends now (its summary logged and sent), and the widget hears
+    of shipped-table entries used without any tuning."""
+    try:
+        if progress.finish() is None:
+            TUNING_RELAY.settle(progress.snapshot())
+    except Exception as e:  # noqa: BLE001 - the widget's news must never fail a sampling
+        log.debug("int8_fused: tuning summary failed: %s", e)
+
+
 def recent_runs() -> list[dict]:
     """The summaries of the last ``RING_SIZE`` runs, oldest first."""
     with _RUNS_LOCK:
@@ -135,6 +222,10 @@ def _register_routes() -> None:
     @srv.routes.get("/int8_fused/runs")
     async def _runs(request):
         return web.json_response({"runs": recent_runs(), "ring_size": RING_SIZE})
+
+    @srv.routes.get("/int8_fused/tuning")
+    async def _tuning(request):
+        return web.json_response(progress.snapshot())
 
     srv._int8_fused_routes = True
 
@@ -491,6 +582,7 @@ class _Recorder:
                     _log_summary(summary)
                 except Exception as e:  # timing must never turn a finished sampling into an error
                     log.warning("int8_fused: timing summary failed: %s", e)
+            end_tuning()
 
     def _current_run(self):
         """This MODEL's run: its own sampling, or, when another model's guider drives the sampling
@@ -609,6 +701,7 @@ def instrument(model_patcher, *, node_id: str, backend: str, backends_used=None,
 
 
 _register_routes()
+_register_tuning()
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}

@@ -20,7 +20,8 @@ Modes (``MODES``):
   auto                      CUDA: per shape key (B, heads, kv heads, Lq, Lk, head dim, dtype, mask kind, device) each
                             of cudnn / flash / efficient that accepts the call runs ``PROBE_REPS`` times, timed with
                             CUDA events, once; the fastest is kept in memory and in a JSON file next to the GEMM
-                            autotune cache (``kernel.autotune.cache_dir()``, ``attention-<gpu>-torch-<version>.json``).
+                            autotune cache (``kernel.autotune.cache_dir()``, ``attention-<gpu>-torch-<version>.json``);
+                            a shape it lacks takes the pack's shipped table's choice for the GPU (``kernel/tuned``).
                             On any other device: ComfyUI's own function (what ``comfy_default`` runs).
                             auto is exact-only: it picks ``int8`` only when the environment switch
                             INT8_FUSED_ATTN_INT8_AUTO=1 (kernel/config.py) adds it to the probe, for calls ``int8``
@@ -73,7 +74,7 @@ COMFY_ORDER = ("flash", "cudnn", "efficient", "math")  # comfy/ops.py SDPA_BACKE
 # The op torch's SDPA runs for a cuDNN call (aten/src/ATen/native/transformers/attention.cpp: no mask, no grad: the
 # query, key and value as given, compute_log_sumexp False, its output first). Where this call's shape and strides
 # are known to go to cuDNN (``Router._which``), the Router calls it directly: the same kernel and bits without the
-# priority context and the dispatcher's backend checks (host time: the Ideogram 4 step is host-paced, run cj).
+# priority context and the dispatcher's backend checks (host time, which paces small steps).
 _CUDNN_OP = getattr(getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None), "default", None)
 
 
@@ -190,14 +191,33 @@ def _autotune():
 _DISK_CACHES: dict = {}
 
 
-def disk_cache(device: torch.device):
-    """The JSON cache of ``device``'s GPU and this torch version (``kernel.autotune.ConfigCache``)."""
+def _progress():
+    from . import kernel_module
+    return kernel_module("tuned.progress")
+
+
+def valid_entry(key: str, entry) -> bool:
+    """Whether a read entry of the attention cache may be used: ``{"backend": <a backend or int8>, "ms": {..}}``."""
+    return (isinstance(entry, dict) and entry.get("backend") in BACKENDS + (INT8,)
+            and isinstance(entry.get("ms", {}), dict))
+
+
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def disk_cache(device: torch.device, gpu: str | None = None):
+    """The JSON cache of ``device``'s GPU (``gpu``: that name instead) and this torch version
+    (``kernel.autotune.ConfigCache``: its file handling, a damaged file set aside with one warning), seeded with the
+    pack's shipped table for that GPU (``kernel.tuned``, its ``attention`` section; keys without the device index)."""
     at = _autotune()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = gpu or _gpu_name(device)
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{name}-torch-{torch.__version__}").strip("-")
     path = at.cache_dir() / f"attention-{slug}.json"
     if path not in _DISK_CACHES:
-        _DISK_CACHES[path] = at.ConfigCache(path)
+        tuned = importlib.import_module(at.__name__.rpartition(".")[0] + ".tuned")
+        _DISK_CACHES[path] = at.ConfigCache(path, valid=valid_entry, what="attention cache", who="INT8 attention",
+                                            seed=tuned.Seed(name, "attention", key=tuned.attention_key))
     return _DISK_CACHES[path]
 
 
@@ -364,11 +384,13 @@ class Router:
                 with _kernel([name]):  # that backend alone: one that cannot take the call raises
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
             return self.time_fn(name, run)
-        best, times = pick_fastest(PROBED + ((INT8,) if with_int8 else ()), time_one)
+        names = PROBED + ((INT8,) if with_int8 else ())
+        with _progress().task("attention", text, f"{len(names)} backends", getattr(cache, "path", None)):
+            best, times = pick_fastest(names, time_one)
         best = best or "math"
         self.winners[key], self.probes[key] = best, times
-        cache.put(text, {"backend": best, "ms": {n: (t if math.isfinite(t) else None)
-                                                          for n, t in times.items()}})
+        cache.put(text, {"backend": best, "ms": {n: (t if math.isfinite(t) else None) for n, t in times.items()}},
+                  {"gpu": _gpu_name(q.device), "torch": torch.__version__})
         log.info("int8_fused attention auto %s: %s (%s)", text, best,
                  ", ".join(f"{n} {t:.3f} ms" if math.isfinite(t) else f"{n} cannot run" for n, t in times.items()))
         return best

@@ -17,12 +17,13 @@ call of that shape times both paths on the call's own operands (:func:`time_pair
 time with a cold L2 (the GPU held busy while the host issues the call, so host time does not leak into it) and the
 host time to issue it; medians of ``ROUNDS`` interleaved rounds of ``REPS`` calls;
 a few ms, once per shape), keeps the result in memory and in ``dispatch-v3-<gpu>-torch-<v>-triton-<v>.json``
-next to the GEMM autotune cache (``kernel.autotune.cache_dir``, atomic writes), so later processes time nothing.
+next to the GEMM autotune cache (``kernel.autotune.cache_dir``, atomic writes), so later processes time nothing;
+a shape the file lacks takes the decision of the pack's shipped table for this GPU (``kernel/tuned``) untimed.
 The rule is :func:`decide`: int8 is the incumbent and the float path must be faster by ``MARGIN`` to take the
 shape (timing noise does not flip decisions, and int8 keeps its memory saving on a tie); where the two costs tie
 within the margin (host-bound calls, whose cost is the host time both paths share) the GPU times decide the same
-way, since a model whose GPU paces the step pays only those (run bt: Wan's time projection had gone to int8 at
-0.81x bf16's GPU time). On the CPU, under ``torch.compile`` tracing or CUDA-graph capture nothing is timed and
+way, since a model whose GPU paces the step pays only those (a host-bound tie once sent Wan's time projection to
+int8 at 0.81x bf16's GPU time). On the CPU, under ``torch.compile`` tracing or CUDA-graph capture nothing is timed and
 ``auto`` runs int8.
 
 Each layer counts its calls per path (``Int8Linear.dispatch_calls``); :func:`report_line` summarises a model. A
@@ -30,12 +31,11 @@ resident layer keeps, per call shape, the path it ran (with the float weight and
 :func:`float_operands`), and ``Int8Linear.forward`` runs that shape's later calls on it directly — one bare
 ``F.linear``, or the int8 path's prepared launches (``kernel.plan``) — while the int8 weight is the same tensor and
 :func:`hot_token` (the mode, the decisions' generation) is unchanged: a small linear's speed is its host time.
-Only ``Int8Linear.forward`` dispatches: the fused modules of ``quant/fused.py`` always run their INT8 kernels.
+Only ``Int8Linear.forward`` dispatches: the fused blocks (``adapters/<model>/blocks.py``) always run their INT8 kernels.
 """
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 import re
@@ -61,17 +61,8 @@ _DEQUANT_ROWS = 4096  # rows dequantized at a time when building the float weigh
 
 # --------------------------------------------------------------------------- the decision (pure)
 def mode() -> str:
-    """``INT8_FUSED_DISPATCH`` as one of MODES (an unknown value: warned once, ``auto``)."""
-    m = str(config.get("INT8_FUSED_DISPATCH") or "auto").strip().lower()
-    if m in MODES:
-        return m
-    if m not in _WARNED:
-        _WARNED.add(m)
-        log.warning("INT8_FUSED_DISPATCH=%r is not one of %s: using auto", m, "|".join(MODES))
-    return "auto"
-
-
-_WARNED: set = set()
+    """``INT8_FUSED_DISPATCH``: one of MODES (``kernel/config.py`` warns about an unknown value and gives ``auto``)."""
+    return config.get("INT8_FUSED_DISPATCH")
 
 
 def _ms(t) -> float:
@@ -123,59 +114,22 @@ def cache_path(gpu_name: str, torch_version: str, triton_version: str) -> Path:
     return autotune.cache_dir() / f"dispatch-{DECISIONS_VERSION}-{slug}.json"
 
 
-class DecisionCache:
-    """Decisions of one GPU + software versions: {shape_key: {"path", "int8_ms", "float_ms", "m"}} in memory,
-    mirrored to a JSON file. Writes merge with the file (another process may have added shapes) and replace it
-    atomically (``kernel.atomic``). An unreadable or malformed file is ignored with one warning (its shapes are
-    timed again and the file rewritten on the next decision)."""
+def _valid_decision(key: str, entry) -> bool:
+    return isinstance(entry, dict) and entry.get("path") in (INT8, FLOAT)
 
-    def __init__(self, path):
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._mem: dict | None = None
-        self._warned = False
 
-    def _read_disk(self) -> dict:
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            return self._bad(e)
-        try:
-            data = json.loads(text)
-            dec = data["decisions"]
-            if not isinstance(dec, dict):
-                raise TypeError("'decisions' is not an object")
-            return {k: v for k, v in dec.items()
-                    if isinstance(v, dict) and v.get("path") in (INT8, FLOAT)}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            return self._bad(e)
+class DecisionCache(kernel_module("jsoncache").JsonCache):
+    """Decisions of one GPU + software versions: {shape_key: {"path", "int8_ms", "float_ms", "m", ...}} in memory,
+    mirrored to a JSON file by the autotune cache's file handling (``kernel.jsoncache``): writes merge with the
+    file under a lock (another process may have added shapes) and replace it atomically; a damaged file is set
+    aside with one warning (its valid decisions kept, the rest timed again). ``gpu``: the GPU's name, whose shipped
+    table (``kernel.tuned``, its ``dispatch`` section, of this ``DECISIONS_VERSION``) seeds the shapes the file
+    lacks."""
 
-    def _bad(self, e: Exception) -> dict:
-        if not self._warned:
-            self._warned = True
-            log.warning("INT8 dispatch: ignoring the unreadable decision cache %s (%s: %s); shapes are timed "
-                        "again", self.path, type(e).__name__, e)
-        return {}
-
-    def get(self, key: str) -> dict | None:
-        with self._lock:
-            if self._mem is None:
-                self._mem = self._read_disk()
-            return self._mem.get(key)
-
-    def put(self, key: str, entry: dict, meta: dict | None = None) -> None:
-        with self._lock:
-            merged = self._read_disk()
-            merged.update(self._mem or {})
-            merged[key] = entry
-            self._mem = merged
-            text = json.dumps({**(meta or {}), "decisions": merged}, indent=1, sort_keys=True)
-            try:
-                kernel_module("atomic").atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
-            except OSError as e:  # a read-only home: the next process times the shape again
-                log.debug("INT8 dispatch: could not write %s: %s", self.path, e)
+    def __init__(self, path, gpu: str | None = None):
+        seed = kernel_module("tuned").Seed(gpu, "dispatch", require={"decisions": DECISIONS_VERSION}) if gpu else None
+        super().__init__(path, "decisions", what="decision cache", who="INT8 dispatch", valid=_valid_decision,
+                         seed=seed)
 
 
 _CACHES: dict = {}      # device index -> DecisionCache
@@ -188,8 +142,8 @@ def _device_cache(device: torch.device) -> DecisionCache:
     c = _CACHES.get(idx)
     if c is None:
         import triton
-        c = _CACHES[idx] = DecisionCache(cache_path(torch.cuda.get_device_name(idx), torch.__version__,
-                                                    triton.__version__))
+        name = torch.cuda.get_device_name(idx)
+        c = _CACHES[idx] = DecisionCache(cache_path(name, torch.__version__, triton.__version__), gpu=name)
     return c
 
 
@@ -348,7 +302,8 @@ def _decision(layer, x2d: torch.Tensor) -> str | None:
             path = entry["path"]
         else:
             try:
-                c8, cf, w = measure(layer, x2d)
+                with kernel_module("tuned.progress").task("dispatch", skey, "int8 vs float", cache.path):
+                    c8, cf, w = measure(layer, x2d)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory for the float copy: stay on int8
                 log.warning("INT8 dispatch: could not time %s (%s: %s); running int8", skey, type(e).__name__, e)
                 _DECISIONS[key] = INT8
@@ -372,7 +327,7 @@ def time_call(f, reps: int, flush: torch.Tensor | None) -> tuple[float, float]:
     ``flush`` (an L2-sized buffer) is zeroed, so weights come from HBM as in a real model, where every layer
     has its own, and the GPU is held busy (``torch.cuda._sleep``, ``STALL_CYCLES``) while the host issues the
     call: the events around the call time its GPU work alone, not the GPU waiting for the host (which made a
-    call with more host work look slower on the GPU too, run bo). The host time is what issuing it cost; a
+    call with more host work look slower on the GPU too). The host time is what issuing it cost; a
     stream of calls costs the larger of the two (``effective_ms``)."""
     import statistics
     import time

@@ -48,6 +48,14 @@ import comfy_harness as H  # noqa: E402
 from comfy_harness import run_in_current_comfy  # noqa: E402,F401  (re-exported for tests)
 
 
+@pytest.fixture(autouse=True)
+def _no_shipped_tuned_tables(monkeypatch):
+    """Tests tune and cache as on a GPU without a shipped tuned table (kernel/tuned); tests/test_tuned_tables.py
+    turns the tables on with a folder of its own."""
+    import kernel.tuned
+    monkeypatch.setattr(kernel.tuned, "ENABLED", False)
+
+
 @pytest.fixture(scope="session")
 def comfy_inprocess():
     try:

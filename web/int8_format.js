@@ -201,3 +201,64 @@ export function mergeRuns(runs) {
   }
   return out;
 }
+
+// ---------------------------------------------------------------- kernel tuning (nodes/timing.py int8_fused.tuning)
+// A snapshot is kernel.tuned.progress.snapshot(): {active, current {kind, label, detail, shape, elapsed_s} or null,
+// shapes, total, seconds, kinds, files, seeded {section: entries}, last_summary}.
+
+const SEED_SECTIONS = ["gemm", "dispatch", "attention"];
+
+/** Whether a tuning session is open: a task runs, or shapes were tuned and the summary is still to come. */
+export function tuningOpen(snap) {
+  return !!snap && (!!snap.active || (snap.shapes ?? 0) > 0);
+}
+
+/** "Tuning INT8 kernels for this GPU (first run only): shape 3/12 GEMM N=3072 K=3072 M<=4096 s8p, 4.2 s" while a
+ *  session is open, else null. ``since``: seconds since the snapshot came (the running task's time goes on);
+ *  ``last``: the task shown before, named between two tasks (when the snapshot has none running). The time is the
+ *  session's tuning time: its finished tasks' and the running one's. */
+export function tuningText(snap, since = 0, last = null) {
+  if (!tuningOpen(snap)) return null;
+  const cur = snap.active ? snap.current : null;
+  const task = cur ?? last;
+  const n = cur ? cur.shape : snap.shapes;
+  const total = isNum(snap.total) && snap.total >= n ? `/${snap.total}` : "";
+  const what = task ? ` ${task.kind} ${task.label}` : "";
+  let secs = isNum(snap.seconds) ? snap.seconds : 0;
+  if (cur && isNum(cur.elapsed_s)) secs += cur.elapsed_s + Math.max(0, since || 0);
+  return `Tuning INT8 kernels for this GPU (first run only): shape ${n}${total}${what}, ${secs.toFixed(1)} s`;
+}
+
+/** The last session's summary as the widget shows it: "tuned 12 shapes in 14.2 s (9 GEMM, 3 dispatch)" (the log
+ *  line without its prefix and its cache files; the whole line is the tooltip); null before any. */
+export function tuningSummary(snap) {
+  const line = snap?.last_summary;
+  if (!line) return null;
+  return line.replace(/^INT8 autotune:\s*/, "").split("; ")[0];
+}
+
+/** "shipped tuned table: 40 gemm / 12 dispatch / 3 attention": entries this server took from the shipped tuned
+ *  tables (kernel/tuned/<GPU>.json) instead of timing them; null when none. */
+export function seededText(snap) {
+  const seeded = snap?.seeded ?? {};
+  const names = [...SEED_SECTIONS, ...Object.keys(seeded).filter((k) => !SEED_SECTIONS.includes(k)).sort()];
+  if (!names.some((k) => (seeded[k] ?? 0) > 0)) return null;
+  return `shipped tuned table: ${names.map((k) => `${seeded[k] ?? 0} ${k}`).join(" / ")}`;
+}
+
+/** How many lines ``text`` takes wrapped at ``room`` px, words broken only where one alone is wider (as CSS
+ *  ``overflow-wrap:anywhere`` does); ``width(s)``: a string's width in px. */
+export function wrappedLines(text, room, width) {
+  if (!text) return 0;
+  const space = width(" ");
+  let lines = 1, used = 0;
+  for (const word of String(text).split(" ")) {
+    const w = width(word);
+    if (used > 0 && used + space + w <= room) { used += space + w; continue; }
+    if (used > 0) lines += 1;
+    const extra = Math.max(0, Math.ceil(w / room) - 1);  // a word wider than the line
+    lines += extra;
+    used = w - extra * room;
+  }
+  return lines;
+}

@@ -3,8 +3,10 @@
 // a live per-step time chart, mean / median s/step and total (or the error a failed run ended with), and
 // the latest run of every backend side by side ("fused_triton 0.21 s/step, 1.58x bf16"); with the Apply node's
 // attention input set, the attention backend that ran next to the GEMM backend ("fused_triton \u00b7 attn cudnn"),
-// and runs with another attention compared as their own rows. Data: WebSocket events int8_fused.step and
-// int8_fused.summary, and GET /int8_fused/runs on setup (nodes/timing.py documents the schema).
+// and runs with another attention compared as their own rows; while kernels are tuned for the GPU, a line saying so
+// with the shape and the time so far, then the session's summary and the shipped tuned tables' counts. Data: WebSocket
+// events int8_fused.step, int8_fused.summary and int8_fused.tuning, and GET /int8_fused/runs and /int8_fused/tuning on
+// setup (nodes/timing.py documents the schema).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import * as fmt from "./int8_format.js";
@@ -19,6 +21,12 @@ const ROW2_H = 32;       // one row on two lines: name, then numbers (2 px apart
 // Room for a row's text: node width - 2 margins - padding and border (14) - dot and gap (12) - what the
 // Vue-rendered nodes take on top (16).
 const ROW_INSET = 2 * MARGIN + 14 + 12 + 16;
+const TUNE_LINE_H = 14;  // one line of the tuning block
+const TUNE_MAX_LINES = 3;  // a longer text ends in an ellipsis (its tooltip has it all)
+// Room for a tuning line: as ROW_INSET without the dot, less 4 px so that the browser never wraps to more lines
+// than measured.
+const TUNE_INSET = 2 * MARGIN + 14 + 16 + 4;
+const TUNE_TICK_MS = 500;  // the time shown goes on between events while a task runs
 const MAX_RUNS = 256;  // summaries kept in the page (the server keeps its last 64)
 const COLORS = {
   fused_triton: "#4caf50", comfy_kitchen: "#26a69a", torch_int_mm: "#42a5f5",
@@ -31,6 +39,8 @@ const state = {
   live: new Map(),   // run id -> {run, node, backend, backend_requested, backends, device, steps,
                      //            step_seconds[]} while sampling
   widgets: new Set(),
+  tuning: { snap: null, at: 0, last: null, ticker: null },  // the latest int8_fused.tuning snapshot, when it came,
+                                                             // the task shown last, the timer of the time shown
 };
 
 const color = (backend) => COLORS[backend] ?? "#78909c";
@@ -56,6 +66,10 @@ function injectStyle() {
 .int8-timing .int8-badge{flex:0 1 auto;min-width:0;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;
   padding:1px 7px;border-radius:9px;font-weight:600;color:#111}
 .int8-timing .int8-progress{margin-left:auto;white-space:nowrap;color:var(--descrip-text, #999)}
+.int8-timing .int8-tuning{display:flex;flex-direction:column;color:var(--descrip-text, #999)}
+.int8-timing .int8-tuning>div{line-height:${TUNE_LINE_H}px;white-space:normal;overflow-wrap:anywhere;overflow:hidden;
+  display:-webkit-box;-webkit-box-orient:vertical;-webkit-line-clamp:${TUNE_MAX_LINES}}
+.int8-timing .int8-tuning .int8-tune-now{color:#ffb74d}
 .int8-timing canvas{width:100%;height:${CHART_H}px;display:block}
 .int8-timing .int8-stats{height:16px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 .int8-timing .int8-stats.int8-empty{height:32px;white-space:normal;color:var(--descrip-text, #999);font-style:italic}
@@ -164,8 +178,49 @@ function drawChart(canvas, secs, planned, backend) {
   }
 }
 
+/** The tuning block's lines: the tuning line while a session is open, else the last session's summary; then the
+ *  shipped tables' counts. Each wraps to at most TUNE_MAX_LINES lines (measured as oneLineFit measures), then ends in
+ *  an ellipsis; its tooltip holds the whole text. Returns the block's height (0: hidden). */
+function renderTuning(w) {
+  const { node, root, tuning } = w;
+  const t = state.tuning, snap = t.snap;
+  const lines = [];
+  const now = fmt.tuningText(snap, (performance.now() - t.at) / 1000, t.last);
+  if (now) {
+    const detail = (snap.active ? snap.current : t.last)?.detail;
+    lines.push(["int8-tune-now", now, `${now}${detail ? ` (${detail})` : ""}\nTimed once per GPU and kept in the cache `
+      + "folder: later runs start at once"]);
+  } else if (fmt.tuningSummary(snap)) {
+    lines.push(["int8-tune-sum", fmt.tuningSummary(snap), snap.last_summary]);
+  }
+  const seeded = fmt.seededText(snap);
+  if (seeded) lines.push(["int8-tune-seed", seeded, `${seeded}\nEntries taken from the tuned tables shipped for this GPU `
+    + "(kernel/tuned) instead of timing them, since the server started"]);
+  root.dataset.tuning = now ? "active" : lines.length ? "done" : "";
+  tuning.style.display = lines.length ? "" : "none";
+  if (!lines.length) {
+    tuning.replaceChildren();
+    return 0;
+  }
+  measureCtx ??= document.createElement("canvas").getContext("2d");
+  measureCtx.font = `11px ${getComputedStyle(root).fontFamily || "sans-serif"}`;
+  const room = Math.max(60, (node.size?.[0] ?? 320) - TUNE_INSET);
+  const width = (s) => measureCtx.measureText(s).width;
+  let h = 0;
+  tuning.replaceChildren(...lines.map(([cls, text, title]) => {
+    const d = el("div", cls, text);
+    const n = Math.min(TUNE_MAX_LINES, fmt.wrappedLines(text, room, width));
+    d.style.height = `${n * TUNE_LINE_H}px`;
+    d.title = title;
+    h += n * TUNE_LINE_H;
+    return d;
+  }));
+  return h;
+}
+
 function render(w) {
   const { node, root, badge, progress, chart, canvas, maxLabel, stats, steps, compare } = w;
+  w.tuneH = renderTuning(w);
   const { run, finished } = runFor(node);
   const backend = run?.backend ?? backendWidgetValue(node);
   const attention = run ? attentionLabel(run) : attentionWidgetValue(node);
@@ -256,6 +311,7 @@ function listHeight(run) {
 function relayout(w, compareH) {
   const { run, finished } = runFor(w.node);
   let h = 10 + 18 + 3;  // padding + head
+  if (w.tuneH) h += w.tuneH + 3;
   if (!run) h += 32;
   else {
     h += (chartShown(run, finished) ? CHART_H + 3 : 0) + 16 + 3 + 16 + 3 + (w.steps.open ? listHeight(run) : 0);
@@ -294,6 +350,7 @@ function attach(node) {
   const badge = el("span", "int8-badge");
   const progress = el("span", "int8-progress");
   head.append(badge, progress);
+  const tuning = el("div", "int8-tuning");
   const chart = el("div", "int8-chart");
   const canvas = el("canvas");
   const maxLabel = el("span", "int8-max");
@@ -302,9 +359,9 @@ function attach(node) {
   const steps = el("details", "int8-steps");
   steps.append(el("summary", "", "seconds per step"), el("ol"));
   const compare = el("ul", "int8-compare");
-  root.append(head, chart, stats, steps, compare);
+  root.append(head, tuning, chart, stats, steps, compare);
 
-  const w = { node, root, badge, progress, chart, canvas, maxLabel, stats, steps, compare, height: 0 };
+  const w = { node, root, badge, progress, tuning, chart, canvas, maxLabel, stats, steps, compare, height: 0, tuneH: 0 };
   const widget = node.addDOMWidget(WIDGET, "int8_timing", root, {
     serialize: false,
     hideOnZoom: false,
@@ -366,6 +423,8 @@ function onStatus({ detail }) {
     state.live.clear();
     renderAll();
   }
+  // a tuning shown as running with nothing queued: ask the server (it may have restarted meanwhile)
+  if (detail?.exec_info?.queue_remaining === 0 && fmt.tuningOpen(state.tuning.snap)) loadTuning(true);
 }
 
 function onSummary({ detail: d }) {
@@ -374,6 +433,47 @@ function onSummary({ detail: d }) {
   if (!state.runs.some((r) => r.run === d.run)) state.runs.push(d);
   if (state.runs.length > MAX_RUNS) state.runs.splice(0, state.runs.length - MAX_RUNS);
   renderAll();
+}
+
+/** A tuning snapshot (nodes/timing.py int8_fused.tuning, GET /int8_fused/tuning): shown on every pack node, the
+ *  time going on while a task runs. */
+function setTuning(snap) {
+  const t = state.tuning;
+  if (snap.active && snap.current) t.last = snap.current;
+  else if (!fmt.tuningOpen(snap)) t.last = null;
+  t.snap = snap;
+  t.at = performance.now();
+  if (snap.active && !t.ticker) t.ticker = setInterval(tickTuning, TUNE_TICK_MS);
+  if (!snap.active && t.ticker) {
+    clearInterval(t.ticker);
+    t.ticker = null;
+  }
+  renderAll();
+}
+
+function tickTuning() {
+  for (const w of state.widgets) {
+    if (!w.node.graph) continue;
+    if (renderTuning(w) !== w.tuneH) render(w);  // a line more or less: the widget's height changes
+  }
+}
+
+function onTuning({ detail }) {
+  if (detail && typeof detail === "object") setTuning(detail);
+}
+
+/** The server's tuning state (``force``: even when an event has come; else that event is newer). */
+async function loadTuning(force = false) {
+  try {
+    const asked = state.tuning.snap;
+    const res = await api.fetchApi("/int8_fused/tuning");
+    if (res.ok && (force || !state.tuning.snap)) {
+      const snap = await res.json();
+      if (state.tuning.snap === asked) setTuning(snap);  // not when an event came meanwhile
+    }
+  } catch (e) {
+    console.warn("int8_fused: could not load the tuning state", e);
+  }
 }
 
 async function loadRuns() {
@@ -395,7 +495,8 @@ app.registerExtension({
     api.addEventListener("int8_fused.step", onStep);
     api.addEventListener("int8_fused.summary", onSummary);
     api.addEventListener("status", onStatus);
-    await loadRuns();
+    api.addEventListener("int8_fused.tuning", onTuning);
+    await Promise.all([loadRuns(), loadTuning()]);
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     const ours = NODE_TYPES.has(nodeData.name) ||
@@ -408,4 +509,4 @@ app.registerExtension({
 });
 
 // For tests and debugging: the widget's data as the page sees it.
-window.__int8Fused = { state, renderAll, fmt, attentionLabel };
+window.__int8Fused = { state, renderAll, fmt, attentionLabel, setTuning };
