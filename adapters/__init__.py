@@ -1,19 +1,12 @@
-"""Model adapters: what the pack knows about each diffusion-transformer architecture, one module per family,
-registered here and looked up by the ComfyUI class of the diffusion model.
+"""Model adapters: what the pack knows about each diffusion-transformer architecture, one folder per family
+(``adapters/<model>/``: the adapter in its ``__init__.py``, its fused blocks, its checkpoint layout and patches where
+it has them), registered here and looked up by the ComfyUI class of the diffusion model.
 
     adapter = adapter_for(diffusion_model)            # an Adapter, or None: per-linear INT8 with generic presets
     patches = object_patches(diffusion_model, int8)   # {name relative to the diffusion model: module}
 
-* ``ideogram4``: ``comfy.ldm.ideogram4.model.Ideogram4Transformer2DModel``; fuses whole blocks, FeedForwards and
-  an ``llm_cond_proj`` cache; drops padded text tokens; checkpoint layout ``quant/fmt_ideogram4.py``.
-* ``lumina2``: ``comfy.ldm.lumina.model.NextDiT`` (Lumina 2, Z-Image); fuses modulated blocks (RMSNorm·modulation +
-  quantize into qkv and w1+w3, SwiGLU + quantize into w2) and the SwiGLU FeedForwards of the others.
-* ``flux``: ``comfy.ldm.flux.model.Flux`` (Flux, Flux.2), ``comfy.ldm.chroma.model.Chroma``; fuses Flux.1's double and
-  single blocks (LayerNorm·modulation + quantize, GELU + quantize); Flux.2 / Chroma blocks stay per-linear.
-* ``qwen_image``: ``comfy.ldm.qwen_image.model.QwenImageTransformer2DModel``; per-linear only.
-* ``wan``: ``comfy.ldm.wan.model.WanModel`` and its subclasses (Wan 2.x); fuses ``WanAttentionBlock``'s self-attention
-  and FFN inputs (LayerNorm·modulation + quantize, GELU + quantize); other block classes stay per-linear.
-* ``sd3``: ``comfy.ldm.modules.diffusionmodules.mmdit.MMDiT`` (SD3.x); per-linear only.
+Adding a model is adding its folder and its line in the registry below. Each folder's docstring says which ComfyUI
+classes it serves and what it fuses.
 
 Lookup: the diffusion model's class and its bases (``__mro__``) against each adapter's classes. A class path that
 imports (the running ComfyUI has it) matches by identity only. A path that does not import (no ComfyUI on the path,
@@ -25,20 +18,25 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import Adapter, Int8Linear, fused, pack_module, select  # noqa: F401  (pack_module: for callers)
+from .base import (Adapter, Int8Linear, blocks, config, pack_module, pad_elision_enabled,  # noqa: F401
+                   PAD_ELISION_ENV, select)
 from . import flux, ideogram4, lumina2, qwen_image, sd3, wan
 
-_ADAPTERS: list[Adapter] = []
+# The registry, in lookup order: one line per model.
+_ADAPTERS: list[Adapter] = [
+    ideogram4.ADAPTER,   # Ideogram 4: whole blocks, FeedForwards, an llm_cond_proj cache; pad-token elision
+    lumina2.ADAPTER,     # Lumina 2, Z-Image: modulated blocks, the other blocks' FeedForwards
+    flux.ADAPTER,        # Flux.1 blocks (Flux.2, Chroma: per-linear)
+    qwen_image.ADAPTER,  # Qwen-Image: per-linear
+    wan.ADAPTER,         # Wan 2.x: WanAttentionBlock
+    sd3.ADAPTER,         # SD3.x: per-linear
+]
 
 
 def register(adapter: Adapter) -> Adapter:
     """Add ``adapter`` (a later registration of the same name replaces the earlier one)."""
     _ADAPTERS[:] = [a for a in _ADAPTERS if a.name != adapter.name] + [adapter]
     return adapter
-
-
-for _m in (ideogram4, lumina2, flux, qwen_image, wan, sd3):
-    register(_m.ADAPTER)
 
 
 def registered() -> list[Adapter]:
@@ -65,7 +63,7 @@ def object_patches(diffusion_model: nn.Module, int8_layers: dict, adapter: Adapt
     fused module covers. Keys are relative to the diffusion model (prefix them with ``diffusion_model.``).
     ``adapter``: default ``adapter_for(diffusion_model)``. Without an adapter, with no fuse, with no layer on
     fused_triton, or with ``INT8_FUSED_FUSION=0`` (``kernel.config``): the plain patches only."""
-    if not fused.config.get("INT8_FUSED_FUSION") or not any(fused.fusable(m) for m in int8_layers.values()):
+    if not config.get("INT8_FUSED_FUSION") or not any(blocks.fusable(m) for m in int8_layers.values()):
         return dict(int8_layers)
     adapter = adapter or adapter_for(diffusion_model)
     if adapter is None or adapter.fuse is None:

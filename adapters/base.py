@@ -1,10 +1,13 @@
-"""What a model adapter declares (:class:`Adapter`), and the pack's pure-torch modules it builds on.
+"""What a model adapter declares (:class:`Adapter`), the pack's pure-torch modules it builds on, and the helpers
+and switches every adapter shares.
 
 An adapter is data plus one function: which ComfyUI model classes it serves, which linears its blocks have
-(``quant.select.BlockRules``), how its blocks are fused (``fuse``), and which checkpoint key layout the pack reads
-for it. ComfyUI is imported by the adapter modules themselves, explicitly and only inside ``fuse`` (or the helpers
-it calls): importing ``adapters`` imports no ComfyUI module, so the pack imports in a blink and the adapters also
-import in plain pytest.
+(``quant.select.BlockRules``), how its blocks are fused (``fuse``), which checkpoint key layout the pack reads for
+it, and which patches it adds to a model (``pad_elision_wrapper``). Each model's folder (``adapters/<model>/``)
+holds its adapter (``__init__.py``), its fused blocks (``blocks.py``, built from ``quant.blocks``) and whatever else
+only that model has. ComfyUI is imported by the adapter modules themselves, explicitly and only inside ``fuse`` (or
+the helpers it calls): importing ``adapters`` imports no ComfyUI module, so the pack imports in a blink and the
+adapters also import in plain pytest.
 
 ``adapters`` is a top-level package in tests and ``<pack folder>.adapters`` inside ComfyUI; ``quant`` sits beside it
 in both cases (as ``quant.kernel_module`` finds ``kernel``), so the pure-torch modules are imported through
@@ -22,13 +25,14 @@ _ROOT = __name__.rsplit(".", 2)[0] if __name__.count(".") >= 2 else ""
 
 
 def pack_module(name: str):
-    """The pack's module ``name`` (e.g. ``"quant.fused"``), beside this package."""
+    """The pack's module ``name`` (e.g. ``"quant.blocks"``), beside this package."""
     return importlib.import_module(f"{_ROOT}.{name}" if _ROOT else name)
 
 
-fused = pack_module("quant.fused")
+blocks = pack_module("quant.blocks")
 select = pack_module("quant.select")
 Int8Linear = pack_module("quant.linear").Int8Linear
+config = pack_module("kernel.config")
 
 # fuse(diffusion_model, int8_layers) -> {module name relative to the diffusion model: fused module}
 FuseFn = Callable[[nn.Module, dict], dict]
@@ -43,8 +47,8 @@ class Adapter:
     ``rules``: its blocks' containers and modulation linears, for the layer presets. ``fuse``: fused replacements
     (each with ``covers``, the int8 layer names it consumed, and ``int8_layers()``), or None: per-linear INT8 only.
     ``checkpoint_layout``: the pack module describing its checkpoint key layout, if the pack reads one.
-    ``pad_elision_wrapper``: a ComfyUI DIFFUSION_MODEL wrapper dropping trailing padded text tokens
-    (quant/pad_elision.py), for architectures where that changes no output."""
+    ``pad_elision_wrapper``: a ComfyUI DIFFUSION_MODEL wrapper dropping trailing padded text tokens, for
+    architectures where that changes no output (installed where :func:`pad_elision_enabled` allows it)."""
     name: str
     model_classes: tuple[str, ...]
     rules: "select.BlockRules"
@@ -75,7 +79,7 @@ def fuse_feed_forwards(root: nn.Module, int8_layers: dict, is_ffn: Callable[[nn.
     out = {}
     for name, m in root.named_modules():
         if is_ffn(m):
-            ff = fused.FusedFeedForward.build(name, m, int8_layers, clamp_fp16)
+            ff = blocks.FusedFeedForward.build(name, m, int8_layers, clamp_fp16)
             if ff is not None:
                 out[name] = ff
     return out
@@ -87,7 +91,7 @@ def fuse_blocks(family: str, candidates, int8_layers: dict, log) -> dict:
     the others stay per-linear, with one log line grouping them by reason (``family`` names them, e.g. "Flux")."""
     out, skipped = {}, {}
     for name, reason, fed, build in candidates:
-        if reason is None and not any(fused.fusable(int8_layers.get(f"{name}.{n}")) for n in fed):
+        if reason is None and not any(blocks.fusable(int8_layers.get(f"{name}.{n}")) for n in fed):
             reason = "no INT8 layer on fused_triton that a fused kernel feeds"
         if reason is None:
             out[name] = build()
@@ -98,3 +102,23 @@ def fuse_blocks(family: str, candidates, int8_layers: dict, log) -> dict:
         log.info("INT8 fusion: %d %s blocks stay on the per-linear path (%s)", n, family,
                  "; ".join(f"{len(v)} because {r}, e.g. {v[0]}" for r, v in skipped.items()))
     return out
+
+
+PAD_ELISION_ENV = "INT8_FUSED_PAD_ELISION"
+
+
+def pad_elision_enabled(backend: str, value: str | None = None) -> bool:
+    """``INT8_FUSED_PAD_ELISION`` (or ``value``, read as the switch), for an adapter's ``pad_elision_wrapper``: unset /
+    ``auto`` = on for fused_triton only; 0 = off; 1 = on for every backend (also the bf16 control, for like-for-like
+    comparisons). ``kernel/config.py`` validates the value (an unknown one warns and means unset)."""
+    v = config.get(PAD_ELISION_ENV) if value is None else config.parse(PAD_ELISION_ENV, value)
+    if v in (None, "auto"):
+        return backend == "fused_triton"
+    return v == "1"
+
+
+def qk_rope_on(model: str) -> bool:
+    """Whether INT8_FUSED_QK_ROPE asks ``model`` (an adapter's name) to run its QK norm + RoPE in the pack's kernel:
+    ``all`` (default) every model, ``flux`` Flux.1 only, ``0`` none (``kernel/config.py`` validates the value)."""
+    v = config.get("INT8_FUSED_QK_ROPE")
+    return v != "0" and (v != "flux" or model == "flux")

@@ -294,7 +294,7 @@ def main() -> int:
     import comfy.model_management as mm
     import comfy.sd
     pack = load_pack()
-    pack_fused = importlib.import_module(pack.__name__ + ".quant.fused")
+    pack_cache = importlib.import_module(pack.__name__ + ".quant.cached_linear")
     resolutions = [int(r) for r in a.res.split(",")]
     paths = a.paths.split(",")
     rows, ref_out, profiles = [], {}, {}
@@ -330,7 +330,7 @@ def main() -> int:
                 inputs = step_inputs(res, a.text_tokens, dev, patcher.model.get_dtype_inference())
                 try:
                     # the fused llm_cond_proj cache is keyed per prompt (ComfyUI's cond uuids when sampling)
-                    with pack_fused.bind_caches(dm, f"bench-{res}"):
+                    with pack_cache.bind_caches(dm, f"bench-{res}"):
                         c, u, s, out = time_step(fn, inputs, a.warmup, a.iters)
                 except Exception as e:  # a path that cannot run here is reported, not hidden
                     log(f"{name} @ {res}: FAILED {type(e).__name__}: {e}")

@@ -52,14 +52,14 @@ def residual_diagnosis(kf, x, o, w1, gate, m, yy) -> dict:
            "norm_eq_double_rounding": (n_torch == n_double).float().mean().item()}
     y_single = x + gate * n_single
     for label, extra in (("as_built", {}), ("no_fp_fusion", {"enable_fp_fusion": False})):
-        saved = kf.launch
+        saved = kf.residual.launch
         if extra:
-            kf.launch = lambda fn, grid, args, cx, w, st, dev: fn[grid](*args, **{**cx, **extra}, num_warps=w,
+            kf.residual.launch = lambda fn, grid, args, cx, w, st, dev: fn[grid](*args, **{**cx, **extra}, num_warps=w,
                                                                        num_stages=st)
         try:
-            y, _, _ = kf.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m)
+            y, _, _ = kf.residual.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m)
         finally:
-            kf.launch = saved
+            kf.residual.launch = saved
         out[f"y_differs_{label}"] = (y != yy).float().mean().item()
         out[f"y_differs_from_single_rounding_{label}"] = (y != y_single).float().mean().item()
     print("  residual diagnosis:", json.dumps({k: float(f"{v:.3g}") for k, v in out.items()}))
@@ -71,9 +71,11 @@ def swiglu_epilogue_rows(cuda: bool, dev: str, g) -> list[dict]:
     writing [a | b] + ``swiglu_quantize`` (INT8_FUSED_SWIGLU_EPILOGUE=0), at Ideogram 4's and Z-Image's FFN shapes:
     both times, bit-equality of the int8 codes / scales, and the whole FusedFeedForward with the switch on / off."""
     import kernel
-    import kernel.fused as kf
+    import kernel.ops
+    kernel.ops.row_modules()
+    kf = kernel
     from kernel import config
-    from quant import fused as qf
+    from quant import blocks as qf
     from quant.linear import Int8Linear
     shapes = [("ideogram4 cond", 4608, 4608, 12288), ("ideogram4 uncond", 4096, 4608, 12288),
               ("z-image", 4352, 3840, 10240)] if cuda else [("tiny", 8, 64, 96)]
@@ -87,11 +89,11 @@ def swiglu_epilogue_rows(cuda: bool, dev: str, g) -> list[dict]:
         a_q, a_s = kernel.quantize_per_token(x)
 
         def epi():
-            return kernel.quantize_per_token(kf.gemm_swiglu(a_q, a_s, w13.qweight, w13.weight_scale, None,
+            return kernel.quantize_per_token(kf.swiglu.gemm_swiglu(a_q, a_s, w13.qweight, w13.weight_scale, None,
                                                             torch.bfloat16))
 
         def sep():
-            return kf.swiglu_quantize(kernel.int8_gemm(a_q, a_s, w13.qweight, w13.weight_scale, None,
+            return kf.swiglu.swiglu_quantize(kernel.int8_gemm(a_q, a_s, w13.qweight, w13.weight_scale, None,
                                                        out_dtype=torch.bfloat16))
         (q1, s1), (q0, s0) = epi(), sep()
         equal = torch.equal(q1, q0) and torch.equal(s1, s0)
@@ -123,8 +125,10 @@ def main() -> int:
         print("needs a CUDA GPU (or --cpu with TRITON_INTERPRET=1)")
         return 2
     import kernel
-    import kernel.fused as kf
-    from quant import fused as qf
+    import kernel.ops
+    kernel.ops.row_modules()
+    kf = kernel
+    from quant import blocks as qf
     from quant.linear import Int8Linear
     dev = "cuda" if cuda else "cpu"
     m, d, f = (a.m, 4608, 12288) if cuda else (8, 64, 96)
@@ -147,27 +151,27 @@ def main() -> int:
               f"   plain {tp:9.1f} us (floor {plain_bytes / 4.3e6:6.1f})   flips {fl}")
 
     # norm * (1 + s) + quantize
-    q, _ = kf.rmsnorm_modulate_quantize(x, w1, 1e-5, s, m)
+    q, _ = kf.norm.rmsnorm_modulate_quantize(x, w1, 1e-5, s, m)
     uq, _ = kernel.quantize_per_token(F.rms_norm(x, (d,), w1, 1e-5) * s)
-    row("rmsnorm*(1+s)+quantize", lambda: kf.rmsnorm_modulate_quantize(x, w1, 1e-5, s, m),
+    row("rmsnorm*(1+s)+quantize", lambda: kf.norm.rmsnorm_modulate_quantize(x, w1, 1e-5, s, m),
         lambda: kernel.quantize_per_token(F.rms_norm(x, (d,), w1, 1e-5) * s), 1.5 * m * r, 5.5 * m * r, flips(q, uq))
     # SwiGLU + quantize
     a1, a3 = h13.chunk(2, 1)
-    q, _ = kf.swiglu_quantize(h13)
+    q, _ = kf.swiglu.swiglu_quantize(h13)
     uq, _ = kernel.quantize_per_token(F.silu(a1) * a3)
     fr = f / d
-    row("silu(a)*b+quantize (F)", lambda: kf.swiglu_quantize(h13),
+    row("silu(a)*b+quantize (F)", lambda: kf.swiglu.swiglu_quantize(h13),
         lambda: kernel.quantize_per_token(F.silu(a1) * a3), (2 * fr + fr / 2) * m * r, 6.5 * fr * m * r,
         flips(q, uq))
     # residual tail + next norm * (1 + s) + quantize
-    y, q, _ = kf.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m, w2, 1e-5, s)
+    y, q, _ = kf.residual.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m, w2, 1e-5, s)
 
     def plain_tail():
         yy = x + gate * F.rms_norm(o, (d,), w1, 1e-5)
         return yy, kernel.quantize_per_token(F.rms_norm(yy, (d,), w2, 1e-5) * s)
 
     yy, (uq, _) = plain_tail()
-    row("x+g*norm(o) -> norm*(1+s)+quant", lambda: kf.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m, w2, 1e-5, s),
+    row("x+g*norm(o) -> norm*(1+s)+quant", lambda: kf.residual.gated_residual_rmsnorm(x, o, w1, 1e-5, gate, m, w2, 1e-5, s),
         plain_tail, 3.5 * m * r, 12.5 * m * r, flips(q, uq) + f"; y equal: {torch.equal(y, yy)}")
     rows[-1]["diagnosis"] = residual_diagnosis(kf, x, o, w1, gate, m, yy)
     # FeedForward: fused (w1+w3 one GEMM, SwiGLU+quant) vs per-linear fused_triton Int8Linear

@@ -1,4 +1,4 @@
-"""Tile sweep for the row kernels of kernel/fused.py (H200): Ideogram 4's RMSNorm and SwiGLU kernels at its
+"""Tile sweep for the fused row kernels (kernel/norm.py ... rope.py; H200): Ideogram 4's RMSNorm and SwiGLU kernels at its
 shapes, and the GELU kernels where the Flux / Wan profiles found them far off their memory floor (2026-12-01:
 Flux's single-block concat + GELU + quantize 282 us a call, Wan 1.3B's FFN GELU + quantize 400 us). Each (BLOCK,
 one register-resident pass or chunked passes, num_warps) plan, and the one-pass segmented kernels (``seg``; the
@@ -29,8 +29,10 @@ def main() -> int:
     import torch.nn.functional as F
     import triton
     import triton.testing
-    from kernel import fused as kf
-    from quant.fused import swiglu_quantize_ref
+    import kernel as kf
+    import kernel.ops
+    kernel.ops.row_modules()
+    from quant.blocks import swiglu_quantize_ref
     from quant.quantize import quantize_per_token_ref
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -46,9 +48,9 @@ def main() -> int:
     wh = (2 * torch.randn(14040, 8960, device=dev, generator=g)).to(torch.float16)  # Wan 1.3B, 480p 33 frames
     lx = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
     ls = (0.1 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
-    default_plan, gelu_fast, one_pass, res_pass = kf._plan, kf.GELU_FAST, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS
-    gelu_pass, rms_pass, ln_pass, qk_prefetch = kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kf.LN_ONE_PASS, kf.QK_PREFETCH
-    res_ln_pass = kf.RESIDUAL_LN_ONE_PASS
+    default_plan, gelu_fast, one_pass, res_pass = kf.rowtile.plan_tiles, kf.gelu.GELU_FAST, kf.swiglu.SWIGLU_ONE_PASS, kf.residual.RESIDUAL_ONE_PASS
+    gelu_pass, rms_pass, ln_pass, qk_prefetch = kf.gelu.GELU_ONE_PASS, kf.norm.RMS_ONE_PASS, kf.norm.LN_ONE_PASS, kf.rope.QK_PREFETCH
+    res_ln_pass = kf.residual.RESIDUAL_LN_ONE_PASS
     import kernel.quantize
     quant_pass, quant_loop = kernel.quantize.QUANT_ONE_PASS, kernel.quantize.QUANT_ROW_LOOP
     print(f"INT8_FUSED_ALU_ROUND: {bool(kernel.quantize.ALU_ROUND)}", flush=True)
@@ -58,16 +60,16 @@ def main() -> int:
         "swiglu_quant F=12288": lambda: swiglu_quantize_ref(*h13.chunk(2, dim=1)),
     }
     cases = {
-        "rmsnorm_mod_quant K=4608": (lambda: kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, m), 2 * m * k + m * k,
+        "rmsnorm_mod_quant K=4608": (lambda: kf.norm.rmsnorm_modulate_quantize(x, w, 1e-5, s, m), 2 * m * k + m * k,
                                      [("seg", 4), ("seg", 8), ("seg", 16), (8192, True, 16), (8192, True, 8), (8192, True, 32), (4096, False, 4),
                                       (4096, False, 8), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
-        "swiglu_quant F=12288": (lambda: kf.swiglu_quantize(h13), 2 * m * 2 * f + m * f,
+        "swiglu_quant F=12288": (lambda: kf.swiglu.swiglu_quantize(h13), 2 * m * 2 * f + m * f,
                                  [("seg", 8), ("seg", 16), ("seg", 32), (16384, True, 16), (8192, False, 8),
                                   (4096, False, 4), (2048, False, 4), (2048, False, 8), (1024, False, 4)]),
-        "flux concat+gelu+quant": (lambda: kf.concat_gelu_quantize(fa, fh), 2 * 4608 * (3072 + 12288) * 3 // 2,
+        "flux concat+gelu+quant": (lambda: kf.gelu.concat_gelu_quantize(fa, fh), 2 * 4608 * (3072 + 12288) * 3 // 2,
                                    wide),
-        "wan gelu+quant F=8960": (lambda: kf.gelu_tanh_quantize(wh), 14040 * 8960 * 3, wide),
-        "flux layernorm_mod_quant": (lambda: kf.layernorm_modulate_quantize(lx, ls, ls, 4608),
+        "wan gelu+quant F=8960": (lambda: kf.gelu.gelu_tanh_quantize(wh), 14040 * 8960 * 3, wide),
+        "flux layernorm_mod_quant": (lambda: kf.norm.layernorm_modulate_quantize(lx, ls, ls, 4608),
                                      4608 * 3072 * 3,
                                      [("seg", 4), ("seg", 8), (4096, True, 8), (4096, True, 16), (2048, False, 4),
                                       (1024, False, 4), (1024, False, 8)]),
@@ -76,24 +78,24 @@ def main() -> int:
     fy = torch.randn(4608, 3072, device=dev, generator=g).to(torch.bfloat16)
     fg = (0.3 * torch.randn(1, 3072, device=dev, generator=g)).to(torch.bfloat16)
     cases["flux residual+layernorm_mod_quant K=3072"] = (
-        lambda: kf.residual_add_layernorm_modulate_quantize(lx, fy, fg, 4608, 1e-6, ls, ls, None,
+        lambda: kf.residual.residual_add_layernorm_modulate_quantize(lx, fy, fg, 4608, 1e-6, ls, ls, None,
                                                             round_product=True)[1:], 4608 * 3072 * 7,
         [("seg", 4), ("seg", 8), (4096, True, 8), (4096, True, 16)])
     for kw in (1536, 5120):  # Wan 2.1 1.3B / 14B, 480x832 33 frames: M 14040
         wx = torch.randn(14040, kw, device=dev, generator=g).to(torch.bfloat16)
         ws = (0.1 * torch.randn(1, kw, device=dev, generator=g)).to(torch.bfloat16)
         cases[f"wan layernorm_mod_quant K={kw}"] = (
-            lambda wx=wx, ws=ws: kf.layernorm_modulate_quantize(wx, ws, ws, 14040), 14040 * kw * 3,
+            lambda wx=wx, ws=ws: kf.norm.layernorm_modulate_quantize(wx, ws, ws, 14040), 14040 * kw * 3,
             [("seg", 4), ("seg", 8), ("seg", 16), (triton.next_power_of_2(kw), True, 4),
              (triton.next_power_of_2(kw), True, 8), (triton.next_power_of_2(kw), True, 16)])
         cases[f"wan residual+layernorm_mod_quant K={kw}"] = (
-            lambda wx=wx, ws=ws: kf.residual_add_layernorm_modulate_quantize(wx, wx, None, 14040, 1e-6, ws, ws)[1:],
+            lambda wx=wx, ws=ws: kf.residual.residual_add_layernorm_modulate_quantize(wx, wx, None, 14040, 1e-6, ws, ws)[1:],
             14040 * kw * 7, [("seg", 4), ("seg", 8), (triton.next_power_of_2(kw), True, 4),
                              (triton.next_power_of_2(kw), True, 8), (triton.next_power_of_2(kw), True, 16)])
     ro = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)  # Ideogram 4's residual tail, K 4608
     rg = torch.tanh(torch.randn(1, k, device=dev, generator=g)).to(torch.bfloat16)
     cases["gated_residual+next K=4608"] = (
-        lambda: kf.gated_residual_rmsnorm(x, ro, w, 1e-5, rg, m, w, 1e-6, s)[1:], 2 * m * k * 2 + m * k * 3,
+        lambda: kf.residual.gated_residual_rmsnorm(x, ro, w, 1e-5, rg, m, w, 1e-6, s)[1:], 2 * m * k * 2 + m * k * 3,
         [("seg", 4), ("seg", 8), ("seg", 16), (8192, True, 16), (8192, True, 8)])
     # QK RMSNorm + RoPE into [B, L, H, D] buffers: Ideogram 4 (18 heads of 256, split-half pairs), Flux (24 of 128)
     for label, hh, dd, split in (("ideogram4", 18, 256, True), ("flux", 24, 128, False)):
@@ -103,7 +105,7 @@ def main() -> int:
         qo, ko = (torch.empty(1, m, hh, dd, device=dev, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
 
         def run(qkv=qkv, pe=pe, wqk=wqk, qo=qo, ko=ko, hh=hh, split=split):
-            kf.qk_norm_rope(qkv, hh, wqk, wqk, 1e-6, 1e-6, pe, qo, ko, None, 0, split_half=split)
+            kf.rope.qk_norm_rope(qkv, hh, wqk, wqk, 1e-6, 1e-6, pe, qo, ko, None, 0, split_half=split)
             return qo, ko
         # None: QK_PREFETCH as committed; ("prefetch", False / True): the rotations as scalar loads and the parts
         # one after the other, or vectors and every load up front
@@ -122,14 +124,14 @@ def main() -> int:
     for name, (fn, nbytes, plans) in cases.items():
         if only and not any(w in name for w in only):
             continue
-        kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
-        kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
-        kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
+        kf.rowtile.plan_tiles, kf.swiglu.SWIGLU_ONE_PASS, kf.residual.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
+        kf.gelu.GELU_ONE_PASS, kf.norm.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
+        kf.norm.LN_ONE_PASS, kf.rope.QK_PREFETCH, kf.residual.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
         kernel.quantize.QUANT_ROW_LOOP = quant_loop
         ref_q, ref_s = (t.clone() for t in fn())  # (qk_norm_rope's run returns its output buffers)
         tq, ts = torch_ref[name]() if name in torch_ref else (None, None)
         for fast in ((False, True) if "gelu" in name and not a.quick else (gelu_fast,)):
-            kf.GELU_FAST = fast
+            kf.gelu.GELU_FAST = fast
             for plan in ([None] if a.quick else plans):
                 # the one-pass segmented kernels with plan[1] warps (per_warp 128: the warps asked for, not capped
                 # at one per 512 elements as the defaults are)
@@ -139,22 +141,22 @@ def main() -> int:
                 if loop:
                     plan, seg = ("seg", plan[2]), True  # the segment plan of that many warps, looped
                 if plan is not None and plan[0] == "prefetch":
-                    kf.QK_PREFETCH = plan[1]
-                kf.SWIGLU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
+                    kf.rope.QK_PREFETCH = plan[1]
+                kf.swiglu.SWIGLU_ONE_PASS = (kf.quantize.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                       one_pass if plan is None else None)
-                kf.RESIDUAL_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
+                kf.residual.RESIDUAL_ONE_PASS = (kf.quantize.SegmentPlan(8192, 256, plan[1], 128) if seg else
                                         res_pass if plan is None else None)
-                kf.GELU_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
+                kf.gelu.GELU_ONE_PASS = (kf.quantize.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                     gelu_pass if plan is None else None)
-                kf.RMS_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
+                kf.norm.RMS_ONE_PASS = (kf.quantize.SegmentPlan(8192, 256, plan[1], 128) if seg else
                                    rms_pass if plan is None else None)
-                kernel.quantize.QUANT_ONE_PASS = (kf.SegmentPlan(16384, 256, plan[1], 128) if seg else
+                kernel.quantize.QUANT_ONE_PASS = (kf.quantize.SegmentPlan(16384, 256, plan[1], 128) if seg else
                                                   quant_pass if plan is None else None)
-                kf.LN_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
+                kf.norm.LN_ONE_PASS = (kf.quantize.SegmentPlan(8192, 256, plan[1], 128) if seg else
                                   ln_pass if plan is None else None)
-                kf.RESIDUAL_LN_ONE_PASS = (kf.SegmentPlan(8192, 256, plan[1], 128) if seg else
+                kf.residual.RESIDUAL_LN_ONE_PASS = (kf.quantize.SegmentPlan(8192, 256, plan[1], 128) if seg else
                                            res_ln_pass if plan is None else None)
-                kf._plan = (default_plan if plan is None or seg or plan[0] == "prefetch" else
+                kf.rowtile.plan_tiles = (default_plan if plan is None or seg or plan[0] == "prefetch" else
                             (lambda n, *args, _p=plan, **kw: _p))
                 try:
                     q, sc = fn()
@@ -176,10 +178,10 @@ def main() -> int:
                           flush=True)
                 except Exception as e:  # a plan that does not compile (registers) is reported, not fatal
                     print(f"{name:26s} {plan}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-        kf.GELU_FAST = gelu_fast
-    kf._plan, kf.SWIGLU_ONE_PASS, kf.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
-    kf.GELU_ONE_PASS, kf.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
-    kf.LN_ONE_PASS, kf.QK_PREFETCH, kf.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
+        kf.gelu.GELU_FAST = gelu_fast
+    kf.rowtile.plan_tiles, kf.swiglu.SWIGLU_ONE_PASS, kf.residual.RESIDUAL_ONE_PASS = default_plan, one_pass, res_pass
+    kf.gelu.GELU_ONE_PASS, kf.norm.RMS_ONE_PASS, kernel.quantize.QUANT_ONE_PASS = gelu_pass, rms_pass, quant_pass
+    kf.norm.LN_ONE_PASS, kf.rope.QK_PREFETCH, kf.residual.RESIDUAL_LN_ONE_PASS = ln_pass, qk_prefetch, res_ln_pass
     kernel.quantize.QUANT_ROW_LOOP = quant_loop
     return 0
 

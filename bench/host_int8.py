@@ -3,7 +3,7 @@ the GPU work (a few us a kernel) hides under the host's: a loop of calls then ru
 a call is host time a call. From the bottom up: one ``torch.empty``, a bare ``F.linear`` and an ``nn.Linear`` (the
 bf16 bars), one raw re-launch of the compiled GEMM (the floor of any launch from Python), the pack's ``launch``,
 ``int8_gemm`` (checks, output, config), ``quantize_per_token``, ``int8_linear`` (both), the fused blocks' entry
-``quant.fused.linear`` / ``gemm`` / ``act_quant``, a row kernel (Flux's LayerNorm · modulation + quantize) and an
+``quant.blocks.linear`` / ``gemm`` / ``act_quant``, a row kernel (Flux's LayerNorm · modulation + quantize) and an
 ``Int8Linear`` module call forced onto int8, each through its prepared launches (kernel/plan.py) and with plans
 off; last an ``Int8Linear`` call on the float path (its hot ``F.linear``, against ``nn.Linear``'s). What a linear's
 host time is spent on. First it checks that the planned calls give the checked path's outputs bit for bit.
@@ -48,7 +48,7 @@ def main() -> int:
         return 2
     import kernel
     from kernel import config, gemm, launch
-    from quant import fused as qf
+    from quant import blocks as qf
     from quant.linear import Int8Linear
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -90,7 +90,6 @@ def main() -> int:
                q, w_q, o, s, w_s, bias, s, s, a.m, a.n, a.k, grid[0], 0, q.stride(0), q.stride(1), w_q.stride(0),
                w_q.stride(1), o.stride(0), o.stride(1), s.stride(0), w_s.stride(0), bias.stride(0), *tg)
 
-    from quant import fused_flux as ff
     mod_s = torch.randn(2, 1, a.k, device=dev, dtype=torch.bfloat16)  # Flux's [B, 1, K] modulation rows
     mod_sh = torch.randn(2, 1, a.k, device=dev, dtype=torch.bfloat16)
     y_plan, plan_obj = kernel.int8_linear_planned(x, w_q, w_s, bias)
@@ -100,12 +99,13 @@ def main() -> int:
             want = kernel.int8_linear(xx, w_q, w_s, bias)
             for _ in range(3):
                 checks.setdefault(f"Int8Linear M{xx.shape[0]}", []).append(torch.equal(lin(xx), want))
-                checks.setdefault(f"quant.fused.linear M{xx.shape[0]}", []).append(torch.equal(qf.linear(lin, xx), want))
+                checks.setdefault(f"quant.blocks.linear M{xx.shape[0]}", []).append(
+                    torch.equal(qf.linear(lin, xx), want))
         want = kernel.int8_gemm(a_q, a_s, w_q, w_s, bias, out_dtype=x.dtype)
         for _ in range(3):
-            checks.setdefault("quant.fused.gemm", []).append(torch.equal(qf.gemm(a_q, a_s, lin, x.dtype), want))
+            checks.setdefault("quant.blocks.gemm", []).append(torch.equal(qf.gemm(a_q, a_s, lin, x.dtype), want))
         for name, f in (("act_quant", lambda: qf.act_quant(x, None)),
-                        ("LayerNorm·mod+quantize", lambda: ff._ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6))):
+                        ("LayerNorm·mod+quantize", lambda: qf.ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6))):
             with config.override(INT8_FUSED_PLANS=False):
                 want = f()
             checks[name] = [all(torch.equal(u, v) for u, v in zip(f(), want)) for _ in range(3)]
@@ -125,14 +125,14 @@ def main() -> int:
         "int8_linear": lambda: kernel.int8_linear(x, w_q, w_s, bias),
         "int8_linear M4 (one launch)": lambda: kernel.int8_linear(x4, w_q, w_s, bias),
         "int8_linear plan": (lambda: plan_obj(x, w_q, w_s, bias, None)) if plan_obj is not None else None,
-        "quant.fused.gemm": lambda: qf.gemm(a_q, a_s, lin, x.dtype),
-        "quant.fused.gemm, plans off": lambda: qf.gemm(a_q, a_s, lin, x.dtype),
-        "quant.fused.linear": lambda: qf.linear(lin, x),
-        "quant.fused.linear, plans off": lambda: qf.linear(lin, x),
-        "quant.fused.act_quant": lambda: qf.act_quant(x, None),
-        "quant.fused.act_quant, plans off": lambda: qf.act_quant(x, None),
-        "LayerNorm·mod+quantize": lambda: ff._ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6),
-        "LayerNorm·mod+quantize, plans off": lambda: ff._ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6),
+        "quant.blocks.gemm": lambda: qf.gemm(a_q, a_s, lin, x.dtype),
+        "quant.blocks.gemm, plans off": lambda: qf.gemm(a_q, a_s, lin, x.dtype),
+        "quant.blocks.linear": lambda: qf.linear(lin, x),
+        "quant.blocks.linear, plans off": lambda: qf.linear(lin, x),
+        "quant.blocks.act_quant": lambda: qf.act_quant(x, None),
+        "quant.blocks.act_quant, plans off": lambda: qf.act_quant(x, None),
+        "LayerNorm·mod+quantize": lambda: qf.ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6),
+        "LayerNorm·mod+quantize, plans off": lambda: qf.ln_mod_quant(x, mod_s, mod_sh, a.m // 2, None, 1e-6),
         "Int8Linear int8": lambda: lin(x),
         "Int8Linear int8, plans off": lambda: lin(x),
         "Int8Linear int8 M4": lambda: lin(x4),

@@ -19,99 +19,39 @@ environment switch) and ``kernel.atomic`` (atomic file writes).
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from . import config
+from .checks import (FLOAT_IN, check_2d, check_usable, gemm_operands, small_m_operands, smooth_vector,
+                     triton_status)
 
 __all__ = ["triton_status", "quantize_per_token", "int8_gemm", "int8_linear", "int8_linear_planned",
            "int8_gemm_planned", "int8_linear_op",
            "register_ops"]
 
-_FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
-_FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
-
-
-_INTERPRET_AT_IMPORT = config.get("TRITON_INTERPRET")  # Triton takes it when the kernels are defined
-
-
-def triton_status(device: torch.device | None = None) -> tuple[bool, str]:
-    """Whether the Triton kernels can run on ``device`` (default: the current CUDA device), and why not."""
-    if importlib.util.find_spec("triton") is None:
-        return False, "Triton is not installed: pip install triton (triton-windows on Windows)"
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cpu":
-        if config.get("TRITON_INTERPRET"):
-            return True, "Triton interpreter (TRITON_INTERPRET=1) on CPU tensors"
-        return False, ("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing "
-                       "(tests only; it is far too slow for inference)")
-    if device is not None and device.type != "cuda":
-        return False, f"device {device} is not a CUDA GPU; the INT8 kernels need an NVIDIA GPU (sm_80 or newer)"
-    if not torch.cuda.is_available():
-        return False, "no CUDA GPU: torch.cuda.is_available() is False (CPU-only torch build or no driver)"
-    idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(idx)
-    if major < 8:
-        name = torch.cuda.get_device_name(idx)
-        return False, (f"GPU '{name}' has compute capability {major}.{minor}; INT8 tensor cores need >= 8.0 "
-                       "(Ampere or newer): use the bf16 or fp8 path on this GPU")
-    return True, f"Triton on '{torch.cuda.get_device_name(idx)}' (sm_{major}{minor})"
-
-
 _GEMM_SWITCHES: list = [None, None]  # [config generation, the switches' values read then]
+_FORCED_GENERATION: list = [None]    # a bench's forced tile-set capability (``kernel.gemm.forced_generation``)
 
 
 def gemm_switches() -> tuple:
-    """The switches that choose the INT8 GEMMs' kernels and tiles (tail split, s8 path, persistent kernels): part
-    of every prepared call's key (``kernel.plan``), so an A/B of one of them on a loaded model re-plans its calls.
+    """The switches that choose the INT8 GEMMs' kernels and tiles (tail split, s8 path, persistent kernels, and while
+    a bench forces another generation's tile set, ``kernel.gemm.forced_generation``, that capability): part of every
+    prepared call's key (``kernel.plan``), so an A/B of one of them on a loaded model re-plans its calls.
     Read again only when ``config.generation()`` moved (this runs on every INT8 call)."""
     cached, gen = _GEMM_SWITCHES, config.generation()
     if cached[0] != gen:
         cached[1] = (config.get("INT8_FUSED_TAIL_SPLIT"), config.get("INT8_FUSED_S8_WGMMA"),
                      config.get("INT8_FUSED_PERSISTENT"))
+        if _FORCED_GENERATION[0] is not None:
+            cached[1] += (_FORCED_GENERATION[0],)
         cached[0] = gen
     return cached[1]
 
 
-_USABLE: dict[tuple, tuple[bool, str]] = {}  # per device: the status is checked once, not per call
-
-
-def _check_usable(t: torch.Tensor, what: str) -> None:
-    key = (t.device, _INTERPRET_AT_IMPORT)
-    if key not in _USABLE:
-        _USABLE[key] = triton_status(t.device)
-    ok, reason = _USABLE[key]
-    if not ok:
-        raise RuntimeError(f"{what}: {reason}")
-
-
-def _check_2d(t: torch.Tensor, name: str, dtypes: tuple, fix: str) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor, got "
-                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}: {fix}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}: {fix}")
-
-
-def _vector(t: torch.Tensor, n: int, name: str, device: torch.device, allow_scalar: bool) -> torch.Tensor:
-    """A float vector of n entries (or one entry broadcast with stride 0) on ``device``, as a 1-D view."""
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise ValueError(f"{name} must be a float tensor of {n} entries, got "
-                         f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the int8 operands are on {device}: move it with .to()")
-    if t.dim() == 1 and t.shape[0] == n:  # the common case: no torch op (each costs microseconds of host time)
-        return t
-    if t.numel() == 1 and allow_scalar and n != 1:
-        return t.reshape(1).expand(n)
-    if t.numel() != n:
-        raise ValueError(f"{name} has shape {tuple(t.shape)} ({t.numel()} entries), expected [{n}]")
-    return t.reshape(n)
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()  # bf16/fp16 -> fp32 is exact
+def force_generation(capability: tuple | None) -> None:
+    """Sets (None: clears) the forced tile-set capability and makes ``gemm_switches`` read again."""
+    _FORCED_GENERATION[0] = capability
+    _GEMM_SWITCHES[0] = None
 
 
 _MODS: dict[str, object] = {}  # kernel modules, imported (with triton) on the first launch
@@ -132,42 +72,16 @@ def quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None = None
     scale = max|x * inv_smooth| / 127 per row; q = clamp(rint(x * inv_smooth * 127 / absmax), +-127), half to
     even; all-zero rows -> scale 0, zeros; rows with NaN/Inf -> scale NaN, zeros. Bit-exact with
     ``quant.quantize.quantize_per_token_ref``."""
-    _check_2d(x, "x", _FLOAT_IN, "pass activations as [tokens, K] in bf16, fp16 or fp32")
+    check_2d(x, "x", FLOAT_IN, "pass activations as [tokens, K] in bf16, fp16 or fp32")
     m, k = x.shape
-    if inv_smooth is not None:
-        inv_smooth = _vector(inv_smooth, k, "inv_smooth", x.device, allow_scalar=False)
-        if inv_smooth.dtype != torch.float32 or inv_smooth.stride(0) != 1:
-            inv_smooth = inv_smooth.float().contiguous()  # fp32 like the reference; bf16 -> fp32 is exact
+    inv_smooth = smooth_vector(inv_smooth, k, x.device)
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
-    _check_usable(x, "quantize_per_token")
+    check_usable(x, "quantize_per_token")
     _mod("quantize").launch_quantize_per_token(x, inv_smooth, q, scale)
     return q, scale
-
-
-def _gemm_operands(a_q, a_scale, w_q, w_scale, bias, out_dtype, out_int32=False):
-    """int8_gemm's checks of its operands; returns (a_scale fp32 [M], w_scale fp32 [N] or a broadcast scalar,
-    bias [N] or None) on a_q's device."""
-    fix = "quantize with kernel.quantize_per_token / quant.quantize.quantize_weight_per_channel"
-    _check_2d(a_q, "a_q", (torch.int8,), fix)
-    _check_2d(w_q, "w_q", (torch.int8,), fix + " (weight in nn.Linear layout [N, K])")
-    m, k = a_q.shape
-    n, k_w = w_q.shape
-    if k != k_w:
-        raise ValueError(f"K mismatch: a_q is [{m}, {k}] but w_q is [{n}, {k_w}]; w_q must be [N, K] "
-                         "(nn.Linear layout), not transposed")
-    if w_q.device != a_q.device:
-        raise ValueError(f"a_q is on {a_q.device} but w_q is on {w_q.device}")
-    if not out_int32 and out_dtype not in _FLOAT_OUT:
-        raise ValueError(f"out_dtype {out_dtype} is not supported: use torch.bfloat16, float16 or float32 "
-                         "(or out_int32=True for the raw accumulator)")
-    a_scale = _fp32(_vector(a_scale, m, "a_scale", a_q.device, allow_scalar=False))
-    w_scale = _fp32(_vector(w_scale, n, "w_scale", a_q.device, allow_scalar=True))
-    if bias is not None:
-        bias = _vector(bias, n, "bias", a_q.device, allow_scalar=False)
-    return a_scale, w_scale, bias
 
 
 def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -180,7 +94,7 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
     Any M, N, K (tails masked) and any strides. Scales are fp32 [M] / [N] (other float dtypes are upcast
     exactly; a 1-entry w_scale is a per-tensor scale); bias is [N] in any float dtype. ``out`` (optional):
     a preallocated [M, N] result of the output dtype, e.g. to check that every element is written."""
-    a_scale, w_scale, bias = _gemm_operands(a_q, a_scale, w_q, w_scale, bias, out_dtype, out_int32)
+    a_scale, w_scale, bias = gemm_operands(a_q, a_scale, w_q, w_scale, bias, out_dtype, out_int32)
     m, k = a_q.shape
     n = w_q.shape[0]
     dtype = torch.int32 if out_int32 else out_dtype
@@ -197,7 +111,7 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
         if bias is not None and not out_int32:
             res = res + bias.float()[None, :]
         return out.copy_(res)
-    _check_usable(a_q, "int8_gemm")
+    check_usable(a_q, "int8_gemm")
     gemm = _mod("gemm")
     cfg = gemm.select_config(a_q, a_scale, w_q, w_scale, bias, out)
     return gemm.launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, cfg)
@@ -256,36 +170,19 @@ def _linear_small_m(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, b
                     inv_smooth: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``int8_linear`` for 1..SMALL_M_ROWS rows in one launch (kernel/gemm.py ``_w8a8_small_m_kernel``), with the
     checks of quantize_per_token and int8_gemm."""
-    _check_2d(x, "x", _FLOAT_IN, "pass activations as [tokens, K] in bf16, fp16 or fp32")
-    fix = "quantize with quant.quantize.quantize_weight_per_channel (weight in nn.Linear layout [N, K])"
-    _check_2d(w_q, "w_q", (torch.int8,), fix)
-    m, k = x.shape
-    n, k_w = w_q.shape
-    if k != k_w:
-        raise ValueError(f"K mismatch: x is [{m}, {k}] but w_q is [{n}, {k_w}]; w_q must be [N, K] "
-                         "(nn.Linear layout), not transposed")
-    if w_q.device != x.device:
-        raise ValueError(f"x is on {x.device} but w_q is on {w_q.device}")
-    if out_dtype not in _FLOAT_OUT:
-        raise ValueError(f"out_dtype {out_dtype} is not supported: use torch.bfloat16, float16 or float32")
-    if inv_smooth is not None:
-        inv_smooth = _vector(inv_smooth, k, "inv_smooth", x.device, allow_scalar=False)
-        if inv_smooth.dtype != torch.float32 or inv_smooth.stride(0) != 1:
-            inv_smooth = inv_smooth.float().contiguous()
-    w_scale = _fp32(_vector(w_scale, n, "w_scale", x.device, allow_scalar=True))
-    if bias is not None:
-        bias = _vector(bias, n, "bias", x.device, allow_scalar=False)
+    inv_smooth, w_scale, bias = small_m_operands(x, w_q, w_scale, bias, inv_smooth, out_dtype)
+    m, n = x.shape[0], w_q.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if n == 0:
         return out
-    _check_usable(x, "int8_linear")
+    check_usable(x, "int8_linear")
     gemm = _mod("gemm")
     cfg = gemm.select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out)
     return gemm.launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, cfg)
 
 
 def register_ops() -> None:
-    """Registers ``torch.ops.int8_fused.linear`` (idempotent); see kernel/ops.py."""
+    """Registers every ``torch.ops.int8_fused`` custom op (idempotent; no triton import); see kernel/ops.py."""
     from .ops import register_ops as _register
     _register()
 

@@ -42,12 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _check_usable, config
-from .quantize import _interpreter_compat, _rint
+from . import config
+from .checks import check_usable
+from .quantize import interpreter_compat, rint
 
 INTERPRET = config.get("TRITON_INTERPRET")  # taken at import, as Triton itself does
 if INTERPRET:
-    _interpreter_compat()
+    interpreter_compat()
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
@@ -74,7 +75,7 @@ def _quant_tile(x, INTERPRET: tl.constexpr):
     usable = (amax > 0.0) & (~bad)
     scale = tl.where(bad, float("nan"), amax / 127.0)
     mult = tl.where(usable, 127.0 / tl.where(usable, amax, 1.0), 0.0)
-    q = tl.minimum(tl.maximum(_rint(tl.where(usable, x, 0.0) * mult, INTERPRET), -127.0), 127.0)
+    q = tl.minimum(tl.maximum(rint(tl.where(usable, x, 0.0) * mult, INTERPRET), -127.0), 127.0)
     return q.to(tl.int8), scale
 
 
@@ -369,7 +370,7 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     timed on the first call of a shape unless ``tune=False``), else ``default_config``. ``smooth_k=False`` skips
     the K mean subtraction (tests). ValueError for inputs it does not take, RuntimeError where Triton cannot run."""
     check_inputs(q, k, v, scale)
-    _check_usable(q, "attention_int8")
+    check_usable(q, "attention_int8")
     d = q.shape[-1]
     scale = d ** -0.5 if scale is None else float(scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

@@ -180,7 +180,7 @@ def call(fn, *args, salt=()):
     none of these (a view made after the launches) or a launch argument that is no operand, output or view of one
     leaves the key unplanned: ``fn`` runs each time. The same tensor object passed twice (``out=x`` for in place)
     is one operand, and that pattern is part of the key. ``salt``: whatever else ``fn`` reads to choose its launches
-    (``kernel.fused.tunables()``), part of the key."""
+    (``kernel.ops.tunables()``), part of the key."""
     if not enabled():
         return fn(*args)
     ops = [a for a in args if isinstance(a, torch.Tensor) or a is None]

@@ -42,8 +42,8 @@ MAX_BLOCK_K = 8192
 
 @dataclass(frozen=True)
 class SegmentPlan:
-    """A one-pass row kernel over up to three power-of-2 segments (``_segments``): rows of ``min_row`` to
-    ``max_row`` elements, segments of at least ``min_seg``, one warp per ``per_warp`` elements (``_seg_warps``), 4 to
+    """A one-pass row kernel over up to three power-of-2 segments (``segments``): rows of ``min_row`` to
+    ``max_row`` elements, segments of at least ``min_seg``, one warp per ``per_warp`` elements (``seg_warps``), 4 to
     ``warps`` warps a row."""
     max_row: int
     min_seg: int
@@ -55,7 +55,7 @@ class SegmentPlan:
 # Per-token quantization in one pass over up to three power-of-2 segments (K = 4608: 4096 + 512; 12288: 8192 +
 # 4096), the row in registers without masked lanes; None, or a row with a column stride or wider than max_row:
 # the BLOCK_K kernel (one masked power-of-2 tile up to MAX_BLOCK_K, else two passes over chunks). Module data, read
-# at each call (the sweep and the tests set it); part of ``kernel.fused.tunables()``. H200 (bench/fused_sweep.py,
+# at each call (the sweep and the tests set it); part of ``kernel.ops.tunables()``. H200 (bench/fused_sweep.py,
 # run bb, M 4608): K 4608 26.9 us with 4 warps, 29.7 with 8 or 16, the BLOCK_K kernel (one 8192 tile, 16 warps)
 # 39.0; K 12288 57.3 us with 8 warps, 61.3 with 4, 65.9 with 16, the BLOCK_K kernel (4096 chunks read twice) 63.8.
 QUANT_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8, per_warp=1024)
@@ -69,12 +69,12 @@ QUANT_ROW_LOOP = 4
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter's programs run one by one)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _interpreter_compat() -> None:
+def interpreter_compat() -> None:
     """NOTE: Triton 3.6's interpreter turns a scalar kernel argument into a Python int with
     ``int(array([v]))``, which numpy >= 2.4 refuses ("only 0-dimensional arrays ..."), so any
     ``range(0, K, ...)`` loop fails on CPU. Re-patch that one hook to read the single element.
@@ -93,11 +93,11 @@ def _interpreter_compat() -> None:
 
 
 if INTERPRET:
-    _interpreter_compat()
+    interpreter_compat()
 
 
 # Rounding on the ALUs instead of the conversion unit (INT8_FUSED_ALU_ROUND, taken at import): see _code8 and
-# kernel/fused.py _round; the same results bit for bit, only which instructions compute them differs.
+# kernel/rowtile.py round_to; the same results bit for bit, only which instructions compute them differs.
 ALU_ROUND = tl.constexpr(bool(config.get("INT8_FUSED_ALU_ROUND")))
 
 
@@ -117,7 +117,7 @@ def _code8(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _rint(y, INTERPRET: tl.constexpr):
+def rint(y, INTERPRET: tl.constexpr):
     # Round half to even. Compiled: libdevice rint (one cvt.rni). The interpreter has no libdevice, so it
     # adds and subtracts 1.5 * 2**23 in IEEE fp32 (exact for |y| < 2**22; |y| <= 127 here); no FMA can
     # contract it there because the interpreter runs each numpy op separately.
@@ -137,7 +137,7 @@ def _row_chunk(x_row, inv_ptr, ks, K, stride_xk, HAS_SMOOTH: tl.constexpr):
 
 
 @triton.jit
-def _quant_params(amax, bad, SCALE_RECIP: tl.constexpr):
+def quant_params(amax, bad, SCALE_RECIP: tl.constexpr):
     """Per-row (scale, multiplier, usable) from the row's |max| and non-finite flag, rounding for rounding as the
     reference: torch's ``127 / t`` is ``t.reciprocal() * 127``; CUDA's ``t / 127`` is ``t * fp32(1/127)`` (ATen's
     division by a CPU scalar), the CPU's an IEEE division."""
@@ -152,7 +152,7 @@ def _quant_params(amax, bad, SCALE_RECIP: tl.constexpr):
 
 
 @triton.jit
-def _amax_bad(y, amax, bad):
+def amax_bad(y, amax, bad):
     """The running row |max| and non-finite flag of a one-pass segmented kernel, updated with segment ``y``."""
     ay = tl.abs(y)
     amax = tl.maximum(amax, tl.max(ay, axis=0))
@@ -161,7 +161,7 @@ def _amax_bad(y, amax, bad):
 
 
 @triton.jit
-def _store_q(q_ptrs, y, mult, usable, mask, INTERPRET: tl.constexpr):
+def store_q(q_ptrs, y, mult, usable, mask, INTERPRET: tl.constexpr):
     """The int8 codes of fp32 values ``y`` (times the row's multiplier; zeros for an unusable row), stored."""
     tl.store(q_ptrs, tl.where(usable, _code8(y * mult, INTERPRET), 0), mask=mask)
 
@@ -170,16 +170,16 @@ def _store_q(q_ptrs, y, mult, usable, mask, INTERPRET: tl.constexpr):
 def _store_seg(q_row, z, K, OFF: tl.constexpr, SEG: tl.constexpr, mult, usable, INTERPRET: tl.constexpr):
     """Quantize and store one segment (columns OFF .. OFF + SEG) of a one-pass row from its fp32 values ``z``."""
     ks = OFF + tl.arange(0, SEG)
-    _store_q(q_row + ks, z, mult, usable, ks < K, INTERPRET)
+    store_q(q_row + ks, z, mult, usable, ks < K, INTERPRET)
 
 
 @triton.jit
-def _finish_segments(q_row, s_ptr, row, z0, z1, z2, K, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+def finish_segments(q_row, s_ptr, row, z0, z1, z2, K, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
                      amax, bad, SCALE_RECIP: tl.constexpr, INTERPRET: tl.constexpr):
     """The end of a one-pass segmented row: the row's scale from its |max| and non-finite flag, stored at
     ``s_ptr + row``, and each used segment's fp32 values ``z0..z2`` quantized and stored (an unused segment's
     argument is any placeholder: S1 / S2 = 0 compile its branch away)."""
-    scale, mult, usable = _quant_params(amax, bad > 0, SCALE_RECIP)
+    scale, mult, usable = quant_params(amax, bad > 0, SCALE_RECIP)
     tl.store(s_ptr + row, scale)
     _store_seg(q_row, z0, K, 0, S0, mult, usable, INTERPRET)
     if S1 > 0:
@@ -191,7 +191,7 @@ def _finish_segments(q_row, s_ptr, row, z0, z1, z2, K, S0: tl.constexpr, S1: tl.
 @triton.jit
 def _q_seg(x_row, inv_ptr, K, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad, HAS_SMOOTH: tl.constexpr):
     x, _ = _row_chunk(x_row, inv_ptr, OFF + tl.arange(0, SEG), K, 1, HAS_SMOOTH)
-    amax, bad = _amax_bad(x, amax, bad)
+    amax, bad = amax_bad(x, amax, bad)
     return x, amax, bad
 
 
@@ -212,7 +212,7 @@ def _quant_rows_seg_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm
         x1, amax, bad = _q_seg(x_row, inv_ptr, K, S0, S1, amax, bad, HAS_SMOOTH)
     if S2 > 0:
         x2, amax, bad = _q_seg(x_row, inv_ptr, K, S0 + S1, S2, amax, bad, HAS_SMOOTH)
-    _finish_segments(q_row, s_ptr, row, x0, x1, x2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
+    finish_segments(q_row, s_ptr, row, x0, x1, x2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
 
 
 @triton.jit
@@ -236,7 +236,7 @@ def _seg_vals(x, inv, amax, bad, HAS_SMOOTH: tl.constexpr):
     y = x.to(tl.float32)
     if HAS_SMOOTH:
         y = y * inv
-    amax, bad = _amax_bad(y, amax, bad)
+    amax, bad = amax_bad(y, amax, bad)
     return y, amax, bad
 
 
@@ -280,7 +280,7 @@ def _quant_rows_loop_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, M, K, stride_xm, strid
             y1, amax, bad = _seg_vals(c1, inv1, amax, bad, HAS_SMOOTH)
         if S2 > 0:
             y2, amax, bad = _seg_vals(c2, inv2, amax, bad, HAS_SMOOTH)
-        _finish_segments(q_ptr + r64 * stride_qm, s_ptr, r64, y0, y1, y2, K, S0, S1, S2, amax, bad,
+        finish_segments(q_ptr + r64 * stride_qm, s_ptr, r64, y0, y1, y2, K, S0, S1, S2, amax, bad,
                          SCALE_RECIP, INTERPRET)
 
 
@@ -308,16 +308,16 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
             ax = tl.abs(xc)
             bad = tl.maximum(bad, tl.where(ax < float("inf"), 0, 1))
             amax = tl.maximum(amax, ax)
-    scale, mult, usable = _quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
+    scale, mult, usable = quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
     tl.store(s_ptr + row, scale)
 
     # pass 2: quantize (re-reading x from L2 when the row did not fit one chunk)
     if ONE_CHUNK:
-        _store_q(q_row + cols, x, mult, usable, mask, INTERPRET)
+        store_q(q_row + cols, x, mult, usable, mask, INTERPRET)
     else:
         for k0 in range(0, K, BLOCK_K):
             xc, mc = _row_chunk(x_row, inv_ptr, k0 + cols, K, stride_xk, HAS_SMOOTH)
-            _store_q(q_row + k0 + cols, xc, mult, usable, mc, INTERPRET)
+            store_q(q_row + k0 + cols, xc, mult, usable, mc, INTERPRET)
 
 
 @functools.lru_cache(maxsize=None)  # per call it is a dict lookup (triton.next_power_of_2 costs ~2 us)
@@ -331,7 +331,7 @@ def _block_k(k: int) -> tuple[int, int, bool]:
 
 
 @functools.lru_cache(maxsize=256)  # per call a dict lookup (the plans are frozen, hashable)
-def _segments(n: int, plan: SegmentPlan | None) -> tuple[int, int, int] | None:
+def segments(n: int, plan: SegmentPlan | None) -> tuple[int, int, int] | None:
     """Up to three power-of-2 widths, largest first (0 = unused), that cover a row of n elements with at most
     ``plan.min_seg`` - 1 masked lanes beyond the last full power of 2 (12288 -> 8192 + 4096; 13824 -> 8192 +
     4096 + 2048); None when there is no plan or n is outside ``plan.min_row`` .. ``plan.max_row`` (the other
@@ -350,7 +350,7 @@ def _segments(n: int, plan: SegmentPlan | None) -> tuple[int, int, int] | None:
     return tuple(segs + [0] * (3 - len(segs)))
 
 
-def _seg_warps(segs: tuple, plan: SegmentPlan) -> int:
+def seg_warps(segs: tuple, plan: SegmentPlan) -> int:
     """Warps for a segmented row: one per ``plan.per_warp`` elements rounded down to a power of 2, 4 to
     ``plan.warps``."""
     return max(4, min(plan.warps, 1 << max(0, (sum(segs) // plan.per_warp).bit_length() - 1)))
@@ -366,17 +366,17 @@ def launch_quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None,
         scale.zero_()
         return
     inv = inv_smooth if inv_smooth is not None else scale  # dummy pointer when HAS_SMOOTH is False
-    segs = _segments(k, QUANT_ONE_PASS) if x.stride(1) == 1 else None
+    segs = segments(k, QUANT_ONE_PASS) if x.stride(1) == 1 else None
     if segs is not None:
         consts = dict(HAS_SMOOTH=inv_smooth is not None, SCALE_RECIP=x.is_cuda, S0=segs[0], S1=segs[1], S2=segs[2],
                       INTERPRET=INTERPRET)
-        progs = QUANT_ROW_LOOP * _sm_count(x.device)  # 0: a program a row
+        progs = QUANT_ROW_LOOP * sm_count(x.device)  # 0: a program a row
         if 0 < progs < m:
             launch(_quant_rows_loop_kernel, (progs,), (x, inv, q, scale, m, k, x.stride(0), q.stride(0)), consts,
-                   _seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
+                   seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
         else:
             launch(_quant_rows_seg_kernel, (m,), (x, inv, q, scale, k, x.stride(0), q.stride(0)), consts,
-                   _seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
+                   seg_warps(segs, QUANT_ONE_PASS), 1, x.device)
         return
     bk, warps, one = _block_k(k)
     launch(_quant_rows_kernel, (m,), (x, inv, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0)),

@@ -25,6 +25,7 @@ How it fits ComfyUI's ModelPatcher (comfy/model_patcher.py, 0.3.75):
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from .common import CALIBRATION_TYPE, CATEGORY
 from .weights import PREFIX, float_tensor, original_tree
 from .. import adapters
-from ..quant import backends, dispatch, fused, select
+from ..quant import backends, cached_linear, dispatch, select
 from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
@@ -43,13 +44,31 @@ log = logging.getLogger("int8_fused")
 # above tests/) without ComfyUI on the path, and that import must not fail.
 _CALLBACK_KEY = "int8_fused_apply"
 _ATTACHMENT = "int8_fused_apply"
+PATTERNS_HELP = ("One pattern per line, or several separated by commas; a comma inside {m,n}, [...] or (...) "
+                 "belongs to its pattern (layers\\.[0-9]{1,2}\\. is one), \\, is a literal comma. The log "
+                 "says which layers each pattern matched; one that matches none is a warning.")
+_BAD_BACKEND: set = set()
+
+
+def forced_backend() -> str | None:
+    """INT8_FUSED_BACKEND when it names a backend of the registry, else None: an unknown name warns once, naming
+    the switch and the valid names, and counts as unset (Apply's list and the loader's ``auto``). The pack's
+    ``nodes/__init__`` calls it when ComfyUI loads the pack, so a typo shows at start."""
+    name = backends.env_override()
+    if name is None or name in backends.BACKENDS:
+        return name
+    if name not in _BAD_BACKEND:
+        _BAD_BACKEND.add(name)
+        log.warning("INT8_FUSED_BACKEND=%r is not a backend of this pack (%s): ignored, as if unset", name,
+                    ", ".join(backends.BACKENDS))
+    return None
 
 
 def backend_choices() -> list[str]:
     """What this machine can run, the default first (the bf16 control is always offered)."""
     import comfy.model_management as mm
     names = backends.available(mm.get_torch_device())
-    forced = backends.env_override()
+    forced = forced_backend()
     if forced in names:
         names = [forced] + [n for n in names if n != forced]
     return names if "bf16" in names else names + ["bf16"]
@@ -75,9 +94,9 @@ def install_patches(out, patches: dict) -> None:
         out.add_object_patch(PREFIX + name, module)
     out.remove_wrappers_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY)
     out.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY, resident_conds.sampler_sample_wrapper)
-    if any(isinstance(m, fused.CachedLinear) for m in patches.values()):
-        out.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, _CALLBACK_KEY, fused.diffusion_model_wrapper)
-        out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _CALLBACK_KEY, fused.outer_sample_wrapper)
+    if any(isinstance(m, cached_linear.CachedLinear) for m in patches.values()):
+        out.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, _CALLBACK_KEY, cached_linear.diffusion_model_wrapper)
+        out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _CALLBACK_KEY, cached_linear.outer_sample_wrapper)
 
 
 def _original_modules(model):
@@ -101,7 +120,13 @@ def core_int8_weight(model, name: str, module):
     if getattr(p, "convrot", False) or getattr(p, "transposed", False) or q.dtype != torch.int8 \
             or tuple(q.shape) != tuple(w.shape) or p.scale.numel() not in (1, q.shape[0]):
         return None
-    return q, p.scale.float().reshape(-1)
+    scale = p.scale.float().reshape(-1)
+    if not scale.any():
+        init = getattr(model, "cached_patcher_init", None)  # core's loaders keep (loader, (path, ...))
+        path = init[1][0] if init and init[1] and isinstance(init[1][0], str) else "the loaded checkpoint"
+        log.warning("%s: layer %r: every int8_tensorwise weight scale is zero, so the layer outputs only its "
+                    "bias: almost surely a damaged file. Download or save it again", os.path.basename(path), name)
+    return q, scale
 
 
 def _lora_guard(patcher):
@@ -170,14 +195,14 @@ class ApplyFusedInt8GEMM:
                     "Which linears: 'blocks' = the repeated transformer blocks without adaLN/modulation "
                     "GEMVs; 'blocks+modulation' adds those; 'all' also embedders and the final layer.")}),
                 "include": ("STRING", {"default": "", "tooltip": (
-                    "Comma-separated regular expressions of extra layer names to quantize "
-                    "(e.g. 'final_layer'). Names are relative to the diffusion model.")}),
+                    "Regular expressions of extra layer names to quantize (e.g. 'final_layer'). Names are "
+                    "relative to the diffusion model. " + PATTERNS_HELP)}),
                 "exclude": ("STRING", {"default": "", "tooltip": (
-                    "Comma-separated regular expressions of layer names never to touch (wins over "
-                    "include), e.g. 'layers\\.0\\.'.")}),
+                    "Regular expressions of layer names never to touch (wins over include), e.g. "
+                    "'layers\\.[0-9]\\.' or 'layers\\.(0|1)\\.'. " + PATTERNS_HELP)}),
                 "keep_float": ("STRING", {"default": "", "tooltip": (
-                    "Comma-separated regular expressions of selected layers to keep in float "
-                    "(sensitive layers); counted as 'kept float' in the log.")}),
+                    "Regular expressions of selected layers to keep in float (sensitive layers); counted as "
+                    "'kept float' in the log. " + PATTERNS_HELP)}),
             },
             "optional": {
                 "calibration": (CALIBRATION_TYPE, {"tooltip": (
@@ -214,6 +239,7 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     rules = adapter.rules if adapter is not None else select.GENERIC
     pairs = [(n, m) for n, m in select.select_from(_original_modules(model), preset, include, exclude, rules)
              if n not in already and not any(n.startswith(p + ".") for p in already)]
+    select.log_matches("keep_float", select.compile_patterns(keep_float), [n for n, _ in pairs])
     if not pairs:
         arch = type(model.model.diffusion_model).__name__
         note = f" ({len(already)} are already INT8-patched)" if already else ""

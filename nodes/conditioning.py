@@ -12,7 +12,7 @@ import torch
 from .common import CATEGORY
 
 
-# Widest text feature of a supported model: Ideogram 4 takes 53248 (quant.fmt_ideogram4.REAL["text"]).
+# Widest text feature of a supported model: Ideogram 4 takes 53248 (adapters.ideogram4.layout.REAL["text"]).
 MAX_WIDTH = 65536
 
 

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from .. import adapters
+from ..adapters.ideogram4 import layout as i4
 from ..quant import backends
-from ..quant import fmt_ideogram4 as i4
 from ..quant.formats import CheckpointError, open_checkpoint, read_header
 from ..quant.linear import Int8Linear
 from . import attention as attention_routing, pad_elision
-from .apply import backend_choices, install_patches
+from .apply import backend_choices, forced_backend, install_patches
 from .common import CATEGORY
 
 log = logging.getLogger("int8_fused")
@@ -241,7 +241,7 @@ def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: 
     attention_routing.check_mode(attention)
     _require_ideogram4()
     if backend == "auto":
-        backend = backends.env_override() or backends.default_backend(mm.get_torch_device())
+        backend = forced_backend() or backends.default_backend(mm.get_torch_device())
     with open_checkpoint(path) as ck:
         order = [b for b in ("conditional", "unconditional", "") if b in ck.branches]
         out = {}

@@ -52,7 +52,7 @@ def set_comfy_cast(fn: Callable | None) -> None:
 
 
 # (module, device) -> release() or None: ComfyUI's fetch of every weight it manages under a fused block, in one
-# call before the block runs (quant.fused.FetchedBlock; nodes/comfy_cast.py). None in plain torch.
+# call before the block runs (quant.blocks.FetchedBlock; nodes/comfy_cast.py). None in plain torch.
 _BLOCK_FETCH: Callable | None = None
 
 

@@ -143,7 +143,7 @@ def lumina2_equivalence(pack) -> dict:
     pairs = pack.quant.select.select_linears(dm, "blocks", rules=A.block_rules(dm))
     layers, _ = pack.quant.patch.build_int8_layers(pairs, "fused_triton")
     patches = A.object_patches(dm, layers)
-    n_ffn = sum(isinstance(m, pack.quant.fused.FusedFeedForward) for p in patches.values() for m in p.modules())
+    n_ffn = sum(isinstance(m, pack.quant.blocks.FusedFeedForward) for p in patches.values() for m in p.modules())
     same_layers = A.int8_layers_of(patches).keys() == layers.keys()
     g = torch.Generator().manual_seed(1)
     x, ctx = torch.randn(1, 16, 4, 4, generator=g), torch.randn(1, 4, 64, generator=g)
@@ -212,8 +212,8 @@ def test_one_adapter_per_architecture_registered(pack):
     A = pack.adapters
     assert [a.name for a in A.registered()] == ["ideogram4", "lumina2", "flux", "qwen_image", "wan", "sd3"]
     assert [a.name for a in A.registered() if a.fuse is not None] == ["ideogram4", "lumina2", "flux", "wan"]
-    assert A.ideogram4.ADAPTER.checkpoint_layout == "quant.fmt_ideogram4"
-    assert A.pack_module(A.ideogram4.ADAPTER.checkpoint_layout) is pack.quant.fmt_ideogram4
+    assert A.ideogram4.ADAPTER.checkpoint_layout == "adapters.ideogram4.layout"
+    assert A.pack_module(A.ideogram4.ADAPTER.checkpoint_layout) is pack.adapters.ideogram4.layout
 
 
 def test_unknown_architecture_gets_per_linear_int8(pack):

@@ -1,4 +1,4 @@
-"""One fetch of a fused block's ComfyUI-managed weights per block call (``quant.fused.FetchedBlock``,
+"""One fetch of a fused block's ComfyUI-managed weights per block call (``quant.blocks.FetchedBlock``,
 ``nodes/comfy_cast.fetch_block``).
 
 On the CPU: the block's contract with the installed fetch (called once per call with the device of the block's
@@ -24,7 +24,7 @@ for _p in (ROOT, ROOT / "tests"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from quant import fused as qf  # noqa: E402
+from quant import blocks as qf  # noqa: E402
 from quant import linear as L  # noqa: E402
 
 
@@ -89,9 +89,9 @@ def test_plain_call_without_a_fetch():
 
 def test_every_fused_block_is_a_fetched_block():
     from adapters import ideogram4
-    from quant import fused_flux, fused_lumina2, fused_wan
-    for cls in (ideogram4.FusedIdeogram4Block, fused_flux.FusedFluxDoubleBlock, fused_flux.FusedFluxSingleBlock,
-                fused_lumina2.FusedLumina2Block, fused_wan.FusedWanBlock):
+    from adapters import flux, lumina2, wan
+    for cls in (ideogram4.FusedIdeogram4Block, flux.FusedFluxDoubleBlock, flux.FusedFluxSingleBlock,
+                lumina2.FusedLumina2Block, wan.FusedWanBlock):
         assert issubclass(cls, qf.FetchedBlock), cls
 
 
@@ -112,9 +112,9 @@ def body(pack, models) -> dict:
     import comfy.model_prefetch
     import comfy.ops
     import comfy.sd
-    i4 = importlib.import_module("comfyui_int8_fused.quant.fmt_ideogram4")
+    i4 = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.layout")
     lin = importlib.import_module("comfyui_int8_fused.quant.linear")
-    fused = importlib.import_module("comfyui_int8_fused.quant.fused")
+    fused = importlib.import_module("comfyui_int8_fused.quant.blocks")
     cc = pack.nodes.comfy_cast
     model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, i4.widths(), seed=3),
                                                      {"dtype": torch.bfloat16})

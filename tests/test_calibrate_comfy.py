@@ -311,7 +311,7 @@ _I4_SCRIPT = r'''
 import json, sys, importlib, torch
 pack = import_pack()
 import comfy.sd
-i4 = importlib.import_module("comfyui_int8_fused.quant.fmt_ideogram4")
+i4 = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.layout")
 C, A = pack.nodes.calibrate, pack.nodes.apply
 w = i4.widths()
 models = {br: comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, w, seed=s), {"dtype": torch.bfloat16})

@@ -15,7 +15,7 @@ from torch import nn
 import kernel
 from kernel import autotune, config
 from quant import backends
-from quant import fused as qf
+from quant import blocks as qf
 from quant.linear import Int8Linear
 import adapters
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 import kernel, kernel.launch
 from kernel import autotune, config
-from quant import backends, fused as qf
+from quant import backends, blocks as qf
 from quant.linear import Int8Linear
 import adapters, dataclasses, functools
 from adapters import lumina2
@@ -52,7 +52,7 @@ print(json.dumps({
     "fused": sorted(adapters.object_patches(nn.ModuleDict({"ff": ff}), layers, LUMINA)),
     "residual": qf.FUSE_RESIDUAL,
     "fast_launch": kernel.launch._USE_FAST,
-    "interpret": kernel._INTERPRET_AT_IMPORT,
+    "interpret": kernel.checks.INTERPRET_AT_IMPORT,
     "cache_dir": str(autotune.cache_dir()),
 }))
 """

@@ -55,7 +55,7 @@ def body(pack, models: Path) -> dict:
     """Runs inside the current ComfyUI (subprocess, ``models`` a fresh default diffusion_models folder)."""
     import comfy.samplers
     import comfy.sd
-    i4 = sys.modules["comfyui_int8_fused.quant.fmt_ideogram4"]
+    i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
     w = i4.widths()
     sd = i4.random_state_dict(1, w, seed=3)
     names = [n for n in i4.linear_specs(1, w) if n.startswith("layers.") and n.split(".")[-1] in

@@ -60,7 +60,7 @@ def _sample(model, model_neg, positive, latent):
 
 def _body(pack, models):
     import logging
-    i4 = sys.modules["comfyui_int8_fused.quant.fmt_ideogram4"]
+    i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
     W = sys.modules["comfyui_int8_fused.quant.fmt_write"]
     Int8Linear = sys.modules["comfyui_int8_fused.quant.linear"].Int8Linear
     loader = pack.nodes.loader

@@ -1,7 +1,7 @@
 """Fused Flux.1 blocks (issue 13) on the CPU (TRITON_INTERPRET=1).
 
-1. The three new row kernels of kernel/fused.py (``layernorm_modulate_quantize``, ``gelu_tanh_quantize``,
-   ``concat_gelu_quantize``) against their definition (quant/fused.py ``*_ref``, torch fp32 with the model dtype's
+1. The three new row kernels of kernel/norm.py and kernel/gelu.py (``layernorm_modulate_quantize``, ``gelu_tanh_quantize``,
+   ``concat_gelu_quantize``) against their definition (quant/blocks.py ``*_ref``, torch fp32 with the model dtype's
    roundings), against ComfyUI's unfused torch sequence, and against a float64 evaluation of the definition:
 
    Tolerance, derived. The kernels and torch compute the same fp32 formula; they may differ by a few fp32 ulps
@@ -64,14 +64,15 @@ kernel_tests = pytest.mark.skipif(not INTERPRET, reason="the CPU tests of the Tr
 
 @pytest.fixture(scope="module")
 def kf():
-    import kernel.fused
-    return kernel.fused
+    import kernel.ops
+    kernel.ops.row_modules()
+    return kernel
 
 
 @pytest.fixture(scope="module")
 def qf():
-    from quant import fused
-    return fused
+    from quant import blocks
+    return blocks
 
 
 def _qref(y, inv=None):
@@ -158,10 +159,10 @@ def _ln_form(kf, monkeypatch, form):
     """Which LayerNorm kernel runs: ``seg`` the one-pass segmented one (segments of 16 and up, so that small rows
     take two or three: 384 = 256 + 128, 300 = 256 + 32 + 16, 200 = 128 + 64 + 16), ``single`` one register
     tile, ``chunked`` 64-wide chunks read four times (the last one partial)."""
-    monkeypatch.setattr(kf, "LN_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4) if form == "seg"
-                        else None)
+    monkeypatch.setattr(kf.norm, "LN_ONE_PASS", kf.quantize.SegmentPlan(max_row=8192, min_seg=16, warps=4)
+                        if form == "seg" else None)
     if form == "chunked":
-        monkeypatch.setattr(kf, "LN_PLAN", kf.TilePlan(max_single=64, chunk=64, chunk_warps=4))
+        monkeypatch.setattr(kf.norm, "LN_PLAN", kf.rowtile.TilePlan(max_single=64, chunk=64, chunk_warps=4))
 
 
 @kernel_tests
@@ -178,7 +179,7 @@ def test_layernorm_modulate_quantize(kf, qf, monkeypatch, dtype, m, k, b, smooth
     shift, scale = mod[..., :k], mod[..., k:2 * k]
     inv = (0.5 + torch.rand(k, generator=g)) if smooth else None
     tpb = m // b
-    q, s = kf.layernorm_modulate_quantize(x, scale, shift, tpb, inv)
+    q, s = kf.norm.layernorm_modulate_quantize(x, scale, shift, tpb, inv)
     assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == (m, k) and s.shape == (m,)
     y_ideal, marked = layernorm_modulate_ideal(x, scale, shift, tpb)
     got = check_within_ties(q, s, y_ideal, marked, dtype, inv, "kernel")
@@ -196,22 +197,23 @@ def test_layernorm_modulate_quantize_flux_width(kf, monkeypatch, form):
     """Flux.1's width (K = 3072: segments 2048 + 1024 by default, or the one 4096 tile) in bf16, broadcast
     modulation (B = 1)."""
     if form == "single":
-        monkeypatch.setattr(kf, "LN_ONE_PASS", None)
+        monkeypatch.setattr(kf.norm, "LN_ONE_PASS", None)
     else:  # the default plan's segments, derived by hand
-        assert kf._segments(3072, kf.LN_ONE_PASS) == (2048, 1024, 0) and kf._seg_warps((2048, 1024, 0),
-                                                                                     kf.LN_ONE_PASS) == 4
-    seen, real = [], kf.launch
+        assert kf.quantize.segments(3072, kf.norm.LN_ONE_PASS) == (2048, 1024, 0) and \
+            kf.quantize.seg_warps((2048, 1024, 0), kf.norm.LN_ONE_PASS) == 4
+    seen, real = [], kf.norm.launch
 
-    def spy(fn, grid, args, constexprs, *rest):
-        seen.append((fn.fn.__name__, tuple(constexprs.get(s) for s in ("S0", "S1", "S2", "BLOCK"))))
+    def spy(fn, grid, args, constexprs, *rest):  # the constexprs of the form that runs (S0 > 0: the segments)
+        seen.append((fn.fn.__name__, tuple(constexprs[s] if (s != "BLOCK") == (constexprs["S0"] > 0) else None
+                                           for s in ("S0", "S1", "S2", "BLOCK"))))
         return real(fn, grid, args, constexprs, *rest)
-    monkeypatch.setattr(kf, "launch", spy)
+    monkeypatch.setattr(kf.norm, "launch", spy)
     g = torch.Generator().manual_seed(7)
     x = _rand((8, 3072), BF16, g, 3.0, -1.0)
     scale, shift = _rand((1, 3072), BF16, g, 0.3), _rand((1, 3072), BF16, g, 0.3)
-    q, s = kf.layernorm_modulate_quantize(x, scale, shift, 8)
+    q, s = kf.norm.layernorm_modulate_quantize(x, scale, shift, 8)
     assert seen == ([("_layernorm_modulate_quant_kernel", (None, None, None, 4096))] if form == "single" else
-                    [("_layernorm_modulate_quant_seg_kernel", (2048, 1024, 0, None))])
+                    [("_layernorm_modulate_quant_kernel", (2048, 1024, 0, None))])
     y_ideal, marked = layernorm_modulate_ideal(x, scale, shift, 8)
     check_within_ties(q, s, y_ideal, marked, BF16, None, "K=3072")
 
@@ -228,22 +230,22 @@ def test_layernorm_modulate_quantize_zero_nan_and_errors(kf, qf, monkeypatch, fo
     x[1] = 0
     x[3, 7] = float("nan")
     x[4, 9] = float("inf")
-    q, s = kf.layernorm_modulate_quantize(x, zero, zero, 6)
+    q, s = kf.norm.layernorm_modulate_quantize(x, zero, zero, 6)
     assert s[1] == 0 and not q[1].any()                            # zero row, zero shift: scale 0, zeros
     assert all(math.isnan(s[i]) and not q[i].any() for i in (3, 4))  # NaN / Inf: scale NaN, zeros
     rq, rs = qf.layernorm_modulate_quantize_ref(x, zero, zero, 6)
     assert torch.equal(q, rq) and torch.equal(s.isnan(), rs.isnan())  # the reference's rule too (kernel/quantize.py)
     ok = [0, 2, 5]
     assert torch.equal(q[ok], qf.layernorm_modulate_quantize_ref(x[ok], zero, zero, 3)[0])  # other rows untouched
-    q, s = kf.layernorm_modulate_quantize(torch.zeros(2, 64, dtype=BF16), zero, shift, 2)
+    q, s = kf.norm.layernorm_modulate_quantize(torch.zeros(2, 64, dtype=BF16), zero, shift, 2)
     rq, rs = _qref(shift.float().expand(2, 64))                     # a zero row is quantized shift
     assert torch.equal(q, rq) and torch.equal(s, rs)
-    q, s = kf.layernorm_modulate_quantize(x[:0], zero, zero, 1)
+    q, s = kf.norm.layernorm_modulate_quantize(x[:0], zero, zero, 1)
     assert q.shape == (0, 64) and s.shape == (0,)
     with pytest.raises(ValueError, match="batch rows"):
-        kf.layernorm_modulate_quantize(x, torch.zeros(4, 64), zero, 2)
+        kf.norm.layernorm_modulate_quantize(x, torch.zeros(4, 64), zero, 2)
     with pytest.raises(ValueError, match="shift must be"):
-        kf.layernorm_modulate_quantize(x, zero, torch.zeros(1, 63), 6)
+        kf.norm.layernorm_modulate_quantize(x, zero, torch.zeros(1, 63), 6)
 
 
 def _gelu_form(kf, monkeypatch, form):
@@ -251,11 +253,11 @@ def _gelu_form(kf, monkeypatch, form):
     take two or three of them: 300 = 256 + 32 + 16, 96 = 64 + 32), ``single`` one register tile,
     ``chunked`` 64-wide chunks read twice."""
     if form == "seg":
-        monkeypatch.setattr(kf, "GELU_ONE_PASS", kf.SegmentPlan(max_row=16384, min_seg=16, warps=4))
+        monkeypatch.setattr(kf.gelu, "GELU_ONE_PASS", kf.quantize.SegmentPlan(max_row=16384, min_seg=16, warps=4))
     else:
-        monkeypatch.setattr(kf, "GELU_ONE_PASS", None)
+        monkeypatch.setattr(kf.gelu, "GELU_ONE_PASS", None)
     if form == "chunked":
-        monkeypatch.setattr(kf, "GELU_PLAN", kf.TilePlan(max_single=64, chunk=64, chunk_warps=4))
+        monkeypatch.setattr(kf.gelu, "GELU_PLAN", kf.rowtile.TilePlan(max_single=64, chunk=64, chunk_warps=4))
 
 
 @kernel_tests
@@ -265,12 +267,12 @@ def _gelu_form(kf, monkeypatch, form):
     (FP16, 5, 200, False, "chunked"), (FP32, 6, 200, True, "single"), (BF16, 7, 300, True, "seg"),
     (FP16, 5, 200, False, "seg"), (FP32, 6, 200, True, "seg")])
 def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, form, fast):
-    monkeypatch.setattr(kf, "GELU_FAST", fast)  # h * sigmoid(2u): the same function, other fp32 roundings
+    monkeypatch.setattr(kf.gelu, "GELU_FAST", fast)  # h * sigmoid(2u): the same function, other fp32 roundings
     _gelu_form(kf, monkeypatch, form)
     g = torch.Generator().manual_seed(m * 100 + f)
     h = _rand((m, f), dtype, g, 3.0)
     inv = (0.5 + torch.rand(f, generator=g)) if smooth else None
-    q, s = kf.gelu_tanh_quantize(h, inv)
+    q, s = kf.gelu.gelu_tanh_quantize(h, inv)
     y_ideal, marked = gelu_ideal(h)
     print(check_within_ties(q, s, y_ideal, marked, dtype, inv, "kernel"))
     check_within_ties(*qf.gelu_tanh_quantize_ref(h, inv), y_ideal, marked, dtype, inv, "reference")
@@ -285,14 +287,14 @@ def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, form, fast
     (BF16, 4, 300, 100, True, "seg"), (FP16, 6, 64, 256, True, "seg")])
 def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, form, fast):
     """Flux's single block: ``linear2(cat(attn, gelu(mlp)))`` with mlp a column slice of linear1's output."""
-    monkeypatch.setattr(kf, "GELU_FAST", fast)
+    monkeypatch.setattr(kf.gelu, "GELU_FAST", fast)
     _gelu_form(kf, monkeypatch, form)
     g = torch.Generator().manual_seed(m * 10 + ka + f)
     attn = _rand((m, ka), dtype, g, 1.0)
     lin1 = _rand((m, 3 * ka + f), dtype, g, 3.0)
     mlp = lin1[:, 3 * ka:]                                         # a strided view, as torch.split gives it
     inv = (0.5 + torch.rand(ka + f, generator=g)) if smooth else None
-    q, s = kf.concat_gelu_quantize(attn, mlp, inv)
+    q, s = kf.gelu.concat_gelu_quantize(attn, mlp, inv)
     assert q.shape == (m, ka + f)
     g_ideal, g_marked = gelu_ideal(mlp)
     y_ideal = torch.cat((attn.double(), g_ideal), -1)
@@ -308,7 +310,7 @@ def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, form
 @pytest.mark.parametrize("form", ["seg", "single"])
 @pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
 def test_gelu_kernels_zero_nan_and_errors(kf, qf, monkeypatch, fast, form):
-    monkeypatch.setattr(kf, "GELU_FAST", fast)  # fast: gelu(-inf) = -inf (torch: NaN); the row is bad either way
+    monkeypatch.setattr(kf.gelu, "GELU_FAST", fast)  # fast: gelu(-inf) = -inf (torch: NaN); the row is bad either way
     _gelu_form(kf, monkeypatch, form)
     g = torch.Generator().manual_seed(5)
     h = _rand((5, 80), BF16, g)
@@ -318,19 +320,19 @@ def test_gelu_kernels_zero_nan_and_errors(kf, qf, monkeypatch, fast, form):
     h[2, 0] = float("inf")
     h[3, 5] = -float("inf")                                        # 0.5 * -inf * (1 + tanh(-inf)) = NaN, as torch
     a[4, 1] = float("nan")                                         # a NaN in the first part poisons the row too
-    for q, s, (rq, rs) in ((*kf.gelu_tanh_quantize(h), qf.gelu_tanh_quantize_ref(h)),
-                           (*kf.concat_gelu_quantize(a, h), qf.concat_gelu_quantize_ref(a, h))):
+    for q, s, (rq, rs) in ((*kf.gelu.gelu_tanh_quantize(h), qf.gelu_tanh_quantize_ref(h)),
+                           (*kf.gelu.concat_gelu_quantize(a, h), qf.concat_gelu_quantize_ref(a, h))):
         assert s[0] == 0 and not q[0].any()
         assert torch.equal(s.isnan(), rs.isnan()) and torch.equal(q, rq)
         assert all(math.isnan(s[i]) and not q[i].any() for i in (1, 2, 3))
-    assert not math.isnan(kf.gelu_tanh_quantize(h)[1][4])           # only the concatenation sees a's NaN
-    assert math.isnan(kf.concat_gelu_quantize(a, h)[1][4])
-    q, s = kf.concat_gelu_quantize(a[:0], h[:0])
+    assert not math.isnan(kf.gelu.gelu_tanh_quantize(h)[1][4])           # only the concatenation sees a's NaN
+    assert math.isnan(kf.gelu.concat_gelu_quantize(a, h)[1][4])
+    q, s = kf.gelu.concat_gelu_quantize(a[:0], h[:0])
     assert q.shape == (0, 112) and s.shape == (0,)
     with pytest.raises(ValueError, match="must match"):
-        kf.concat_gelu_quantize(a.float(), h)
+        kf.gelu.concat_gelu_quantize(a.float(), h)
     with pytest.raises(ValueError, match="inv_smooth"):
-        kf.concat_gelu_quantize(a, h, torch.ones(80))
+        kf.gelu.concat_gelu_quantize(a, h, torch.ones(80))
 
 
 @kernel_tests
@@ -347,7 +349,7 @@ def test_gelu_one_pass_equals_chunked(kf, monkeypatch, dtype):
     for form in ("seg", "chunked"):
         with monkeypatch.context() as mp:
             _gelu_form(kf, mp, form)
-            out[form] = (*kf.concat_gelu_quantize(a, h, inv), *kf.gelu_tanh_quantize(h, inv[96:]))
+            out[form] = (*kf.gelu.concat_gelu_quantize(a, h, inv), *kf.gelu.gelu_tanh_quantize(h, inv[96:]))
     for got, ref in zip(out["seg"], out["chunked"]):
         assert torch.equal(got, ref) or (got.isnan().any() and torch.equal(got.isnan(), ref.isnan())
                                          and torch.equal(got.nan_to_num(), ref.nan_to_num()))
@@ -394,7 +396,7 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
     """On double_blocks.0 and single_blocks.0: the (int8, scale) every GEMM receives in the fused block vs what the
     per-linear INT8 block quantizes (its Int8Linear inputs through ``quantize_per_token_ref``), bit for bit; and the
     block outputs. Also: an ``attn1_output_patch`` call takes ComfyUI's own forward (per-linear) on the fused twin."""
-    qf, Int8Linear = pack.quant.fused, pack.quant.linear.Int8Linear
+    qf, Int8Linear = pack.quant.blocks, pack.quant.linear.Int8Linear
     g = torch.Generator().manual_seed(3)
     hid = dm.hidden_size
     img, txt = torch.randn(2, 12, hid, generator=g).to(dtype), torch.randn(2, 5, hid, generator=g).to(dtype)
@@ -448,7 +450,7 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
 
 
 def flux_equivalence(pack, dtype=BF16) -> dict:
-    A, cfg = pack.adapters, pack.quant.fused.config
+    A, cfg = pack.adapters, pack.quant.blocks.config
     dm = tiny_flux(dtype)
     layers = _layers(pack, dm)
     patches = A.object_patches(dm, layers)
@@ -460,9 +462,9 @@ def flux_equivalence(pack, dtype=BF16) -> dict:
                                                        for n in layers)
     covered = sorted(n for m in patches.values() for n in getattr(m, "covers", ()))
     x, t, ctx, y = _inputs(dtype)
-    kf = pack.quant.fused._kf()
+    kf = pack.quant.blocks.kernels()
     tails = ("residual_add", "residual_add_layernorm_modulate_quantize")
-    real, calls = {n: getattr(kf, n) for n in tails}, {n: 0 for n in tails}
+    real, calls = {n: getattr(kf.residual, n) for n in tails}, {n: 0 for n in tails}
 
     def spy(name):
         def f(*a, **kw):
@@ -476,14 +478,14 @@ def flux_equivalence(pack, dtype=BF16) -> dict:
             got = _swap(dm, patches)(x, t, ctx, y=y)
         flt = dm(x, t, ctx, y=y)
         for n in tails:
-            setattr(kf, n, spy(n))
+            setattr(kf.residual, n, spy(n))
         try:  # INT8_FUSED_FLUX_TAILS: the residual tails in the residual kernels (two roundings, as torch's ops);
             # counted with prepared launches off (a prepared call re-issues its launches without the wrapper)
             with cfg.override(INT8_FUSED_FLUX_TAILS=True, INT8_FUSED_PLANS=False):
                 tails_on = _swap(dm, patches)(x, t, ctx, y=y)
         finally:
             for n in tails:
-                setattr(kf, n, real[n])
+                setattr(kf.residual, n, real[n])
         with cfg.override(INT8_FUSED_FLUX_TAILS=True):  # prepared: the second forward re-issues every tail kernel
             tails_planned = [_swap(dm, patches)(x, t, ctx, y=y) for _ in range(2)]
     return {"adapter": A.adapter_for(dm).name, "kinds": sorted({type(m).__name__ for m in patches.values()}),
@@ -565,7 +567,7 @@ def test_fusion_switch_and_other_backends_pinned(pack):
     A = pack.adapters
     dm = tiny_flux(BF16, depth=1, single=1)
     layers = _layers(pack, dm)
-    with pack.quant.fused.config.override(INT8_FUSED_FUSION=False):
+    with pack.quant.blocks.config.override(INT8_FUSED_FUSION=False):
         assert A.object_patches(dm, layers) == layers
     other = _layers(pack, dm, "dequant_bf16")
     assert A.object_patches(dm, other) == other                      # only fused_triton layers are fused
@@ -598,7 +600,7 @@ def test_apply_node_fuses_flux_blocks_pinned(pack, tiny_model):
     mp = tiny_model("flux", 0, BF16)
     apply = pack.nodes.apply.ApplyFusedInt8GEMM()
     (fused,) = apply.apply(mp, "fused_triton")
-    with pack.quant.fused.config.override(INT8_FUSED_FUSION=False):
+    with pack.quant.blocks.config.override(INT8_FUSED_FUSION=False):
         (plain,) = apply.apply(mp, "fused_triton")
     assert sorted(fused.object_patches) == [f"diffusion_model.{k}_blocks.{i}" for k in ("double", "single")
                                             for i in range(2)]
@@ -625,7 +627,7 @@ def test_fused_blocks_compile_without_graph_breaks_pinned(pack):
     implementation (aot_eager on the CPU). Flux's attention is replaced by plain SDPA here (``functions``): ComfyUI's
     attention dispatch is not what this checks."""
     import comfy.ldm.flux.layers as L
-    A, ff = pack.adapters, pack.quant.fused_flux
+    A, ff = pack.adapters, pack.adapters.flux.blocks
 
     def attention(q, k, v, pe, mask=None, transformer_options={}):
         b, h, n, d = q.shape
@@ -673,32 +675,36 @@ def _hopper_check() -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import kernel.fused as kf
+    import kernel as kf
+    import kernel.ops
+    kernel.ops.row_modules()
     types = {"x_ptr": "*bf16", "s_ptr": "*bf16", "sh_ptr": "*bf16", "a_ptr": "*bf16", "h_ptr": "*bf16",
              "inv_ptr": "*fp32", "q_ptr": "*i8", "qs_ptr": "*fp32", "eps": "fp32"}
     common = {"SCALE_RECIP": True, "INTERPRET": False}
     cases = [
-        (kf._layernorm_modulate_quant_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "SCALE_DT": 1, "PROD_DT": 1,
-                                               "BLOCK": 4096, "SINGLE": True}, 8),
-        (kf._layernorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 2, "SCALE_DT": 2, "PROD_DT": 2,
-                                               "BLOCK": 1024, "SINGLE": False}, 4),
-        (kf._layernorm_modulate_quant_seg_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "SCALE_DT": 1, "PROD_DT": 1,
-                                                   "S0": 2048, "S1": 1024, "S2": 0}, 4),  # Flux, K 3072
-        (kf._layernorm_modulate_quant_seg_kernel, {"HAS_SMOOTH": False, "NORM_DT": 2, "SCALE_DT": 2, "PROD_DT": 2,
-                                                   "S0": 4096, "S1": 1024, "S2": 256}, 4),
-        (kf._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": True, "DT": 1, "BLOCK": 2048,
-                                        "SINGLE": False, "FAST": False}, 8),
-        (kf._concat_gelu_quant_kernel, {"HAS_A": False, "HAS_SMOOTH": False, "DT": 1, "BLOCK": 2048,
-                                        "SINGLE": True, "FAST": False}, 8),
-        (kf._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": False, "DT": 1, "BLOCK": 16384,
-                                        "SINGLE": True, "FAST": True}, 16),
-        (kf._concat_gelu_quant_seg_kernel, {"HAS_A": True, "HAS_SMOOTH": True, "DT": 1, "A0": 2048, "A1": 1024,
-                                            "S0": 8192, "S1": 4096, "S2": 0, "FAST": True}, 16),  # Flux single
-        (kf._concat_gelu_quant_seg_kernel, {"HAS_A": False, "HAS_SMOOTH": False, "DT": 2, "A0": 0, "A1": 0,
-                                            "S0": 8192, "S1": 512, "S2": 256, "FAST": True}, 16),  # Wan 1.3B
+        (kf.norm._layernorm_modulate_quant_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "SCALE_DT": 1, "PROD_DT": 1,
+                                                    "BLOCK": 4096, "SINGLE": True}, 8),
+        (kf.norm._layernorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 2, "SCALE_DT": 2, "PROD_DT": 2,
+                                                    "BLOCK": 1024, "SINGLE": False}, 4),
+        (kf.norm._layernorm_modulate_quant_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "SCALE_DT": 1, "PROD_DT": 1,
+                                                    "S0": 2048, "S1": 1024, "S2": 0}, 4),  # Flux, K 3072
+        (kf.norm._layernorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 2, "SCALE_DT": 2, "PROD_DT": 2,
+                                                    "S0": 4096, "S1": 1024, "S2": 256}, 4),
+        (kf.gelu._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": True, "DT": 1, "BLOCK": 2048,
+                                             "SINGLE": False, "FAST": False}, 8),
+        (kf.gelu._concat_gelu_quant_kernel, {"HAS_A": False, "HAS_SMOOTH": False, "DT": 1, "BLOCK": 2048,
+                                             "SINGLE": True, "FAST": False}, 8),
+        (kf.gelu._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": False, "DT": 1, "BLOCK": 16384,
+                                             "SINGLE": True, "FAST": True}, 16),
+        (kf.gelu._concat_gelu_quant_kernel, {"HAS_A": True, "HAS_SMOOTH": True, "DT": 1, "A0": 2048, "A1": 1024,
+                                             "S0": 8192, "S1": 4096, "S2": 0, "FAST": True}, 16),  # Flux single
+        (kf.gelu._concat_gelu_quant_kernel, {"HAS_A": False, "HAS_SMOOTH": False, "DT": 2, "A0": 0, "A1": 0,
+                                             "S0": 8192, "S1": 512, "S2": 256, "FAST": True}, 16),  # Wan 1.3B
     ]
     for fn, consts, warps in cases:
-        consts = {**consts, **common}
+        # a row kernel's other form (one tile / segments) is off: its constexprs 0
+        consts = {**{p: 0 for p in ("BLOCK", "SINGLE", "A0", "A1", "S0", "S1", "S2") if p in fn.arg_names}, **consts,
+                  **common}
         params = list(inspect.signature(fn.fn).parameters)
         sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
         attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
@@ -707,8 +713,9 @@ def _hopper_check() -> str:
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         if "cubin" not in k.asm or not re.search(r"ld\.global[^\n]*\.v4", k.asm["ptx"]):
             return f"{fn.fn.__name__} {consts}: no cubin or no 16-byte loads"
-        if ("cvt.rni" in k.asm["ptx"]) == bool(kf.ALU_ROUND):
-            return f"{fn.fn.__name__} {consts}: ALU_ROUND {bool(kf.ALU_ROUND)} but cvt.rni {'' if kf.ALU_ROUND else 'not '}in the PTX"
+        alu = bool(kf.quantize.ALU_ROUND)
+        if ("cvt.rni" in k.asm["ptx"]) == alu:
+            return f"{fn.fn.__name__} {consts}: ALU_ROUND {alu} but cvt.rni {'' if alu else 'not '}in the PTX"
     return "OK"
 
 

@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from quant import fmt_ideogram4 as i4
+from adapters.ideogram4 import layout as i4
 from quant import formats as F
 from quant import fmt_write as W
 from quant.quantize import dequantize

@@ -26,7 +26,8 @@ for _p in (ROOT, ROOT / "tests"):
 
 import adapters  # noqa: E402
 from adapters import ideogram4, lumina2  # noqa: E402
-from quant import fused as qf  # noqa: E402
+from quant import blocks as qf  # noqa: E402
+from quant import cached_linear  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
 
@@ -43,8 +44,9 @@ pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRET,
 
 @pytest.fixture(scope="module")
 def kf():
-    import kernel.fused
-    return kernel.fused
+    import kernel.ops
+    kernel.ops.row_modules()
+    return kernel
 
 
 def _flips(q, ref):
@@ -68,15 +70,15 @@ def _rand(shape, dtype, gen, std=2.0):
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-def _spy_launches(kf, monkeypatch):
-    """Records the constexprs (BLOCK, SINGLE) of every row-kernel launch of kernel/fused.py."""
-    seen, real = [], kf.launch
+def _spy_launches(mod, monkeypatch):
+    """Records the constexprs (BLOCK, SINGLE, S0..S2) of every row-kernel launch of the kernel module ``mod``."""
+    seen, real = [], mod.launch
 
     def spy(fn, grid, args, constexprs, *rest):
         seen.append(dict(constexprs))
         return real(fn, grid, args, constexprs, *rest)
 
-    monkeypatch.setattr(kf, "launch", spy)
+    monkeypatch.setattr(mod, "launch", spy)
     return seen
 
 
@@ -93,18 +95,18 @@ def test_rmsnorm_modulate_quantize(kf, monkeypatch, dtype, m, k, b, smooth, path
     # segments: the one-pass kernel with 16-wide minimum segments (100 -> 64 + 32 + 16, the last partial; 160 ->
     # 128 + 32; 70 -> 64 + 16); single: the register-resident tile of the multi-pass kernel; chunked: its 32-wide
     # chunks, the last one partial
-    monkeypatch.setattr(kf, "RMS_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4)
+    monkeypatch.setattr(kf.norm, "RMS_ONE_PASS", kf.quantize.SegmentPlan(max_row=8192, min_seg=16, warps=4)
                         if path == "segments" else None)
     if path == "chunked":
-        monkeypatch.setattr(kf, "RMS_PLAN", kf.TilePlan(max_single=32, chunk=32, chunk_warps=4))
-    seen = _spy_launches(kf, monkeypatch)
+        monkeypatch.setattr(kf.norm, "RMS_PLAN", kf.rowtile.TilePlan(max_single=32, chunk=32, chunk_warps=4))
+    seen = _spy_launches(kf.norm, monkeypatch)
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = _rand((m, k), dtype, g)
     w = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype).to(DEV)
     s = (1 + 0.5 * torch.randn(b, k, generator=g)).to(dtype).to(DEV)
     inv = (0.5 + torch.rand(k, generator=g)).to(DEV) if smooth else None
     tpb = m // b
-    q, qs = kf.rmsnorm_modulate_quantize(x, w, 1e-5, s, tpb, inv)
+    q, qs = kf.norm.rmsnorm_modulate_quantize(x, w, 1e-5, s, tpb, inv)
     want = {"segments": {100: (64, 32, 16), 160: (128, 32, 0), 70: (64, 16, 0)}.get(k),
             "single": (True, _pow2(k)), "chunked": (False, 32)}[path]
     assert [(c["S0"], c["S1"], c["S2"]) if path == "segments" else (c["SINGLE"], c["BLOCK"]) for c in seen] == [want]
@@ -132,7 +134,7 @@ def test_rmsnorm_modulate_quantize_flip_rate_large(kf):
     m, k = 8, 4608
     x, w = _rand((m, k), torch.bfloat16, g, 3.0), (1 + 0.1 * torch.randn(k, generator=g)).bfloat16().to(DEV)
     s = (1 + 0.3 * torch.randn(1, k, generator=g)).bfloat16().to(DEV)
-    q, qs = kf.rmsnorm_modulate_quantize(x, w, 1e-6, s, m)
+    q, qs = kf.norm.rmsnorm_modulate_quantize(x, w, 1e-6, s, m)
     uq, us = quantize_per_token_ref(F.rms_norm(x, (k,), w, 1e-6) * s, None)
     frac, mx = _flips(q, uq)
     assert frac < 1e-3 and mx <= 1
@@ -142,14 +144,14 @@ def test_rmsnorm_modulate_quantize_flip_rate_large(kf):
 @pytest.mark.parametrize("one_pass", [True, False], ids=["segments", "one_tile"])
 def test_rmsnorm_modulate_quantize_zero_and_nan_rows(kf, monkeypatch, one_pass):
     if not one_pass:
-        monkeypatch.setattr(kf, "RMS_ONE_PASS", None)
+        monkeypatch.setattr(kf.norm, "RMS_ONE_PASS", None)
     g = torch.Generator().manual_seed(3)
     x = _rand((5, 64), torch.bfloat16, g)
     x[1] = 0
     x[3, 7] = float("nan")
     x[4, 9] = float("inf")
     one = torch.ones(1, 64, device=DEV)
-    q, qs = kf.rmsnorm_modulate_quantize(x, one[0], 1e-5, one, 5)
+    q, qs = kf.norm.rmsnorm_modulate_quantize(x, one[0], 1e-5, one, 5)
     assert qs[1] == 0 and not q[1].any()                        # zero row: scale 0, zeros, no NaN
     assert math.isnan(qs[3]) and math.isnan(qs[4]) and not q[3].any() and not q[4].any()
     rq, rs = qf.rmsnorm_modulate_quantize_ref(x[[0, 2]], one[0], 1e-5, one, 2)
@@ -159,12 +161,12 @@ def test_rmsnorm_modulate_quantize_zero_and_nan_rows(kf, monkeypatch, one_pass):
 def test_rmsnorm_modulate_quantize_errors(kf):
     x = torch.randn(6, 32).bfloat16().to(DEV)
     with pytest.raises(ValueError, match="tokens_per_batch"):
-        kf.rmsnorm_modulate_quantize(x, torch.ones(32), 1e-5, torch.ones(4, 32), 2)
+        kf.norm.rmsnorm_modulate_quantize(x, torch.ones(32), 1e-5, torch.ones(4, 32), 2)
     with pytest.raises(ValueError, match="scale must be"):
-        kf.rmsnorm_modulate_quantize(x, torch.ones(32), 1e-5, torch.ones(2, 31), 3)
+        kf.norm.rmsnorm_modulate_quantize(x, torch.ones(32), 1e-5, torch.ones(2, 31), 3)
     with pytest.raises(ValueError, match="norm_weight"):
-        kf.rmsnorm_modulate_quantize(x, torch.ones(31), 1e-5, torch.ones(1, 32), 6)
-    q, qs = kf.rmsnorm_modulate_quantize(x[:0], torch.ones(32), 1e-5, torch.ones(1, 32), 1)
+        kf.norm.rmsnorm_modulate_quantize(x, torch.ones(31), 1e-5, torch.ones(1, 32), 6)
+    q, qs = kf.norm.rmsnorm_modulate_quantize(x[:0], torch.ones(32), 1e-5, torch.ones(1, 32), 1)
     assert q.shape == (0, 32) and qs.shape == (0,)
 
 
@@ -174,7 +176,7 @@ def test_norm_without_eps_uses_torchs_fp32_epsilon(kf, dtype):
     adds float32's epsilon (1.2e-7) for bf16 / fp16 / fp32 inputs, not the input dtype's (bf16: 7.8e-3). The fused
     norm + quantize must equal ``quantize(F.rms_norm(x) * s)`` from the module itself; small-magnitude rows make a
     wrong eps visible (rstd off by ~eps / (2 mean x^2))."""
-    from quant import fused as qf
+    from quant import blocks as qf
     from quant.quantize import quantize_per_token_ref
     g = torch.Generator().manual_seed(11)
     norm = torch.nn.RMSNorm(64, eps=None).to(dtype)
@@ -182,7 +184,7 @@ def test_norm_without_eps_uses_torchs_fp32_epsilon(kf, dtype):
         norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
     x = (0.05 * torch.randn(6, 64, generator=g)).to(dtype)
     s = (1 + 0.1 * torch.randn(1, 64, generator=g)).to(dtype)
-    assert qf._norm_eps(norm, x) == torch.finfo(torch.float32).eps
+    assert qf.norm_eps(norm, x) == torch.finfo(torch.float32).eps
     q, qs = qf.norm_modulate_quantize(norm, x, s, 6, None)
     with torch.no_grad():
         rq, rs = quantize_per_token_ref(norm(x) * s)
@@ -216,16 +218,16 @@ def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, path):
     # one_pass: the segmented kernel with 16-wide minimum segments (160 -> 128 + 32; 100 -> 64 + 32 + 16, the
     # last partial; 70 -> 64 + 16); single: the register-resident tile of the two-pass kernel; chunked: its
     # 32-wide chunks, the last one partial
-    monkeypatch.setattr(kf, "SWIGLU_ONE_PASS", kf.SegmentPlan(max_row=16384, min_seg=16, warps=4)
+    monkeypatch.setattr(kf.swiglu, "SWIGLU_ONE_PASS", kf.quantize.SegmentPlan(max_row=16384, min_seg=16, warps=4)
                         if path == "one_pass" else None)
     if path == "chunked":
-        monkeypatch.setattr(kf, "SWIGLU_PLAN", kf.TilePlan(max_single=32, chunk=32, chunk_warps=8))
-    seen = _spy_launches(kf, monkeypatch)
+        monkeypatch.setattr(kf.swiglu, "SWIGLU_PLAN", kf.rowtile.TilePlan(max_single=32, chunk=32, chunk_warps=8))
+    seen = _spy_launches(kf.swiglu, monkeypatch)
     g = torch.Generator().manual_seed(m * 100 + f)
     h = _rand((m, 2 * f), dtype, g, 3.0)
     a, b = h.chunk(2, dim=1)
     inv = (0.5 + torch.rand(f, generator=g)).to(DEV) if smooth else None
-    q, qs = kf.swiglu_quantize((a, b) if pair else h, inv)
+    q, qs = kf.swiglu.swiglu_quantize((a, b) if pair else h, inv)
     want = {"one_pass": {160: (128, 32, 0), 100: (64, 32, 16), 70: (64, 16, 0)}.get(f),
             "single": (True, _pow2(f)), "chunked": (False, 32)}[path]
     assert [(c["S0"], c["S1"], c["S2"]) if path == "one_pass" else (c["SINGLE"], c["BLOCK"]) for c in seen] == [want]
@@ -242,21 +244,21 @@ def test_swiglu_quantize(kf, monkeypatch, dtype, m, f, smooth, pair, path):
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "two_pass"])
 def test_swiglu_quantize_zero_nan_and_fp16_clamp(kf, monkeypatch, one_pass):
     if not one_pass:
-        monkeypatch.setattr(kf, "SWIGLU_ONE_PASS", None)
+        monkeypatch.setattr(kf.swiglu, "SWIGLU_ONE_PASS", None)
     g = torch.Generator().manual_seed(5)
     h = _rand((4, 64), torch.float16, g)
     h[0] = 0
     h[1, 3] = float("nan")
     h[2, 0], h[2, 32] = 400.0, 400.0                 # silu(400) * 400 = 160000 -> inf in fp16
-    q, qs = kf.swiglu_quantize(h)
+    q, qs = kf.swiglu.swiglu_quantize(h)
     assert qs[0] == 0 and not q[0].any()
     assert math.isnan(qs[1]) and math.isnan(qs[2]) and not q[1].any()
-    qc, qsc = kf.swiglu_quantize(h, clamp_fp16=True)  # current ComfyUI's clamp_fp16: nan -> 0, inf -> 65504
+    qc, qsc = kf.swiglu.swiglu_quantize(h, clamp_fp16=True)  # current ComfyUI's clamp_fp16: nan -> 0, inf -> 65504
     rq, rs = qf.swiglu_quantize_ref(*h.chunk(2, 1), clamp_fp16=True)
     assert torch.equal(qc, rq) and torch.equal(qsc, rs)
     assert qsc[2].item() == pytest.approx(65504.0 / 127, rel=1e-6) and qc[2, 0] == 127
     with pytest.raises(ValueError, match="2F"):
-        kf.swiglu_quantize(h[:, :63])
+        kf.swiglu.swiglu_quantize(h[:, :63])
 
 
 def _int8_operands(m, f, k, dtype, gen, bias, w_scale=0.02):
@@ -285,7 +287,7 @@ def test_gemm_swiglu_equals_gemm_then_swiglu(kf, dtype, m, f, k, bias, clamp, w_
     g = torch.Generator().manual_seed(m * 1000 + f)
     a_q, a_s, w, ws, b = _int8_operands(m, f, k, dtype, g, bias, w_scale)
     ab = kernel.int8_gemm(a_q, a_s, w, ws, b, out_dtype=dtype)
-    h = kf.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=dtype, clamp_fp16=clamp)
+    h = kf.swiglu.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=dtype, clamp_fp16=clamp)
     assert h.shape == (m, f) and h.dtype == dtype
     ref = qf.swiglu_ref(*ab.chunk(2, dim=1), clamp_fp16=clamp)
     if dtype != FP32 and EXACT:
@@ -293,7 +295,7 @@ def test_gemm_swiglu_equals_gemm_then_swiglu(kf, dtype, m, f, k, bias, clamp, w_
     else:  # fp32: libdevice / numpy exp against torch's, ulps apart
         torch.testing.assert_close(h.float(), ref, rtol=1e-5, atol=1e-6, equal_nan=True)
     inv = (0.5 + torch.rand(f, generator=g)).to(DEV)
-    q0, s0 = kf.swiglu_quantize(ab, inv, clamp)
+    q0, s0 = kf.swiglu.swiglu_quantize(ab, inv, clamp)
     q1, s1 = kernel.quantize_per_token(h, inv)
     if EXACT:
         assert torch.equal(q0, q1)
@@ -312,11 +314,11 @@ def test_gemm_swiglu_tail_split_is_bit_exact(kf, monkeypatch, split):
     g = torch.Generator().manual_seed(split)
     a_q, a_s, w, ws, b = _int8_operands(150, 16, 300, BF16, g, True)
     cfg = autotune.interpreter_configs()[0]
-    monkeypatch.setattr(kf, "select_config", lambda *a, **kw: cfg)
-    plain = kf.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0)  # row 4 of x holds a NaN
-    monkeypatch.setattr(kf, "select_config", lambda *a, **kw: {**cfg, "SPLIT": split})
+    monkeypatch.setattr(kf.swiglu, "select_config", lambda *a, **kw: cfg)
+    plain = kf.swiglu.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0)  # row 4 of x holds a NaN
+    monkeypatch.setattr(kf.swiglu, "select_config", lambda *a, **kw: {**cfg, "SPLIT": split})
     for _ in range(2):
-        assert torch.equal(kf.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0), plain)
+        assert torch.equal(kf.swiglu.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0), plain)
 
 
 @pytest.mark.parametrize("dtype,m,f,k,bias,clamp", [
@@ -333,11 +335,11 @@ def test_gemm_swiglu_persistent_kernel_gives_the_plain_kernels_bits(kf, dtype, m
     g = torch.Generator().manual_seed(m + f)
     a_q, a_s, w, ws, b = _int8_operands(m, f, k, dtype, g, bias, 2.0 if dtype == FP16 else 0.02)
     cfg = autotune.interpreter_configs()[0]
-    plain = kf._launch_gemm_swiglu(a_q, a_s, w, ws, b, torch.empty((m, f), dtype=dtype), clamp, cfg)
+    plain = kf.swiglu._launch_gemm_swiglu(a_q, a_s, w, ws, b, torch.empty((m, f), dtype=dtype), clamp, cfg)
     h = torch.full((m + 2, f + 8), float("nan"), dtype=dtype)[:m, :f]
     with launch.record() as rec:
-        kf._launch_gemm_swiglu(a_q, a_s, w, ws, b, h, clamp, {**cfg, "S8": True, "PERSIST": True})
-    assert [ln.jit_fn for ln in rec] == [kf._gemm_swiglu_persistent_kernel]
+        kf.swiglu._launch_gemm_swiglu(a_q, a_s, w, ws, b, h, clamp, {**cfg, "S8": True, "PERSIST": True})
+    assert [ln.jit_fn for ln in rec] == [kf.swiglu._gemm_swiglu_persistent_kernel]
     assert s8wgmma.same_bits(h.contiguous(), plain)
 
 
@@ -346,11 +348,11 @@ def test_gemm_swiglu_edges(kf):
     g = torch.Generator().manual_seed(3)
     a_q, a_s, w, ws, b = _int8_operands(4, 16, 32, BF16, g, True)
     with pytest.raises(ValueError, match="2F"):
-        kf.gemm_swiglu(a_q, a_s, w[:31], ws[:31], b[:31])
+        kf.swiglu.gemm_swiglu(a_q, a_s, w[:31], ws[:31], b[:31])
     with pytest.raises(ValueError, match="K mismatch"):
-        kf.gemm_swiglu(a_q, a_s, w[:, :16], ws, b)
-    assert kf.gemm_swiglu(a_q[:0], a_s[:0], w, ws, b).shape == (0, 16)
-    h0 = kf.gemm_swiglu(a_q[:, :0], a_s, w[:, :0], ws, b)      # K = 0: silu(bias_a) * bias_b
+        kf.swiglu.gemm_swiglu(a_q, a_s, w[:, :16], ws, b)
+    assert kf.swiglu.gemm_swiglu(a_q[:0], a_s[:0], w, ws, b).shape == (0, 16)
+    h0 = kf.swiglu.gemm_swiglu(a_q[:, :0], a_s, w[:, :0], ws, b)      # K = 0: silu(bias_a) * bias_b
     bb = b.to(BF16)
     torch.testing.assert_close(h0, (F.silu(bb[:16]) * bb[16:]).expand(4, 16))
 
@@ -359,7 +361,7 @@ def test_gemm_swiglu_edges(kf):
 def test_fused_feed_forward_swiglu_epilogue_switch(clamp):
     """INT8_FUSED_SWIGLU_EPILOGUE: the same output bit for bit with SwiGLU in the GEMM epilogue or in its own
     kernel (and the switch decides which kernel ran)."""
-    import kernel.fused as kfm
+    import kernel.swiglu as ksw
     torch.manual_seed(1)
     dtype = FP16 if clamp else BF16
     ff = LuminaFeedForwardStandIn(64, 96).to(DEV, dtype)
@@ -372,19 +374,19 @@ def test_fused_feed_forward_swiglu_epilogue_switch(clamp):
     import kernel.gemm as kgm
     for on in (True, False):
         seen = []
-        real = kfm.launch
+        real = ksw.launch
 
         def spy(fn, *a, **kw):
             seen.append(fn)
             return real(fn, *a, **kw)
-        kfm.launch = kgm.launch = spy  # the GEMM kernels launch through kernel.gemm.run_launch
+        ksw.launch = kgm.launch = spy  # the GEMM kernels launch through kernel.gemm.run_launch
         try:
             with qf.config.override(INT8_FUSED_SWIGLU_EPILOGUE=on):
                 outs[on] = fused(x)
         finally:
-            kfm.launch = kgm.launch = real
+            ksw.launch = kgm.launch = real
         ran[on] = [fn for fn in seen if fn is not kgm._int8_gemm_kernel]  # w2's GEMM
-    assert ran[True] == [kfm._gemm_swiglu_kernel] and kfm._swiglu_quant_seg_kernel in ran[False]
+    assert ran[True] == [ksw._gemm_swiglu_kernel] and ksw._swiglu_quant_kernel in ran[False]
     if EXACT:
         assert torch.equal(outs[True], outs[False])
     else:
@@ -398,9 +400,9 @@ def test_fused_feed_forward_swiglu_epilogue_switch(clamp):
 def test_gated_residual_rmsnorm(kf, monkeypatch, dtype, m, k, b, nxt, one_pass):
     """``x + gate * rms_norm(o)`` (the block's residual tail) and the next norm * (1 + s) quantized, against
     ComfyUI's torch sequence; segments of at least 16 (100 -> 64 + 32 + 16, the last partial) or one tile."""
-    monkeypatch.setattr(kf, "RESIDUAL_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4)
+    monkeypatch.setattr(kf.residual, "RESIDUAL_ONE_PASS", kf.quantize.SegmentPlan(max_row=8192, min_seg=16, warps=4)
                         if one_pass else None)
-    seen = _spy_launches(kf, monkeypatch)
+    seen = _spy_launches(kf.residual, monkeypatch)
     g = torch.Generator().manual_seed(m * 10 + k)
     x, o = _rand((m, k), dtype, g), _rand((m, k), dtype, g, 5.0)
     wn, w2 = [(1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEV) for _ in range(2)]
@@ -408,8 +410,8 @@ def test_gated_residual_rmsnorm(kf, monkeypatch, dtype, m, k, b, nxt, one_pass):
     s2 = (1 + 0.3 * torch.randn(b, k, generator=g)).to(dtype).to(DEV)
     inv = (0.5 + torch.rand(k, generator=g)).to(DEV)
     tpb = m // b
-    y, q, qs = kf.gated_residual_rmsnorm(x, o, wn, 1e-5, gate, tpb, *((w2, 1e-6, s2, inv) if nxt else ()))
-    assert [("S0" in c, c.get("S1"), c.get("S2")) for c in seen] == (
+    y, q, qs = kf.residual.gated_residual_rmsnorm(x, o, wn, 1e-5, gate, tpb, *((w2, 1e-6, s2, inv) if nxt else ()))
+    assert [(c["S0"] > 0, c["S1"] if c["S0"] else None, c["S2"] if c["S0"] else None) for c in seen] == (
         [(True, {64: 0, 100: 32, 48: 16}[k], {64: 0, 100: 16, 48: 0}[k])] if one_pass else [(False, None, None)])
     yr = (x.reshape(b, tpb, k) + gate.reshape(b, 1, k) * F.rms_norm(o, (k,), wn, 1e-5).reshape(b, tpb, k))
     yr = yr.reshape(m, k)
@@ -426,7 +428,7 @@ def test_gated_residual_rmsnorm(kf, monkeypatch, dtype, m, k, b, nxt, one_pass):
     assert frac < 1e-3 and mx <= 1
     torch.testing.assert_close(qs, rs, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="gate has"):
-        kf.gated_residual_rmsnorm(x, o, wn, 1e-5, gate.repeat(2, 1), tpb)
+        kf.residual.gated_residual_rmsnorm(x, o, wn, 1e-5, gate.repeat(2, 1), tpb)
 
 
 # ----------------------------------------------------------------------------------- FeedForward
@@ -743,7 +745,7 @@ def test_modelpatcher_object_patches_lumina2(pinned_comfy):
 # ----------------------------------------------------------------------------------- llm_cond_proj cache
 def test_cached_linear_reuses_only_under_a_verified_key():
     lin = nn.Linear(16, 8)
-    c = qf.CachedLinear(lin, "llm_cond_proj")
+    c = cached_linear.CachedLinear(lin, "llm_cond_proj")
     x = torch.randn(5, 16)
     assert torch.equal(c(x), lin(x)) and c.misses == 0          # no key bound: plain call, nothing stored
     k1 = (uuid.uuid4(),)
@@ -768,7 +770,7 @@ def test_cached_linear_reuses_only_under_a_verified_key():
 
 def test_cached_linear_follows_weight_changes_and_patching():
     lin = nn.Linear(16, 8)
-    c = qf.CachedLinear(lin)
+    c = cached_linear.CachedLinear(lin)
     x = torch.randn(4, 16)
     with c.bind("run"):
         y1 = c(x)
@@ -794,12 +796,12 @@ def test_cache_wrappers_bind_uuids_and_invalidate():
             return dm.llm_cond_proj(context)
 
     to = {"uuids": [uuid.uuid4()], "cond_or_uncond": [0]}
-    y1 = qf.diffusion_model_wrapper(Executor(), None, None, x, None, to)
-    y2 = qf.diffusion_model_wrapper(Executor(), None, None, x.clone(), None, to)
+    y1 = cached_linear.diffusion_model_wrapper(Executor(), None, None, x, None, to)
+    y2 = cached_linear.diffusion_model_wrapper(Executor(), None, None, x.clone(), None, to)
     assert y2 is y1 and cache.hits == 1
-    qf.outer_sample_wrapper(lambda: None)
+    cached_linear.outer_sample_wrapper(lambda: None)
     assert not cache._entries
-    qf.diffusion_model_wrapper(Executor(), None, None, x, None, {})  # no uuids: not cached
+    cached_linear.diffusion_model_wrapper(Executor(), None, None, x, None, {})  # no uuids: not cached
     assert not cache._entries
 
 
@@ -830,7 +832,7 @@ import comfy.ops, comfy.utils, comfy.model_management as mm
 import comfy.ldm.ideogram4.model as im
 import adapters
 from adapters import ideogram4
-from quant import fused as qf
+from quant import blocks as qf, cached_linear
 from quant.linear import Int8Linear
 if dev == "cpu":
     mm.in_training = True  # the rms+rope path through comfy_kitchen's fused op needs its GPU backend
@@ -863,7 +865,7 @@ with torch.no_grad():
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 5e-3, err
     cache = fused.llm_cond_proj
-    with qf.bind_caches(fused, (uuid.uuid4(),)):
+    with cached_linear.bind_caches(fused, (uuid.uuid4(),)):
         a = fused(x, t, context=ctx)
         b = fused(x, t, context=ctx.clone())
     assert cache.hits == 1 and torch.equal(a, b), (cache.hits, cache.misses)
@@ -909,49 +911,53 @@ def _sm90_compile(kf, fn, consts, warps, types_extra=None):
 
 def _hopper_check() -> str:
     """Builds every case; returns 'OK' or the first problem (run in a process without TRITON_INTERPRET)."""
-    import kernel.fused as kf
+    import kernel as kf
+    import kernel.ops
     import kernel.quantize as kq
+    kernel.ops.row_modules()
     common = {"SCALE_RECIP": True, "INTERPRET": False}
     cases = [
-        (kf._rmsnorm_modulate_quant_seg_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "PROD_DT": 1, "S0": 4096,
-                                                 "S1": 512, "S2": 0}),
-        (kf._rmsnorm_modulate_quant_seg_kernel, {"HAS_SMOOTH": False, "NORM_DT": 1, "PROD_DT": 0, "S0": 4096,
-                                                 "S1": 2048, "S2": 1024}),
+        (kf.norm._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "PROD_DT": 1, "S0": 4096,
+                                                  "S1": 512, "S2": 0}),
+        (kf.norm._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 1, "PROD_DT": 0, "S0": 4096,
+                                                  "S1": 2048, "S2": 1024}),
         (kq._quant_rows_seg_kernel, {"HAS_SMOOTH": True, "S0": 4096, "S1": 512, "S2": 0}),
         (kq._quant_rows_seg_kernel, {"HAS_SMOOTH": False, "S0": 8192, "S1": 4096, "S2": 0}),
         (kq._quant_rows_loop_kernel, {"HAS_SMOOTH": True, "S0": 4096, "S1": 512, "S2": 0}),
         (kq._quant_rows_loop_kernel, {"HAS_SMOOTH": False, "S0": 8192, "S1": 4096, "S2": 0}),
-        (kf._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "PROD_DT": 1, "BLOCK": 8192,
-                                             "SINGLE": True}),
-        (kf._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 0, "PROD_DT": 0, "BLOCK": 4096,
-                                             "SINGLE": False}),
-        (kf._swiglu_quant_kernel, {"HAS_SMOOTH": True, "DT": 1, "CLAMP_FP16": False, "BLOCK": 16384,
-                                   "SINGLE": True}),
-        (kf._swiglu_quant_kernel, {"HAS_SMOOTH": False, "DT": 2, "CLAMP_FP16": True, "BLOCK": 4096,
-                                   "SINGLE": False}),
-        (kf._swiglu_quant_seg_kernel, {"HAS_SMOOTH": True, "DT": 1, "CLAMP_FP16": False, "S0": 8192, "S1": 4096,
-                                       "S2": 0}),
-        (kf._swiglu_quant_seg_kernel, {"HAS_SMOOTH": False, "DT": 2, "CLAMP_FP16": True, "S0": 8192, "S1": 1024,
-                                       "S2": 512}),
-        (kf._gated_residual_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True, "HAS_SMOOTH": True,
-                                     "NEXT_PROD_DT": 1, "BLOCK": 8192}),
-        (kf._gated_residual_seg_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
-                                         "HAS_SMOOTH": True, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 512, "S2": 0}),
-        (kf._gated_residual_seg_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
-                                         "HAS_SMOOTH": False, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 2048, "S2": 1024}),
+        (kf.norm._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": True, "NORM_DT": 1, "PROD_DT": 1, "BLOCK": 8192,
+                                                  "SINGLE": True}),
+        (kf.norm._rmsnorm_modulate_quant_kernel, {"HAS_SMOOTH": False, "NORM_DT": 0, "PROD_DT": 0, "BLOCK": 4096,
+                                                  "SINGLE": False}),
+        (kf.swiglu._swiglu_quant_kernel, {"HAS_SMOOTH": True, "DT": 1, "CLAMP_FP16": False, "BLOCK": 16384,
+                                          "SINGLE": True}),
+        (kf.swiglu._swiglu_quant_kernel, {"HAS_SMOOTH": False, "DT": 2, "CLAMP_FP16": True, "BLOCK": 4096,
+                                          "SINGLE": False}),
+        (kf.swiglu._swiglu_quant_kernel, {"HAS_SMOOTH": True, "DT": 1, "CLAMP_FP16": False, "S0": 8192, "S1": 4096,
+                                          "S2": 0}),
+        (kf.swiglu._swiglu_quant_kernel, {"HAS_SMOOTH": False, "DT": 2, "CLAMP_FP16": True, "S0": 8192, "S1": 1024,
+                                          "S2": 512}),
+        (kf.residual._gated_residual_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
+                                              "HAS_SMOOTH": True, "NEXT_PROD_DT": 1, "BLOCK": 8192}),
+        (kf.residual._gated_residual_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
+                                              "HAS_SMOOTH": True, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 512, "S2": 0}),
+        (kf.residual._gated_residual_kernel, {"NORM_DT": 1, "GATE_DT": 1, "OUT_DT": 1, "HAS_NEXT": True,
+                                              "HAS_SMOOTH": False, "NEXT_PROD_DT": 1, "S0": 4096, "S1": 2048, "S2": 1024}),
     ]
     for fn, consts in cases:
+        # a row kernel's other form (one tile / segments) is off: its constexprs 0
+        consts = {**{p: 0 for p in ("BLOCK", "SINGLE", "S0", "S1", "S2") if p in fn.arg_names}, **consts}
         v4, cubin, ptx = _sm90_compile(kf, fn, {**consts, **common}, 16,
                                        {"s_ptr": "*fp32"} if fn in (kq._quant_rows_seg_kernel,
                                                                     kq._quant_rows_loop_kernel) else None)
         if not (cubin and v4 > 0):
             return f"{fn.fn.__name__} {consts}: cubin={cubin}, 16-byte loads={v4}"
         # INT8_FUSED_ALU_ROUND: the int8 codes (and the bf16 roundings) come from adds, not cvt.rni / cvt.rn.bf16
-        if kf.ALU_ROUND and ("cvt.rni" in ptx or (consts.get("NORM_DT") == 1 and "cvt.rn.bf16.f32" in ptx
-                                                   and fn not in (kf._gated_residual_kernel,
-                                                                  kf._gated_residual_seg_kernel))):
+        if kf.quantize.ALU_ROUND and ("cvt.rni" in ptx or (consts.get("NORM_DT") == 1 and "cvt.rn.bf16.f32" in ptx
+                                                   and fn not in (kf.residual._gated_residual_kernel,
+                                                                  kf.residual._gated_residual_kernel))):
             return f"{fn.fn.__name__} {consts}: ALU_ROUND on but the PTX still rounds with cvt"
-        if not kf.ALU_ROUND and "cvt.rni" not in ptx:
+        if not kf.quantize.ALU_ROUND and "cvt.rni" not in ptx:
             return f"{fn.fn.__name__} {consts}: no cvt.rni in the default build"
     return _hopper_check_gemm_swiglu(kf)
 
@@ -965,7 +971,7 @@ def _hopper_check_gemm_swiglu(kf) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    fn = kf._gemm_swiglu_kernel
+    fn = kf.swiglu._gemm_swiglu_kernel
     types = {"a_ptr": "*i8", "w_ptr": "*i8", "h_ptr": "*bf16", "as_ptr": "*fp32", "ws_ptr": "*fp32",
              "bias_ptr": "*fp32", "part_ptr": "*i32", "cnt_ptr": "*i32"}
     for dt, clamp in ((1, False), (2, True)):

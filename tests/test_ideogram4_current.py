@@ -39,7 +39,7 @@ def body(pack, models) -> dict:
 
 
 def _files(pack, models):
-    i4 = sys.modules["comfyui_int8_fused.quant.fmt_ideogram4"]
+    i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
     W = sys.modules["comfyui_int8_fused.quant.fmt_write"]
     w = i4.widths()
     names = [n for n in i4.linear_specs(1, w) if n.startswith("layers.") and n.split(".")[-1] in

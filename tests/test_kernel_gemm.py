@@ -261,10 +261,10 @@ def test_slots_from_the_device_properties(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props[torch.device(d).index])
     monkeypatch.setattr(gemm, "_SLOTS", {})
     three, four = autotune.hopper_configs()[0], dict(autotune.hopper_configs()[0], num_stages=4)
-    assert gemm._slots(three, torch.device("cuda", 0)) == 264
-    assert gemm._slots(four, torch.device("cuda", 0)) == 132
-    assert gemm._slots(three, torch.device("cuda", 1)) == 82
-    assert gemm._slots(three, torch.device("cpu")) == 4
+    assert gemm.program_slots(three, torch.device("cuda", 0)) == 264
+    assert gemm.program_slots(four, torch.device("cuda", 0)) == 132
+    assert gemm.program_slots(three, torch.device("cuda", 1)) == 82
+    assert gemm.program_slots(three, torch.device("cpu")) == 4
 
 
 @pytest.mark.parametrize("value, gemm_on, swiglu_on", [(None, True, False), ("gemm", True, False), ("1", True, False),

@@ -107,7 +107,7 @@ def test_one_pass_segments(monkeypatch, k, segs, smooth):
     q, s = _assert_same(x, inv)
     assert seen == [("_quant_rows_seg_kernel", segs)]
     assert s[1] == 0 and s[3].isnan() and s[4].isnan() and not q[[1, 3, 4]].any()
-    # the row loop: 4 programs (the interpreter's "SM count" of kernel.quantize._sm_count) over 11 rows, each
+    # the row loop: 4 programs (the interpreter's "SM count" of kernel.quantize.sm_count) over 11 rows, each
     # issuing its next row's loads before storing the current one: the same codes and scales
     monkeypatch.setattr(kq, "QUANT_ROW_LOOP", 1)
     x11 = torch.cat([x, (torch.randn(6, k, generator=g) * 3).to(torch.bfloat16)])
@@ -200,22 +200,22 @@ def test_segment_widths_and_warps():
     elements rounded down to a power of 2 (at least 4, at most 8); rows past max_row get none."""
     from kernel import quantize as kq
     plan = kq.QUANT_ONE_PASS
-    assert kq._segments(4608, plan) == (4096, 512, 0) and kq._seg_warps((4096, 512, 0), plan) == 4
-    assert kq._segments(12288, plan) == (8192, 4096, 0) and kq._seg_warps((8192, 4096, 0), plan) == 8
-    assert kq._segments(13824, plan) == (8192, 4096, 2048) and kq._seg_warps((8192, 4096, 2048), plan) == 8
-    assert kq._segments(64, plan) == (256, 0, 0) and kq._seg_warps((256, 0, 0), plan) == 4
-    assert kq._segments(16385, plan) is None and kq._segments(0, plan) is None and kq._segments(100, None) is None
+    assert kq.segments(4608, plan) == (4096, 512, 0) and kq.seg_warps((4096, 512, 0), plan) == 4
+    assert kq.segments(12288, plan) == (8192, 4096, 0) and kq.seg_warps((8192, 4096, 0), plan) == 8
+    assert kq.segments(13824, plan) == (8192, 4096, 2048) and kq.seg_warps((8192, 4096, 2048), plan) == 8
+    assert kq.segments(64, plan) == (256, 0, 0) and kq.seg_warps((256, 0, 0), plan) == 4
+    assert kq.segments(16385, plan) is None and kq.segments(0, plan) is None and kq.segments(100, None) is None
 
 
 def test_segment_plan_min_row():
     """A plan's ``min_row``: shorter rows get no segments (their kernel's other form runs). The residual tails'
     default plan segments only rows whose one tile would be 8192 wide (Wan 14B's 5120 = 4096 + 1024, 4 warps);
-    Wan 1.3B's 1536 and Flux's 3072 keep their one tile (kernel/fused.py RESIDUAL_LN_ONE_PASS)."""
-    from kernel import fused as kf
+    Wan 1.3B's 1536 and Flux's 3072 keep their one tile (kernel/residual.py RESIDUAL_LN_ONE_PASS)."""
     from kernel import quantize as kq
+    from kernel import residual
     plan = kq.SegmentPlan(max_row=8192, min_seg=256, warps=4, min_row=4097)
-    assert kq._segments(4096, plan) is None and kq._segments(4097, plan) == (4096, 256, 0)
-    assert kq._segments(8192, plan) == (8192, 0, 0) and kq._segments(8193, plan) is None
-    res = kf.RESIDUAL_LN_ONE_PASS
-    assert kq._segments(1536, res) is None and kq._segments(3072, res) is None
-    assert kq._segments(5120, res) == (4096, 1024, 0) and kq._seg_warps((4096, 1024, 0), res) == 4
+    assert kq.segments(4096, plan) is None and kq.segments(4097, plan) == (4096, 256, 0)
+    assert kq.segments(8192, plan) == (8192, 0, 0) and kq.segments(8193, plan) is None
+    res = residual.RESIDUAL_LN_ONE_PASS
+    assert kq.segments(1536, res) is None and kq.segments(3072, res) is None
+    assert kq.segments(5120, res) == (4096, 1024, 0) and kq.seg_warps((4096, 1024, 0), res) == 4

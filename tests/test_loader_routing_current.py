@@ -45,9 +45,9 @@ def body(pack, models) -> dict:
     import importlib
 
     import comfy.patcher_extension
-    i4 = sys.modules["comfyui_int8_fused.quant.fmt_ideogram4"]
+    i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
     W = sys.modules["comfyui_int8_fused.quant.fmt_write"]
-    pe = sys.modules["comfyui_int8_fused.quant.pad_elision"]
+    pe = sys.modules["comfyui_int8_fused.adapters.ideogram4.pad_elision"]
     config = importlib.import_module(pack.__name__ + ".kernel.config")
     glue = pack.nodes.pad_elision
     w = i4.widths()

@@ -110,8 +110,8 @@ def _logged(fn):
 def block_activations(pack, dm, layers, patches, dtype, current: bool) -> dict:
     """On ``BLOCKS``: the (int8, scale) each GEMM of the fused block receives vs the per-linear block's Int8Linear
     inputs through ``quantize_per_token_ref``; outputs; the fallback calls (module doc)."""
-    qf, Int8Linear = pack.quant.fused, pack.quant.linear.Int8Linear
-    fl = pack.quant.fused_lumina2
+    qf, Int8Linear = pack.quant.blocks, pack.quant.linear.Int8Linear
+    fl = pack.adapters.lumina2.blocks
     g = torch.Generator().manual_seed(3)
     dim, b, l = dm.dim, 2, 10
     x = torch.randn(b, l, dim, generator=g).to(dtype)
@@ -152,14 +152,14 @@ def block_activations(pack, dm, layers, patches, dtype, current: bool) -> dict:
             seen_fused.setdefault(names_fused.get(id(layer), "?"), (a_q.clone(), a_s.clone()))
             return real_swiglu(a_q, a_s, layer, dt, clamp)
 
-        kf = qf._kf()
-        real_qk, qk_calls = kf.qk_norm_rope, []
+        kf = qf.kernels()
+        real_qk, qk_calls = kf.rope.qk_norm_rope, []
 
         def qk_spy(*a, **kw):
             qk_calls.append(a[0].shape)
             return real_qk(*a, **kw)
 
-        qf.gemm, qf.gemm_swiglu, kf.qk_norm_rope, Int8Linear.int8_call = spy, swiglu_spy, qk_spy, call_spy
+        qf.gemm, qf.gemm_swiglu, kf.rope.qk_norm_rope, Int8Linear.int8_call = spy, swiglu_spy, qk_spy, call_spy
         try:
             with torch.no_grad():
                 ref, got = plain(x.clone(), None, freqs, ada), fused(x.clone(), None, freqs, ada)
@@ -167,7 +167,7 @@ def block_activations(pack, dm, layers, patches, dtype, current: bool) -> dict:
                 with qf.config.override(INT8_FUSED_QK_ROPE="0"):  # ComfyUI's QK norm + RoPE ops
                     got_ops = fused(x.clone(), None, freqs, ada)
         finally:
-            qf.gemm, qf.gemm_swiglu, kf.qk_norm_rope, Int8Linear.int8_call = real_gemm, real_swiglu, real_qk, real_call
+            qf.gemm, qf.gemm_swiglu, kf.rope.qk_norm_rope, Int8Linear.int8_call = real_gemm, real_swiglu, real_qk, real_call
             for hk in hooks:
                 hk.remove()
         pairs = {"attention.qkv": "attention.qkv", "attention.out": "attention.out",
@@ -202,7 +202,7 @@ def block_activations(pack, dm, layers, patches, dtype, current: bool) -> dict:
 
 
 def lumina_equivalence(pack, dtype=BF16, config="lumina2", current=False) -> dict:
-    A, cfg = pack.adapters, pack.quant.fused.config
+    A, cfg = pack.adapters, pack.quant.blocks.config
     dm = tiny_lumina(dtype, config)
     layers = _layers(pack, dm)
     patches = A.object_patches(dm, layers)
@@ -288,7 +288,7 @@ def test_unknown_comfyui_functions_keep_feed_forward_fusion_pinned(pack):
 def test_fusion_switch_off_pinned(pack):
     dm = tiny_lumina(BF16)
     layers = _layers(pack, dm)
-    with pack.quant.fused.config.override(INT8_FUSED_FUSION=False):
+    with pack.quant.blocks.config.override(INT8_FUSED_FUSION=False):
         assert pack.adapters.object_patches(dm, layers) == layers
 
 

@@ -24,7 +24,7 @@ def body(pack, models) -> dict:
     import comfy.model_management as mm
     import comfy.ops
     import comfy.sd
-    i4 = sys.modules["comfyui_int8_fused.quant.fmt_ideogram4"]
+    i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
     Int8Linear = sys.modules["comfyui_int8_fused.quant.linear"].Int8Linear
     sd = i4.random_state_dict(1, i4.widths(), seed=2)
     model = comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})

@@ -62,8 +62,8 @@ def body(pack, models) -> dict:
     """Runs inside the current ComfyUI (subprocess)."""
     import comfy.patcher_extension
     import comfy.sd
-    i4 = importlib.import_module("comfyui_int8_fused.quant.fmt_ideogram4")
-    pe = importlib.import_module("comfyui_int8_fused.quant.pad_elision")
+    i4 = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.layout")
+    pe = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.pad_elision")
     model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, i4.widths(), seed=0, dtype=torch.float32),
                                                      {"dtype": torch.float32})
     dm = model.model.diffusion_model

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 import kernel  # noqa: E402
 from kernel import config, launch, plan  # noqa: E402
-from quant import fused as qf  # noqa: E402
+from quant import blocks as qf  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
 from launch_standins import Jit, int8_layer  # noqa: E402  (tests/ is on sys.path now)
@@ -271,8 +271,9 @@ def test_autotune_launches_are_not_part_of_a_recording(fast):
 
 # ---------------------------------------------------------------- plans keyed by the call (kernel.plan.call)
 def _kf():
-    from kernel import fused
-    return fused
+    import kernel.ops
+    kernel.ops.row_modules()
+    return kernel
 
 
 def _spy_fn(fn):
@@ -288,7 +289,7 @@ def test_call_repeats_a_row_kernel_with_a_view_of_its_operand():
     """Flux's LayerNorm · modulation + quantize: its [B, 1, K] modulation rows reach the kernel as a [B, K] view
     (by address); repeated calls with new values equal the wrapper's own result bit for bit."""
     kf = _kf()
-    fn, calls = _spy_fn(kf.layernorm_modulate_quantize)
+    fn, calls = _spy_fn(kf.norm.layernorm_modulate_quantize)
     g = torch.Generator().manual_seed(0)
     for i in range(3):
         x = torch.randn(2 * 12, 64, generator=g).to(torch.bfloat16)
@@ -296,7 +297,7 @@ def test_call_repeats_a_row_kernel_with_a_view_of_its_operand():
         shift = torch.randn(2, 1, 64, generator=g).to(torch.bfloat16)
         inv = torch.rand(64, generator=g) + 0.5
         got = plan.call(fn, x, scale, shift, 12, inv, 1e-6)
-        want = kf.layernorm_modulate_quantize(x, scale, shift, 12, inv, 1e-6)
+        want = kf.norm.layernorm_modulate_quantize(x, scale, shift, 12, inv, 1e-6)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), i
     assert len(calls) == 1  # recorded once, then re-issued
 
@@ -304,13 +305,13 @@ def test_call_repeats_a_row_kernel_with_a_view_of_its_operand():
 def test_call_key_holds_scalars_and_salt():
     """Another eps / tokens per batch / tile plan is another key: recorded again, never served the old plan."""
     kf = _kf()
-    fn, calls = _spy_fn(kf.layernorm_modulate_quantize)
+    fn, calls = _spy_fn(kf.norm.layernorm_modulate_quantize)
     x = _x(24, 64).to(torch.bfloat16)
     scale, shift = _x(2, 64, seed=2).to(torch.bfloat16), _x(2, 64, seed=3).to(torch.bfloat16)
     for eps, tpb, salt in [(1e-6, 12, ()), (1e-6, 12, ()), (1e-2, 12, ()), (1e-6, 24, ()), (1e-6, 12, ("other",))]:
         nb = 24 // tpb  # batch rows of the modulation
         got = plan.call(fn, x, scale[:nb], shift[:nb], tpb, None, eps, salt=salt)
-        want = kf.layernorm_modulate_quantize(x, scale[:nb], shift[:nb], tpb, None, eps)
+        want = kf.norm.layernorm_modulate_quantize(x, scale[:nb], shift[:nb], tpb, None, eps)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(calls) == 4  # the repeated first key alone re-issued its plan
 
@@ -334,7 +335,7 @@ def test_call_without_launches_runs_the_function_each_time():
 
 
 def test_fused_helpers_plan_their_row_kernels(monkeypatch):
-    """quant.fused's act_quant goes through kernel.plan.call: the wrapper runs once per key."""
+    """quant.blocks' act_quant goes through kernel.plan.call: the wrapper runs once per key."""
     calls = []
     real = kernel.quantize_per_token
 
@@ -355,12 +356,12 @@ def test_call_with_aliased_operands_is_not_planned():
     """The same tensor as scale and shift: a plan could not tell which operand each launch argument was, so the key
     stays unplanned and a later call with two tensors of those signatures gets its own, correct, result."""
     kf = _kf()
-    fn, calls = _spy_fn(kf.layernorm_modulate_quantize)
+    fn, calls = _spy_fn(kf.norm.layernorm_modulate_quantize)
     x = _x(24, 64).to(torch.bfloat16)
     s1, s2 = _x(2, 64, seed=2).to(torch.bfloat16), _x(2, 64, seed=3).to(torch.bfloat16)
     plan.call(fn, x, s1, s1, 12, None, 1e-6)
     got = plan.call(fn, x, s1, s2, 12, None, 1e-6)
-    want = kf.layernorm_modulate_quantize(x, s1, s2, 12, None, 1e-6)
+    want = kf.norm.layernorm_modulate_quantize(x, s1, s2, 12, None, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(calls) == 2
 
@@ -371,7 +372,7 @@ def test_call_in_place_with_the_output_passed_as_the_input():
     equal to torch's two ops (independent reference: the product rounded to bf16, then the sum); a call whose out
     is another tensor is another key, with its own result and x left as it was."""
     kf = _kf()
-    fn, calls = _spy_fn(kf.residual_add)
+    fn, calls = _spy_fn(kf.residual.residual_add)
     gate = torch.tanh(_x(2, 1, 64, seed=9)).to(torch.bfloat16)
     for seed in range(3):
         x, y = _x(24, 64, seed=seed).to(torch.bfloat16), _x(24, 64, seed=seed + 10).to(torch.bfloat16)
@@ -390,7 +391,7 @@ def test_call_of_a_kernel_that_returns_nothing():
     """QK RMSNorm + RoPE writes q and k (operands) and returns None: re-issued for new buffers, each equal to the
     wrapper's own result on copies of the same inputs."""
     kf = _kf()
-    fn, calls = _spy_fn(kf.qk_norm_rope)
+    fn, calls = _spy_fn(kf.rope.qk_norm_rope)
     heads, d, l = 2, 16, 6
     w = (1 + 0.1 * _x(d, seed=3)).to(torch.bfloat16)
     for seed in range(3):
@@ -399,14 +400,14 @@ def test_call_of_a_kernel_that_returns_nothing():
         q, k, v = (torch.zeros(1, heads, l, d, dtype=torch.bfloat16) for _ in range(3))
         assert plan.call(fn, qkv, heads, w, w, 1e-6, 1e-6, pe, q, k, v, 0) is None
         rq, rk, rv = (torch.zeros(1, heads, l, d, dtype=torch.bfloat16) for _ in range(3))
-        kf.qk_norm_rope(qkv, heads, w, w, 1e-6, 1e-6, pe, rq, rk, rv, 0)
+        kf.rope.qk_norm_rope(qkv, heads, w, w, 1e-6, 1e-6, pe, rq, rk, rv, 0)
         assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv) and q.any(), seed
     assert len(calls) == 1
 
 
 def test_a_changed_quantizer_plan_is_not_served_a_stale_plan(monkeypatch):
-    """kernel.quantize.QUANT_ONE_PASS and QUANT_ROW_LOOP are part of kernel.fused.tunables() (the key salt of
-    quant.fused's calls): after one changes, act_quant runs the kernel the new plan names, not the launches prepared
+    """kernel.quantize.QUANT_ONE_PASS and QUANT_ROW_LOOP are part of kernel.ops.tunables() (the key salt of
+    quant.blocks' calls): after one changes, act_quant runs the kernel the new plan names, not the launches prepared
     under the old one."""
     from kernel import quantize as kq
     seen, real = [], kq.launch
@@ -435,14 +436,14 @@ def test_a_changed_quantizer_plan_is_not_served_a_stale_plan(monkeypatch):
 
 @pytest.mark.parametrize("switch", ["INT8_FUSED_S8_WGMMA", "INT8_FUSED_PERSISTENT", "INT8_FUSED_TAIL_SPLIT"])
 def test_the_gemm_tile_switches_key_the_prepared_calls(switch):
-    """The switches that choose the GEMMs' tiles are part of the prepared calls' key salt (kernel.fused.tunables()):
+    """The switches that choose the GEMMs' tiles are part of the prepared calls' key salt (kernel.ops.tunables()):
     an A/B row with one of them changed must not re-issue launches planned under the other value (on the H200, run
     cb, an ``INT8_FUSED_PERSISTENT=0`` row re-issued the persistent SwiGLU GEMM an earlier row had planned)."""
     kf = _kf()
-    base = kf.tunables()
+    base = kf.ops.tunables()
     with config.override(**{switch: "0" if switch == "INT8_FUSED_TAIL_SPLIT" else False}):
-        assert kf.tunables() != base
-    assert kf.tunables() == base
+        assert kf.ops.tunables() != base
+    assert kf.ops.tunables() == base
 
 
 @pytest.mark.parametrize("switch", ["INT8_FUSED_S8_WGMMA", "INT8_FUSED_PERSISTENT", "INT8_FUSED_TAIL_SPLIT"])

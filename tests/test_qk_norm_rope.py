@@ -1,4 +1,4 @@
-"""``kernel.fused.qk_norm_rope`` (Flux's and Ideogram 4's QK RMSNorm + RoPE + attention layout in one pass) on the CPU
+"""``kernel.rope.qk_norm_rope`` (Flux's and Ideogram 4's QK RMSNorm + RoPE + attention layout in one pass) on the CPU
 (TRITON_INTERPRET=1), against torch written here from ComfyUI's ops:
 
 * reference: ``q = F.rms_norm(q_h, (D,), w, eps)`` on the [B, H, L, D] view of the qkv output (what
@@ -36,8 +36,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 @pytest.fixture(scope="module")
 def kf():
-    import kernel.fused
-    return kernel.fused
+    import kernel.ops
+    kernel.ops.row_modules()
+    return kernel
 
 
 def _rope_ref(x, pe):
@@ -76,7 +77,7 @@ def _run(kf, parts, heads, wq, wk, eps, pe):
     q, k, v = [torch.full((b, heads, total, d), float("nan"), dtype=parts[0].dtype) for _ in range(3)]
     off = 0
     for p in parts:
-        kf.qk_norm_rope(p, heads, wq, wk, eps, eps, pe, q, k, v, off)
+        kf.rope.qk_norm_rope(p, heads, wq, wk, eps, eps, pe, q, k, v, off)
         off += p.shape[1]
     return q, k, v
 
@@ -101,7 +102,7 @@ def _assert_as_ops(got, want, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,d", [(3, 16), (4, 8), (2, 32), (6, 16)])  # 6: three programs of 2 heads
 def test_equals_comfyuis_ops(kf, monkeypatch, dtype, heads, d, prefetch):
-    monkeypatch.setattr(kf, "QK_PREFETCH", prefetch)
+    monkeypatch.setattr(kf.rope, "QK_PREFETCH", prefetch)
     g = torch.Generator().manual_seed(heads * 100 + d)
     b, lt, li = 2, 3, 5
     txt = (torch.randn(b, lt, 3 * heads * d, generator=g) * 2).to(dtype)
@@ -150,7 +151,7 @@ def test_split_half_equals_ideogram4s_ops(kf, monkeypatch, dtype, heads, d, pref
     """Ideogram 4: ``rms_rope_split_half`` = F.rms_norm per head, then the split-half RoPE, on q / k of the
     [B, L, 3, H, D] qkv output; here written [B, H, L, D] (the attention layout) by one launch. ``QK_PREFETCH``:
     q's and k's halves loaded up front and the rotations as vectors, or one part after the other."""
-    monkeypatch.setattr(kf, "QK_PREFETCH", prefetch)
+    monkeypatch.setattr(kf.rope, "QK_PREFETCH", prefetch)
     g = torch.Generator().manual_seed(heads * 10 + d)
     b, l = 2, 7
     qkv = (torch.randn(b, l, 3 * heads * d, generator=g) * 2).to(dtype)
@@ -158,7 +159,7 @@ def test_split_half_equals_ideogram4s_ops(kf, monkeypatch, dtype, heads, d, pref
     wk = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
     freqs = _split_half_table(l, d, seed=d)
     q, k, v = [torch.full((b, heads, l, d), float("nan"), dtype=dtype) for _ in range(3)]
-    kf.qk_norm_rope(qkv, heads, wq, wk, 1e-5, 1e-5, freqs.transpose(1, 2), q, k, v, 0, split_half=True)
+    kf.rope.qk_norm_rope(qkv, heads, wq, wk, 1e-5, 1e-5, freqs.transpose(1, 2), q, k, v, 0, split_half=True)
     q_, k_, v_ = qkv.view(b, l, 3, heads, d).unbind(2)
     want = (_apply_rope_split_half1(F.rms_norm(q_, (d,), wq, 1e-5), freqs).transpose(1, 2),
             _apply_rope_split_half1(F.rms_norm(k_, (d,), wk, 1e-5), freqs).transpose(1, 2), v_.transpose(1, 2))
@@ -183,16 +184,16 @@ def test_blhd_layout_and_no_v(kf, split_half):
     w = (1 + 0.2 * torch.randn(d, generator=g)).to(torch.bfloat16)
     pe = _rope_table(b, l, d, seed=3)
     flat = [torch.zeros(b, heads, l, d, dtype=torch.bfloat16) for _ in range(3)]
-    kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, *flat, 0, split_half=split_half)
+    kf.rope.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, *flat, 0, split_half=split_half)
     blhd = [torch.zeros(b, l, heads, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
-    kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, blhd[0], blhd[1], None, 0, split_half=split_half)
+    kf.rope.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, blhd[0], blhd[1], None, 0, split_half=split_half)
     assert torch.equal(blhd[0], flat[0]) and torch.equal(blhd[1], flat[1])
     assert not blhd[2].any()  # v None: untouched
     assert torch.equal(flat[2], x.view(b, l, 3, heads, d)[:, :, 2].transpose(1, 2))
     with pytest.raises(ValueError, match="q's strides"):
-        kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, blhd[0], flat[1], None)
+        kf.rope.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, blhd[0], flat[1], None)
     with pytest.raises(ValueError, match="unit stride"):
-        kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, *(t.transpose(2, 3).contiguous().transpose(2, 3)
+        kf.rope.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, pe, *(t.transpose(2, 3).contiguous().transpose(2, 3)
                                                         for t in flat))
 
 
@@ -216,20 +217,20 @@ def test_empty_rows_write_nothing_and_bad_input_says_what_is_wrong(kf):
     heads, d = 2, 8
     q, k, v = [torch.zeros(1, heads, 4, d, dtype=torch.bfloat16) for _ in range(3)]
     w = torch.ones(d, dtype=torch.bfloat16)
-    kf.qk_norm_rope(torch.empty(1, 0, 3 * heads * d, dtype=torch.bfloat16), heads, w, w, 1e-6, 1e-6, None, q, k, v, 2)
+    kf.rope.qk_norm_rope(torch.empty(1, 0, 3 * heads * d, dtype=torch.bfloat16), heads, w, w, 1e-6, 1e-6, None, q, k, v, 2)
     assert not q.any() and not k.any() and not v.any()
     x = torch.randn(1, 4, 3 * heads * d).to(torch.bfloat16)
     with pytest.raises(ValueError, match="3 \\* heads"):
-        kf.qk_norm_rope(x, 5, w, w, 1e-6, 1e-6, None, q, k, v)
+        kf.rope.qk_norm_rope(x, 5, w, w, 1e-6, 1e-6, None, q, k, v)
     with pytest.raises(ValueError, match="power of two"):
-        kf.qk_norm_rope(torch.randn(1, 4, 3 * heads * 6).to(torch.bfloat16), heads, w[:6], w[:6], 1e-6, 1e-6,
+        kf.rope.qk_norm_rope(torch.randn(1, 4, 3 * heads * 6).to(torch.bfloat16), heads, w[:6], w[:6], 1e-6, 1e-6,
                         None, q, k, v)
     with pytest.raises(ValueError, match="contiguous"):
-        kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, None, q.transpose(1, 2), k, v)
+        kf.rope.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, None, q.transpose(1, 2), k, v)
     with pytest.raises(ValueError, match="do not fit"):
-        kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, None, q, k, v, 1)
+        kf.rope.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, None, q, k, v, 1)
     with pytest.raises(ValueError, match="pe must be fp32"):
-        kf.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, _rope_table(1, 4, d, 0).double(), q, k, v)
+        kf.rope.qk_norm_rope(x, heads, w, w, 1e-6, 1e-6, _rope_table(1, 4, d, 0).double(), q, k, v)
 
 
 def _wan_reference(xq, heads, w, eps, pe):
@@ -254,7 +255,7 @@ def test_row_norm_equals_wans_ops(kf, dtype, heads, d):
     pe = _rope_table(1, l, d, seed=d)  # Wan: one rotation table for the batch
     # outputs as the fused Wan block allocates them: [B, L, H, D] buffers seen as [B, H, L, D]
     q, k = (torch.full((b, l, heads, d), float("nan"), dtype=dtype).transpose(1, 2) for _ in range(2))
-    kf.qk_rmsnorm_rope_rows(xq, xk, heads, wq, wk, 1e-6, 1e-5, pe, q, k)
+    kf.rope.qk_rmsnorm_rope_rows(xq, xk, heads, wq, wk, 1e-6, 1e-5, pe, q, k)
     want = (_wan_reference(xq, heads, wq, 1e-6, pe), _wan_reference(xk, heads, wk, 1e-5, pe))
     for name, x, y in zip("qk", (q, k), want):
         assert not torch.isnan(x).any(), name
@@ -281,15 +282,15 @@ def test_row_norm_bad_input_says_what_is_wrong(kf):
     w = torch.ones(heads * d, dtype=torch.bfloat16)
     q, k = (torch.zeros(1, heads, 4, d, dtype=torch.bfloat16) for _ in range(2))
     with pytest.raises(ValueError, match="xk must match xq"):
-        kf.qk_rmsnorm_rope_rows(xq, xq[:, :3], heads, w, w, 1e-6, 1e-6, None, q, k)
+        kf.rope.qk_rmsnorm_rope_rows(xq, xq[:, :3], heads, w, w, 1e-6, 1e-6, None, q, k)
     with pytest.raises(ValueError, match="not heads"):
-        kf.qk_rmsnorm_rope_rows(xq, xq, 3, w, w, 1e-6, 1e-6, None, q, k)
+        kf.rope.qk_rmsnorm_rope_rows(xq, xq, 3, w, w, 1e-6, 1e-6, None, q, k)
     with pytest.raises(ValueError, match="q_weight"):  # a per-head weight where the norm spans the row
-        kf.qk_rmsnorm_rope_rows(xq, xq, heads, w[:d], w, 1e-6, 1e-6, None, q, k)
+        kf.rope.qk_rmsnorm_rope_rows(xq, xq, heads, w[:d], w, 1e-6, 1e-6, None, q, k)
     with pytest.raises(ValueError, match="unit stride"):
-        kf.qk_rmsnorm_rope_rows(xq.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :4], xq, heads, w, w, 1e-6,
+        kf.rope.qk_rmsnorm_rope_rows(xq.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :4], xq, heads, w, w, 1e-6,
                                 1e-6, None, q, k)
-    kf.qk_rmsnorm_rope_rows(xq[:, :0], xq[:, :0], heads, w, w, 1e-6, 1e-6, None, q[:, :, :0], k[:, :, :0])
+    kf.rope.qk_rmsnorm_rope_rows(xq[:, :0], xq[:, :0], heads, w, w, 1e-6, 1e-6, None, q[:, :, :0], k[:, :, :0])
     assert not q.any() and not k.any()  # no rows: nothing written
 
 
@@ -298,13 +299,13 @@ def _flux_qk_rope(pack) -> dict:
     """A tiny Flux.1 (tests/test_flux_fused.py's) with real RoPE (the model's own ``pe_embedder``): the fused model
     with INT8_FUSED_QK_ROPE at its default (on for Flux.1) vs 0, and the kernel's launches counted (one per stream and block)."""
     import test_flux_fused as tf
-    A, cfg, qf = pack.adapters, pack.quant.fused.config, pack.quant.fused
+    A, cfg, qf = pack.adapters, pack.quant.blocks.config, pack.quant.blocks
     dm = tf.tiny_flux(torch.bfloat16)
     layers = tf._layers(pack, dm)
     patches = A.object_patches(dm, layers)
     x, t, ctx, y = tf._inputs(torch.bfloat16, b=2)
     calls = []
-    real = qf._kf().qk_norm_rope
+    real = qf.kernels().rope.qk_norm_rope
 
     def spy(*a, **kw):
         calls.append(a[0].shape)
@@ -312,12 +313,12 @@ def _flux_qk_rope(pack) -> dict:
     with torch.no_grad():
         with cfg.override(INT8_FUSED_QK_ROPE="0"):
             off = tf._swap(dm, patches)(x, t, ctx, y=y)
-        qf._kf().qk_norm_rope = spy
+        qf.kernels().rope.qk_norm_rope = spy
         try:  # the default: Flux.1's blocks use the kernel (counted without prepared launches, which skip the wrapper)
             with cfg.override(INT8_FUSED_QK_ROPE=None, INT8_FUSED_PLANS=False):
                 on = tf._swap(dm, patches)(x, t, ctx, y=y)
         finally:
-            qf._kf().qk_norm_rope = real
+            qf.kernels().rope.qk_norm_rope = real
         planned = [tf._swap(dm, patches)(x, t, ctx, y=y) for _ in range(2)]  # prepared launches re-issued
     return {"rel": tf._rel(on, off), "calls": len(calls), "expected_calls": 2 * dm.params.depth
             + dm.params.depth_single_blocks, "finite": bool(torch.isfinite(on).all()),
@@ -339,9 +340,9 @@ def _ideogram4_qk_rope(pack) -> dict:
     ``_apply_rope_split_half1``; comfy_kitchen's fused op has no CPU kernel here)."""
     import comfy.model_management as mm
     import test_adapters as ta
-    cfg, qf = pack.quant.fused.config, pack.quant.fused
+    cfg, qf = pack.quant.blocks.config, pack.quant.blocks
     m, layers, patches, (x, t, ctx) = ta.tiny_ideogram4(pack, 2)
-    calls, real = [], qf._kf().qk_norm_rope
+    calls, real = [], qf.kernels().rope.qk_norm_rope
 
     def spy(*a, **kw):
         calls.append(a[11] if len(a) > 11 else kw.get("split_half"))  # split_half, positional through kernel.plan
@@ -352,16 +353,16 @@ def _ideogram4_qk_rope(pack) -> dict:
             mm.in_training = True  # ComfyUI's torch ops (reference)
             ref = ta._swap(m, layers)(x, t, context=ctx)
             mm.in_training = False
-            qf._kf().qk_norm_rope = spy
+            qf.kernels().rope.qk_norm_rope = spy
             with cfg.override(INT8_FUSED_QK_ROPE="flux"):  # Flux.1 only: Ideogram 4 keeps comfy_kitchen's op
                 flux_only = ta._swap(m, patches)(x, t, context=ctx)
             flux_only_calls = len(calls)
             with cfg.override(INT8_FUSED_QK_ROPE=None, INT8_FUSED_PLANS=False):  # the default (all); counted
                 got = ta._swap(m, patches)(x, t, context=ctx)
-            qf._kf().qk_norm_rope = real
+            qf.kernels().rope.qk_norm_rope = real
             planned = [ta._swap(m, patches)(x, t, context=ctx) for _ in range(2)]  # prepared launches re-issued
     finally:
-        qf._kf().qk_norm_rope = real
+        qf.kernels().rope.qk_norm_rope = real
         mm.in_training = before
     return {"rel": ta._rel(got, ref), "calls": calls, "layers": 2, "finite": bool(torch.isfinite(got).all()),
             "flux_only_calls": flux_only_calls, "flux_only_finite": bool(torch.isfinite(flux_only).all()),
@@ -387,7 +388,7 @@ def test_flux_blocks_with_fused_qk_rope_on_the_current_comfyui(comfy_current):
 
 def _hopper_check() -> str:
     """Builds the compiled branch of ``_qk_norm_rope_kernel`` for sm_90."""
-    import kernel.fused as kf
+    import kernel.rope as krope
     # Flux (24 heads in groups of 8, D 128, interleaved pairs), Ideogram 4 (18 heads in groups of 2, D 256,
     # split-half pairs), Wan (12 heads, D 128, the norm over the row, fp16)
     for ty, consts in (("bf16", {"D": 128, "BLOCK_H": 8, "DT": 1, "HAS_PE": True, "SPLIT_HALF": False,
@@ -400,7 +401,7 @@ def _hopper_check() -> str:
                                  "NORM_ROW": True, "WRITE_V": False, "INTERPRET": False})):
         types = {p: f"*{ty}" for p in ("src_ptr", "ksrc_ptr", "wq_ptr", "wk_ptr", "q_ptr", "k_ptr", "v_ptr")}
         types.update(pe_ptr="*fp32", eps_q="fp32", eps_k="fp32")
-        problem = fbh.build_sm90(kf._qk_norm_rope_kernel, types, {"PREFETCH": True, **consts})
+        problem = fbh.build_sm90(krope._qk_norm_rope_kernel, types, {"PREFETCH": True, **consts})
         if problem:
             return problem
     return "OK"

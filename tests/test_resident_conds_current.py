@@ -37,7 +37,7 @@ def body(pack, models) -> dict:
     import comfy.conds
     import comfy.patcher_extension as pe
     import comfy.sd
-    i4 = importlib.import_module("comfyui_int8_fused.quant.fmt_ideogram4")
+    i4 = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.layout")
     rc = pack.nodes.resident_conds
     config = importlib.import_module(pack.__name__ + ".kernel.config")
     model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, i4.widths(), seed=0, dtype=torch.float32),

@@ -273,7 +273,7 @@ sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kernel.fused as kf
+import kernel.swiglu as ksw
 import kernel.gemm as g
 from kernel import s8wgmma
 
@@ -292,13 +292,13 @@ CASES = [
      {"c_ptr": "*i32"}),
     ("gemm K tail", g._int8_gemm_kernel, {"HAS_BIAS": False, "OUT_INT32": False, "EVEN_K": False, "SPLIT": 1}, {}),
     ("gemm split 2", g._int8_gemm_kernel, {"HAS_BIAS": True, "OUT_INT32": False, "EVEN_K": True, "SPLIT": 2}, {}),
-    ("swiglu", kf._gemm_swiglu_kernel, {"HAS_BIAS": False, "EVEN_K": True, "SPLIT": 1, "DT": 1, "CLAMP_FP16": False},
+    ("swiglu", ksw._gemm_swiglu_kernel, {"HAS_BIAS": False, "EVEN_K": True, "SPLIT": 1, "DT": 1, "CLAMP_FP16": False},
      {}),
     ("persistent bias bf16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": True, "SPLIT": 1}, {}),
     ("persistent fp16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": False, "SPLIT": 1},
      {"c_desc": "tensordesc<fp16[128, 128]>"}),
     ("persistent split 2", g._int8_gemm_persistent_kernel, {"HAS_BIAS": False, "SPLIT": 2}, {}),
-    ("swiglu persistent", kf._gemm_swiglu_persistent_kernel,
+    ("swiglu persistent", ksw._gemm_swiglu_persistent_kernel,
      {"HAS_BIAS": False, "DT": 1, "CLAMP_FP16": False},
      {"w_desc": "tensordesc<fp8e4nv[2, 128, 128]>", "h_desc": "tensordesc<bf16[128, 128]>"}),
 ]

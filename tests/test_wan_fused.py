@@ -1,4 +1,4 @@
-"""Fused Wan 2.x attention blocks (issue 13, adapters/wan.py + quant/fused_wan.py) on the CPU (TRITON_INTERPRET=1).
+"""Fused Wan 2.x attention blocks (issue 13, adapters/wan/) on the CPU (TRITON_INTERPRET=1).
 
 A tiny Wan 2.1 T2V (dim 64, 2 heads, ffn 128, 2 layers) built from ComfyUI's own ``WanModel`` class, pinned 0.3.75
 in-process and the current ComfyUI (COMFYUI_CURRENT, 0.33.0: ``WanFeedForward``, attention patches) in a subprocess:
@@ -115,7 +115,7 @@ def _logged(fn):
 def block_activations(pack, dm, layers, patches, dtype) -> dict:
     """On blocks.0: the (int8, scale) every GEMM of the fused block receives vs what the per-linear INT8 block
     quantizes, the block outputs, and the fallback calls."""
-    qf, fw = pack.quant.fused, pack.quant.fused_wan
+    qf = pack.quant.blocks
     Int8Linear = pack.quant.linear.Int8Linear
     from quant.quantize import quantize_per_token_ref
     name = "blocks.0"
@@ -130,7 +130,7 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
         seen_plain.setdefault(id(mod), quantize_per_token_ref(a[0].reshape(-1, a[0].shape[-1]), mod.inv_smooth))
 
     hooks = [m.register_forward_pre_hook(record) for m in plain.modules() if isinstance(m, Int8Linear)]
-    real_gemm, real_ln, real_gelu = qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant
+    real_gemm, real_ln, real_gelu = qf.gemm, qf.ln_mod_quant, qf.cat_gelu_quant
 
     def spy(a_q, a_s, layer, dt):
         seen_fused.setdefault(id(layer), (a_q.clone(), a_s.clone()))
@@ -153,10 +153,10 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
     def call(blk, ee=None, **over):
         return blk(x.clone(), *args[1:], e=e if ee is None else ee, **{**kwargs, **over})
 
-    kf = qf._kf()
-    real_qk, qk_calls = kf.qk_rmsnorm_rope_rows, []
+    kf = qf.kernels()
+    real_qk, qk_calls = kf.rope.qk_rmsnorm_rope_rows, []
     tails = ("residual_add", "residual_add_layernorm", "residual_add_layernorm_modulate_quantize")
-    real_tails, tail_calls = {n: getattr(kf, n) for n in tails}, {n: 0 for n in tails}
+    real_tails, tail_calls = {n: getattr(kf.residual, n) for n in tails}, {n: 0 for n in tails}
 
     def qk_spy(*a):
         qk_calls.append(a[0].shape)
@@ -169,8 +169,8 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
         return f
 
     for n in tails:
-        setattr(kf, n, tail_spy(n))
-    qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant, kf.qk_rmsnorm_rope_rows = spy, ln_spy, gelu_spy, qk_spy
+        setattr(kf.residual, n, tail_spy(n))
+    qf.gemm, qf.ln_mod_quant, qf.cat_gelu_quant, kf.rope.qk_rmsnorm_rope_rows = spy, ln_spy, gelu_spy, qk_spy
     Int8Linear.int8_call = call_spy
     try:
         with torch.no_grad():
@@ -196,10 +196,10 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
             to = {"patches": {"attn2_patch": [lambda d: d["x"] * 0.5]}}
             ref_p, got_p = call(plain, transformer_options=to), call(fused, transformer_options=to)
     finally:
-        qf.gemm, fw._ln_mod_quant, fw._cat_gelu_quant, kf.qk_rmsnorm_rope_rows = real_gemm, real_ln, real_gelu, real_qk
+        qf.gemm, qf.ln_mod_quant, qf.cat_gelu_quant, kf.rope.qk_rmsnorm_rope_rows = real_gemm, real_ln, real_gelu, real_qk
         Int8Linear.int8_call = real_call
         for n in tails:
-            setattr(kf, n, real_tails[n])
+            setattr(kf.residual, n, real_tails[n])
         for h in hooks:
             h.remove()
     sa = fused.self_attn
@@ -224,7 +224,7 @@ def block_activations(pack, dm, layers, patches, dtype) -> dict:
 
 
 def wan_equivalence(pack, dtype=BF16, cross_attn_norm=True) -> dict:
-    A, cfg = pack.adapters, pack.quant.fused.config
+    A, cfg = pack.adapters, pack.quant.blocks.config
     dm = tiny_wan(dtype, cross_attn_norm=cross_attn_norm)
     layers = _layers(pack, dm)
     patches = A.object_patches(dm, layers)
@@ -298,7 +298,7 @@ def test_unsupported_block_class_stays_per_linear_pinned(pack):
 
 @needs_interpreter
 def test_fusion_switch_other_backends_and_partial_pinned(pack):
-    A, qf = pack.adapters, pack.quant.fused
+    A, qf = pack.adapters, pack.quant.blocks
     dm = tiny_wan(BF16, layers=1)
     layers = _layers(pack, dm)
     with qf.config.override(INT8_FUSED_FUSION=False):

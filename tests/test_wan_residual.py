@@ -1,4 +1,4 @@
-"""``kernel.fused.residual_add`` / ``residual_add_layernorm`` / ``residual_add_layernorm_modulate_quantize`` (Wan's
+"""``kernel.residual.residual_add`` / ``residual_add_layernorm`` / ``residual_add_layernorm_modulate_quantize`` (Wan's
 residual tails, issue 13) on the CPU (TRITON_INTERPRET=1), against torch and float64:
 
 * the sum: ``torch.addcmul(x, y, gate)`` (``x + y`` without a gate) computes ``x + y * g`` in fp32 and rounds
@@ -40,26 +40,25 @@ kernel_tests = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 @pytest.fixture(scope="module")
 def kf():
-    import kernel.fused
-    return kernel.fused
+    import kernel.ops
+    kernel.ops.row_modules()
+    return kernel
 
 
 @pytest.fixture(autouse=True, params=["seg", "single"])
-def form(request, monkeypatch):
+def form(request, monkeypatch, kf):
     """Every test twice: the segmented kernel with segments of 16 and up (so that these small rows take two or
     three: 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64, 200 = 128 + 64 + 16), and the one-tile kernel."""
-    import kernel.fused as kf
-    monkeypatch.setattr(kf, "RESIDUAL_LN_ONE_PASS", kf.SegmentPlan(max_row=8192, min_seg=16, warps=4)
+    monkeypatch.setattr(kf.residual, "RESIDUAL_LN_ONE_PASS", kf.quantize.SegmentPlan(max_row=8192, min_seg=16, warps=4)
                         if request.param == "seg" else None)
-    seen, real = [], kf.launch
+    seen, real = [], kf.residual.launch
 
-    def spy(fn, *args, **kw):
-        seen.append(fn.fn.__name__)
-        return real(fn, *args, **kw)
-    monkeypatch.setattr(kf, "launch", spy)
+    def spy(fn, grid, args, constexprs, *rest):  # which form ran: S0 > 0 the segments
+        seen.append((fn.fn.__name__, constexprs.get("S0", 0) > 0))
+        return real(fn, grid, args, constexprs, *rest)
+    monkeypatch.setattr(kf.residual, "launch", spy)
     yield request.param
-    want = "_residual_layernorm_seg_kernel" if request.param == "seg" else "_residual_layernorm_kernel"
-    assert all(n == want for n in seen if n.startswith("_residual_layernorm")), seen
+    assert all(seg == (request.param == "seg") for n, seg in seen if n == "_residual_layernorm_kernel"), seen
 
 
 _ulps = fbh.ulps
@@ -90,7 +89,7 @@ def _operands(dtype, m, k, b, seed):
 def test_residual_add(kf, dtype, m, k, b):
     x, y, gate, _ = _operands(dtype, m, k, b, m * 31 + k)
     tpb = m // b
-    got = kf.residual_add(x, y, gate, tpb)
+    got = kf.residual.residual_add(x, y, gate, tpb)
     want = torch.addcmul(x.view(b, tpb, k), y.view(b, tpb, k), gate).view(m, k)
     assert got.dtype == dtype and got.shape == (m, k)
     yg = y.double() * gate.double().expand(b, tpb, k).reshape(m, k)
@@ -100,7 +99,7 @@ def test_residual_add(kf, dtype, m, k, b):
     want64 = x.double() + yg
     tol = torch.finfo(dtype).eps * (want64.abs() if dtype != FP32 else mag)
     assert bool(((got.double() - want64).abs() <= tol).all())
-    assert torch.equal(kf.residual_add(x, y), x + y)  # no gate: one fp32 add, one rounding: bit for bit
+    assert torch.equal(kf.residual.residual_add(x, y), x + y)  # no gate: one fp32 add, one rounding: bit for bit
 
 
 @kernel_tests
@@ -111,7 +110,7 @@ def test_residual_add_layernorm(kf, dtype, affine):
     x, y, gate, g = _operands(dtype, m, k, b, 5 + affine)
     w = (1 + 0.3 * torch.randn(k, generator=g)).to(dtype) if affine else None
     bias = (0.2 * torch.randn(k, generator=g)).to(dtype) if affine else None
-    r, n = kf.residual_add_layernorm(x, y, gate, m // b, 1e-6, w, bias)
+    r, n = kf.residual.residual_add_layernorm(x, y, gate, m // b, 1e-6, w, bias)
     r_t = torch.addcmul(x.view(b, -1, k), y.view(b, -1, k), gate).view(m, k)
     _close_to_torch(r, r_t, "sum", x.double().abs() + (y.double().view(b, -1, k) * gate.double()).abs().view(m, k))
     want = F.layer_norm(r, (k,), w, bias, 1e-6)  # of the kernel's own sum: the norm alone
@@ -137,12 +136,12 @@ def test_residual_add_layernorm_modulate_quantize(kf, dtype, smooth):
     mod = (torch.randn(b, 1, 2 * k, generator=g) * 0.4).to(dtype)
     shift, scale = mod[..., :k], mod[..., k:]                  # views of one modulation tensor, as Wan's chunks
     inv = (0.5 + torch.rand(k, generator=g)) if smooth else None
-    r, q, s = kf.residual_add_layernorm_modulate_quantize(x, c, None, m // b, 1e-6, scale, shift, inv)
+    r, q, s = kf.residual.residual_add_layernorm_modulate_quantize(x, c, None, m // b, 1e-6, scale, shift, inv)
     assert torch.equal(r, x + c)
     y_ideal, marked = tf.layernorm_modulate_ideal(x + c, scale, shift, m // b)
     tf.check_within_ties(q, s, y_ideal, marked, dtype, inv, "residual + layernorm_modulate")
     # and what the separate kernel gives on torch's sum (the fused blocks' unfused twin): the same codes but at ties
-    q2, s2 = kf.layernorm_modulate_quantize(x + c, scale, shift, m // b, inv, 1e-6)
+    q2, s2 = kf.norm.layernorm_modulate_quantize(x + c, scale, shift, m // b, inv, 1e-6)
     assert int((q.int() - q2.int()).abs().max()) <= 1
 
 
@@ -156,33 +155,33 @@ def test_round_product_in_place(kf, dtype):
     x, y, gate, g = _operands(dtype, m, k, b, 23)
     want = (x.view(b, -1, k) + y.view(b, -1, k) * gate).view(m, k)  # torch's two ops
     x1 = x.clone()
-    r = kf.residual_add(x1, y, gate, m // b, round_product=True, out=x1)
+    r = kf.residual.residual_add(x1, y, gate, m // b, round_product=True, out=x1)
     assert r.data_ptr() == x1.data_ptr() and torch.equal(x1, want)
     mod = (torch.randn(b, 1, 2 * k, generator=g) * 0.4).to(dtype)
     x2 = x.clone()
-    r, q, s = kf.residual_add_layernorm_modulate_quantize(x2, y, gate, m // b, 1e-6, mod[..., k:], mod[..., :k],
+    r, q, s = kf.residual.residual_add_layernorm_modulate_quantize(x2, y, gate, m // b, 1e-6, mod[..., k:], mod[..., :k],
                                                           None, round_product=True, out=x2)
     assert torch.equal(x2, want)
-    q2, s2 = kf.layernorm_modulate_quantize(want, mod[..., k:], mod[..., :k], m // b, None, 1e-6)
+    q2, s2 = kf.norm.layernorm_modulate_quantize(want, mod[..., k:], mod[..., :k], m // b, None, 1e-6)
     assert int((q.int() - q2.int()).abs().max()) <= 1 and torch.allclose(s, s2, rtol=2.0 ** -7, atol=0)
     with pytest.raises(ValueError, match="out must be"):
-        kf.residual_add(x, y, gate, m // b, out=x.t())
+        kf.residual.residual_add(x, y, gate, m // b, out=x.t())
 
 
 @kernel_tests
 def test_bad_input_and_empty_rows(kf):
     x = torch.randn(4, 32).to(BF16)
     with pytest.raises(ValueError, match="promote"):
-        kf.residual_add(x, x.half())
+        kf.residual.residual_add(x, x.half())
     with pytest.raises(ValueError, match="promote"):
-        kf.residual_add(x, x, torch.ones(1, 32, dtype=FP32), 4)
+        kf.residual.residual_add(x, x, torch.ones(1, 32, dtype=FP32), 4)
     with pytest.raises(ValueError, match="registers"):
-        big = torch.zeros(1, kf.MAX_SINGLE + 1, dtype=BF16)
-        kf.residual_add_layernorm(big, big, None, 1, 1e-6)
+        big = torch.zeros(1, kf.rowtile.MAX_SINGLE + 1, dtype=BF16)
+        kf.residual.residual_add_layernorm(big, big, None, 1, 1e-6)
     with pytest.raises(ValueError, match="batch rows"):
-        kf.residual_add(x, x, torch.ones(3, 32, dtype=BF16), 2)
+        kf.residual.residual_add(x, x, torch.ones(3, 32, dtype=BF16), 2)
     e = torch.empty(0, 32, dtype=BF16)
-    r, q, s = kf.residual_add_layernorm_modulate_quantize(e, e, None, 1, 1e-6, torch.zeros(1, 32, dtype=BF16),
+    r, q, s = kf.residual.residual_add_layernorm_modulate_quantize(e, e, None, 1, 1e-6, torch.zeros(1, 32, dtype=BF16),
                                                           torch.zeros(1, 32, dtype=BF16))
     assert r.shape == (0, 32) and q.shape == (0, 32) and s.shape == (0,)
 
@@ -192,8 +191,8 @@ def _hopper_check() -> str:
     K 1536 -> one 2048 tile)."""
     import inspect
 
-    import kernel.fused as kf
-    fn = kf._residual_layernorm_kernel
+    import kernel.residual as kres
+    fn = kres._residual_layernorm_kernel
     types = {p: "*fp16" for p in inspect.signature(fn.fn).parameters if p.endswith("_ptr")}
     types.update(inv_ptr="*fp32", q_ptr="*i8", qs_ptr="*fp32", eps="fp32")
     for mode, extra in ((0, {}), (0, {"ROUND_PRODUCT": True}), (1, {"HAS_W": True, "HAS_B": True}),
@@ -201,14 +200,14 @@ def _hopper_check() -> str:
         consts = {"HAS_GATE": mode != 2, "ROUND_PRODUCT": False, "MODE": mode, "HAS_W": False, "HAS_B": False,
                   "HAS_SMOOTH": False, "DT": 2, "SCALE_DT": 2, "PROD_DT": 2, "SCALE_RECIP": True, "BLOCK": 2048,
                   "INTERPRET": False}
-        problem = fbh.build_sm90(fn, types, {**consts, **extra}, num_warps=4)
+        problem = fbh.build_sm90(fn, types, {**consts, **extra, "S0": 0, "S1": 0, "S2": 0}, num_warps=4)
         if problem:
             return problem
         # the segmented kernel: Wan 1.3B's K 1536 = 1024 + 512 (fp16), Flux's 3072 = 2048 + 1024 (bf16)
-        consts.pop("BLOCK")
+        consts["BLOCK"] = 0
         for dt, ty, segs in ((2, "*fp16", (1024, 512, 0)), (1, "*bf16", (2048, 1024, 0))):
             seg_types = {p: (ty if v == "*fp16" else v) for p, v in types.items()}
-            problem = fbh.build_sm90(kf._residual_layernorm_seg_kernel, seg_types,
+            problem = fbh.build_sm90(fn, seg_types,
                                      {**consts, **extra, "DT": dt, "SCALE_DT": dt, "PROD_DT": dt,
                                       "S0": segs[0], "S1": segs[1], "S2": segs[2]}, num_warps=4)
             if problem:

@@ -5,8 +5,8 @@ INT8 layers: the linears of ``double_blocks.N`` (img/txt qkv, proj, mlp) and ``s
 linear2); the modulation GEMVs (``img_mod.lin``, ``txt_mod.lin``, ``modulation.lin``) only with
 ``blocks+modulation``. Flux.2's and Chroma's modulation sits outside the blocks.
 
-Fused, on fused_triton (``fuse``, issue 13): each Flux.1 ``DoubleStreamBlock`` / ``SingleStreamBlock`` becomes a
-``quant.fused_flux.FusedFluxDoubleBlock`` / ``FusedFluxSingleBlock``: LayerNorm * (1 + scale) + shift +
+Fused, on fused_triton (``fuse``): each Flux.1 ``DoubleStreamBlock`` / ``SingleStreamBlock`` becomes a
+``blocks.FusedFluxDoubleBlock`` / ``FusedFluxSingleBlock``: LayerNorm * (1 + scale) + shift +
 quantization feed qkv, mlp.0 and linear1 from one kernel, GELU + quantization feeds mlp.2, and the single block's
 ``cat(attn, gelu(mlp))`` is quantized for linear2 without being built. A block is fused only when it is ComfyUI's
 own class with Flux.1's structure: its own ``Modulation`` (``modulation=True``), the tanh-GELU MLP
@@ -19,9 +19,9 @@ twin (the per-linear path). fp16: the fused forwards clamp as ComfyUI's do (``na
 
 ComfyUI functions, imported explicitly in :func:`comfy_functions`: ``comfy.ldm.flux.math.attention`` (RoPE, then
 ``optimized_attention`` with ``transformer_options``: the pack's attention routing applies), that
-``optimized_attention`` itself (``INT8_FUSED_QK_ROPE``, on by default, applies the QK norm and RoPE in its own kernel), and
-``comfy.ldm.flux.layers.DoubleStreamBlock.forward`` / ``SingleStreamBlock.forward`` (the fallback); the blocks'
-own ``Modulation`` and ``QKNorm`` modules are called as modules. 0.3.75 and 0.33.0 differ inside those (0.33.0:
+``optimized_attention`` itself (``INT8_FUSED_QK_ROPE``, on by default, applies the QK norm and RoPE in its own
+kernel), and ``comfy.ldm.flux.layers.DoubleStreamBlock.forward`` / ``SingleStreamBlock.forward`` (the fallback); the
+blocks' own ``Modulation`` and ``QKNorm`` modules are called as modules. 0.3.75 and 0.33.0 differ inside those (0.33.0:
 comfy_kitchen RoPE, attention patches, ``yak_mlp``, ``modulation_dims`` slicing), not in what the fused path runs.
 """
 from __future__ import annotations
@@ -31,9 +31,8 @@ import logging
 
 from torch import nn
 
-from .base import Adapter, fuse_blocks, pack_module, select
-
-ff = pack_module("quant.fused_flux")
+from ..base import Adapter, fuse_blocks, select
+from .blocks import FluxFunctions, FusedFluxDoubleBlock, FusedFluxSingleBlock
 
 log = logging.getLogger("int8_fused")
 
@@ -48,10 +47,10 @@ def comfy_functions():
     import comfy.ldm.flux.layers as layers
     import comfy.ldm.flux.math as flux_math
     import comfy.model_management as mm
-    return layers, ff.FluxFunctions(attention=flux_math.attention, double_forward=layers.DoubleStreamBlock.forward,
-                                    single_forward=layers.SingleStreamBlock.forward,
-                                    optimized_attention=flux_math.optimized_attention,
-                                    in_training=lambda: bool(getattr(mm, "in_training", False)))
+    return layers, FluxFunctions(attention=flux_math.attention, double_forward=layers.DoubleStreamBlock.forward,
+                                 single_forward=layers.SingleStreamBlock.forward,
+                                 optimized_attention=flux_math.optimized_attention,
+                                 in_training=lambda: bool(getattr(mm, "in_training", False)))
 
 
 def _args(fn) -> tuple[str, ...]:
@@ -130,8 +129,8 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
         log.info("INT8 fusion: Flux blocks stay on the per-linear path (this ComfyUI lacks what they call: %s)", e)
         return {}
     candidates = []
-    for kind, why, cls in (("double", why_not_double, ff.FusedFluxDoubleBlock),
-                           ("single", why_not_single, ff.FusedFluxSingleBlock)):
+    for kind, why, cls in (("double", why_not_double, FusedFluxDoubleBlock),
+                           ("single", why_not_single, FusedFluxSingleBlock)):
         for i, blk in enumerate(getattr(diffusion_model, f"{kind}_blocks", None) or ()):
             name = f"{kind}_blocks.{i}"
             candidates.append((name, why(blk, layers), KERNEL_FED[kind],

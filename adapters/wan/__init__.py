@@ -3,9 +3,9 @@
 INT8 layers: self- and cross-attention q/k/v/o (and the image k/v of I2V) and ``ffn.0`` / ``ffn.2`` of ``blocks.N``.
 Wan's block modulation is a parameter, not a linear, so ``blocks+modulation`` adds nothing here.
 
-Fused, on fused_triton (``fuse``, issue 13): each ``blocks.N`` that is exactly ComfyUI's ``WanAttentionBlock`` (Wan
+Fused, on fused_triton (``fuse``): each ``blocks.N`` that is exactly ComfyUI's ``WanAttentionBlock`` (Wan
 2.1 / 2.2 T2V and I2V; also the main blocks of VACE and camera models, which call them as WanModel does) becomes a
-``quant.fused_wan.FusedWanBlock``: norm1 LayerNorm * (1 + scale) + shift + quantization gives one int8 activation
+``blocks.FusedWanBlock``: norm1 LayerNorm * (1 + scale) + shift + quantization gives one int8 activation
 for ``self_attn.q``, ``.k`` and ``.v``; the residual sum before norm2 and norm2's the same for ``ffn.0`` in one
 kernel; GELU(tanh) + quantization feeds ``ffn.2``; the other residual tails (with norm3) and QK norm + RoPE one
 kernel each.
@@ -32,9 +32,8 @@ import logging
 
 from torch import nn
 
-from .base import Adapter, fuse_blocks, pack_module, select
-
-fw = pack_module("quant.fused_wan")
+from ..base import Adapter, fuse_blocks, select
+from .blocks import FusedWanBlock, WanFunctions
 
 log = logging.getLogger("int8_fused")
 
@@ -48,9 +47,9 @@ def comfy_functions():
     what is missing."""
     import comfy.ldm.wan.model as wan
     import comfy.model_management as mm
-    return wan, fw.WanFunctions(cast_to=mm.cast_to, apply_rope1=wan.apply_rope1,
-                                optimized_attention=wan.optimized_attention, repeat_e=wan.repeat_e,
-                                block_forward=wan.WanAttentionBlock.forward)
+    return wan, WanFunctions(cast_to=mm.cast_to, apply_rope1=wan.apply_rope1,
+                             optimized_attention=wan.optimized_attention, repeat_e=wan.repeat_e,
+                             block_forward=wan.WanAttentionBlock.forward)
 
 
 def _plain_layer_norm(m, k: int) -> bool:
@@ -92,7 +91,7 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
         log.info("INT8 fusion: Wan blocks stay on the per-linear path (this ComfyUI lacks what they call: %s)", e)
         return {}
     candidates = [(f"blocks.{i}", why_not(blk, wan), KERNEL_FED,
-                   lambda blk=blk, name=f"blocks.{i}": fw.FusedWanBlock(blk, name, int8_layers, fn))
+                   lambda blk=blk, name=f"blocks.{i}": FusedWanBlock(blk, name, int8_layers, fn))
                   for i, blk in enumerate(getattr(diffusion_model, "blocks", None) or ())]
     return fuse_blocks("Wan", candidates, int8_layers, log)
 

@@ -1,30 +1,28 @@
-"""Fused replacements for parts of DiT modules (issue 8), pure torch + ``kernel``; no ComfyUI import, and no
-architecture recognition: the model adapters (``adapters/``) decide which module of which architecture becomes
-which fused module, and build it from the pieces here.
+"""The pieces every model's fused blocks are built from (``adapters/<model>/blocks.py``), pure torch + ``kernel``;
+no ComfyUI import, and no architecture recognition: the model adapters decide which module of which architecture
+becomes which fused module, and build it from the pieces here.
 
+* Kernel calls, eager or as custom ops under torch.compile: ``act_quant`` / ``gemm`` / ``linear`` (the quantizer and
+  GEMM a fused_triton ``Int8Linear`` launches), ``gemm_swiglu``, ``norm_modulate_quantize`` (adaLN-modulated RMSNorm
+  + per-token quantization, the int8 input of the next GEMM), ``ln_mod_quant`` (the LayerNorm twin, with shift),
+  ``cat_gelu_quant`` (tanh GELU + quantization, optionally after a concatenation that is never written),
+  ``gated_residual`` (a residual tail ``x + gate * norm2(branch)``, optionally with the next norm + quantization);
+  ``call`` launches any kernel wrapper of ``kernels()`` through its prepared launches.
 * ``FusedFeedForward``: a SwiGLU FeedForward (``w2(silu(w1 x) * w3 x)``) with w1 and w3 as one int8 GEMM over
   the concatenated weight [2F, K] (identical smoothing only, ``merge_int8``) computing ``silu(a) * b`` in its
   epilogue (``gemm_swiglu``; ``INT8_FUSED_SWIGLU_EPILOGUE=0``: the GEMM writes [a | b] and ``swiglu_quantize``
   quantizes silu(a) * b), then quantization feeding w2; the int8 codes are the same either way.
-* ``norm_modulate_quantize``: adaLN-modulated RMSNorm + per-token quantization as one kernel
-  (``rmsnorm_modulate_quantize``), the int8 input of the next GEMM; ``gated_residual``: a residual tail
-  ``x + gate * norm2(branch)`` (optionally with the next norm + quantization) as one kernel.
-* ``*_ref``: the torch definitions every row kernel of kernel/fused.py implements (also the Flux.1 ones:
-  ``layernorm_modulate_quantize_ref``, ``gelu_tanh_quantize_ref``, ``concat_gelu_quantize_ref``; the Flux.1 blocks
-  built on them are in quant/fused_flux.py).
-* ``CachedLinear``: a per-run cache for a linear whose input is constant within a sampling run.
 * ``FetchedBlock``: the base of the fused blocks (one fetch of a block's ComfyUI-managed weights a call).
-* ``act_quant`` / ``gemm`` / ``linear``: the quantizer and GEMM a fused_triton ``Int8Linear`` launches, as custom
-  ops under torch.compile.
-Numerics equal the unfused INT8 path within rounding (see kernel/fused.py). Only layers on the ``fused_triton``
-backend are fused (the kernels are Triton); nothing here branches on tensor values or synchronises with the host
-(CachedLinear: once per cond per sampling run, see there). Every fused module exposes the INT8 layers it holds
-with ``int8_layers()`` ({name relative to the module: Int8Linear}, a merged w1+w3 as two row views).
+* Structural twins (``rebind``, ``with_layers``): a block's copy with its INT8 layers in place, every other module
+  shared; norm weights and eps as ComfyUI's norms apply them (``norm_weight``, ``qk_norm_weights``, ``norm_eps``).
+* ``*_ref``: the torch definitions every row kernel of ``kernel`` implements.
+Numerics equal the unfused INT8 path within rounding (see kernel/rowtile.py). Only layers on the ``fused_triton``
+backend are fused (the kernels are Triton); nothing here branches on tensor values or synchronises with the host.
+Every fused module exposes the INT8 layers it holds with ``int8_layers()`` ({name relative to the module:
+Int8Linear}, a merged w1+w3 as two row views).
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import weakref
 
@@ -44,12 +42,15 @@ FUSED_BACKEND = "fused_triton"
 _KF = None
 
 
-def _kf():
-    """kernel.fused, imported on first use (it imports triton); then a plain global, which torch.compile
-    reads without tracing an import (the fused modules' constructors import it)."""
+def kernels():
+    """The kernel package with its fused row kernels imported on first use (``kernels().norm``, ``.swiglu`` with
+    ``gemm_swiglu``, ``.gelu``, ``.residual``, ``.rope``, ``.rowtile``; they import triton; ``.ops`` holds the custom
+    ops and ``tunables()``); then a plain global, which torch.compile reads without tracing an import (the fused
+    modules' constructors import it)."""
     global _KF
     if _KF is None:
-        _KF = importlib.import_module(kernel_module().__name__ + ".fused")
+        kernel_module("ops").row_modules()
+        _KF = kernel_module()
     return _KF
 
 
@@ -59,7 +60,7 @@ def _round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rmsnorm_modulate_quantize_ref(x, norm_weight, eps, scale, tokens_per_batch, inv_smooth=None):
-    """The definition ``kernel.fused.rmsnorm_modulate_quantize`` implements: fp32 math with the roundings of
+    """The definition ``kernel.norm.rmsnorm_modulate_quantize`` implements: fp32 math with the roundings of
     ``F.rms_norm`` (one, to x.dtype) and of ``normed * scale`` (to the promoted dtype), then
     ``quantize_per_token_ref``."""
     k = x.shape[-1]
@@ -86,7 +87,7 @@ def swiglu_quantize_ref(a, b, inv_smooth=None, clamp_fp16=False):
 
 
 def layernorm_modulate_quantize_ref(x, scale, shift, tokens_per_batch, inv_smooth=None, eps=1e-6):
-    """The definition ``kernel.fused.layernorm_modulate_quantize`` implements: ``F.layer_norm`` (no affine; fp32
+    """The definition ``kernel.norm.layernorm_modulate_quantize`` implements: ``F.layer_norm`` (no affine; fp32
     math, one rounding to x.dtype), ``torch.addcmul(shift, n, 1 + scale)`` (``1 + scale`` rounded to scale's
     dtype, the addcmul in fp32 rounded once to the promoted dtype), then ``quantize_per_token_ref``."""
     k = x.shape[-1]
@@ -115,7 +116,8 @@ def gelu_tanh_quantize_ref(h, inv_smooth=None):
 
 
 def concat_gelu_quantize_ref(a, h, inv_smooth=None):
-    """``quantize_per_token_ref(cat((a, gelu_tanh(h)), -1), inv_smooth)``: what Flux's single block feeds linear2."""
+    """``quantize_per_token_ref(cat((a, gelu_tanh(h)), -1), inv_smooth)``: what a parallel block (attention and MLP
+    side by side) feeds its output projection."""
     return quantize_per_token_ref(torch.cat((a.float(), gelu_tanh_ref(h)), dim=-1), inv_smooth)
 
 
@@ -125,23 +127,23 @@ def inv_smooth_of(layer, device: torch.device):
     return layer.vector_on("inv_smooth", device)
 
 
-def _call(fn, *args):
-    """``fn(*args)`` for a kernel wrapper of ``kernel`` / ``kernel.fused`` that only checks, allocates its outputs and
+def call(fn, *args):
+    """``fn(*args)`` for a kernel wrapper of ``kernel`` / its row-kernel modules that only checks, allocates its outputs and
     launches, through the launches prepared for its argument key (``kernel.plan.call``)."""
-    return _PLAN.call(fn, *args, salt=_kf().tunables())
+    return _PLAN.call(fn, *args, salt=kernels().ops.tunables())
 
 
 _PLAN = kernel_module("plan")  # torch only: importing it loads no Triton
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
 def gemm(a_q, a_s, layer, dtype):
     """``layer``'s int8 GEMM from an already-quantized input (int8 [M, K], fp32 [M]) -> [M, N] in ``dtype``
     (``Int8Linear.gemm_call``: ComfyUI's cast when ComfyUI manages the weights, prepared launches)."""
-    if _compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
+    if compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
         with layer.operands(a_q.device) as t:
             return torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype)
     return layer.gemm_call(a_q, a_s, dtype)
@@ -149,16 +151,16 @@ def gemm(a_q, a_s, layer, dtype):
 
 def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):
     """``silu(a) * b`` [M, F] of the merged w1+w3 layer's GEMM ([a | b]) from an already-quantized input, the SwiGLU
-    computed in the GEMM's epilogue (``kernel.fused.gemm_swiglu``)."""
+    computed in the GEMM's epilogue (``kernel.swiglu.gemm_swiglu``)."""
     with w13.operands(a_q.device) as t:
-        return _call(_kf().gemm_swiglu, a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype, clamp_fp16)
+        return call(kernels().swiglu.gemm_swiglu, a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype, clamp_fp16)
 
 
 def act_quant(x2, inv_smooth):
     """Per-token int8 quantization of x2 [M, K] (divided by the smoothing first): (int8 [M, K], fp32 [M])."""
-    if _compiling():
+    if compiling():
         return torch.ops.int8_fused.act_quant(x2, inv_smooth)
-    return _call(kernel_module().quantize_per_token, x2, inv_smooth)
+    return call(kernel_module().quantize_per_token, x2, inv_smooth)
 
 
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +168,7 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     launches) so that torch.compile sees the custom ops instead of the backend registry."""
     if not fusable(layer):
         return layer(x)
-    if not _compiling():
+    if not compiling():
         return layer.int8_call(x)  # the same two kernels, prepared (Int8Linear.int8_call)
     lead, k = x.shape[:-1], x.shape[-1]
     a_q, a_s = act_quant(x.reshape(-1, k), inv_smooth_of(layer, x.device))
@@ -174,15 +176,40 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu_quant(h13, inv_smooth, clamp_fp16):
-    if _compiling():
+    if compiling():
         return torch.ops.int8_fused.swiglu_quant(h13, inv_smooth, clamp_fp16)
-    return _call(_kf().swiglu_quantize, h13, inv_smooth, clamp_fp16)
+    return call(kernels().swiglu.swiglu_quantize, h13, inv_smooth, clamp_fp16)
 
 
 def _rms_mod_quant(x2, w, eps, scale, tokens, inv_smooth):
-    if _compiling():
+    if compiling():
         return torch.ops.int8_fused.rms_mod_quant(x2, w, eps, scale, tokens, inv_smooth)
-    return _call(_kf().rmsnorm_modulate_quantize, x2, w, eps, scale, tokens, inv_smooth)
+    return call(kernels().norm.rmsnorm_modulate_quantize, x2, w, eps, scale, tokens, inv_smooth)
+
+
+def ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps):
+    """int8 input of the next GEMM from ``LayerNorm(x2) * (1 + scale) + shift`` (no affine; [M, K], scale / shift
+    one row per sample): one kernel (``layernorm_modulate_quantize``)."""
+    if compiling():
+        return torch.ops.int8_fused.ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps)
+    return call(kernels().norm.layernorm_modulate_quantize, x2, scale, shift, tokens, inv_smooth, eps)
+
+
+def cat_gelu_quant(a2, h2, inv_smooth):
+    """(int8, fp32) of ``cat(a2, gelu_tanh(h2))`` (``a2`` None: ``gelu_tanh(h2)`` alone)."""
+    if compiling():
+        return torch.ops.int8_fused.cat_gelu_quant(a2, h2, inv_smooth)
+    if a2 is None:
+        return call(kernels().gelu.gelu_tanh_quantize, h2, inv_smooth)
+    return call(kernels().gelu.concat_gelu_quantize, a2, h2, inv_smooth)
+
+
+def promote(*ts: torch.Tensor) -> torch.dtype:
+    """The dtype torch promotes ``ts`` to."""
+    dt = ts[0].dtype
+    for t in ts[1:]:
+        dt = torch.promote_types(dt, t.dtype)
+    return dt
 
 
 def fusable(layer) -> bool:
@@ -223,27 +250,17 @@ def _small_param(norm: nn.Module, name: str, t: torch.Tensor, x: torch.Tensor) -
 
 
 def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)`` for a ComfyUI RMSNorm, with its weight from :func:`_norm_weight` (same F.rms_norm call)."""
+    """``norm(x)`` for a ComfyUI RMSNorm, with its weight from :func:`norm_weight` (same F.rms_norm call)."""
     w = norm_weight(norm, x) if getattr(norm, "weight", None) is not None else None
     if w is None or not hasattr(norm, "normalized_shape"):
         return norm(x)
     return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
 
 
-def qk_rope_on(arch: str) -> bool:
-    """Whether INT8_FUSED_QK_ROPE asks ``arch`` ("flux" / "ideogram4" / "lumina2" / "wan") to run its QK norm +
-    RoPE in the pack's kernel: ``all`` (default; ``1`` and an unknown value too) every architecture, ``flux``
-    Flux.1 only, ``0`` none."""
-    v = str(config.get("INT8_FUSED_QK_ROPE") or "all").strip().lower()
-    if v in ("0", "off", "false", "no", "none"):
-        return False
-    return v != "flux" or arch == "flux"
-
-
 def rope_rows(freqs: torch.Tensor, b: int, l: int, d: int, device, at_least: bool = False):
-    """ComfyUI's RoPE rotations ``freqs`` [B | 1, L, 1, D/2, 2, 2] fp32 (Lumina 2, Wan, Ideogram 4) as the QK
-    kernel's ``pe`` [B | 1, 1, L, D/2, 2, 2] (a view), or None when they are not that for a batch of ``b``, ``l``
-    tokens (``at_least``: L >= l) and a power-of-2 head_dim ``d``: the caller then runs ComfyUI's ops."""
+    """ComfyUI's per-token RoPE rotations ``freqs`` [B | 1, L, 1, D/2, 2, 2] fp32 as the QK kernel's ``pe``
+    [B | 1, 1, L, D/2, 2, 2] (a view), or None when they are not that for a batch of ``b``, ``l`` tokens
+    (``at_least``: L >= l) and a power-of-2 head_dim ``d``: the caller then runs ComfyUI's ops."""
     if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 6 or freqs.dtype != torch.float32
             or freqs.shape[0] not in (1, b) or freqs.shape[2] != 1 or tuple(freqs.shape[3:]) != (d // 2, 2, 2)
             or d < 2 or d & (d - 1) or freqs.device != device
@@ -252,11 +269,40 @@ def rope_rows(freqs: torch.Tensor, b: int, l: int, d: int, device, at_least: boo
     return freqs.transpose(1, 2)
 
 
+def rms_weight(norm: nn.Module, x: torch.Tensor):
+    """(weight in x's dtype on x's device, eps) of a QK RMSNorm as its forward applies them: ComfyUI's
+    ``ops.RMSNorm`` (0.33.0: ``weight``, ``eps``) or 0.3.75's ``RMSNorm`` with a ``scale`` (eps 1e-6 in its
+    forward); (None, None) for anything else (weight functions included): the caller runs the module."""
+    if "weight" in norm._parameters:
+        return norm_weight(norm, x), norm_eps(norm, x)
+    s = norm._parameters.get("scale")
+    if s is None or getattr(norm, "weight_function", None):
+        return None, None
+    return (s if s.device == x.device and s.dtype == x.dtype else s.detach().to(x.device, x.dtype)), 1e-6
+
+
+def qk_norm_weights(norm_q: nn.Module, norm_k: nn.Module, x: torch.Tensor, width: int):
+    """(wq, eps_q, wk, eps_k) of two RMSNorms with a weight over ``width`` (ComfyUI's ``ops.RMSNorm``), as their
+    forwards apply them; None when either is something else (Identity: no QK norm) or carries weight functions."""
+    for nm in (norm_q, norm_k):
+        if "weight" not in nm._parameters or tuple(getattr(nm, "normalized_shape", ())) != (width,):
+            return None
+    (wq, eq), (wk, ek) = rms_weight(norm_q, x), rms_weight(norm_k, x)
+    return None if wq is None or wk is None else (wq, eq, wk, ek)
+
+
+def attn_patches(transformer_options) -> bool:
+    """Whether the call carries self-attention patches (``attn1_patch`` / ``attn1_output_patch``, applied by current
+    ComfyUI's block forwards, ignored by 0.3.75's): such calls run the block's own forward."""
+    p = transformer_options.get("patches") if isinstance(transformer_options, dict) else None
+    return bool(p) and ("attn1_patch" in p or "attn1_output_patch" in p)
+
+
 def residual_operands(x: torch.Tensor, *ts: torch.Tensor) -> bool:
     """Whether the residual-tail kernels take these operands: not under torch.compile, x [B, L, K] with rows that
     fit in registers, each other operand of x's dtype and device (torch would promote a mixed one) and either x's
     shape or one modulation row per sample ([B | 1, 1, K]). The callers add their switch."""
-    if _compiling() or x.dim() != 3 or not _kf().fits(x.shape[-1]):
+    if compiling() or x.dim() != 3 or not kernels().rowtile.fits(x.shape[-1]):
         return False
     b, _, k = x.shape
     return all(t.dtype == x.dtype and t.device == x.device and (
@@ -264,7 +310,7 @@ def residual_operands(x: torch.Tensor, *ts: torch.Tensor) -> bool:
         for t in ts)
 
 
-def _norm_eps(norm: nn.Module, x: torch.Tensor) -> float:
+def norm_eps(norm: nn.Module, x: torch.Tensor) -> float:
     """The eps the norm's forward uses. ``eps=None`` (torch.nn.RMSNorm's default, which ComfyUI's ops.RMSNorm
     keeps unless told): F.rms_norm then takes the epsilon of its fp32 compute type for bf16 / fp16 / fp32
     inputs (fp64's for fp64), not the input dtype's (which is 65536x larger for bf16)."""
@@ -292,13 +338,13 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
     if w is None:
         y = norm(x2).reshape(-1, tokens, x2.shape[-1]) * scale.reshape(-1, 1, x2.shape[-1])
         return act_quant(y.reshape(x2.shape), inv_smooth)
-    return _rms_mod_quant(x2, w, _norm_eps(norm, x2), scale, tokens, inv_smooth)
+    return _rms_mod_quant(x2, w, norm_eps(norm, x2), scale, tokens, inv_smooth)
 
 
-# The residual-tail kernel (gated_residual_rmsnorm) is built without FMA contraction: with it, the compiler
-# fused gate * norm(o) into the add and 22 % of y's elements differed from torch's on the H200; without,
-# 1.5e-6 (torch's own reduction order for mean(o^2)), bench/RESULTS.md 2026-12-01. On by default;
-# INT8_FUSED_RESIDUAL=0 runs torch's ops (taken at import: a module constant costs nothing in the forward).
+# The residual-tail kernel (gated_residual_rmsnorm) is built without FMA contraction: with it, the compiler fuses
+# gate * norm(o) into the add and y's elements differ from torch's; without, they differ only by torch's own
+# reduction order for mean(o^2). On by default; INT8_FUSED_RESIDUAL=0 runs torch's ops (taken at import: a module
+# constant costs nothing in the forward).
 FUSE_RESIDUAL = config.get("INT8_FUSED_RESIDUAL")
 
 
@@ -311,14 +357,14 @@ def gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_sm
     k = x2.shape[-1]
     wn = norm_weight(norm, o2)
     w2 = norm_weight(nxt, x2) if nxt is not None else None
-    if wn is None or (nxt is not None and w2 is None) or k > _kf().MAX_SINGLE:
+    if wn is None or (nxt is not None and w2 is None) or k > kernels().rowtile.MAX_SINGLE:
         return None
-    eps, eps2 = _norm_eps(norm, o2), (_norm_eps(nxt, x2) if nxt is not None else 0.0)
-    if _compiling():
+    eps, eps2 = norm_eps(norm, o2), (norm_eps(nxt, x2) if nxt is not None else 0.0)
+    if compiling():
         y, q, s = torch.ops.int8_fused.gated_residual(x2, o2, wn, eps, gate, tokens, w2, eps2, next_scale,
                                                       inv_smooth)
         return y, (q if nxt is not None else None), (s if nxt is not None else None)
-    return _call(_kf().gated_residual_rmsnorm, x2, o2, wn, eps, gate, tokens, w2, eps2, next_scale, inv_smooth)
+    return call(kernels().residual.gated_residual_rmsnorm, x2, o2, wn, eps, gate, tokens, w2, eps2, next_scale, inv_smooth)
 
 
 def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Linear:
@@ -340,6 +386,36 @@ def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Lin
         None if s1 is None else s1.clone(), backend=first.backend, name=name)
 
 
+# ------------------------------------------------------------------------------------ structural twins
+def rebind(module: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
+    """A new instance of ``module``'s class with its plain attributes, parameters and buffers (shared tensors) and
+    its child modules, the ones named in ``children`` replaced. ``module`` itself is not modified."""
+    new = type(module).__new__(type(module))
+    nn.Module.__init__(new)
+    for k, v in module.__dict__.items():
+        if not k.startswith("_"):
+            new.__dict__[k] = v
+    for k, p in module._parameters.items():
+        new._parameters[k] = p
+    for k, b in module._buffers.items():
+        new._buffers[k] = b
+    new._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    for k, m in module._modules.items():
+        new._modules[k] = children.get(k, m)
+    return new
+
+
+def with_layers(module: nn.Module, prefix: str, layers: dict) -> nn.Module:
+    """``module`` (named ``prefix``) with each descendant named in ``layers`` replaced by that layer; ``module``
+    itself when ``layers`` names none of them, else a :func:`rebind` copy (recursively)."""
+    if prefix in layers:
+        return layers[prefix]
+    p = f"{prefix}."
+    if not any(n.startswith(p) for n in layers):
+        return module
+    return rebind(module, {k: with_layers(m, p + k, layers) for k, m in module._modules.items() if m is not None})
+
+
 # ------------------------------------------------------------------------------------ modules
 class FetchedBlock(nn.Module):
     """Base of the fused blocks: when ComfyUI manages the block's weights (DynamicVRAM), one call fetches all
@@ -350,7 +426,7 @@ class FetchedBlock(nn.Module):
 
     def __call__(self, *args, **kwargs):
         fetch, release = block_fetch(), None
-        if fetch is not None and not _compiling():
+        if fetch is not None and not compiling():
             x = args[0] if args else next(iter(kwargs.values()), None)
             release = fetch(self, x.device) if isinstance(x, torch.Tensor) else None
         if release is None:
@@ -372,7 +448,7 @@ class FusedFeedForward(nn.Module):
         super().__init__()
         self.w13, self.w2 = w13, w2
         self.clamp_fp16 = clamp_fp16
-        _kf().register_ops()
+        kernels().register_ops()
         self.covers = tuple(covers)
 
     @classmethod
@@ -409,7 +485,7 @@ class FusedFeedForward(nn.Module):
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """From the already-quantized input (int8 [M, K], fp32 [M]) -> [M, dim] in ``dtype``."""
-        if fusable(self.w2) and not _compiling() and config.get("INT8_FUSED_SWIGLU_EPILOGUE"):
+        if fusable(self.w2) and not compiling() and config.get("INT8_FUSED_SWIGLU_EPILOGUE"):
             h = gemm_swiglu(a_q, a_s, self.w13, dtype, self.clamp_fp16)  # [M, F], then quantized for w2
             return gemm(*act_quant(h, inv_smooth_of(self.w2, a_q.device)), self.w2, dtype)
         h13 = gemm(a_q, a_s, self.w13, dtype)
@@ -424,169 +500,3 @@ class FusedFeedForward(nn.Module):
 
     def extra_repr(self) -> str:
         return f"clamp_fp16={self.clamp_fp16}, covers={list(self.covers)}"
-
-
-# ------------------------------------------------------------------------------------ llm_cond_proj cache
-_ALL_CACHES: "weakref.WeakSet[CachedLinear]" = weakref.WeakSet()
-MAX_ENTRIES = 8  # per module: conds of one run (positive, negative, area conds); oldest dropped first
-
-
-def invalidate_all() -> None:
-    """Empty every CachedLinear in the process (cheap; called at the start and end of a sampling run)."""
-    for m in list(_ALL_CACHES):
-        m.invalidate()
-
-
-class CachedLinear(nn.Module):
-    """Memoises a linear whose input is constant within a sampling run (Ideogram 4's ``llm_cond_proj``: its
-    input, the normalised text features, is recomputed every step but equal every step).
-
-    Correctness: a cached result is reused only under a *bound key* (``bind(key)``; the nodes layer binds
-    the cond uuids ComfyUI gives each conditioning per sampling run, see ``diffusion_model_wrapper``) AND for
-    an input of the same shape/dtype/device AND while the wrapped weight is the same tensor at the same
-    version. The first reuse of an entry also compares a GPU fingerprint of the new input with the stored
-    one (one host sync per entry per run); a mismatch turns caching off for that key. No key bound ->
-    plain call (e.g. a direct ``diffusion_model(...)`` call outside a sampler). ``invalidate()`` drops
-    everything; the nodes layer calls it when a sampling run starts and ends (OUTER_SAMPLE wrapper).
-
-    ``weight``/``bias`` read and write through to the wrapped module, so ComfyUI's weight patching (LoRA)
-    still reaches the layer by its usual key ``<name>.weight``."""
-
-    def __init__(self, inner: nn.Module, name: str = ""):
-        super().__init__()
-        self.inner = inner
-        self.name = name
-        self._key = None
-        self._entries: dict = {}
-        self._bad: set = set()
-        self.hits = 0      # counters for tests and the bench log
-        self.misses = 0
-        _ALL_CACHES.add(self)
-
-    # -- attribute pass-through for ComfyUI's weight patching
-    def __getattr__(self, name):
-        if name in ("weight", "bias"):
-            return getattr(self._modules["inner"], name)
-        return super().__getattr__(name)
-
-    def __setattr__(self, name, value):
-        if name in ("weight", "bias") and "inner" in self.__dict__.get("_modules", {}):
-            setattr(self._modules["inner"], name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def int8_layers(self) -> dict[str, Int8Linear]:
-        """{"": the wrapped layer} when it is an Int8Linear (the name is this module's own), else {}."""
-        return {"": self.inner} if isinstance(self.inner, Int8Linear) else {}
-
-    # -- cache control
-    def invalidate(self) -> None:
-        self._entries.clear()
-        self._bad.clear()
-
-    @contextlib.contextmanager
-    def bind(self, key):
-        """Within this block, calls belong to ``key`` (hashable; None = do not cache)."""
-        prev, self._key = self._key, key
-        try:
-            yield self
-        finally:
-            self._key = prev
-
-    def _weight_id(self):
-        t = getattr(self.inner, "qweight", None)
-        if t is None:
-            t = getattr(self.inner, "weight", None)
-        return None if t is None else (id(t), _version(t), t.device)
-
-    @staticmethod
-    def _fingerprint(x: torch.Tensor, rows: int = 64) -> torch.Tensor:
-        """Per-row sum and position-weighted sum, fp32 on x's device (deterministic for equal inputs). In
-        chunks of ``rows`` rows: Ideogram 4's 512 x 53248 text features would need 2 x 109 MB of fp32 at once."""
-        v = x.reshape(-1, x.shape[-1])
-        ramp = torch.arange(1, v.shape[-1] + 1, device=v.device, dtype=torch.float32).mul_(0.6180339887).frac_()
-        parts = []
-        for c in v.split(rows):
-            cf = c.float()
-            parts.append(torch.stack([cf.sum(-1), (cf * ramp).sum(-1)]))
-        return torch.cat(parts, dim=1) if parts else v.new_zeros((2, 0), dtype=torch.float32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key = self._key
-        if key is None or key in self._bad or getattr(self.inner, "weight_function", None):
-            return self.inner(x)
-        full = (key, tuple(x.shape), x.dtype, x.device, self._weight_id())
-        e = self._entries.get(full)
-        if e is not None and _version(e["y"]) == e["version"]:
-            if e["fp"] is not None:  # first reuse in this run: check the content once
-                if not torch.equal(self._fingerprint(x), e["fp"]):
-                    log.warning("INT8 cache %s: input changed under the same conditioning key; caching off "
-                                "for it", self.name or "?")
-                    self._bad.add(key)
-                    self._entries.pop(full, None)
-                    return self.inner(x)
-                e["fp"] = None
-            self.hits += 1
-            return e["y"]
-        self.misses += 1
-        y = self.inner(x)
-        while len(self._entries) >= MAX_ENTRIES:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[full] = {"y": y, "version": _version(y), "fp": self._fingerprint(x)}
-        return y
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """The tensor's in-place version counter; None for inference tensors (ComfyUI runs nodes and
-    sampling under ``torch.inference_mode``, whose tensors keep no counter: they cannot be modified
-    in place outside inference mode, and nothing in the model modifies these in place)."""
-    return None if t.is_inference() else t._version
-
-
-def cache_modules(diffusion_model: nn.Module) -> list[CachedLinear]:
-    return [m for m in diffusion_model.modules() if isinstance(m, CachedLinear)]
-
-
-@contextlib.contextmanager
-def bind_caches(diffusion_model: nn.Module | None, key):
-    """Bind ``key`` on every CachedLinear of the model for the duration (e.g. a bench loop: one key per
-    prompt); ``diffusion_model=None``: on every live CachedLinear of the process, without walking a module
-    tree (the sampler's per-call wrapper: the walk of Ideogram 4's modules was 8296 ``named_modules`` calls and
-    5 ms a step in run o's cProfile, bench/results/sampler-runs/h200-e2e-sampler-o.json).
-    Binding a model that is not running is harmless: its caches are only read by its own forward."""
-    with contextlib.ExitStack() as stack:
-        for m in (cache_modules(diffusion_model) if diffusion_model is not None else list(_ALL_CACHES)):
-            stack.enter_context(m.bind(key))
-        yield
-
-
-def _transformer_options(args, kwargs):
-    to = kwargs.get("transformer_options")
-    if isinstance(to, dict):
-        return to
-    return next((a for a in args if isinstance(a, dict) and ("uuids" in a or "cond_or_uncond" in a)), {})
-
-
-def diffusion_model_wrapper(executor, *args, **kwargs):
-    """A ComfyUI DIFFUSION_MODEL wrapper: runs the model with the CachedLinears bound to this call's conditioning
-    uuids (``transformer_options["uuids"]``: fresh per cond per sampling run, stable across its steps)."""
-    to = _transformer_options(args, kwargs)
-    uuids = to.get("uuids")
-    key = tuple(uuids) if uuids else None
-    dm = getattr(executor, "class_obj", None)
-    if key is None or dm is None:
-        return executor(*args, **kwargs)
-    with bind_caches(None, key):
-        return executor(*args, **kwargs)
-
-
-def outer_sample_wrapper(executor, *args, **kwargs):
-    """A ComfyUI OUTER_SAMPLE wrapper: empties every cache when a sampling run starts and when it ends
-    (the uuid keys already differ between runs; this frees the entries and guards against reuse)."""
-    invalidate_all()
-    try:
-        return executor(*args, **kwargs)
-    finally:
-        invalidate_all()
-
-

@@ -12,8 +12,11 @@ import re
 
 import torch
 
-from .formats import Branch, CheckpointError
-from .quantize import quantize_weight_per_channel
+from ..base import pack_module
+
+_formats = pack_module("quant.formats")
+Branch, CheckpointError = _formats.Branch, _formats.CheckpointError
+quantize_weight_per_channel = pack_module("quant.quantize").quantize_weight_per_channel
 
 REAL = dict(hidden=4608, heads=18, ffn=12288, adaln=512, text=53248, channels=128)
 

@@ -1,7 +1,7 @@
 """Lumina 2 / Z-Image (``comfy.ldm.lumina.model.NextDiT`` and its subclasses, e.g. Z-Image's pixel-space model).
 
-Fused, on fused_triton (``fuse``, issue 13): every modulated ``JointTransformerBlock`` (``layers.N``,
-``noise_refiner.N``) becomes a ``quant.fused_lumina2.FusedLumina2Block``: attention_norm1 * (1 + scale_msa) +
+Fused, on fused_triton (``fuse``): every modulated ``JointTransformerBlock`` (``layers.N``,
+``noise_refiner.N``) becomes a ``blocks.FusedLumina2Block``: attention_norm1 * (1 + scale_msa) +
 quantization feed the qkv GEMM and ffn_norm1 * (1 + scale_mlp) + quantization the merged w1+w3 GEMM, each from
 one kernel (``rmsnorm_modulate_quantize``), the residual tails ``x + tanh(gate) * norm(o)`` (the first with the
 next norm + quantization) one kernel each (``gated_residual_rmsnorm``); SwiGLU + quantization feed w2
@@ -26,7 +26,8 @@ import logging
 
 from torch import nn
 
-from .base import Adapter, fuse_feed_forwards, fused as qf, pack_module, select
+from ..base import Adapter, blocks as qb, fuse_feed_forwards, select
+from .blocks import FusedLumina2Block, Lumina2Functions
 
 log = logging.getLogger("int8_fused")
 
@@ -56,7 +57,6 @@ def comfy_functions():
     import comfy.ldm.flux.math as flux_math
     import comfy.ldm.lumina.model as lumina
     import comfy.ldm.modules.attention as attention
-    fl = pack_module("quant.fused_lumina2")
     args = _args(lumina.JointTransformerBlock.forward)
     if args not in (BLOCK_ARGS_0375, BLOCK_ARGS_033):
         raise AttributeError(f"JointTransformerBlock.forward takes unknown arguments {args}")
@@ -66,7 +66,7 @@ def comfy_functions():
                   attention=attention.optimized_attention_masked,
                   clamp_fp16=getattr(lumina, "clamp_fp16", None), takes_timestep_zero_index=args == BLOCK_ARGS_033)
     if args == BLOCK_ARGS_0375:  # 0.3.75: q_norm / k_norm modules, then apply_rope
-        return lumina, fl.Lumina2Functions(**common)
+        return lumina, Lumina2Functions(**common)
     import comfy.model_management as mm  # 0.33.0: comfy_kitchen rms_rope outside training
     import comfy.ops
     import comfy.quant_ops
@@ -75,10 +75,10 @@ def comfy_functions():
     ck = getattr(comfy.quant_ops, "ck", None)
     if ck is None or not hasattr(ck, "rms_rope") or not hasattr(ck, "rms_rope1"):
         raise AttributeError("comfy.quant_ops has no comfy_kitchen rms_rope / rms_rope1")
-    return lumina, fl.Lumina2Functions(**common, in_training=lambda: mm.in_training,
-                                       cast_bias_weight=comfy.ops.cast_bias_weight,
-                                       uncast_bias_weight=comfy.ops.uncast_bias_weight,
-                                       rms_rope=ck.rms_rope, rms_rope1=ck.rms_rope1)
+    return lumina, Lumina2Functions(**common, in_training=lambda: mm.in_training,
+                                    cast_bias_weight=comfy.ops.cast_bias_weight,
+                                    uncast_bias_weight=comfy.ops.uncast_bias_weight,
+                                    rms_rope=ck.rms_rope, rms_rope1=ck.rms_rope1)
 
 
 def why_not_block(blk: nn.Module, lumina) -> str | None:
@@ -102,7 +102,6 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, clamp_fp16: bool | None 
     alone. ``clamp_fp16``: default what the running ComfyUI does (:func:`clamps_fp16`); ``functions``: a
     (lumina module, ``Lumina2Functions``) pair (default :func:`comfy_functions`)."""
     clamp = clamps_fp16() if clamp_fp16 is None else clamp_fp16
-    fl = pack_module("quant.fused_lumina2")
     lumina = fn = why_all = None
     out, skipped, reasons = {}, [], {}
     for name, m in diffusion_model.named_modules():
@@ -118,9 +117,9 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, clamp_fp16: bool | None 
         why = why_all or why_not_block(m, lumina)
         if why is None:
             qkv = int8_layers.get(f"{name}.attention.qkv")
-            ff = qf.FusedFeedForward.build(f"{name}.feed_forward", m.feed_forward, int8_layers, clamp)
-            if qf.fusable(qkv) and ff is not None:
-                out[name] = fl.FusedLumina2Block(m, name, int8_layers, ff, fn)
+            ff = qb.FusedFeedForward.build(f"{name}.feed_forward", m.feed_forward, int8_layers, clamp)
+            if qb.fusable(qkv) and ff is not None:
+                out[name] = FusedLumina2Block(m, name, int8_layers, ff, fn)
                 continue
             why = "qkv, w1 and w3 not all on fused_triton with equal w1/w3 smoothing"
         skipped.append(name)

@@ -5,7 +5,7 @@ Per-linear INT8: attention qkv/proj and MLP fc1/fc2 of the context and x halves 
 """
 from __future__ import annotations
 
-from .base import Adapter, select
+from ..base import Adapter, select
 
 ADAPTER = Adapter(
     name="sd3",

@@ -5,7 +5,7 @@ Per-linear INT8: the attention and MLP linears of ``transformer_blocks.N``; the 
 """
 from __future__ import annotations
 
-from .base import Adapter, select
+from ..base import Adapter, select
 
 ADAPTER = Adapter(
     name="qwen_image",

@@ -1,6 +1,6 @@
-"""Fused Wan 2.x attention blocks (issue 13): ``WanAttentionBlock`` of ComfyUI's ``comfy/ldm/wan/model.py`` on INT8
-layers, with the activation quantization folded into the kernels that produce each GEMM input (``kernel/fused.py``:
-Flux.1's LayerNorm and GELU kernels, and Wan's QK norm + RoPE and residual-tail kernels):
+"""Fused Wan 2.x attention blocks: ``WanAttentionBlock`` of ComfyUI's ``comfy/ldm/wan/model.py`` on INT8
+layers, with the activation quantization folded into the kernels that produce each GEMM input (the LayerNorm and
+GELU kernels, the QK norm + RoPE and residual-tail kernels of ``kernel/{norm,gelu,rope,residual}.py``):
 
 * ``LayerNorm(x) * (1 + e[1]) + e[0]`` + quantization (``layernorm_modulate_quantize``) gives ONE int8 activation
   that ``self_attn.q``, ``.k`` and ``.v`` all read (three GEMMs from the same int8 input; layers whose SmoothQuant
@@ -20,10 +20,11 @@ Everything else runs as ComfyUI's block forward runs it: the modulation sum ``ca
 ``optimized_attention`` with ``transformer_options`` (the pack's attention routing applies), the output projection
 ``self_attn.o`` and the cross-attention (``cross_attn`` called as a module: per-linear INT8).
 
-Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: ``adapters/wan.py`` decides which blocks
-are Wan 2.x ``WanAttentionBlock`` s and hands in what the forward calls from ComfyUI (:class:`WanFunctions`).
+Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: the adapter (``__init__.py``) decides
+which blocks are Wan 2.x ``WanAttentionBlock`` s and hands in what the forward calls from ComfyUI
+(:class:`WanFunctions`).
 
-The fused block is a structural twin of the original (``quant.fused_flux.with_layers``: same child names, INT8 layers
+The fused block is a structural twin of the original (``quant.blocks.with_layers``: same child names, INT8 layers
 in place, every other module shared). ``e`` is [B, 6, C] (VACE, camera models) or [B, 1, 6, C] (WanModel): one
 modulation row per sample, broadcast over the tokens by the kernels. Calls it does not implement run the running
 ComfyUI's own ``WanAttentionBlock.forward`` on the twin, i.e. the per-linear INT8 path exactly: Wan 2.2 5B's
@@ -40,9 +41,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import fused as qf
-from .fused_flux import _cat_gelu_quant, _ln_mod_quant, _promote, _qk_norm_weights, with_layers
-from .linear import Int8Linear
+from ..base import Int8Linear, blocks as qb, qk_rope_on
 
 QKV = ("q", "k", "v")
 
@@ -70,7 +69,7 @@ def _same_smooth(a: Int8Linear, b: Int8Linear) -> bool:
                                            and torch.equal(sa.detach().cpu(), sb.detach().cpu()))
 
 
-class FusedWanBlock(qf.FetchedBlock):
+class FusedWanBlock(qb.FetchedBlock):
     """The twin of ComfyUI's ``WanAttentionBlock`` ``block`` (named ``prefix``) on ``layers`` ({name relative to
     the diffusion model: Int8Linear}); ``covers``: the names of ``layers`` under the block."""
 
@@ -84,17 +83,17 @@ class FusedWanBlock(qf.FetchedBlock):
         for k, b in block._buffers.items():
             self._buffers[k] = b
         for k, m in block._modules.items():
-            self._modules[k] = with_layers(m, f"{prefix}.{k}", layers) if m is not None else None
+            self._modules[k] = qb.with_layers(m, f"{prefix}.{k}", layers) if m is not None else None
         self.fn = fn
         self.covers = tuple(n for n in layers if n.startswith(f"{prefix}."))
         # q/k/v: which of them read the same int8 activation (equal smoothing): index of the first equal one
         src = []
         for i, n in enumerate(QKV):
             li = getattr(self.self_attn, n)
-            src.append(next((j for j in range(i) if qf.fusable(getattr(self.self_attn, QKV[j]))
-                             and qf.fusable(li) and _same_smooth(getattr(self.self_attn, QKV[j]), li)), i))
+            src.append(next((j for j in range(i) if qb.fusable(getattr(self.self_attn, QKV[j]))
+                             and qb.fusable(li) and _same_smooth(getattr(self.self_attn, QKV[j]), li)), i))
         self._qkv_src = tuple(src)
-        qf._kf().register_ops()
+        qb.kernels().register_ops()
 
     def int8_layers(self) -> dict[str, Int8Linear]:
         return {n: m for n, m in self.named_modules() if isinstance(m, Int8Linear)}
@@ -110,20 +109,20 @@ class FusedWanBlock(qf.FetchedBlock):
         computes it."""
         b, l, k = x.shape
         src = src or tuple(range(len(layers)))
-        dt = _promote(x, scale, shift)
+        dt = qb.promote(x, scale, shift)
         acts, outs, y = {}, [], None
         for i, layer in enumerate(layers):
-            if not qf.fusable(layer):
+            if not qb.fusable(layer):
                 if y is None:
                     y = torch.addcmul(shift, norm(x), 1 + scale)
                 outs.append(layer(y))
                 continue
             j = src[i]
             if j not in acts:
-                acts[j] = _ln_mod_quant(x.reshape(-1, k), scale, shift, l, qf.inv_smooth_of(layer, x.device),
+                acts[j] = qb.ln_mod_quant(x.reshape(-1, k), scale, shift, l, qb.inv_smooth_of(layer, x.device),
                                         float(norm.eps))
             a_q, a_s = acts[j]
-            outs.append(qf.gemm(a_q, a_s, layer, dt).view(b, l, -1))
+            outs.append(qb.gemm(a_q, a_s, layer, dt).view(b, l, -1))
         return outs
 
     def _self_attention(self, x, e0, e1, freqs, transformer_options):
@@ -140,7 +139,7 @@ class FusedWanBlock(qf.FetchedBlock):
         out = self.fn.optimized_attention(q.view(b, s, n * d), k.view(b, s, n * d), v.view(b, s, n * d),
                                           heads=attn.num_heads, transformer_options=transformer_options)
         del q, k, v
-        return qf.linear(attn.o, out)
+        return qb.linear(attn.o, out)
 
     def _fused_qk_rope(self, q, k, freqs):
         """(q, k) [B, L, H, D] from one ``qk_rmsnorm_rope_rows`` launch (norm_q / norm_k over the row + RoPE,
@@ -148,34 +147,34 @@ class FusedWanBlock(qf.FetchedBlock):
         INT8_FUSED_QK_ROPE not ``all``, torch.compile tracing, norms that are not RMSNorms with a weight over the
         width (``qk_norm=False``) or carry weight functions, ``freqs`` not ComfyUI's fp32 [B | 1, L, 1, D/2, 2, 2]
         rotations, a head_dim that is not a power of 2, q / k of different layouts."""
-        if not qf.qk_rope_on("wan") or qf._compiling():
+        if not qk_rope_on("wan") or qb.compiling():
             return None
         attn = self.self_attn
         b, s, w = q.shape
         n, d = attn.num_heads, attn.head_dim
-        pe = qf.rope_rows(freqs, b, s, d, q.device)
-        weights = _qk_norm_weights(attn.norm_q, attn.norm_k, q, w)
+        pe = qb.rope_rows(freqs, b, s, d, q.device)
+        weights = qb.qk_norm_weights(attn.norm_q, attn.norm_k, q, w)
         if (pe is None or weights is None or n * d != w or k.shape != q.shape or k.stride() != q.stride()
                 or q.stride(-1) != 1):
             return None
         wq, eq, wk, ek = weights
         oq, ok = (torch.empty((b, s, n, d), dtype=q.dtype, device=q.device) for _ in range(2))
-        qf._call(qf._kf().qk_rmsnorm_rope_rows, q, k, n, wq, wk, eq, ek, pe, oq.transpose(1, 2), ok.transpose(1, 2))
+        qb.call(qb.kernels().rope.qk_rmsnorm_rope_rows, q, k, n, wq, wk, eq, ek, pe, oq.transpose(1, 2), ok.transpose(1, 2))
         return oq, ok
 
     # ---------------------------------------------------------------- residual tails (one kernel each)
     @staticmethod
     def _tail_fusable(x, *ts) -> bool:
-        """Whether the residual-tail kernels run: INT8_FUSED_RESIDUAL on and ``qf.residual_operands`` (else torch,
+        """Whether the residual-tail kernels run: INT8_FUSED_RESIDUAL on and ``qb.residual_operands`` (else torch,
         e.g. for a mixed dtype torch would promote)."""
-        return qf.FUSE_RESIDUAL and qf.residual_operands(x, *ts)
+        return qb.FUSE_RESIDUAL and qb.residual_operands(x, *ts)
 
     def _add(self, x, y, gate):
         """``torch.addcmul(x, y, gate)``: one kernel where :meth:`_tail_fusable`, else torch."""
         if not self._tail_fusable(x, y, gate):
             return torch.addcmul(x, y, gate)
         b, l, k = x.shape
-        return qf._call(qf._kf().residual_add, x.reshape(-1, k), y.reshape(-1, k), gate, l).view(b, l, k)
+        return qb.call(qb.kernels().residual.residual_add, x.reshape(-1, k), y.reshape(-1, k), gate, l).view(b, l, k)
 
     def _add_norm3(self, x, y, gate):
         """(x', norm3(x')) with x' = addcmul(x, y, gate): one kernel for both when norm3 is a LayerNorm over the
@@ -184,26 +183,26 @@ class FusedWanBlock(qf.FetchedBlock):
         if isinstance(norm, nn.Identity):
             x = self._add(x, y, gate)
             return x, x
-        w = qf.norm_weight(norm, x) if isinstance(norm, nn.LayerNorm) else None
+        w = qb.norm_weight(norm, x) if isinstance(norm, nn.LayerNorm) else None
         if (w is None or tuple(norm.normalized_shape) != (x.shape[-1],) or not self._tail_fusable(x, y, gate)):
             x = torch.addcmul(x, y, gate)
             return x, norm(x)
         b, l, k = x.shape
-        r, n = qf._call(qf._kf().residual_add_layernorm, x.reshape(-1, k), y.reshape(-1, k), gate, l,
-                        float(norm.eps), w if norm.weight is not None else None, qf.norm_bias(norm, x))
+        r, n = qb.call(qb.kernels().residual.residual_add_layernorm, x.reshape(-1, k), y.reshape(-1, k), gate, l,
+                        float(norm.eps), w if norm.weight is not None else None, qb.norm_bias(norm, x))
         return r.view(b, l, k), n.view(b, l, k)
 
     def _add_ffn(self, x, c, e3, e4):
         """(x', ffn(addcmul(e3, norm2(x'), 1 + e4))) with x' = x + c; x' and ffn.0's int8 input from one kernel
         where it applies (else torch for the sum, then :meth:`_ffn`)."""
         ffn0 = self.ffn[0]
-        if not (qf.fusable(ffn0) and self._tail_fusable(x, c, e3, e4)):
+        if not (qb.fusable(ffn0) and self._tail_fusable(x, c, e3, e4)):
             x = x + c
             return x, self._ffn(x, e3, e4)
         b, l, k = x.shape
-        r, a_q, a_s = qf._call(qf._kf().residual_add_layernorm_modulate_quantize, x.reshape(-1, k), c.reshape(-1, k),
-                               None, l, float(self.norm2.eps), e4, e3, qf.inv_smooth_of(ffn0, x.device))
-        h = qf.gemm(a_q, a_s, ffn0, _promote(x, e4, e3)).view(b, l, -1)
+        r, a_q, a_s = qb.call(qb.kernels().residual.residual_add_layernorm_modulate_quantize, x.reshape(-1, k), c.reshape(-1, k),
+                               None, l, float(self.norm2.eps), e4, e3, qb.inv_smooth_of(ffn0, x.device))
+        h = qb.gemm(a_q, a_s, ffn0, qb.promote(x, e4, e3)).view(b, l, -1)
         return r.view(b, l, k), self._ffn_hidden(h)
 
     def _ffn(self, x, e3, e4):
@@ -214,10 +213,10 @@ class FusedWanBlock(qf.FetchedBlock):
     def _ffn_hidden(self, h):
         """``ffn[2](gelu_tanh(h))``: the GELU + quantization kernel feeding ffn.2's int8 GEMM, or torch."""
         ffn = self.ffn
-        if not qf.fusable(ffn[2]):
+        if not qb.fusable(ffn[2]):
             return ffn[2](ffn[1](h))
-        a_q, a_s = _cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qf.inv_smooth_of(ffn[2], h.device))
-        return qf.gemm(a_q, a_s, ffn[2], h.dtype).view(*h.shape[:-1], -1)
+        a_q, a_s = qb.cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(ffn[2], h.device))
+        return qb.gemm(a_q, a_s, ffn[2], h.dtype).view(*h.shape[:-1], -1)
 
     # -------------------------------------------------------------------------------- forward
     def forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}, **kwargs):

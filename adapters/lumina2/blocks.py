@@ -1,5 +1,5 @@
-"""Fused Lumina 2 / Z-Image blocks (issue 13), pure torch + ``kernel``; ComfyUI's functions are handed in
-(``Lumina2Functions``, built by adapters/lumina2.py).
+"""Fused Lumina 2 / Z-Image blocks, pure torch + ``kernel``; ComfyUI's functions are handed in
+(``Lumina2Functions``, built by the adapter, ``__init__.py``).
 
 ``FusedLumina2Block`` replaces a modulated ``comfy.ldm.lumina.model.JointTransformerBlock``:
 
@@ -9,17 +9,17 @@
     h  = quantize(ffn_norm1(x) * (1 + scale_mlp))              # one kernel with the line above -> w1+w3 GEMM
     x  = x + tanh(gate_mlp) * ffn_norm2(clamp(w2(swiglu+quantize(h))))   # FusedFeedForward; the tail one kernel
 
-The two residual tails run as ``gated_residual_rmsnorm`` (Ideogram 4's kernel: the same arithmetic, roundings as
-torch's three ops; ``INT8_FUSED_RESIDUAL=0`` leaves them to torch), the first with ffn_norm1 * (1 + scale_mlp) +
+The two residual tails run as ``gated_residual_rmsnorm`` (``quant.blocks.gated_residual``: roundings as torch's
+three ops; ``INT8_FUSED_RESIDUAL=0`` leaves them to torch), the first with ffn_norm1 * (1 + scale_mlp) +
 quantization of its result from the same registers.
 
 ``modulate`` in ComfyUI (both supported versions) is ``x * (1 + scale.unsqueeze(1))``: ``1 + scale`` rounds to the
 scale's dtype, the product to the promoted dtype, after ``F.rms_norm``'s one rounding to x's dtype: exactly the
-definition ``rmsnorm_modulate_quantize`` implements (kernel/fused.py), so the int8 inputs of qkv and w1+w3 equal
+definition ``rmsnorm_modulate_quantize`` implements (kernel/norm.py), so the int8 inputs of qkv and w1+w3 equal
 what the per-linear Int8Linear quantizes (bit for bit in bf16 / fp16; fp32 up to the fp32 sum order of the norm).
 
 QK norms + RoPE: with ``INT8_FUSED_QK_ROPE=all`` (the default) and as many kv heads as heads (Z-Image), one
-``kernel.fused.qk_norm_rope`` launch writes q and k in the [B, L, H, D] layout attention reads, and v stays the
+``kernel.rope.qk_norm_rope`` launch writes q and k in the [B, L, H, D] layout attention reads, and v stays the
 qkv output's view (ComfyUI's ``repeat`` with n_rep 1 would copy k and v unchanged). Otherwise as ComfyUI runs them.
 
 What stays as ComfyUI runs it: the adaLN ``nn.Sequential`` (called as a module), the QK norms and RoPE where the
@@ -44,9 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import fused as qf
-from .fused_flux import _attn_patches, _qk_norm_weights, with_layers
-from .linear import Int8Linear
+from ..base import Int8Linear, blocks as qb, qk_rope_on
 
 log = logging.getLogger("int8_fused")
 _LOGGED: set = set()
@@ -75,14 +73,14 @@ def _log_once(reason: str) -> None:
                  "calls with %s", reason)
 
 
-class FusedLumina2Block(qf.FetchedBlock):
+class FusedLumina2Block(qb.FetchedBlock):
     """A modulated JointTransformerBlock (named ``prefix``) with its norm * (1 + scale) + quantization fused into
     the qkv and w1+w3 inputs. Children: the block's own norms, ``attention`` (a twin of its JointAttention with
     the INT8 linears of ``layers``), ``adaLN_modulation`` (twin, INT8 where ``layers`` has it) and
     ``feed_forward`` (the FusedFeedForward ``ff``). Same forward signature and result as the original (within
     rounding); never holds the replaced float linears."""
 
-    def __init__(self, block: nn.Module, prefix: str, layers: dict, ff: "qf.FusedFeedForward",
+    def __init__(self, block: nn.Module, prefix: str, layers: dict, ff: "qb.FusedFeedForward",
                  fn: Lumina2Functions):
         super().__init__()
         for k, v in block.__dict__.items():
@@ -93,11 +91,11 @@ class FusedLumina2Block(qf.FetchedBlock):
             if k == "feed_forward":
                 self._modules[k] = ff
             else:
-                self._modules[k] = with_layers(m, f"{prefix}.{k}", layers) if m is not None else None
+                self._modules[k] = qb.with_layers(m, f"{prefix}.{k}", layers) if m is not None else None
         self.fn = fn
         self.covers = tuple([n for n in layers if n.startswith(f"{prefix}.") and not n.startswith(f"{ffp}.")]
                             + list(ff.covers))
-        qf._kf().register_ops()
+        qb.kernels().register_ops()
 
     def int8_layers(self) -> dict[str, Int8Linear]:
         out = {n: m for n, m in self.named_modules()
@@ -115,7 +113,7 @@ class FusedLumina2Block(qf.FetchedBlock):
             why = "timestep_zero_index (per-slice modulation)"
         elif adaln_input is None or not self.modulation:
             why = "no adaln_input"
-        elif _attn_patches(transformer_options):
+        elif qb.attn_patches(transformer_options):
             why = "attention patches"
         if why is not None:
             _log_once(why)
@@ -125,40 +123,40 @@ class FusedLumina2Block(qf.FetchedBlock):
         fn = self.fn
         # modulate(): x * (1 + scale.unsqueeze(1)); the kernels take the (1 + scale) and tanh(gate) rows [B, K], all
         # four from two launches (the block's code: chunk(4, dim=1) of [B, 4 K], then four ops)
-        s_msa, tanh_msa, s_mlp, tanh_mlp = qf.adaln_chunks(self.adaLN_modulation(adaln_input))
+        s_msa, tanh_msa, s_mlp, tanh_mlp = qb.adaln_chunks(self.adaLN_modulation(adaln_input))
         b, l, k = x.shape
         attn = self.attention
-        a_q, a_s = qf.norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), s_msa, l,
-                                             qf.inv_smooth_of(attn.qkv, x.device))
+        a_q, a_s = qb.norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), s_msa, l,
+                                             qb.inv_smooth_of(attn.qkv, x.device))
         o = self._attention(a_q, a_s, b, l, torch.promote_types(x.dtype, s_msa.dtype), x_mask, freqs_cis,
                             transformer_options)
         if fn.clamp_fp16 is not None:
             o = fn.clamp_fp16(o)
         ff = self.feed_forward
-        inv13 = qf.inv_smooth_of(ff.w13, x.device)
+        inv13 = qb.inv_smooth_of(ff.w13, x.device)
         # x + tanh(gate) * attention_norm2(o), then ffn_norm1 * (1 + s) + quantize: one kernel (torch otherwise)
-        tail = qf.gated_residual(x.reshape(-1, k), o.reshape(-1, k), self.attention_norm2, tanh_msa, l,
+        tail = qb.gated_residual(x.reshape(-1, k), o.reshape(-1, k), self.attention_norm2, tanh_msa, l,
                                  self.ffn_norm1, s_mlp, inv13)
         if tail is not None:
             x2, a_q, a_s = tail
             x = x2.view(b, l, k)
         else:
-            x = x + tanh_msa.unsqueeze(1) * qf.rms(self.attention_norm2, o)
-            a_q, a_s = qf.norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), s_mlp, l, inv13)
+            x = x + tanh_msa.unsqueeze(1) * qb.rms(self.attention_norm2, o)
+            a_q, a_s = qb.norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), s_mlp, l, inv13)
         del o
         h = ff.forward_quantized(a_q, a_s, torch.promote_types(x.dtype, s_mlp.dtype)).view(b, l, -1)
         if fn.clamp_fp16 is not None:
             h = fn.clamp_fp16(h)
-        tail = qf.gated_residual(x.reshape(-1, k), h.reshape(-1, k), self.ffn_norm2, tanh_mlp, l)
+        tail = qb.gated_residual(x.reshape(-1, k), h.reshape(-1, k), self.ffn_norm2, tanh_mlp, l)
         if tail is not None:
             return tail[0].view(b, l, k)
-        return x + tanh_mlp.unsqueeze(1) * qf.rms(self.ffn_norm2, h)
+        return x + tanh_mlp.unsqueeze(1) * qb.rms(self.ffn_norm2, h)
 
     def _attention(self, a_q, a_s, bsz, seqlen, dtype, x_mask, freqs_cis, transformer_options):
         """JointAttention.forward of the running ComfyUI from the int8 qkv input on."""
         attn, fn = self.attention, self.fn
         nh, nkv, hd = attn.n_local_heads, attn.n_local_kv_heads, attn.head_dim
-        qkv = qf.gemm(a_q, a_s, attn.qkv, dtype).view(bsz, seqlen, -1)
+        qkv = qb.gemm(a_q, a_s, attn.qkv, dtype).view(bsz, seqlen, -1)
         xq, xk, xv = torch.split(qkv, [nh * hd, nkv * hd, nkv * hd], dim=-1)
         xq = xq.view(bsz, seqlen, nh, hd)
         xk = xk.view(bsz, seqlen, nkv, hd)
@@ -168,7 +166,7 @@ class FusedLumina2Block(qf.FetchedBlock):
             xq, xk = fused
             out = fn.attention(xq.movedim(1, 2), xk.movedim(1, 2), xv.movedim(1, 2), nh, x_mask, skip_reshape=True,
                                transformer_options=transformer_options)
-            return qf.linear(attn.out, out)
+            return qb.linear(attn.out, out)
         if fn.rms_rope is not None and getattr(attn, "qk_norm", False) and not fn.in_training():
             q_scale, _, q_stream = fn.cast_bias_weight(attn.q_norm, xq, offloadable=True)
             k_scale, _, k_stream = fn.cast_bias_weight(attn.k_norm, xk, offloadable=True)
@@ -190,7 +188,7 @@ class FusedLumina2Block(qf.FetchedBlock):
             xv = xv.unsqueeze(3).repeat(1, 1, 1, n_rep, 1).flatten(2, 3)
         out = fn.attention(xq.movedim(1, 2), xk.movedim(1, 2), xv.movedim(1, 2), nh, x_mask, skip_reshape=True,
                            transformer_options=transformer_options)
-        return qf.linear(attn.out, out)
+        return qb.linear(attn.out, out)
 
     def _fused_qk_rope(self, qkv, nh, nkv, hd, freqs_cis):
         """(q, k) [B, L, H, D] from one ``qk_norm_rope`` launch (QK RMSNorm per head + interleaved-pair RoPE, in
@@ -200,17 +198,17 @@ class FusedLumina2Block(qf.FetchedBlock):
         ``freqs_cis`` not ComfyUI's fp32 [B | 1, L, 1, D/2, 2, 2] rotations, a head_dim that is not a power of
         2."""
         attn, fn = self.attention, self.fn
-        if (not qf.qk_rope_on("lumina2") or qf._compiling() or nh != nkv
+        if (not qk_rope_on("lumina2") or qb.compiling() or nh != nkv
                 or (fn.in_training is not None and fn.in_training())):
             return None
         b, l, w = qkv.shape
-        pe = qf.rope_rows(freqs_cis, b, l, hd, qkv.device)
-        weights = _qk_norm_weights(attn.q_norm, attn.k_norm, qkv, hd)
+        pe = qb.rope_rows(freqs_cis, b, l, hd, qkv.device)
+        weights = qb.qk_norm_weights(attn.q_norm, attn.k_norm, qkv, hd)
         if pe is None or weights is None or w != 3 * nh * hd or qkv.stride(-1) != 1:
             return None
         wq, eq, wk, ek = weights
         if fn.rms_rope is not None:  # 0.33.0 hands q_norm's eps to both (rms_rope)
             ek = eq
         q, k = (torch.empty((b, l, nh, hd), dtype=qkv.dtype, device=qkv.device) for _ in range(2))
-        qf._call(qf._kf().qk_norm_rope, qkv, nh, wq, wk, eq, ek, pe, q.transpose(1, 2), k.transpose(1, 2), None, 0)
+        qb.call(qb.kernels().rope.qk_norm_rope, qkv, nh, wq, wk, eq, ek, pe, q.transpose(1, 2), k.transpose(1, 2), None, 0)
         return q, k

@@ -9,9 +9,9 @@ text (positions padded in every batch row) keeps them; when nothing masked is le
 runs unmasked (flash / cuDNN can take it) on fewer tokens. Padding elsewhere (left padding, rows padded to different
 lengths) stays masked as before.
 
-``strip_call`` applies this to a forward call's ``context`` / ``attention_mask`` arguments; the Ideogram 4 adapter's
-DIFFUSION_MODEL wrapper (``adapters/ideogram4.py``) calls it. ``enabled(backend)``: the policy of
-``INT8_FUSED_PAD_ELISION``.
+``strip_call`` applies this to a forward call's ``context`` / ``attention_mask`` arguments; the adapter's
+DIFFUSION_MODEL wrapper (``__init__.py``) calls it. The nodes install that wrapper where ``INT8_FUSED_PAD_ELISION``
+allows it (``adapters.base.pad_elision_enabled``).
 """
 from __future__ import annotations
 
@@ -19,23 +19,7 @@ import collections
 
 import torch
 
-from . import kernel_module
-
-ENV = "INT8_FUSED_PAD_ELISION"
 stats: collections.Counter = collections.Counter()  # "calls", "tokens_removed", "masks_dropped" (tests, bench)
-
-
-def enabled(backend: str, value: str | None = None) -> bool:
-    """``INT8_FUSED_PAD_ELISION`` (or ``value``): unset = on for fused_triton only; 0 = off; 1 = on for every
-    backend (also the bf16 control, for like-for-like comparisons)."""
-    v = ((kernel_module("config").get(ENV) or "") if value is None else value).strip().lower()
-    if v in ("", "auto"):
-        return backend == "fused_triton"
-    if v in ("0", "off", "false", "no"):
-        return False
-    if v in ("1", "on", "true", "yes"):
-        return True
-    raise ValueError(f"{ENV}={v!r}: use 0 (off), 1 (on for every backend) or leave it unset (on for fused_triton)")
 
 
 def strip_trailing_padding(context: torch.Tensor | None, attention_mask: torch.Tensor | None):
