@@ -21,6 +21,8 @@ How it fits ComfyUI's ModelPatcher (comfy/model_patcher.py, 0.3.75):
 * The clone gets a fresh ``patches_uuid`` and its own size: switching between this clone and the float
   model makes ComfyUI unpatch and move the tree off the GPU, then load the INT8 tree (the replaced
   float weights are no longer in it, so they do not come back to the GPU).
+* Under DynamicVRAM the clone also carries an injection whose eject gives back the tensors ComfyUI backed up
+  under the fused modules before ComfyUI undoes the object patches (``comfy_cast.restore_patched_backups``).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from ..quant import backends, cached_linear, dispatch, select
 from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
-from . import attention as attention_routing, pad_elision, resident_conds, timing
+from . import attention as attention_routing, comfy_cast, pad_elision, resident_conds, timing
 
 log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
@@ -92,6 +94,7 @@ def install_patches(out, patches: dict) -> None:
     from comfy.patcher_extension import WrappersMP
     for name, module in patches.items():
         out.add_object_patch(PREFIX + name, module)
+    out.set_injections(_CALLBACK_KEY, [comfy_cast.injection()])  # DynamicVRAM backups out before the unpatch
     out.remove_wrappers_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY)
     out.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY, resident_conds.sampler_sample_wrapper)
     if any(isinstance(m, cached_linear.CachedLinear) for m in patches.values()):

@@ -14,6 +14,17 @@ compute stream twice, a vbar fault and signature check, the unpin). :func:`fetch
 prefetching models do (``comfy.model_prefetch``): one ``comfy.ops.cast_modules_with_vbar`` over every managed
 module of a fused block before it runs, after which each layer's ``cast_bias_weight`` takes the fetched
 weights; ``comfy.model_prefetch.cleanup_prefetched_modules`` releases them once the block's kernels are queued.
+
+DynamicVRAM (``ModelPatcherDynamic.load``) also force-loads some tensors and records their originals in
+``patcher.backup`` / ``backup_buffers`` (shared by every clone), keyed by their path in the tree *as patched*: every
+parameter of a cast layer other than weight and bias (an ``Int8Linear``'s ``weight_scale`` and ``smooth``), the
+weight and bias of cast layers of 16 KiB or less, every parameter of other layers, every buffer. Its
+``unpatch_model`` undoes the object patches first and gives those originals back afterwards, through the unpatched
+tree: a key under a fused module that the float model lacks (``feed_forward.w13``) raises AttributeError, and one
+that exists there (``attention.qkv.weight_scale``) adds the INT8 layer's tensor to ComfyUI's float Linear.
+:func:`restore_patched_backups`, the eject step of :func:`injection` (which the Apply node and the Ideogram 4 loader
+put on their MODEL), gives those back while the object patches are still applied: ComfyUI ejects a patcher before it
+undoes its object patches (``unpatch_model``, ``detach``, ``partially_load``, and when a clone of it is loaded).
 """
 from __future__ import annotations
 
@@ -86,6 +97,51 @@ def _comfy_functions() -> tuple:
         cleanup = getattr(mp, "cleanup_prefetched_modules", None)
         _COMFY = (mm, cast_all, cleanup) if cast_all is not None and cleanup is not None else ()
     return _COMFY
+
+
+def _owner(model, path: str, swaps: dict):
+    """The object at dotted ``path`` under ``model``, with each prefix found in ``swaps`` replaced by its value
+    (``swaps`` = ``object_patches_backup``: the unpatched tree); None where the path does not exist."""
+    obj, prefix = model, ""
+    for name in path.split(".") if path else ():
+        prefix = f"{prefix}.{name}" if prefix else name
+        obj = swaps[prefix] if prefix in swaps else getattr(obj, name, None)
+    return obj
+
+
+def restore_patched_backups(patcher) -> int:
+    """Give back now, under the applied object patches, every DynamicVRAM backup (module doc) whose module is not
+    the same object in the unpatched tree, and drop it from the backups; returns the bytes ComfyUI had counted as
+    loaded for them. The others (the float model's own layers, the norms a fused block shares) stay for ComfyUI.
+    Only ``ModelPatcherDynamic`` backs such tensors up: a legacy patcher's backups (LoRA patches) are left alone."""
+    if not getattr(patcher, "is_dynamic", lambda: False)() or not patcher.object_patches_backup:
+        return 0
+    import comfy.utils
+    model, swaps = patcher.model, patcher.object_patches_backup
+
+    def moved(key):
+        path = key.rpartition(".")[0]
+        return _owner(model, path, {}) is not _owner(model, path, swaps)
+    freed = 0
+    for key in [k for k in patcher.backup if moved(k)]:
+        freed += comfy.utils.get_attr(model, key).nbytes
+        bk = patcher.backup.pop(key)
+        if bk.inplace_update:
+            comfy.utils.copy_to_param(model, key, bk.weight)
+        else:
+            comfy.utils.set_attr_param(model, key, bk.weight)
+    for key in [k for k in patcher.backup_buffers if moved(k)]:
+        freed += comfy.utils.get_attr(model, key).nbytes
+        comfy.utils.set_attr_buffer(model, key, patcher.backup_buffers.pop(key))
+    if freed:
+        model.model_loaded_weight_memory = max(0, model.model_loaded_weight_memory - freed)
+    return freed
+
+
+def injection():
+    """The ``PatcherInjection`` whose eject runs :func:`restore_patched_backups` (its inject does nothing)."""
+    from comfy.patcher_extension import PatcherInjection
+    return PatcherInjection(inject=lambda patcher: None, eject=restore_patched_backups)
 
 
 def install() -> None:
