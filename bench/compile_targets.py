@@ -16,10 +16,11 @@ out, bias), as the SwiGLU-epilogue GEMM (under the ``maxnreg`` its launcher sets
 tail split (SPLIT 2, its launcher's ``maxnreg`` at that tile's occupancy on the target); the one-launch small-M W8A8
 kernel at the small tiles; the fused row kernels and the quantizers at the plans their launchers choose for the model
 widths (``MODELS``); the attention kernel at every tile ``attention8.configs`` keeps within the target's shared memory
-and at ``default_config``, with its block quantizer. Checks (tests/test_compile_targets.py): each compiles, fits the
-target's shared memory (``autotune.SMEM_OPTIN``), a GEMM within ``autotune.smem_bytes``, and spills at most
-``SPILL_BOUND`` bytes. ``--other-triton DIR``: the sm_90 GEMMs (s8 rewrite included) again with the Triton installed
-in DIR (scripts/setup_runtime.sh puts 3.4.0 and 3.9.0 under .runtime/), in a subprocess.
+and at ``default_config`` for that limit (labelled "(default)"), with its block quantizer. Checks
+(tests/test_compile_targets.py): each compiles, fits the target's shared memory (``autotune.SMEM_OPTIN``), a GEMM
+within ``autotune.smem_bytes``, and spills at most ``SPILL_BOUND`` bytes. ``--other-triton DIR``: the sm_90 GEMMs
+(s8 rewrite included) again with the Triton installed in DIR (scripts/setup_runtime.sh puts 3.4.0 and 3.9.0 under
+.runtime/), in a subprocess.
 """
 from __future__ import annotations
 
@@ -273,7 +274,7 @@ def attn_jobs(arch: int) -> list[dict]:
     out = []
     for d in ATTN_HEAD_DIMS:
         cfgs = at.configs(d, limit)
-        default = at.default_config(d)
+        default = at.default_config(d, limit, interpret=False)
         if default not in cfgs:
             cfgs = cfgs + [default]
         blocks = set()

@@ -26,10 +26,11 @@ Numerics (the tests derive their error bound from exactly these steps):
   output NaN, and NaN/Inf anywhere in a head's K (through its mean) or V makes that head's output NaN (V: the
   columns it reaches). Never a silent finite result.
 
-Tile configs: ``configs(D)`` lists the candidates (BLOCK_M 64/128, BLOCK_N 64/128, 4/8 warps, 2/3 stages) that fit
-sm_90's 227 KB of shared memory and 128 fp32 accumulator registers a thread. On CUDA the first call of a shape
+Tile configs: ``configs(D, limit)`` lists the candidates (BLOCK_M 64/128, BLOCK_N 64/128 or, where none of 64
+fits, 32, 4/8 warps, 2/3 stages) that fit the device's shared memory (``device_smem_limit``: 227 KB on sm_90, 99 KB
+on sm_86 / 89 / 120) and 128 fp32 accumulator registers a thread. On CUDA the first call of a shape
 (B·H, Hkv, Lq, Lk, D, dtype, device) times each candidate (pre-pass included, CUDA events) and keeps the fastest
-in memory (``tuned``); ``config=`` forces one, ``tune=False`` takes ``default_config(D)``. Quantization blocks
+in memory (``tuned``); ``config=`` forces one, ``tune=False`` takes ``default_config(D, limit)``. Quantization blocks
 follow the tile (BLOCK_M query rows, BLOCK_N key rows), so the numbers depend on the config within the bound.
 
 Importing this module imports triton.
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 
 from . import config
+from .autotune import smem_optin
 from .checks import check_usable
 from .quantize import interpreter_compat, rint
 
@@ -217,24 +219,40 @@ def smem_bytes(cfg: dict, head_dim: int) -> int:
 
 def configs(head_dim: int, smem_limit: int = SMEM_LIMIT) -> list[dict]:
     """Candidate tiles for ``head_dim``: BLOCK_M 64/128 x BLOCK_N 64/128 x 4/8 warps x 2/3 stages, lazy rescaling
-    (tau 8), kept when the estimate fits ``smem_limit`` and the fp32 accumulator needs ≤ 128 registers a thread."""
-    out = []
-    for bm in (128, 64):
-        for bn in (64, 128):
-            for warps in (8, 4):
-                for stages in (2, 3):
-                    c = _cfg(bm, bn, warps, stages)
-                    if smem_bytes(c, head_dim) <= smem_limit and bm * head_dim // (32 * warps) <= 128:
-                        out.append(c)
-    return out
+    (tau 8), kept when the estimate fits ``smem_limit`` and the fp32 accumulator needs ≤ 128 registers a thread.
+    Where no BLOCK_N 64 tile fits (D 256 in the 99 KB of sm_86 / 89 / 120) the BLOCK_N 32 tiles instead."""
+    def grid(widths):
+        tiles = (_cfg(bm, bn, w, s) for bm in (128, 64) for bn in widths for w in (8, 4) for s in (2, 3))
+        return [c for c in tiles if smem_bytes(c, head_dim) <= smem_limit
+                and c["BLOCK_M"] * head_dim // (32 * c["num_warps"]) <= 128]
+    out = grid((64, 128))
+    return out if any(c["BLOCK_N"] == 64 for c in out) else out + grid((32,))
 
 
-def default_config(head_dim: int) -> dict:
-    if INTERPRET:
+# untuned tile by preference, the first that fits the limit: sm_90 (and A100 below D 256) take the first
+DEFAULT_TILES = {
+    128: (_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2)),
+    256: (_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 32, 4, 1)),
+}
+
+
+def default_config(head_dim: int, smem_limit: int = SMEM_LIMIT, interpret: bool = INTERPRET) -> dict:
+    """The tile ``attention_int8`` runs untuned: the first of ``DEFAULT_TILES`` whose ``smem_bytes`` fits
+    ``smem_limit`` (the device's, ``device_smem_limit``), else the smallest; a small one in the interpreter."""
+    if interpret:
         return _cfg(64, 64, 4, 1)
-    if head_dim == 256:
-        return _cfg(128, 64, 8, 3)
-    return _cfg(128, 128, 8, 3)
+    tiles = DEFAULT_TILES[128 if head_dim <= 128 else 256]
+    return dict(next((c for c in tiles if smem_bytes(c, head_dim) <= smem_limit), tiles[-1]))
+
+
+def device_smem_limit(device) -> int:
+    """Opt-in shared memory a block on ``device``: the lower of ``autotune.SMEM_OPTIN``'s figure for its
+    capability and the device's report, as the GEMM's candidates use (``SMEM_LIMIT`` off CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return SMEM_LIMIT
+    props = torch.cuda.get_device_properties(device)
+    return smem_optin((props.major, props.minor), props.shared_memory_per_block_optin)
 
 
 tuned: dict[tuple, dict] = {}   # shape key -> config chosen by timing (CUDA)
@@ -341,7 +359,7 @@ def autotune(q, k, v, scale=None, candidates=None, smooth_k=True, q_prequant=Fal
     key = _shape_key(q, k)
     out = _alloc_out(q)
     results, best, best_ms = {}, None, math.inf
-    for cfg in candidates or configs(d):
+    for cfg in candidates or configs(d, device_smem_limit(q.device)):
         try:
             ms = _time_ms(lambda: _launch(q, k, v, out, scale, cfg, smooth_k, q_prequant), reps)
         except Exception as e:  # noqa: BLE001 - OutOfResources, a compiler error: not a candidate
@@ -381,7 +399,7 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             if tune and q.device.type == "cuda" and not INTERPRET and not torch.compiler.is_compiling():
                 config = autotune(q, k, v, scale, smooth_k=smooth_k, q_prequant=q_prequant)
             else:
-                config = default_config(d)
+                config = default_config(d, device_smem_limit(q.device))
     out = _alloc_out(q)
     b, h = q.shape[:2]
     step = max(1, MAX_GRID_Y // h)  # grid axis 1 is batch·heads (at most 65535)

@@ -40,6 +40,7 @@ U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 C64 = A._cfg(64, 64, 4, 1)             # the interpreter's default tile
 C128 = A._cfg(128, 64, 4, 1)           # BLOCK_M 128: other quantization blocks
 C64_EAGER = A._cfg(64, 64, 4, 1, 0.0)  # rescale on every block
+C32 = A._cfg(128, 32, 8, 1)            # BLOCK_N 32: D 256's tiles on 99 KB cards
 
 
 def _qkv(b=1, h=2, hk=2, lq=200, lk=150, d=64, dtype=torch.bfloat16, seed=0, k_offset=0.0, q_mult=1.0):
@@ -126,7 +127,7 @@ def _check(out, q, k, v, cfg, scale=None, smooth=True, what=""):
 # ------------------------------------------------------------------------------------------------ numerics
 @pytest.mark.parametrize("d,lq,lk,cfg", [
     (64, 200, 150, C64), (64, 77, 130, C128), (128, 130, 64, C64), (128, 200, 150, C64_EAGER),
-    (256, 130, 77, C64), (256, 64, 200, C128)])
+    (256, 130, 77, C64), (256, 64, 200, C128), (256, 100, 77, C32)])
 def test_error_within_derived_bound(d, lq, lk, cfg):
     q, k, v = _qkv(lq=lq, lk=lk, d=d, seed=d + lq, k_offset=0.5)
     out = A.attention_int8(q, k, v, config=cfg)
@@ -251,6 +252,39 @@ def test_configs_fit_hopper_and_cpu_needs_the_interpreter():
         assert all(c["BLOCK_M"] * d // (32 * c["num_warps"]) <= 128 for c in cands)
     assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in A.configs(256)} == {(128, 64), (128, 128), (64, 64), (64, 128)}
     assert A.INTERPRET  # these tests run in the interpreter (conftest)
+
+
+def test_default_tile_and_candidates_fit_every_target(monkeypatch):
+    """The untuned tile (``tune=False``, torch.compile) and the candidates within each target's opt-in shared memory
+    (sm_86 / 89 / 120: 99 KB); sm_90's default is still 128 x 128 (D <= 128) / 128 x 64 (D 256) in 3 stages."""
+    import types
+
+    from kernel import autotune
+    for cap, limit in autotune.SMEM_OPTIN.items():
+        for d in A.HEAD_DIMS:
+            c = A.default_config(d, limit, interpret=False)
+            assert A.smem_bytes(c, d) <= limit and c["BLOCK_M"] * d // (32 * c["num_warps"]) <= 128, (cap, d, c)
+            cands = A.configs(d, limit)
+            assert c in cands and all(A.smem_bytes(x, d) <= limit for x in cands), (cap, d, c)
+    # the old defaults on a 99 KB card, by hand: Q 128 x D int8 + 3 stages of K (int8) and V (bf16), BLOCK_N x D
+    assert A.smem_bytes(A._cfg(128, 128, 8, 3), 128) == 128 * 128 + 3 * 128 * 128 * 3 == 163840 > 101376
+    assert A.smem_bytes(A._cfg(128, 64, 8, 3), 256) == 128 * 256 + 3 * 64 * 256 * 3 == 180224 > 101376
+    h200 = autotune.SMEM_OPTIN[(9, 0)]
+    for d in (64, 128):
+        assert A.default_config(d, h200, interpret=False) == A.default_config(d, interpret=False) == \
+            A._cfg(128, 128, 8, 3)
+    assert A.default_config(256, h200, interpret=False) == A._cfg(128, 64, 8, 3)
+    assert A.default_config(256, 99 * 1024, interpret=False) == A._cfg(128, 32, 8, 2)
+    assert A.default_config(256) == C64  # the interpreter's
+    assert {c["BLOCK_N"] for c in A.configs(256, 99 * 1024)} == {32}
+    assert A.configs(128, h200) == A.configs(128) and A.configs(256, h200) == A.configs(256)
+    # the device's limit: the lower of the table's figure and the device's report
+    assert A.device_smem_limit(torch.device("cpu")) == A.SMEM_LIMIT
+    for cap, reported, want in (((8, 9), 232448, 101376), ((12, 0), 99 * 1024, 99 * 1024),
+                                ((10, 0), 232448, 232448)):
+        props = types.SimpleNamespace(major=cap[0], minor=cap[1], shared_memory_per_block_optin=reported)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev, p=props: p)
+        assert A.device_smem_limit("cuda:0") == want, cap
 
 
 # ------------------------------------------------------------------------------------------------ the Router
