@@ -53,10 +53,9 @@ def hopper_configs() -> list[Config]:
 
 def s8_configs(persist: bool = True) -> list[Config]:
     """sm_90 with ``kernel.s8wgmma``: 128 x 256 tiles issued as s8 wgmma n256 (one CTA an SM, 144 KB of shared
-    memory). H200, run bw (bench/gemm_n256.py): BLOCK_K 128 in 3 stages ran 1.08-1.22x the first Hopper config on
-    Ideogram 4 / Flux.1 block shapes; 64 x 4 stages 0.99-1.14x. ``PERSIST``: the same tile as the persistent TMA
-    kernel (``kernel.gemm._int8_gemm_persistent_kernel``), 1.02-1.13x the non-persistent one on those shapes in
-    run bz (bench/gemm_persist.py)."""
+    memory). Measured on the H200: BLOCK_K 128 in 3 stages ran 1.08-1.22x the first Hopper config on Ideogram 4 /
+    Flux.1 block shapes; 64 x 4 stages 0.99-1.14x. ``PERSIST``: the same tile as the persistent TMA kernel
+    (``kernel.gemm._int8_gemm_persistent_kernel``), 1.02-1.13x the non-persistent one on those shapes."""
     tile = {**_cfg(128, 256, 128, 8, 3), "S8": True}
     return [tile, {**tile, "PERSIST": True}] if persist else [tile]
 
@@ -229,8 +228,8 @@ class ConfigCache(JsonCache):
 
 TIMINGS: dict[str, list[tuple[Config, float]]] = {}  # key -> every candidate's time, for bench reports
 FINALISTS = 3        # candidates within FINAL_WITHIN of the fastest single timing are timed again, at most this many,
-FINAL_WITHIN = 0.10  # in FINAL_ROUNDS interleaved rounds; the lowest median wins. H200 (run bx): one timing each
-FINAL_ROUNDS = 3     # kept a 128 x 128 tile 4-9 % slower than the s8 tile on two shapes (kernel timings vary 4-7 %)
+FINAL_WITHIN = 0.10  # in FINAL_ROUNDS interleaved rounds; the lowest median wins. On the H200 kernel timings vary
+FINAL_ROUNDS = 3     # 4-7 %: one timing each could keep a tile 4-9 % slower than the best
 
 
 def pick_config(cache: ConfigCache, key: str, configs: list[Config],

@@ -6,7 +6,7 @@
   ``cat(a, gelu(h))`` quantized with one absmax per row over both parts (Flux.1's single block feeding linear2).
 
 ``GELU_FAST`` (default) computes ``dt(h / (1 + exp(-2 b (h + k h^3))))``, the same function as torch's
-``0.5 h (1 + tanh(b (h + k h^3)))`` with other fp32 roundings (``_gelu_tanh``); ``quant.fused.gelu_tanh_quantize_ref``
+``0.5 h (1 + tanh(b (h + k h^3)))`` with other fp32 roundings (``_gelu_tanh``); ``quant.blocks.gelu_tanh_quantize_ref``
 / ``concat_gelu_quantize_ref`` are the definition in torch (tests/test_flux_fused.py bounds the code flips).
 Importing this module imports triton.
 """

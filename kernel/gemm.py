@@ -683,20 +683,20 @@ def tail_split_on(kind: str) -> bool:
 
 TAIL_SPLITS = (2, 3, 4)   # the pieces a tail tile is timed with (``choose_split``)
 SPLIT_MARGIN = 0.02       # ... and how much faster than whole tiles a split must time to be chosen
-SPLIT_ROUNDS = 3          # ... as the median of this many interleaved rounds. H200: the SwiGLU GEMM's plain launch
-                          # at M 4096 timed 832.9 us in run bt, 776.8 in run bv and 809.5 later in that run; one
-                          # timing each made a 7 % "gain" of SPLIT 3 (bt) that run bv did not repeat
+SPLIT_ROUNDS = 3          # ... as the median of this many interleaved rounds: on the H200 one launch's time varies
+                          # by up to 7 % between processes, as much as a split gains, so one timing each would pick
+                          # splits that another process does not repeat
 
 
 def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None, kind: str = "",
                  check=None) -> dict:
     """``cfg``, or ``cfg`` with the tail split (``SPLIT``) that timed (``time_fn(config)`` -> ms; the median of
     ``SPLIT_ROUNDS`` interleaved rounds) at least ``SPLIT_MARGIN`` faster than whole tiles for this many row tiles
-    on a GPU running ``slots`` programs at once (on the H200, run bp: 2-8 % faster on 6 of 45 shapes, slower on
-    others). Decided once per (N, K, M bucket,
-    row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile configs' file) under a key prefixed with
-    ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the SwiGLU-epilogue GEMM), else taken from the
-    shipped table (``autotune.seed_entry``; ``check(config)`` runs it once first)."""
+    on a GPU running ``slots`` programs at once (on the H200 2-8 % faster on some block shapes, slower on others).
+    Decided once per (N, K, M bucket, row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile
+    configs' file) under a key prefixed with ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the
+    SwiGLU-epilogue GEMM), else taken from the shipped table (``autotune.seed_entry``; ``check(config)`` runs it
+    once first)."""
     from . import autotune
     if cfg.get("PERSIST") and kind:  # the persistent SwiGLU kernel runs whole tiles only
         return cfg

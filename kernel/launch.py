@@ -1,7 +1,7 @@
 """A lean launcher for the two kernels: after the first call of a specialization, re-launch the compiled kernel
 directly instead of going through ``JITFunction.run`` every time.
 
-Why: measured on the H200 machine (bench/NOTES.md), the host side of one W8A8 linear (two Triton launches and
+Why: measured on the H200 machine (bench/host_int8.py), the host side of one W8A8 linear (two Triton launches and
 the wrapper's checks) cost 150-200 us, longer than the GEMM itself on o-projection shapes. ``JITFunction.run``
 re-binds every argument, stringifies the options for its cache key and checks globals on each call.
 

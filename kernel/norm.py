@@ -6,7 +6,7 @@ norm, read once and written once as int8 (instead of a bf16 write and a quantize
 - ``layernorm_modulate_quantize(x [M, K], scale [B | 1, K], shift [B | 1, K], tokens_per_batch, inv_smooth, eps)``
   -> (int8, fp32): LayerNorm (no affine) * (1 + scale) + shift feeding qkv / mlp.0 / linear1 (Flux.1, Wan).
 
-With ``dt`` = x's dtype and all arithmetic fp32 (``quant.fused.rmsnorm_modulate_quantize_ref`` /
+With ``dt`` = x's dtype and all arithmetic fp32 (``quant.blocks.rmsnorm_modulate_quantize_ref`` /
 ``layernorm_modulate_quantize_ref`` are this definition in torch)::
 
     rmsnorm_modulate:   n = dt(x * rsqrt(mean(x^2) + eps) * w)        # F.rms_norm: fp32 math, one rounding

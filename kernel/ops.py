@@ -2,7 +2,7 @@
 
 The custom ops make ``torch.compile`` trace a model as opaque nodes with shape-only fake implementations (no Triton
 runs while tracing). Eager callers call the wrappers directly (no dispatcher overhead on hundreds of calls a step);
-the fused blocks (``quant.fused``) call the ops while torch.compile traces (``torch.compiler.is_compiling()``).
+the fused blocks (``quant.blocks``) call the ops while torch.compile traces (``torch.compiler.is_compiling()``).
 
     linear(Tensor x, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? inv_smooth) -> Tensor     (kernel.int8_linear)
     act_quant / gemm_dequant                                       (kernel.quantize_per_token / kernel.int8_gemm)

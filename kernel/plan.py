@@ -1,7 +1,7 @@
 """Prepared calls: the kernel launches of one checked call, re-issued for later calls whose operands have the same
 signature.
 
-Why: on the H200 machine's host (bench/host_int8.py, run at) one W8A8 linear of a small problem cost 93 us through
+Why: on the H200 machine's host (bench/host_int8.py) one W8A8 linear of a small problem cost 93 us through
 ``int8_linear`` (operand checks, output allocations, config lookup, launch-key building, two launches) and 122-128 us
 through an ``Int8Linear`` or a fused block, against 48 us for its three allocations and two raw launches and 25 us
 for a bf16 ``F.linear``. A small linear's speed is its host time.

@@ -55,16 +55,15 @@ class SegmentPlan:
 # Per-token quantization in one pass over up to three power-of-2 segments (K = 4608: 4096 + 512; 12288: 8192 +
 # 4096), the row in registers without masked lanes; None, or a row with a column stride or wider than max_row:
 # the BLOCK_K kernel (one masked power-of-2 tile up to MAX_BLOCK_K, else two passes over chunks). Module data, read
-# at each call (the sweep and the tests set it); part of ``kernel.ops.tunables()``. H200 (bench/fused_sweep.py,
-# run bb, M 4608): K 4608 26.9 us with 4 warps, 29.7 with 8 or 16, the BLOCK_K kernel (one 8192 tile, 16 warps)
-# 39.0; K 12288 57.3 us with 8 warps, 61.3 with 4, 65.9 with 16, the BLOCK_K kernel (4096 chunks read twice) 63.8.
+# at each call (the sweep and the tests set it); part of ``kernel.ops.tunables()``. Measured on the H200
+# (bench/fused_sweep.py, M 4608): the one-pass plan 10-30 % faster than the BLOCK_K kernel at K 4608 and 12288.
 QUANT_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8, per_warp=1024)
 
 
 # The one-pass quantizer as QUANT_ROW_LOOP programs an SM, each looping over rows with the next row's loads in
-# flight (_quant_rows_loop_kernel), where M is larger than that; 0: a program a row. H200 (bench/fused_sweep.py, run
-# bm, M 4608): K 4608 25.3 us with 4 an SM (2: 29.3, 8: 120.0 with spills) against 26.0 a program a row; K 12288
-# 55.5 (8 warps; 4 warps 54.5) against 56.8. Codes identical. Module data, read at each call.
+# flight (_quant_rows_loop_kernel), where M is larger than that; 0: a program a row. Measured on the H200
+# (bench/fused_sweep.py, M 4608): 4 an SM 2-3 % faster than a program a row (2 slower, 8 spills). Codes identical.
+# Module data, read at each call.
 QUANT_ROW_LOOP = 4
 
 

@@ -1,9 +1,9 @@
 """The INT8 GEMM's 128 x 256 tiles on sm_90 as s8 wgmma n256, an instruction shape Triton does not emit.
 
 Why: Triton 3.6's ``tl.dot`` issues int8 wgmma at n128 at most; the pack's 128 x 128 tiles then run at the rate
-their L2 reads allow (~1330 TOP/s at 128 int ops a byte, run bv). A 128 x 256 tile reads 171 ops a byte, but
-issued as two n128 halves it loses what it gains (run bv: 1749 TOP/s math-only against 1926 for n256). Measured
-on the H200 (run bw, ``bench/gemm_n256.py``): the s8 n256 GEMM ran 1.08-1.22x the pack's, bit-exact against
+their L2 reads allow (128 int ops a byte). A 128 x 256 tile reads 171 ops a byte, but issued as two n128 halves
+it loses what it gains (math-only: 1749 TOP/s against 1926 for n256 on the H200, bench/RESULTS.md). Measured on the
+H200: the s8 n256 GEMM ran 1.08-1.22x the pack's on Ideogram 4 / Flux.1 block shapes, bit-exact against
 ``torch._int_mm``, and beside cuBLAS FP8 on every block shape timed.
 
 How: the kernel is built for the operands' bytes viewed as fp8 (e4m3): Triton then issues its dot as

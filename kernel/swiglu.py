@@ -6,7 +6,7 @@ for the w2 GEMM.
 - ``swiglu_quantize(h13 [M, 2F] | (a [M, F], b [M, F]), inv_smooth [F] | None, clamp_fp16)`` -> (int8 [M, F],
   fp32 [M]): ``silu(a) * b`` feeding w2, quantized per token.
 
-With ``dt`` = the input dtype, fp32 arithmetic (``quant.fused.swiglu_ref`` / ``swiglu_quantize_ref``)::
+With ``dt`` = the input dtype, fp32 arithmetic (``quant.blocks.swiglu_ref`` / ``swiglu_quantize_ref``)::
 
     s = dt(a / (1 + exp(-a)))     # F.silu
     y = dt(s * b)                 # (fp16 + clamp_fp16: nan -> 0, inf -> +-65504, ComfyUI's clamp_fp16)

@@ -1,7 +1,7 @@
 """The s8 wgmma n256 path (kernel/s8wgmma.py) on the CPU: the PTX rewrite, the pack's GEMM kernels built for sm_90
 with fp8 operand types and rewritten to s8 n256 (Triton ships ptxas), the first-call check, and the fallback that
 runs Triton's int8 build wherever the path cannot run (here: the interpreter), exact against ``torch._int_mm``.
-Whether a rewritten binary computes the right sums is the GPU's to say: bench/s8_check.py (bench/RESULTS.md).
+Whether a rewritten binary computes the right sums is the GPU's to say: the H200 runs, bench/RESULTS.md.
 
 Run: TRITON_INTERPRET=1 python -m pytest tests/test_s8wgmma.py -q
 """
