@@ -16,7 +16,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -112,12 +111,14 @@ def _comfy() -> tuple[Path, str | None]:
 
 
 def _version(comfy_dir: Path) -> str:
-    m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", (comfy_dir / "comfyui_version.py").read_text()) \
-        if (comfy_dir / "comfyui_version.py").exists() else None
-    return m.group(1) if m else "(version unknown)"
+    import full_size
+    return full_size.comfy_version(comfy_dir)
 
 
 def main() -> int:
+    if "--full-size" in sys.argv[1:]:  # the full-size model on this machine's GPU: scripts/full_size.py
+        import full_size
+        return full_size.main(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="lumina2", choices=["lumina2", "flux"])
     ap.add_argument("--steps", type=int, default=None, help="sampling steps (default: the workflow's)")
