@@ -337,18 +337,9 @@ class CalibrateBench(ModelsBench):
         return c
 
     def core_int8_sd(self, sd: dict, names: list[str]) -> dict:
-        """ComfyUI core ``int8_tensorwise`` layout of the linears ``names`` (per-channel scales), quantized on the
-        bench device, returned on the CPU."""
-        torch = self.torch
-        conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
-        out = dict(sd)
-        for n in names:
-            w = sd[f"{n}.weight"].to(self.dev).float()
-            scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
-            out[f"{n}.weight"] = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).cpu()
-            out[f"{n}.weight_scale"] = scale.cpu()
-            out[f"{n}.comfy_quant"] = conf.clone()
-        return out
+        """ComfyUI core ``int8_tensorwise`` layout of the linears ``names`` (bench/e2e.py)."""
+        keep = set(names)
+        return self.e2e.core_int8_state_dict(sd, self.dev, lambda p, w: p in keep)
 
     # ------------------------------------------------------------------ rows
     def add(self, row: dict) -> dict:

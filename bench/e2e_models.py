@@ -259,7 +259,8 @@ class ModelsBench(SamplerBench):
             if name == "ideogram4":
                 self._core_models[name] = self.e2e.core_int8_state_dict(sd, self.dev)
             else:
-                self._core_models[name] = core_int8_state_dict(sd, BLOCKS[name], self.dev)
+                self._core_models[name] = self.e2e.core_int8_state_dict(
+                    sd, self.dev, lambda p, w, blocks=BLOCKS[name]: w.dim() == 2 and p.startswith(blocks))
         return self._core_models[name]
 
     def run_model(self, name: str):
@@ -382,25 +383,6 @@ class ModelsBench(SamplerBench):
             table(self.rows)
         log(f"wrote {self.a.out} ({time.perf_counter() - t0:.0f} s)")
         return 0
-
-
-def core_int8_state_dict(sd: dict, blocks: tuple, device) -> dict:
-    """``sd`` with every 2-D ``.weight`` under ``blocks`` in ComfyUI core's ``int8_tensorwise`` layout: int8 weight,
-    per-output-channel ``weight_scale`` (absmax / 127), ``comfy_quant`` = {"format": "int8_tensorwise"}."""
-    import torch
-    conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
-    out = {}
-    for k, v in sd.items():
-        if k.endswith(".weight") and v.dim() == 2 and k.startswith(blocks):
-            p = k[: -len(".weight")]
-            w = v.to(device).float()
-            scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
-            out[k] = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).cpu()
-            out[f"{p}.weight_scale"] = scale.cpu()
-            out[f"{p}.comfy_quant"] = conf.clone()
-        else:
-            out[k] = v
-    return out
 
 
 # ----------------------------------------------------------------------------- summary (also of isolated runs)

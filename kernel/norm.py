@@ -325,25 +325,16 @@ def rmsnorm_modulate_quantize(x: torch.Tensor, norm_weight: torch.Tensor, eps: f
     check_2d(x, "x", FLOAT, "pass the hidden states as [tokens, K] in bf16, fp16 or fp32")
     m, k = x.shape
     w = vector(norm_weight, k, "norm_weight", x.device, allow_scalar=False)
-    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.shape[-1] != k:
-        raise ValueError(f"scale must be a float tensor [B, {k}] (the adaLN 1 + s), got "
-                         f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
-    s2 = scale.reshape(-1, k)
-    nb = s2.shape[0]
-    if nb != 1 and nb * tokens_per_batch != m:
-        raise ValueError(f"scale has {nb} batch rows but x has {m} tokens = {tokens_per_batch} tokens per "
-                         f"batch x {m / max(tokens_per_batch, 1):g}: pass tokens_per_batch = M // B")
-    if s2.device != x.device:
-        raise ValueError(f"scale is on {s2.device} but x is on {x.device}")
+    s2 = batch_rows(scale, k, m, tokens_per_batch, "scale", x.device)  # the adaLN 1 + s
     inv = smooth_vector(inv_smooth, k, x.device)
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     qs = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, qs.zero_()
     check_usable(x, "rmsnorm_modulate_quantize")
-    x, w, s2 = row_major(x, "x"), row_major(w, "norm_weight"), row_major(s2, "scale")
+    x, w = row_major(x, "x"), row_major(w, "norm_weight")
     args = (x, w, s2, inv if inv is not None else qs, q, qs, k, max(int(tokens_per_batch), 1), float(eps),
-            x.stride(0), 0 if nb == 1 else s2.stride(0), q.stride(0))
+            x.stride(0), 0 if s2.shape[0] == 1 else s2.stride(0), q.stride(0))
     common = dict(HAS_SMOOTH=inv is not None, NORM_DT=DT_CODE[x.dtype],
                   PROD_DT=DT_CODE[torch.promote_types(x.dtype, s2.dtype)], SCALE_RECIP=x.is_cuda, INTERPRET=INTERPRET)
     tiles, warps = row_tiles(k, RMS_ONE_PASS, RMS_PLAN)
