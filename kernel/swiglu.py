@@ -319,14 +319,16 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
     if hit is None:
         cache = gemm.device_cache(a_q.device)
         key = f"SW_{autotune.ConfigCache.key(w13.shape[0], k, bucket)}_tile" + ("p" if persist else "")
-        hit = cache.get(key)
-        if hit is None:
-            # the merged GEMM's config first: it wins ties, and its failure is raised
-            cands = [cfg, *(c for c in (*autotune.s8_configs(persist), autotune.hopper_configs()[0]) if c != cfg)]
+        # the merged GEMM's config first: it wins ties, and its failure is raised
+        cands = [cfg, *(c for c in (*autotune.s8_configs(persist), autotune.hopper_configs()[0]) if c != cfg)]
 
+        def run(c):  # one launch: how a shipped config is checked before it is trusted
+            return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c)
+
+        hit = cache.get(key, seed=False) or autotune.seed_entry(cache, key, check=run, configs=cands)
+        if hit is None:
             def time_fn(c):
-                return gemm.timed_ms(lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16,
-                                                                 c))
+                return gemm.timed_ms(lambda: run(c))
             with not_recorded():
                 med = autotune.interleaved_medians(dict(enumerate(cands)), time_fn)
             hit = cands[min(med, key=lambda i: (med[i], i))]
@@ -342,12 +344,15 @@ def _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:
     key = (a_q.device, h.shape[1], k, m, tuple(sorted(cfg.items())))
     hit = _SW_SPLIT.get(key)
     if hit is None:
+        def run(c):
+            return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c)
+
         def time_fn(c):
-            return gemm.timed_ms(lambda: _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c))
+            return gemm.timed_ms(lambda: run(c))
         with not_recorded():
             hit = _SW_SPLIT[key] = choose_split(
                 cfg, m, w13.shape[0], k, gemm.program_slots(cfg, a_q.device), gemm.device_cache(a_q.device), time_fn,
-                gemm.tuning_meta(a_q.device), kind="SW_")
+                gemm.tuning_meta(a_q.device), kind="SW_", check=run)
     return hit
 
 
