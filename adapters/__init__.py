@@ -18,16 +18,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import (Adapter, Int8Linear, blocks, config, pack_module, pad_elision_enabled,  # noqa: F401
-                   PAD_ELISION_ENV, select)
+from .base import (Adapter, Int8Linear, blocks, config, pad_elision_enabled, PAD_ELISION_ENV,  # noqa: F401
+                   select)
 from . import flux, ideogram4, lumina2, qwen_image, sd3, wan
+from .flux import external_mod as flux_external_mod
 
 # The registry, in lookup order: one line per model.
 _ADAPTERS: list[Adapter] = [
     ideogram4.ADAPTER,   # Ideogram 4: whole blocks, FeedForwards, an llm_cond_proj cache; pad-token elision
     lumina2.ADAPTER,     # Lumina 2, Z-Image: modulated blocks, the other blocks' FeedForwards
-    flux.ADAPTER,        # Flux.1 blocks (Flux.2, Chroma: per-linear)
-    qwen_image.ADAPTER,  # Qwen-Image: per-linear
+    flux_external_mod.ADAPTER,  # Flux.1 blocks; Flux.2, Chroma: the same with modulation passed in
+    qwen_image.ADAPTER,  # Qwen-Image: joint blocks
     wan.ADAPTER,         # Wan 2.x: WanAttentionBlock
     sd3.ADAPTER,         # SD3.x: per-linear
 ]

@@ -9,9 +9,8 @@ only that model has. ComfyUI is imported by the adapter modules themselves, expl
 the helpers it calls): importing ``adapters`` imports no ComfyUI module, so the pack imports in a blink and the
 adapters also import in plain pytest.
 
-``adapters`` is a top-level package in tests and ``<pack folder>.adapters`` inside ComfyUI; ``quant`` sits beside it
-in both cases (as ``quant.kernel_module`` finds ``kernel``), so the pure-torch modules are imported through
-:func:`pack_module` and are the very modules the nodes use (one ``Int8Linear`` class, not two).
+The pure-torch modules come by relative imports (``..quant``, ``..kernel``): the very modules the nodes use (one
+``Int8Linear`` class, not two); tests and benches import the pack the same way (``tests/pack_import.py``).
 """
 from __future__ import annotations
 
@@ -21,18 +20,9 @@ from typing import Callable
 
 from torch import nn
 
-_ROOT = __name__.rsplit(".", 2)[0] if __name__.count(".") >= 2 else ""
-
-
-def pack_module(name: str):
-    """The pack's module ``name`` (e.g. ``"quant.blocks"``), beside this package."""
-    return importlib.import_module(f"{_ROOT}.{name}" if _ROOT else name)
-
-
-blocks = pack_module("quant.blocks")
-select = pack_module("quant.select")
-Int8Linear = pack_module("quant.linear").Int8Linear
-config = pack_module("kernel.config")
+from ..kernel import config
+from ..quant import blocks, select
+from ..quant.linear import Int8Linear
 
 # fuse(diffusion_model, int8_layers) -> {module name relative to the diffusion model: fused module}
 FuseFn = Callable[[nn.Module, dict], dict]
@@ -115,10 +105,3 @@ def pad_elision_enabled(backend: str, value: str | None = None) -> bool:
     if v in (None, "auto"):
         return backend == "fused_triton"
     return v == "1"
-
-
-def qk_rope_on(model: str) -> bool:
-    """Whether INT8_FUSED_QK_ROPE asks ``model`` (an adapter's name) to run its QK norm + RoPE in the pack's kernel:
-    ``all`` (default) every model, ``flux`` Flux.1 only, ``0`` none (``kernel/config.py`` validates the value)."""
-    v = config.get("INT8_FUSED_QK_ROPE")
-    return v != "0" and (v != "flux" or model == "flux")

@@ -29,8 +29,10 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))
+import pack_import  # noqa: E402
+pack_import.install()  # kernel, quant, adapters: the pack's subpackages, imported one way (tests/pack_import.py)
 
 import torch  # noqa: E402
 
@@ -58,7 +60,7 @@ def provenance(argv):
         info["capability"] = list(torch.cuda.get_device_capability(0))
     info["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm",
                            "--format=csv,noheader"])
-    from bench import provenance
+    from bench.lib import provenance
     info["git_commit"] = provenance.commit()
     info["git_dirty"] = provenance.dirty()
     try:

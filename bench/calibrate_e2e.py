@@ -42,7 +42,6 @@ calibrations there (for tests/test_bench_calibrate_e2e.py). No timing claims on 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import resource
@@ -52,9 +51,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from e2e_models import MODELS, ModelsBench  # noqa: E402  (imports neither torch nor ComfyUI at import time)
-from e2e_sampler import comfy_setup  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
+from bench.e2e_models import MODELS, ModelsBench  # noqa: E402  (imports neither torch nor ComfyUI at import time)
+from bench.e2e_sampler import comfy_setup  # noqa: E402
 
 GIB = 2 ** 30
 NOTE = ("Full-size models with random weights: their activations have no real outlier channels (what SmoothQuant "
@@ -337,7 +337,7 @@ class CalibrateBench(ModelsBench):
         return c
 
     def core_int8_sd(self, sd: dict, names: list[str]) -> dict:
-        """ComfyUI core ``int8_tensorwise`` layout of the linears ``names`` (bench/e2e.py)."""
+        """ComfyUI core ``int8_tensorwise`` layout of the linears ``names`` (bench/lib/e2e.py)."""
         keep = set(names)
         return self.e2e.core_int8_state_dict(sd, self.dev, lambda p, w: p in keep)
 
@@ -566,7 +566,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "h200-calibrate-e2e.json"))
     a = ap.parse_args()
     # what ModelsBench / SamplerBench read
-    a.paths, a.profile, a.host_profile, a.host_sample, a.gpu_gaps, a.ab, a.clocks = "", "", "", "", "", "", False
+    a.paths, a.profile, a.host_sample, a.gpu_gaps, a.ab = "", "", "", "", ""
     if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
         print("bench/calibrate_e2e.py needs a ComfyUI 0.33.0 tree (with comfy/ldm/ideogram4): --comfy or "
               "COMFYUI_CURRENT")
@@ -577,7 +577,7 @@ def main() -> int:
     if not cpu and not torch.cuda.is_available():
         print("bench/calibrate_e2e.py needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
         return 2
-    import e2e
+    from bench.lib import e2e
     with torch.inference_mode():  # ComfyUI's executor runs every node inside it
         return CalibrateBench(a, dynamic, e2e).run()
 

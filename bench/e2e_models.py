@@ -10,7 +10,7 @@ one ComfyUI's detection derives from the real checkpoint: comfy/model_detection.
 ``model_detection.model_config_from_unet_config(...).get_model({}, device="meta")``; its parameters' names and
 shapes are filled with seeded random values made on the device (2-D+ weights N(0, 1/fan_in), modulation
 tables N(0, 1/dim), norm weights 1, biases N(0, 0.02²)) and kept on the CPU like a loaded file. Loading that
-state dict must detect the same model class and config (asserted). Ideogram 4 uses bench/e2e.py's
+state dict must detect the same model class and config (asserted). Ideogram 4 uses bench/lib/e2e.py's
 ``random_state_dict`` (34 layers).
 
   flux       Flux.1-dev: hidden 3072, 24 heads, 19 double + 38 single blocks, context 4096, pooled 768,
@@ -26,7 +26,7 @@ state dict must detect the same model class and config (asserted). Ideogram 4 us
              in_channels 64 (16-channel latent, 2x2 patches); ComfyUI detects image_model, in_channels and
              num_layers, the rest are the model's defaults. 1024x1024: latent [1,16,1,128,128] = 4096 image
              tokens; text 256 tokens of 3584
-  ideogram4  Ideogram 4: 34 layers, hidden 4608 (bench/e2e.py). 1024x1024: latent [1,128,64,64]; text 512
+  ideogram4  Ideogram 4: 34 layers, hidden 4608 (bench/lib/e2e.py). 1024x1024: latent [1,128,64,64]; text 512
              tokens of 53248
 
 Dtypes are ComfyUI's UNETLoader defaults (rows say ``compute_dtype``): bf16 for Flux, Z-Image and Ideogram 4;
@@ -36,12 +36,12 @@ the bf16 and pack paths compute in bf16; fp8_fast keeps ComfyUI's manual-cast ch
 Paths (bench/e2e_sampler.py's grammar, loaded by its ``SamplerBench.load_path``): bf16 | fp8_fast (UNETLoader
 ``fp8_e4m3fn_fast``) | pack:<backend> ("Apply Fused INT8 GEMM" with its defaults); ``~<attention>`` sets the
 Apply node's ``attention`` input for pack paths, or installs the pack's attention router on the others
-(``kitchen``: core's comfy-kitchen attention); ``@legacy`` loads with the legacy ModelPatcher. This bench also
-takes a trailing ``%SWITCH=value`` (one ``kernel.config`` switch read at call time, set for that row only: A/B
-rows in one process, e.g. ``pack:fused_triton%INT8_FUSED_QK_ROPE=flux``).
+(``kitchen``: core's comfy-kitchen attention). This bench also takes a trailing ``%SWITCH=value`` (one
+``kernel.config`` switch read at call time, set for that row only: A/B rows in one process, e.g.
+``pack:fused_triton%INT8_FUSED_S8_WGMMA=0``).
 
 ``core_int8`` is ComfyUI core's ``int8_tensorwise`` file layout (per-channel scales) of the block linears (every
-2-D weight of the repeated blocks; Ideogram 4: bench/e2e.py's). A run whose only path is core_int8 in its own
+2-D weight of the repeated blocks; Ideogram 4: bench/lib/e2e.py's). A run whose only path is core_int8 in its own
 process (--cold / --vram-gib / --isolate) drops the bf16 state dict before loading, as a user with the int8 file.
 
 Measurement: ComfyUI's sampler, CFGGuider with cfg 1.0 (ComfyUI then skips the unconditional pass: one model
@@ -56,7 +56,7 @@ from the model's load on). Each (model, path) is built, measured and unloaded be
 records ``status`` "oom" or "error" and its message, and the run goes on. JSON (provenance + rows) is written
 after every row.
 
-``--cold`` / ``--vram-gib N[,M]`` / ``--isolate``: each (model, path) in its own process (bench/e2e_runs.py), with
+``--cold`` / ``--vram-gib N[,M]`` / ``--isolate``: each (model, path) in its own process (bench/lib/e2e_runs.py), with
 new, empty autotune and Triton caches (--cold), or all but N GiB of the GPU held by another process before
 ComfyUI starts (--vram-gib: ComfyUI plans DynamicVRAM's offload for an N GiB card; on the CPU the size is
 recorded as not applicable). ``--per-process model``: one process per model for all its paths (less start-up
@@ -78,8 +78,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from e2e_sampler import SamplerBench, add_isolation_args, comfy_setup, isolated  # noqa: E402  (nothing there imports torch or ComfyUI at import time)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
+# nothing there imports torch or ComfyUI at import time
+from bench.e2e_sampler import SamplerBench, add_isolation_args, comfy_setup, isolated  # noqa: E402
 
 NOTE = ("s_per_step = one forward through ComfyUI's sampler (CFGGuider, cfg 1.0: ComfyUI skips the "
         "unconditional pass), median of the timed run's steps; euler, 'simple' schedule")
@@ -107,6 +109,20 @@ WAN14 = dict(WAN13, dim=5120, num_heads=40, ffn_dim=13824, num_layers=40)
 # ComfyUI's Qwen-Image detection reads these three; width (24 heads x 128), joint_attention_dim 3584 and out_channels
 # 16 are QwenImageTransformer2DModel's defaults
 QWEN = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60}
+# full widths, a third of the depth: the 60-block model (20 B, 41 GB bf16) with four paths does not fit one call
+QWEN20 = dict(QWEN, num_layers=20)
+# Chroma (Flux.1-schnell widths, modulation from the approximator; detection fixes the width: 3072)
+CHROMA = {"image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+          "out_channels": 64, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 64, "hidden_size": 3072,
+          "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": None, "depth": 19, "depth_single_blocks": 38,
+          "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5}
+# Flux.2 [dev] widths (48 heads x 128 = 6144, global modulation, SiLU-gated MLPs, context 3 x 5120), 8 double
+# blocks and 16 of the 48 single blocks (the 32 B model does not fit one call with four paths)
+FLUX2 = {"image_model": "flux2", "axes_dim": [32, 32, 32, 32], "num_heads": 48, "mlp_ratio": 3.0, "theta": 2000,
+         "out_channels": 128, "global_modulation": True, "mlp_silu_act": True, "qkv_bias": False, "ops_bias": False,
+         "txt_ids_dims": [3], "in_channels": 128, "hidden_size": 6144, "context_in_dim": 15360, "patch_size": 1,
+         "vec_in_dim": None, "depth": 8, "depth_single_blocks": 16, "guidance_embed": True, "yak_mlp": False,
+         "txt_norm": False}
 WAN_TINY = {"dim": 256, "num_heads": 2, "ffn_dim": 512, "num_layers": 1}
 
 
@@ -133,6 +149,19 @@ MODELS = {
              lambda tiny: {"latent": (1, 16, 1, 8, 8) if tiny else (1, 16, 1, 128, 128),
                            "text": (1, 8, 3584) if tiny else (1, 256, 3584),
                            "what": "1024x1024 (latent 1x128x128), text 256 tokens of 3584"}),
+    "qwen20": ("QwenImage", QWEN20, {"num_layers": 1},
+               lambda tiny: {"latent": (1, 16, 1, 8, 8) if tiny else (1, 16, 1, 128, 128),
+                             "text": (1, 8, 3584) if tiny else (1, 256, 3584),
+                             "what": "1024x1024 (latent 1x128x128), text 256 tokens of 3584; 20 of 60 blocks"}),
+    "chroma": ("Chroma", CHROMA, {"context_in_dim": 64, "depth": 1, "depth_single_blocks": 1},
+               lambda tiny: {"latent": (1, 16, 8, 8) if tiny else (1, 16, 128, 128),
+                             "text": (1, 16, 64) if tiny else (1, 512, 4096),
+                             "what": "1024x1024, T5 512 tokens"}),
+    "flux2": ("Flux2", FLUX2, {"hidden_size": 256, "num_heads": 2, "context_in_dim": 64, "depth": 1,
+                               "depth_single_blocks": 1},
+              lambda tiny: {"latent": (1, 128, 4, 4) if tiny else (1, 128, 64, 64),
+                            "text": (1, 16, 64) if tiny else (1, 512, 15360), "guidance": 4.0,
+                            "what": "1024x1024 (latent 128x64x64), text 512 tokens of 15360; 8 + 16 blocks"}),
     "ideogram4": ("Ideogram4", None, {"layers": 1},
                   lambda tiny: {"latent": (1, 128, 4, 4) if tiny else (1, 128, 64, 64),
                                 "text": (1, 8, 53248) if tiny else (1, 512, 53248),
@@ -140,10 +169,11 @@ MODELS = {
 }
 
 # detection selects these models by their width, so --tiny keeps it
-WIDTH_FIXED = {"zimage": 3840, "ideogram4": 4608, "qwen": 3072}
+WIDTH_FIXED = {"zimage": 3840, "ideogram4": 4608, "qwen": 3072, "qwen20": 3072, "chroma": 3072}
 # where the repeated blocks' linears live (core_int8 quantizes their 2-D weights)
 BLOCKS = {"flux": ("double_blocks.", "single_blocks."), "zimage": ("layers.",), "wan13": ("blocks.",),
-          "wan14": ("blocks.",), "qwen": ("transformer_blocks.",)}
+          "wan14": ("blocks.",), "qwen": ("transformer_blocks.",), "qwen20": ("transformer_blocks.",),
+          "chroma": ("double_blocks.", "single_blocks."), "flux2": ("double_blocks.", "single_blocks.")}
 
 # issue 13: (min x bf16, min x fp8_fast, max s/step) for the pack's paths
 TARGETS = {"flux": (1.5, 1.3, 0.115), "zimage": (1.5, 1.2, None), "wan13": (1.5, 1.2, None),
@@ -254,7 +284,7 @@ class ModelsBench(SamplerBench):
 
     def core_sd_for(self, name: str, sd: dict) -> dict:
         """ComfyUI core's ``int8_tensorwise`` state dict of ``name`` (per-channel scales, made on the device, kept
-        on the CPU): Ideogram 4's block linears (bench/e2e.py), elsewhere every 2-D weight of the blocks."""
+        on the CPU): Ideogram 4's block linears (bench/lib/e2e.py), elsewhere every 2-D weight of the blocks."""
         if name not in self._core_models:
             if name == "ideogram4":
                 self._core_models[name] = self.e2e.core_int8_state_dict(sd, self.dev)
@@ -281,7 +311,7 @@ class ModelsBench(SamplerBench):
         log(f"{name}: {cls}, {n_params / 1e9:.3f} B params, state dict in {time.perf_counter() - t0:.1f} s; "
             f"latent {list(latent.shape)}, text {list(ctx.shape)}")
         paths = self.a.paths.split(",")
-        if self.a.child and all(p.split("%")[0].split("~")[0].split("@")[0] == "core_int8" for p in paths):
+        if self.a.child and all(p.split("%")[0].split("~")[0] == "core_int8" for p in paths):
             self.core_sd_for(name, sd)  # a core INT8 user loads the int8 file alone: no bf16 copy in RAM
             sd = None
         for req in paths:
@@ -392,7 +422,7 @@ KEYS = ("model", "vram_gib", "cold")  # rows compared with one another: same mod
 def targets(rows: list[dict], keys: tuple = KEYS) -> list[dict]:
     """Issue 13's targets for each pack row on the headline figure (whole sample, else median step): x bf16,
     x fp8_fast, s/step (None: no target); and issue 36's for rows at a --vram-gib size (e2e_runs.vram_targets)."""
-    from e2e_runs import headline, speedups, vram_targets
+    from bench.lib.e2e_runs import headline, speedups, vram_targets
     out = []
     for i, r in enumerate(rows):
         if not r.get("path", "").startswith("pack:") or headline(r) is None or "check" in r:
@@ -416,7 +446,7 @@ def targets(rows: list[dict], keys: tuple = KEYS) -> list[dict]:
 
 def table(rows: list[dict]) -> None:
     """The summary (e2e_runs.summary: the whole-sample s/step first), then the target checks."""
-    from e2e_runs import print_checks, summary
+    from bench.lib.e2e_runs import print_checks, summary
     summary(rows, ("model", "path"), KEYS, NOTE)
     print_checks(rows)
 
@@ -429,12 +459,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ideogram-layers", type=int, default=34)
     ap.add_argument("--profile", default="", help="comma-separated paths to profile (a 2-step run each)")
-    ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
     ap.add_argument("--host-sample", default="", help="comma-separated paths: 4 steps with the host thread's "
                     "stack sampled every ms (e2e_sampler's host_sampled)")
     ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only, "
                                                    "idle gaps by size (e2e_sampler's gpu_gaps)")
-    ap.add_argument("--clocks", action="store_true", help="sample nvidia-smi's SM clock / power in timed rows")
     ap.add_argument("--ab", default="", help="NAME=value: pack rows also run 4 timed runs with that switch "
                                              "interleaved with 4 without (host-time A/B on one loaded model)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
@@ -447,7 +475,7 @@ def main() -> int:
         print("bench/e2e_models.py needs a ComfyUI 0.33.0 tree (with comfy/ldm/ideogram4): --comfy or COMFYUI_CURRENT")
         return 2
     if isolated(a):  # before torch is imported: each child starts with its own caches / free memory
-        import e2e_runs
+        from bench.lib import e2e_runs
         units = [{"models": m, "paths": p} for m in a.models.split(",")
                  for p in (a.paths.split(",") if a.per_process == "path" else [a.paths])]
         return e2e_runs.run_isolated(Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device,
@@ -459,7 +487,7 @@ def main() -> int:
     if not cpu and not torch.cuda.is_available():
         print("bench/e2e_models.py needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
         return 2
-    import e2e
+    from bench.lib import e2e
     return ModelsBench(a, dynamic, e2e).run()
 
 

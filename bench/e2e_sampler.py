@@ -4,13 +4,10 @@ Sets ComfyUI 0.33.0 up as its ``main.py`` does on an NVIDIA GPU, before torch to
 (cudaMallocAsync on CUDA 13 torch), comfy-aimdo ``control.init`` / ``init_devices`` and
 ``CoreModelPatcher = ModelPatcherDynamic`` (DynamicVRAM). Then, per path, builds two full-size Ideogram 4
 backbones (34 layers, random weights; conditional seed 0, unconditional seed 1) through
-``comfy.sd.load_diffusion_model_state_dict`` (the UNETLoader path, default patcher unless the path says
-``legacy``) and samples them with ComfyUI's sampler code (euler, ``simple`` schedule):
-
-  dual     Ideogram 4's workflow: ``Guider_DualModel`` (DualModelGuider) with both backbones, cfg 4,
-           ``negative`` unconnected (the unconditional backbone runs image tokens only)
-  batched  ordinary CFG on one backbone (``CFGGuider``, cfg 3, negative = zeroed text): cond and uncond
-           batched into one model call
+``comfy.sd.load_diffusion_model_state_dict`` (the UNETLoader path, default patcher) and samples them with
+ComfyUI's sampler code (euler, ``simple`` schedule) in Ideogram 4's workflow (``--workflows dual``, the only one):
+``Guider_DualModel`` (DualModelGuider) with both backbones, cfg 4, ``negative`` unconnected (the unconditional
+backbone runs image tokens only).
 
 Paths: bf16 | fp8_fast (UNETLoader ``fp8_e4m3fn_fast``) | core_int8 (core ``int8_tensorwise`` file,
 per-channel scales) | pack:<backend> (the bf16 backbones through "Apply Fused INT8 GEMM") |
@@ -20,12 +17,9 @@ A ``~<attention>`` suffix sets how attention runs: for pack paths the Apply node
 default, ``auto`` since 2026-12-01 and ``comfy_default`` in the runs before, bench/RESULTS.md); for the others
 ``kitchen`` = core's ModelAttentionBackend "comfy kitchen attention" (comfy-kitchen INT8 attention), any other
 mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``: cuDNN SDPA first).
-A ``@legacy`` suffix loads with ``disable_dynamic=True`` (the legacy ``ModelPatcher``).
+A ``%NAME=value`` suffix sets that ``kernel.config`` switch for the row (``--ab NAME=value``: interleaved A/B).
 
-``--text-pad N``: the positive conditioning carries an ``attention_mask`` whose last N text tokens are padding
-(Ideogram 4 then builds a block-diagonal attention mask; the pack's fused_triton path removes the padded tokens).
-
-Per (path, workflow, resolution): a first sampling run (autotune, DynamicVRAM faulting; its time, synced before
+Per (path, resolution): a first sampling run (autotune, DynamicVRAM faulting; its time, synced before
 and after, is ``first_sample_s``: for the path's first row the first sample of that path in this process), one
 timed run (CUDA events in the step callback: s_per_step = median step; s_per_step_wall = that run / steps),
 then two whole samples, synced before and after, without a step callback: ``s_per_step_whole`` = the best
@@ -36,14 +30,11 @@ vbar is not in torch's allocator; less what other processes hold), the process's
 at the first resolution, a profiled 2-step run: host->device copies per step (count, MiB; the pack must show no
 weight copies) and the GEMM kernels that ran. A row that fails says ``status`` "oom" or "error" (else "ok").
 
-``--cold`` / ``--vram-gib N[,M]`` / ``--isolate``: each path in its own process (bench/e2e_runs.py): ``--cold``
+``--cold`` / ``--vram-gib N[,M]`` / ``--isolate``: each path in its own process (bench/lib/e2e_runs.py): ``--cold``
 with new, empty autotune and Triton caches; ``--vram-gib`` with all but N GiB of the GPU held by another process
 before ComfyUI starts (ComfyUI plans DynamicVRAM's offload for an N GiB card); rows say ``cold``, ``vram_gib``,
 and their host RAM peak (``host_rss_peak_row_gib``: from the model's load on; a process of one path lets go of the
 bench's state dicts once loaded). ``--per-process model``: one process for all the paths (less start-up time).
-
-``--pressure GIB`` adds rows under VRAM pressure: a filler allocation leaves GIB free before loading
-(DynamicVRAM must then stream weights), batched workflow, first resolution.
 
 Output: JSON {gpu, driver, torch, triton, commit, command, rows: [{resolution, workflow, path, patcher,
 s_per_step, h2d_copies_per_step, peak_gib, rel_l2_vs_bf16, ...}]}. Needs a CUDA GPU with comfy-aimdo
@@ -63,7 +54,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
 
 
 def log(*a):
@@ -103,7 +95,7 @@ def comfy_setup(comfy_dir: str, cpu: bool, comfy_flags: list[str]) -> bool:
 
 
 def add_isolation_args(ap) -> None:
-    """``--cold``, ``--vram-gib``, ``--isolate`` (bench/e2e_runs.py) and the flags a child run gets."""
+    """``--cold``, ``--vram-gib``, ``--isolate`` (bench/lib/e2e_runs.py) and the flags a child run gets."""
     ap.add_argument("--cold", action="store_true", help="each path in its own process with new, empty autotune "
                     "(INT8_FUSED_CACHE_DIR) and Triton (TRITON_CACHE_DIR) caches: first_sample_s is a cold start")
     ap.add_argument("--vram-gib", default="", help="N[,M...]: each path in its own process with all but N GiB of "
@@ -117,17 +109,17 @@ def add_isolation_args(ap) -> None:
 
 
 def isolated(a) -> bool:
-    """Whether this process is the parent of an isolated run (bench/e2e_runs.py)."""
+    """Whether this process is the parent of an isolated run (bench/lib/e2e_runs.py)."""
     return (a.cold or bool(a.vram_gib) or a.isolate) and not a.child
 
 
 # rows compared with one another in the summary (x bf16, x fp8_fast): same workflow, resolution, card size, caches
-SUMMARY_KEYS = ("workflow", "resolution", "text_pad", "pressure_free_gib", "vram_gib", "cold")
+SUMMARY_KEYS = ("workflow", "resolution", "vram_gib", "cold")
 
 
 def summary(rows: list[dict]) -> None:
-    """The summary table (bench/e2e_runs.py: the whole-sample s/step first) and the target checks."""
-    import e2e_runs
+    """The summary table (bench/lib/e2e_runs.py: the whole-sample s/step first) and the target checks."""
+    from bench.lib import e2e_runs
     e2e_runs.summary(rows, ("workflow", "resolution", "path"), SUMMARY_KEYS)
     e2e_runs.print_checks(rows)
 
@@ -138,23 +130,18 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=34)
     ap.add_argument("--res", default="1024,768")
     ap.add_argument("--text-tokens", type=int, default=512)
-    ap.add_argument("--text-pad", type=int, default=0, help="padded text tokens in the positive conditioning")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--workflows", default="dual,batched")
+    ap.add_argument("--workflows", default="dual", choices=["dual"], help="DualModelGuider (the only workflow)")
     ap.add_argument("--paths", default="bf16,fp8_fast,core_int8,pack:fused_triton,pack:comfy_kitchen,"
                                         "pack:torch_int_mm,pack:fp8_rowwise,pack:dequant_bf16,"
-                                        "core_int8+pack:fused_triton,bf16@legacy,pack:fused_triton@legacy")
+                                        "core_int8+pack:fused_triton")
     ap.add_argument("--profile", default="all", help="'all', 'none' or comma-separated paths to profile")
-    ap.add_argument("--host-profile", default="", help="comma-separated paths to run 2 steps of under cProfile")
     ap.add_argument("--host-sample", default="", help="comma-separated paths: 4 steps with the host thread's stack "
-                    "sampled every ms (bench/stack_sample.py): where its wall time goes, without cProfile's slowdown")
+                    "sampled every ms (bench/lib/stack_sample.py): where its wall time goes, without cProfile's slowdown")
     ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only "
                                                    "(no host events: the host stays ahead), idle gaps by size")
-    ap.add_argument("--clocks", action="store_true", help="sample nvidia-smi's SM clock / power in timed rows")
     ap.add_argument("--ab", default="", help="NAME=value: pack rows also run 4 timed runs with that switch "
                                              "interleaved with 4 without (host-time A/B on one loaded model)")
-    ap.add_argument("--pressure", type=float, default=0.0, help="GiB left free for the pressure rows (0: none)")
-    ap.add_argument("--pressure-paths", default="core_int8,pack:fused_triton")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
     add_isolation_args(ap)
@@ -165,7 +152,7 @@ def main() -> int:
         return 2
     cpu = a.device == "cpu"
     if isolated(a):  # before torch is imported: each child starts with its own caches / free memory
-        import e2e_runs
+        from bench.lib import e2e_runs
         units = [{"paths": p} for p in a.paths.split(",")] if a.per_process == "path" else [{"paths": a.paths}]
         return e2e_runs.run_isolated(Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device,
                                      a.child_timeout, table=summary,
@@ -175,8 +162,7 @@ def main() -> int:
     if not cpu and not torch.cuda.is_available():
         print("bench/e2e_sampler.py needs a CUDA GPU (or --device cpu for a smoke run)")
         return 2
-    sys.path.insert(0, str(HERE))
-    import e2e  # model construction shared with the direct-call bench
+    from bench.lib import e2e  # Ideogram 4's layout, the pack's import and Apply node
     bench = SamplerBench(a, dynamic, e2e)
     return bench.run()
 
@@ -187,12 +173,12 @@ class SamplerBench:
         import comfy.model_management as mm
         self.a, self.dynamic, self.e2e, self.torch, self.mm = a, dynamic, e2e, torch, mm
         self.dev = mm.get_torch_device()
-        import e2e_runs
+        from bench.lib import e2e_runs
         self.runs = e2e_runs
         self.others = e2e_runs.others_bytes()  # device memory another process holds (--vram-gib's holder)
         self.first_done: set = set()  # paths whose first sample in this process is recorded
         self.rows: list[dict] = []
-        self.ref: dict = {}  # (workflow, res) -> bf16 final latent
+        self.ref: dict = {}  # res -> bf16 final latent
         self.pack = e2e.load_pack()
 
     # ------------------------------------------------------------------ models
@@ -208,9 +194,7 @@ class SamplerBench:
         dict for core_int8 paths. Shared with bench/e2e_models.py."""
         import comfy.sd
         torch = self.torch
-        base, _, flag = path.partition("@")
-        legacy = flag == "legacy"
-        base, _, attn = base.partition("~")
+        base, _, attn = path.partition("~")
         kind, _, backend = base.partition("+") if base.startswith("core_int8+") else ("", "", base)
         src = "core_int8" if kind == "core_int8" else base.split(":")[0]
         if src == "core_int8":
@@ -219,7 +203,7 @@ class SamplerBench:
             opts = {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
         else:
             opts = {}
-        m = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts, disable_dynamic=legacy)
+        m = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts)
         if m is None:
             raise RuntimeError(f"{path}: ComfyUI did not detect a model in the state dict")
         pk = backend if kind == "core_int8" else (base if base.startswith("pack:") else "")
@@ -255,25 +239,14 @@ class SamplerBench:
         ctx = torch.randn(1, self.a.text_tokens, self.e2e.TEXT_DIM, generator=g).to(torch.bfloat16)
         latent = torch.zeros(1, self.e2e.IN_CH, res // 16, res // 16)
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(3))
-        mask = None
-        if self.a.text_pad:
-            mask = torch.ones(1, self.a.text_tokens, dtype=torch.bool)
-            mask[:, self.a.text_tokens - self.a.text_pad:] = False
-        return (ctx, mask), latent, noise
+        return ctx, latent, noise
 
-    def guider(self, workflow: str, cond, uncond, ctx):
-        import comfy.samplers
+    def guider(self, cond, uncond, ctx):
+        """Ideogram 4's DualModelGuider: both backbones, cfg 4, ``negative`` unconnected."""
         import comfy_extras.nodes_custom_sampler as ncs
-        ctx, mask = ctx
-        extra = {} if mask is None else {"attention_mask": mask}
-        if workflow == "dual":
-            g = ncs.Guider_DualModel(cond, uncond)
-            g.set_conds([[ctx, extra]], [[None, {}]])
-            g.set_cfg(4.0)
-        else:
-            g = comfy.samplers.CFGGuider(cond)
-            g.set_conds([[ctx, extra]], [[torch_zeros_like(ctx), {}]])
-            g.set_cfg(3.0)
+        g = ncs.Guider_DualModel(cond, uncond)
+        g.set_conds([[ctx, {}]], [[None, {}]])
+        g.set_cfg(4.0)
         return g
 
     def sample(self, guider, model, latent, noise, steps: int, callback=None):
@@ -305,14 +278,11 @@ class SamplerBench:
         gc_t, gc_n = self._gc_watch()
         moved0 = self._conds_moved()
         fetched0 = self._block_fetches()
-        # nvidia-smi polling only when asked (--clocks): an NVML query every 50 ms may slow the host's launches
-        clocks = _Clocks() if cuda and getattr(self.a, "clocks", False) else contextlib.nullcontext()
         t0 = time.perf_counter()
         try:
-            with clocks:
-                out = self.sample(guider, model, latent, noise, steps, cb)
-                if cuda:
-                    torch.cuda.synchronize()
+            out = self.sample(guider, model, latent, noise, steps, cb)
+            if cuda:
+                torch.cuda.synchronize()
         finally:
             gc.callbacks.remove(self._gc_cb)
         wall = time.perf_counter() - t0
@@ -325,8 +295,6 @@ class SamplerBench:
         fetched = self._block_fetches()
         self.last_gc.update(block_fetches_per_step=round((fetched[0] - fetched0[0]) / steps, 1),
                             block_fetch_modules_per_step=round((fetched[1] - fetched0[1]) / steps, 1))
-        if isinstance(clocks, _Clocks):
-            self.last_gc.update(clocks.summary())
         if cuda:
             deltas = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
             # how far the GPU lags the host at each step's end (ms): about 0 when the host is what paces the
@@ -501,41 +469,12 @@ class SamplerBench:
                 "gaps_s_per_step": round(statistics.median(b - a for a, b in zip(marks, marks[1:])), 4)
                 if len(marks) > 1 else None, **clocks.summary()}
 
-    def host_profiled(self, guider, model, latent, noise, top: int = 28) -> dict:
-        """Steps 1 and 2 of a 3-step run under cProfile: where the host's time per step goes (Python functions by own time, and
-        by cumulative time), to tell a host-bound step (GPU idle between kernels) from a GPU-bound one. cProfile
-        slows Python down, so the figures rank; the step's wall time under it is given beside them."""
-        import cProfile
-        import pstats
-        torch = self.torch
-        pr = cProfile.Profile()
-        t0 = []
-
-        def cb(step, *_):  # after step 0: the run's start (ComfyUI's model load, the sampler's setup) is not profiled
-            if step == 0:
-                torch.cuda.synchronize()
-                t0.append(time.perf_counter())
-                pr.enable()
-        self.sample(guider, model, latent, noise, 3, cb)
-        torch.cuda.synchronize()
-        pr.disable()
-        wall = (time.perf_counter() - t0[0]) / 2
-        st = pstats.Stats(pr).stats
-        rows = []
-        for (file, line, fn), (cc, nc, tt, ct, _) in st.items():
-            where = f"{'/'.join(Path(file).parts[-2:])}:{line}({fn})" if file != "~" else fn
-            rows.append([where[-110:], nc / 2, round(tt * 1e3 / 2, 2), round(ct * 1e3 / 2, 2)])
-        by_own = sorted(rows, key=lambda r: -r[2])[:top]
-        by_cum = sorted(rows, key=lambda r: -r[3])[:top]
-        return {"host_profile_wall_s_per_step": round(wall, 4), "host_own_ms_per_step": by_own,
-                "host_cum_ms_per_step": by_cum}
-
     def host_sampled(self, guider, model, latent, noise, steps: int = 4, top: int = 30) -> dict:
-        """Steps 1..``steps`` of a run with this thread's Python stack sampled every ms (``bench/stack_sample.py``):
+        """Steps 1..``steps`` of a run with this thread's Python stack sampled every ms (``bench/lib/stack_sample.py``):
         ms of wall time a step by innermost line (own, with the C calls it makes) and by function (cumulative)."""
         import threading
 
-        from stack_sample import StackSampler
+        from bench.lib.stack_sample import StackSampler
         torch = self.torch
         s = StackSampler(threading.get_ident())
 
@@ -566,7 +505,7 @@ class SamplerBench:
                 if first is None:
                     first = out
                 else:
-                    same = same and bool(torch_equal(out, first))
+                    same = same and bool(torch.equal(out, first))
         res = {"ab_switch": spec, "ab_same_output": same}
         for key, v in runs.items():
             res[f"ab_{key}_s_per_step"] = [a for a, _ in v]
@@ -577,10 +516,8 @@ class SamplerBench:
         return res
 
     def row_extras(self, row: dict, path: str, guider, model, latent, noise) -> None:
-        """What the flags ask for a timed row beyond its timing: ``--host-profile`` (cProfile), ``--ab`` (a switch
-        A/B'd on the loaded model, plain pack rows only) and ``--gpu-gaps`` (a GPU-only trace); the last two on a
-        GPU only."""
-        self.maybe_host_profile(row, path, guider, model, latent, noise)
+        """What the flags ask for a timed row beyond its timing, on a GPU: ``--host-sample`` (stack sampling),
+        ``--ab`` (a switch A/B'd on the loaded model, plain pack rows only) and ``--gpu-gaps`` (a GPU-only trace)."""
         if self.dev.type != "cuda":
             return
         if path in self.a.host_sample.split(","):
@@ -615,65 +552,49 @@ class SamplerBench:
         except Exception as e:  # noqa: BLE001  (a summary must not end the run)
             return f"unavailable: {type(e).__name__}: {e}"
 
-    def maybe_host_profile(self, row: dict, path: str, guider, model, latent, noise) -> None:
-        """``host_profiled`` for the paths of ``--host-profile`` (on a GPU), logged."""
-        if self.dev.type != "cuda" or path not in getattr(self.a, "host_profile", "").split(","):
-            return
-        row.update(self.host_profiled(guider, model, latent, noise))
-        log(f"    host (cProfile) {row['host_profile_wall_s_per_step'] * 1e3:.1f} ms/step wall; own / cum ms:")
-        for key in ("host_own_ms_per_step", "host_cum_ms_per_step"):
-            for fn, n, own, cum in row[key]:
-                log(f"    {key[5:8]} {own:8.2f} {cum:8.2f} ms  {n:7.0f}x  {fn}")
-
     # ------------------------------------------------------------------ driver
-    def measure(self, path: str, patcher: str, cond, uncond, pressure: float = 0.0, workflows=None):
+    def measure(self, path: str, patcher: str, cond, uncond):
         torch = self.torch
-        res_list = [int(r) for r in self.a.res.split(",")]
         prof_paths = self.a.profile.split(",")
-        for wf in workflows or self.a.workflows.split(","):
-            for i, res in enumerate(res_list if not pressure else res_list[:1]):
-                ctx, latent, noise = self.conds(res)
-                g = self.guider(wf, cond, uncond, ctx)
-                row = {"model": "ideogram4", "resolution": res, "workflow": wf, "path": path, "patcher": patcher,
-                       "text_pad": self.a.text_pad, "params": self.params}
-                if pressure:
-                    row["pressure_free_gib"] = pressure
-                try:
-                    self.first_sample(row, path, g, cond, latent, noise, self.a.steps)  # autotune, vbar faults
-                    out, s, s_wall, peak = self.timed(g, cond, latent, noise)
-                    row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, **self.last_gc)
-                    row.update(self.whole(g, cond, latent, noise))
-                    base = path.split("@")[0]
-                    if base == "bf16" and not pressure:
-                        self.ref.setdefault((wf, res), out)
-                    ref = self.ref.get((wf, res))
-                    row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
-                    row["finite"] = bool(torch.isfinite(out).all())
-                    if path.startswith("pack:"):
-                        row["dispatch"] = self.dispatch_line(cond)
-                        plain = self.latents.get((path.split("%")[0], wf, res, pressure))
-                        if "%" in path and plain is not None:  # a switched row against the plain pack row
-                            row["bit_identical_vs_pack"] = bool(torch_equal(out, plain))
-                    if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
-                        row.update(self.profiled(g, cond, latent, noise))
-                    if i == 0:  # their own flags (--host-profile, --ab, --gpu-gaps), with or without --profile
-                        self.row_extras(row, path, g, cond, latent, noise)
-                    self.latents[(path, wf, res, pressure)] = out
-                    row["status"] = "ok"
-                except Exception as e:  # a path that cannot run is reported, not hidden
-                    import traceback
-                    traceback.print_exc()
-                    row.update(self.runs.error_fields(e))
-                row.update(self.host_fields())
-                self.rows.append(row)
-                log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                                if k not in ("top_kernels_ms_per_step", "h2d_sources")}))
-                for n, c, kib in row.get("h2d_sources", []):
-                    log(f"    H2D {c:7.1f}/step {kib:9.1f} KiB/step  {n}")
-                if "top_kernels_ms_per_step" in row:
-                    for n, ms, pct in row["top_kernels_ms_per_step"]:
-                        log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {n}")
-                self.write()
+        for i, res in enumerate(int(r) for r in self.a.res.split(",")):
+            ctx, latent, noise = self.conds(res)
+            g = self.guider(cond, uncond, ctx)
+            row = {"model": "ideogram4", "resolution": res, "workflow": "dual", "path": path, "patcher": patcher,
+                   "params": self.params}
+            try:
+                self.first_sample(row, path, g, cond, latent, noise, self.a.steps)  # autotune, vbar faults
+                out, s, s_wall, peak = self.timed(g, cond, latent, noise)
+                row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, **self.last_gc)
+                row.update(self.whole(g, cond, latent, noise))
+                if path == "bf16":
+                    self.ref.setdefault(res, out)
+                ref = self.ref.get(res)
+                row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
+                row["finite"] = bool(torch.isfinite(out).all())
+                if path.startswith("pack:"):
+                    row["dispatch"] = self.dispatch_line(cond)
+                    plain = self.latents.get((path.split("%")[0], res))
+                    if "%" in path and plain is not None:  # a switched row against the plain pack row
+                        row["bit_identical_vs_pack"] = bool(torch.equal(out, plain))
+                if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
+                    row.update(self.profiled(g, cond, latent, noise))
+                if i == 0:  # their own flags (--host-sample, --ab, --gpu-gaps), with or without --profile
+                    self.row_extras(row, path, g, cond, latent, noise)
+                self.latents[(path, res)] = out
+                row["status"] = "ok"
+            except Exception as e:  # a path that cannot run is reported, not hidden
+                import traceback
+                traceback.print_exc()
+                row.update(self.runs.error_fields(e))
+            row.update(self.host_fields())
+            self.rows.append(row)
+            log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                            if k not in ("top_kernels_ms_per_step", "h2d_sources")}))
+            for n, c, kib in row.get("h2d_sources", []):
+                log(f"    H2D {c:7.1f}/step {kib:9.1f} KiB/step  {n}")
+            for n, ms, pct in row.get("top_kernels_ms_per_step", []):
+                log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {n}")
+            self.write()
 
     def run(self) -> int:
         a, torch = self.a, self.torch
@@ -682,7 +603,7 @@ class SamplerBench:
         sds = {"cond": self.e2e.random_state_dict(a.layers, gen, seed=0),
                "uncond": self.e2e.random_state_dict(a.layers, gen, seed=1)}
         self.params = sum(v.numel() for sd in sds.values() for v in sd.values())  # both backbones
-        if a.child and all(p.split("%")[0].split("~")[0].split("@")[0] == "core_int8" for p in a.paths.split(",")):
+        if a.child and all(p.split("%")[0].split("~")[0] == "core_int8" for p in a.paths.split(",")):
             for br in ("cond", "uncond"):  # a core INT8 user loads the int8 files alone
                 self.core_sd(br, sds[br])
                 sds[br] = None
@@ -694,7 +615,7 @@ class SamplerBench:
                 self.rss_mark()
                 try:
                     cond, uncond, patcher = self.build(base, sds)
-                    if a.child and len(a.paths.split(",")) == 1 and not a.pressure:
+                    if a.child and len(a.paths.split(",")) == 1:
                         # a process of one path lets go of its state dicts: its host RAM is a user's ComfyUI's
                         for d in [*sds.values(), *self._core_cache.values()]:
                             if d is not None:
@@ -710,19 +631,6 @@ class SamplerBench:
                 self.measure(path, patcher, cond, uncond)
             del cond, uncond
             self.cleanup()
-        if a.pressure and self.dev.type == "cuda":
-            for path in a.pressure_paths.split(","):
-                cond, uncond, patcher = self.build(path, sds)
-                # Apply quantizes on the GPU: return torch's cached blocks first, or they stay outside the
-                # filler and DynamicVRAM can take them back (run c measured the pack with ~5 GiB more room)
-                self.cleanup()
-                free, _ = torch.cuda.mem_get_info(self.dev)
-                filler = torch.empty(max(0, int(free - a.pressure * 2 ** 30)), dtype=torch.uint8, device=self.dev)
-                log(f"pressure: filler {filler.numel() / 2**30:.1f} GiB, {a.pressure} GiB left free")
-                self.measure(path, patcher, cond, uncond, pressure=a.pressure, workflows=["batched"])
-                del filler, cond, uncond
-                self.cleanup()
-        self.consistency()
         self.check()
         self.write()
         if not a.child:  # an isolated run's parent prints the summary of all its children
@@ -758,25 +666,12 @@ class SamplerBench:
         if self.dev.type == "cuda":
             self.torch.cuda.empty_cache()
 
-    def consistency(self):
-        """Same model, two patchers: the pack's final latent under DynamicVRAM vs the legacy patcher."""
-        for (path, wf, res, pr), out in list(self.latents.items()):
-            if pr or not path.endswith("@legacy"):
-                continue
-            dyn = self.latents.get((path[: -len("@legacy")], wf, res, 0.0))
-            if dyn is not None:
-                self.rows.append({"check": "dynamic_vs_legacy", "path": path[: -len("@legacy")], "workflow": wf,
-                                  "resolution": res, "rel_l2": float((dyn - out).norm() / out.norm()),
-                                  "bit_identical": bool(torch_equal(dyn, out))})
-                log(json.dumps(self.rows[-1]))
-
     def check(self):
-        """The GPU check of the DynamicVRAM issue, printed PASS/FAIL: no per-step weight copies for the pack,
-        DynamicVRAM output = legacy output, a pressured pack run not slower than core INT8 under the same
-        pressure. Weight-sized means >= 1 MiB a step (ComfyUI's own sigma/timestep copies are bytes)."""
+        """The GPU check of the DynamicVRAM issue, printed PASS/FAIL: no per-step weight copies for the pack.
+        Weight-sized means >= 1 MiB a step (ComfyUI's own sigma/timestep copies are bytes)."""
         ok = True
         for r in self.rows:
-            if "h2d_sources" in r and "pack:" in r.get("path", "") and not r.get("pressure_free_gib"):
+            if "h2d_sources" in r and "pack:" in r.get("path", ""):
                 # in the loop, the only copies allowed are ComfyUI's conditioning (model_base._apply_model)
                 w = sum(c for n, c, _ in r["h2d_sources"]
                         if "_apply_model" not in n and not any(k in n for k in _RUN_START))
@@ -785,17 +680,6 @@ class SamplerBench:
                 ok &= good
                 log(f"check {'PASS' if good else 'FAIL'}: {r['path']} {r['workflow']} {r['resolution']}: "
                     f"{w} weight copies per step ({r['h2d_copies_per_step']} H2D copies per step in all)")
-            if r.get("check") == "dynamic_vs_legacy":
-                good = r["rel_l2"] <= 1e-3
-                ok &= good
-                log(f"check {'PASS' if good else 'FAIL'}: dynamic vs legacy {r['path']} {r['workflow']}: "
-                    f"rel L2 {r['rel_l2']:.2e}")
-        pr = {r["path"]: r.get("s_per_step") for r in self.rows if r.get("pressure_free_gib")}
-        if "core_int8" in pr and pr.get("pack:fused_triton") and pr["core_int8"]:
-            good = pr["pack:fused_triton"] <= pr["core_int8"]
-            ok &= good
-            log(f"check {'PASS' if good else 'FAIL'}: under pressure pack {pr['pack:fused_triton']:.3f} s/step "
-                f"vs core INT8 {pr['core_int8']:.3f}")
         self.rows.append({"check": "summary", "pass": bool(ok)})
 
     def write(self):
@@ -962,16 +846,6 @@ def _idle_gaps(ev: list, steps: int, min_us: float = 2.0, top: int = 12) -> dict
                                  for k, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]],
             "syncs_per_step": [[k, round(n / steps, 1), round(t / 1e3 / steps, 3)]
                                for k, (n, t) in sorted(sy.items(), key=lambda kv: -kv[1][1])[:top]]}
-
-
-def torch_zeros_like(t):
-    import torch
-    return torch.zeros_like(t)
-
-
-def torch_equal(a, b):
-    import torch
-    return torch.equal(a, b)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@
 #            bf16, fp8_e4m3fn_fast, the pack's INT8 forced and as dispatched; host-bound shapes also as streams
 #            of calls against an nn.Linear (15 rounds). All 55 took 207 s with a fresh autotune folder (fcad30a).
 #   fused    bench/fused.py: each fused row kernel against the torch ops it replaces at M 4608 (time, bandwidth,
-#            int8 code flips); bench/fused_sweep.py: the row kernels' tile plans.
+#            int8 code flips).
 #   host     bench/host_int8.py: host time of each layer of the INT8 call stack on a problem too small for the
 #            GPU to matter (M 64 x K 256 x N 256).
 #   sampler  bench/e2e_sampler.py: Ideogram 4 (34 layers, random weights) at 1024², DualModelGuider, 6 euler steps
@@ -30,7 +30,8 @@
 #   check    after a change that must not change outputs: Ideogram 4 dual (bf16, pack, pack) and Flux.1 (bf16,
 #            pack, pack), then the pack rows' final-latent rel L2 against bf16 compared with the recorded values
 #            (equal to the last digit = the same output bits; step times to compare with bench/RESULTS.md).
-#   exec     the rest of the line as a command, after the same setup (for a bench that has no suite yet).
+#   exec     the rest of the line as a command, after the same setup (a bench without a suite, a check:
+#            exec python3 bench/checks/consumer_tiles.py --out $OUT/h200-consumer-tiles.json).
 set -uo pipefail
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
@@ -60,8 +61,7 @@ case $suite in
       | tee "$OUT/shapes.log"
     cp "$INT8_FUSED_CACHE_DIR"/autotune*.json "$OUT/" 2>/dev/null ;;
   fused)
-    timeout 90 python3 bench/fused.py --out "$OUT/h200-fused.json" 2>&1 | tee "$OUT/fused.log"
-    timeout 240 python3 bench/fused_sweep.py 2>&1 | tee "$OUT/fused-sweep.log" ;;
+    timeout 90 python3 bench/fused.py --out "$OUT/h200-fused.json" 2>&1 | tee "$OUT/fused.log" ;;
   host)
     timeout 120 python3 bench/host_int8.py --json "$OUT/h200-host-int8.json" 2>&1 | tee "$OUT/host-int8.log" ;;
   sampler)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))
+import pack_import  # noqa: E402
+pack_import.install()  # kernel, quant, adapters: the pack's subpackages, imported one way (tests/pack_import.py)
 import kernel  # noqa: E402
 from quant.quantize import (dequant_epilogue_ref, int8_matmul_ref, quantize_per_token_ref,  # noqa: E402
                             quantize_weight_per_channel)
@@ -201,7 +204,7 @@ def main():
                                 capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         driver = "?"
-    from bench import provenance
+    from bench.lib import provenance
     commit = args.commit or provenance.commit()
     log(f"GPU {props.name}, driver {driver}, torch {torch.__version__}, triton {triton.__version__}, "
         f"L2 {props.L2_cache_size >> 20} MB, SMs {props.multi_processor_count}")

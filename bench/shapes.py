@@ -42,9 +42,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))
+import pack_import  # noqa: E402
+pack_import.install()  # kernel, quant, adapters: the pack's subpackages, imported one way (tests/pack_import.py)
 import kernel  # noqa: E402
-from bench import provenance as provenance_  # noqa: E402
+from bench.lib import provenance as provenance_  # noqa: E402
 from bench.host_int8 import per_call_us as stream_us  # noqa: E402
 from kernel import autotune, config  # noqa: E402
 from quant import dispatch  # noqa: E402
@@ -249,7 +253,7 @@ def main():
                 row["paths"][p] = dict(first_call_s=round(first_s, 4), rel_err=float(f"{rel_err(y, x, w, b):.3e}"))
             except Exception as e:  # noqa: BLE001 - e.g. _scaled_mm refusing K % 16 != 0: reported, not fatal
                 row["paths"][p] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
-        picked = (layer.__dict__.get("_dispatch_memo") or {}).get((m, torch.bfloat16, x.device))
+        picked = layer.derived.paths.get((m, torch.bfloat16, x.device))
         entry = dispatch._device_cache(x.device).get(dispatch.shape_key(m, n, k, has_bias, torch.bfloat16))
         row["dispatch"] = dict(picked=picked, decision=entry)
         samples = {p: [] for p in ok}

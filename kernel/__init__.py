@@ -34,16 +34,13 @@ _FORCED_GENERATION: list = [None]    # a bench's forced tile-set capability (``k
 
 
 def gemm_switches() -> tuple:
-    """The switches that choose the INT8 GEMMs' kernels and tiles (tail split, s8 path, persistent kernels, and while
-    a bench forces another generation's tile set, ``kernel.gemm.forced_generation``, that capability): part of every
-    prepared call's key (``kernel.plan``), so an A/B of one of them on a loaded model re-plans its calls.
-    Read again only when ``config.generation()`` moved (this runs on every INT8 call)."""
+    """What chooses the INT8 GEMMs' kernels and tiles besides the operands: (INT8_FUSED_S8_WGMMA, the capability a
+    bench forces with ``kernel.gemm.forced_generation`` or None). Part of every prepared call's key
+    (``kernel.plan``), so an A/B of the s8 path on a loaded model re-plans its calls. Read again only when
+    ``config.generation()`` moved (this runs on every INT8 call)."""
     cached, gen = _GEMM_SWITCHES, config.generation()
     if cached[0] != gen:
-        cached[1] = (config.get("INT8_FUSED_TAIL_SPLIT"), config.get("INT8_FUSED_S8_WGMMA"),
-                     config.get("INT8_FUSED_PERSISTENT"))
-        if _FORCED_GENERATION[0] is not None:
-            cached[1] += (_FORCED_GENERATION[0],)
+        cached[1] = (config.get("INT8_FUSED_S8_WGMMA"), _FORCED_GENERATION[0])
         cached[0] = gen
     return cached[1]
 
@@ -60,8 +57,11 @@ _MODS: dict[str, object] = {}  # kernel modules, imported (with triton) on the f
 def _mod(name: str):
     mod = _MODS.get(name)
     if mod is None:
-        import importlib
-        mod = _MODS[name] = importlib.import_module(f"{__name__}.{name}")
+        if name == "gemm":
+            from . import gemm as mod
+        else:
+            from . import quantize as mod
+        _MODS[name] = mod
     return mod
 
 

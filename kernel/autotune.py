@@ -162,7 +162,7 @@ def candidates(capability: tuple[int, int], smem_limit: int | None, m_bucket: in
 def target_candidates(capability: tuple[int, int], s8: bool = True) -> dict[str, list[Config]]:
     """Every config a GPU of ``capability`` may time, by row bucket ("small": M <= SMALL_M, "medium": up to
     MEDIUM_M, "large"), at ``SMEM_OPTIN``'s limit; on sm_90 with the s8 tiles (``s8``) in both forms. What
-    bench/compile_targets.py compiles for that target."""
+    tests/compile_targets.py compiles for that target."""
     return {name: candidates(capability, None, bucket, s8=s8, persist=s8)
             for name, bucket in (("small", SMALL_M), ("medium", MEDIUM_M), ("large", M_BUCKET_CAP))}
 
@@ -221,8 +221,8 @@ class ConfigCache(JsonCache):
     @staticmethod
     def key(n: int, k: int, bucket: int, s8: bool = False, persist: bool = False) -> str:
         """``s8``: a tuning whose candidates held the s8 wgmma tiles (``s8_configs``; ``persist``: their persistent
-        form too, suffix ``_s8p``), kept apart from the one without them (``INT8_FUSED_S8_WGMMA=0``, a GPU where
-        that path was turned off; ``INT8_FUSED_PERSISTENT=0``)."""
+        form too, suffix ``_s8p``, as the GEMMs tune now), kept apart from the one without them
+        (``INT8_FUSED_S8_WGMMA=0``, a GPU where that path was turned off)."""
         return f"N{n}_K{k}_M{bucket}" + (("_s8p" if persist else "_s8") if s8 else "")
 
 

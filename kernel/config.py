@@ -2,10 +2,9 @@
 
 The environment is read here only, once per switch (on its first ``get``), and the value kept; setting
 ``os.environ`` later changes nothing. Tests and benchmarks change a switch in-process with ``override``
-(a context manager) or re-read the environment with ``reload``. A switch with ``at_import`` is taken by the
-module that uses it when that module is imported (Triton itself takes TRITON_INTERPRET when the kernels are
-defined; a constant costs nothing in the forward): ``override`` changes what ``get`` says, not that module,
-so tests of its effect set it in a subprocess' environment.
+(a context manager) or re-read the environment with ``reload``. A switch with ``at_import`` (TRITON_INTERPRET) is
+taken when the kernels are defined: ``override`` changes what ``get`` says, not the kernels, so tests of its effect
+set it in a subprocess' environment.
 
 This module lives in ``kernel/`` because that package imports nothing else of the pack: ``kernel`` imports it
 as ``.config``, ``quant`` as ``kernel_module("config")`` (both as top-level packages in tests and inside the
@@ -49,62 +48,13 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_PAD_ELISION", str, None,
            "Ideogram 4's trailing padded text tokens dropped from the conditional pass: unset = on for "
            "`fused_triton` only, `0` off, `1` on for every backend", choices=("auto", "0", "1")),
-    Switch("INT8_FUSED_RESIDUAL", bool, True,
-           "`0`: run the residual tails of Ideogram 4, Lumina 2 / Z-Image (gated residual + RMSNorm) and Wan "
-           "(residual + LayerNorm) as torch ops instead of one fused kernel each (Ideogram 4's kernel equals "
-           "torch's y but for torch's reduction order: 1.5e-6 of elements on the H200)",
-           at_import=True),
-    Switch("INT8_FUSED_FLUX_TAILS", bool, True,
-           "Flux.1's residual tails (`img += y * gate`, and with the next LayerNorm · modulation + quantization) as "
-           "one kernel each (`kernel/residual.py` `residual_add*`, `round_product`: the same two roundings as torch's "
-           "ops); `0`: torch's ops (A/B runs)"),
-    Switch("INT8_FUSED_QK_ROPE", str, "all",
-           "QK RMSNorm + RoPE written in the attention layout by one kernel (`kernel/rope.py` `qk_norm_rope`, "
-           "`qk_rmsnorm_rope_rows`) instead of ComfyUI's ops: `all` the fused blocks of Flux.1, Ideogram 4, "
-           "Lumina 2 / Z-Image and Wan 2.x (in place of comfy_kitchen's ops where ComfyUI calls them), `flux` "
-           "Flux.1's only, `0` none (A/B runs)", choices=("all", "flux", "0")),
-    Switch("INT8_FUSED_SWIGLU_EPILOGUE", bool, True,
-           "`0`: SwiGLU feed-forwards (Ideogram 4, Lumina 2 / Z-Image) write the merged w1+w3 GEMM's [M, 2F] "
-           "output and quantize silu(a)·b in a second kernel; unset, the GEMM computes silu(a)·b in its epilogue "
-           "and writes [M, F] (`kernel/swiglu.py` `gemm_swiglu`; the same int8 codes bit for bit)"),
-    Switch("INT8_FUSED_GPU_CONDS", bool, True,
-           "`0`: leave the sampling run's conditioning on the CPU, where ComfyUI concatenates it and copies it "
-           "to the GPU from pageable memory in every model call (a copy that drains the GPU queue); unset, the "
-           "pack's models move it to the GPU once per run (`nodes/resident_conds.py`)"),
-    Switch("INT8_FUSED_BLOCK_FETCH", bool, True,
-           "`0`: under DynamicVRAM every layer of a fused block fetches its own weights through ComfyUI "
-           "(stream syncs and a vbar fault per layer); unset, one ComfyUI fetch a block call fetches them all "
-           "(`nodes/comfy_cast.py`: host time only, the same weights and kernels)"),
-    Switch("INT8_FUSED_ALU_ROUND", bool, False,
-           "`1`: the quantizing kernels round (to int8, and fp32 to bf16) with integer / fp32 adds instead of "
-           "the conversion unit's cvt instructions; the same results bit for bit, for A/B timing",
-           at_import=True),
-    Switch("INT8_FUSED_TAIL_SPLIT", str, "gemm",
-           "GEMMs whose last wave of tiles would leave most SMs idle run those tiles in K pieces where that timed "
-           "at least 2 % faster on this GPU (`kernel/gemm.py` `tail_layout`: the same int32 sums, the same output "
-           "bits; medians of 3 interleaved timings): `gemm` the INT8 GEMM, persistent or not, "
-           "`all` the SwiGLU-epilogue GEMM too (no step was faster on the H200), `0` none", choices=("gemm", "all", "0")),
     Switch("INT8_FUSED_S8_WGMMA", bool, True,
-           "sm_90: the INT8 GEMMs may time and run 128 x 256 tiles as s8 wgmma n256 (`kernel/s8wgmma.py`: Triton's "
-           "fp8 build with its wgmma rewritten to s8, each binary checked bit for bit against Triton's int8 build "
+           "sm_90: the INT8 GEMMs may time and run 128 x 256 tiles as s8 wgmma n256, plain or as a persistent kernel "
+           "with TMA loads and stores (`kernel/s8wgmma.py`: Triton's fp8 build with its wgmma rewritten to s8, each binary checked bit for bit against Triton's int8 build "
            "on its first call); `0`: Triton's int8 builds only"),
-    Switch("INT8_FUSED_PERSISTENT", bool, True,
-           "sm_90 with the s8 path on: the INT8 GEMMs (plain and SwiGLU-epilogue) may also time and run the s8 "
-           "tile as a persistent kernel with TMA loads and stores (same bits); `0`: the non-persistent kernel only"),
-    Switch("INT8_FUSED_PLANS", bool, True,
-           "`0`: every INT8 linear / GEMM call takes the checked path (operand checks, config lookup, launch) "
-           "instead of re-issuing the launches prepared on its first call (`kernel/plan.py`); for A/B runs"),
-    Switch("INT8_FUSED_JIT_LAUNCH", bool, False,
-           "`1`: launch kernels through Triton's normal `JITFunction.run` instead of the pack's lean "
-           "re-launcher (kernel/launch.py)", at_import=True),
     Switch("INT8_FUSED_ATTN_INT8_AUTO", bool, False,
            "`1`: the Apply node's attention `auto` also times the pack's INT8 attention kernel (`int8`, "
            "approximate: int8 Q·Kᵀ) and may pick it; unset, `auto` chooses among the exact SDPA backends only"),
-    Switch("INT8_FUSED_SDPA_DIRECT", bool, True,
-           "`0`: attention calls the Apply node routes to cuDNN go through `F.scaled_dot_product_attention` "
-           "inside torch's backend-priority context; unset, a call torch sends to cuDNN for its shape (no mask, "
-           "no gradient) calls torch's cuDNN attention op directly: the same kernel, less host time "
-           "(`quant/attention.py`)"),
     Switch("INT8_FUSED_CACHE_DIR", str, "~/.cache/comfyui-int8-fused",
            "folder of the GEMM autotune cache: one JSON file per GPU and Triton version, so a new process "
            "does not tune again"),

@@ -22,7 +22,7 @@ from .quantize import INTERPRET, SegmentPlan, quant_params, seg_warps, segments,
 from .checks import check_2d, check_usable, smooth_vector
 from .rowtile import DT_CODE, FLOAT, TilePlan, round_to, row_major, row_ptrs, row_tiles, seg_keep, seg_store, smooth
 
-# Module data, read at each call (the sweep, bench/fused_sweep.py, and the tests set them).
+# Module data, read at each call (the tests set them).
 # GELU_FAST: tanh GELU as h * sigmoid(2u) with the hardware exp2 instead of libdevice tanhf (much faster on the H200;
 # on Flux's data its codes equalled torch's unfused path's, on Wan's they differed by 1 in about 1e-7).
 # GELU_ONE_PASS: each part over up to three (a: two) power-of-2 segments, gelu(h) computed once and kept in registers

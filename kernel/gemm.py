@@ -11,6 +11,9 @@ masked on store, K tails are masked (``EVEN_K`` drops that mask when BLOCK_K div
 ``_int8_gemm_persistent_kernel`` (sm_90, the s8 tile of ``kernel.s8wgmma``): the same GEMM, same output bits, as a
 persistent kernel with TMA loads and stores, an autotune candidate where its operands suit TMA (``persistent_ok``).
 
+Both run the tail split of ``kernel.tailsplit`` where it timed faster (``SPLIT`` in the config): the tiles of the
+last partial wave in K pieces, the same int32 sums.
+
 ``_w8a8_small_m_kernel``: the whole W8A8 linear for M <= 16 rows in one launch (per-row absmax over K, quantize
 on the fly with the quantizer's exact arithmetic, GEMM, epilogue): bit-identical to quantize + GEMM, one launch and
 two allocations fewer on the adaLN / time-embedding GEMVs, which are host-bound.
@@ -28,10 +31,10 @@ import triton.language as tl
 
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
 from .quantize import rint, sm_count
-from . import config as _config
 from . import gemm_switches
-from .launch import keep, launch, not_recorded
+from .launch import launch, not_recorded
 from . import s8wgmma
+from .tailsplit import choose_split, program_slots, program_tile, split_launch, sum_pieces, tile_sum
 
 
 @triton.jit
@@ -127,7 +130,7 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr,
                       EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
-    # SPLIT > 1 (the tail split, see ``tail_layout``): programs below DP_TILES run whole tiles; the rest run
+    # SPLIT > 1 (the tail split, ``kernel.tailsplit``): programs below DP_TILES run whole tiles; the rest run
     # K_PIECE-long pieces of the last tiles, SPLIT a tile, and the last piece of a tile to finish sums the
     # pieces' exact int32 partials (any order: same sum) and runs the epilogue.
     tile, a_ptr, w_ptr, k_len = program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT)
@@ -184,7 +187,7 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
     # tile's loads are in flight while this one's epilogue runs. Operands as fp8: the s8 rewrite (kernel.s8wgmma),
     # as in acc_tile. SPLIT > 1 (the tail split, ``tail_layout`` with a slot a program): the loop runs the first
     # DP_TILES tiles (whole waves), then program q runs piece q % SPLIT (K_PIECE long) of tile DP_TILES + q //
-    # SPLIT, and a tile's last piece to finish sums the exact int32 partials (``_sum_pieces``) and stores it.
+    # SPLIT, and a tile's last piece to finish sums the exact int32 partials (``sum_pieces``) and stores it.
     for tile in tl.range(tl.program_id(0), DP_TILES, NUM_PROGS, flatten=True):
         pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
@@ -198,7 +201,7 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
             k_lo = (q % SPLIT) * K_PIECE
             acc = acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, tl.minimum(K - k_lo, K_PIECE),
                                 BLOCK_M, BLOCK_N, BLOCK_K, False)
-            acc, last = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, q % SPLIT, BLOCK_M, BLOCK_N, SPLIT)
+            acc, last = sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, q % SPLIT, BLOCK_M, BLOCK_N, SPLIT)
             if last:
                 _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
                                   stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET)
@@ -236,64 +239,6 @@ def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, 
         out = dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                        HAS_BIAS)
         _store_out(c_ptrs, out, c_mask, INTERPRET)
-
-
-@triton.jit
-def program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT: tl.constexpr):
-    """(tile, A and W at the program's first K element, its K elements): the program's whole tile without the
-    split, else its piece (``_split_piece``)."""
-    if SPLIT > 1:
-        tile, k_lo, k_len = _split_piece(tl.program_id(0), DP_TILES, K_PIECE, K, SPLIT)
-        a_ptr += k_lo * stride_ak
-        w_ptr += k_lo * stride_wk
-    else:
-        tile = tl.program_id(0)
-        k_len = K
-    return tile, a_ptr, w_ptr, k_len
-
-
-@triton.jit
-def tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              SPLIT: tl.constexpr):
-    """(the tile's int32 sum, whether this program runs the tile's epilogue): the program's own ``acc`` and True
-    without the split or for a whole tile; for a piece, ``_sum_pieces``."""
-    if SPLIT > 1:
-        finish = tile < DP_TILES
-        if tile >= DP_TILES:
-            acc, finish = _sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES,
-                                      (tl.program_id(0) - DP_TILES) % SPLIT, BLOCK_M, BLOCK_N, SPLIT)
-    else:
-        finish = True
-    return acc, finish
-
-
-@triton.jit
-def _split_piece(pid, DP_TILES, K_PIECE, K, SPLIT: tl.constexpr):
-    """(tile, first K element, K elements) of program ``pid`` under the tail split: a whole tile below DP_TILES,
-    else piece (pid - DP_TILES) % SPLIT of tail tile DP_TILES + (pid - DP_TILES) // SPLIT."""
-    split = pid >= DP_TILES
-    q = tl.maximum(pid - DP_TILES, 0)
-    tile = tl.where(split, DP_TILES + q // SPLIT, pid)
-    k_lo = tl.where(split, (q % SPLIT) * K_PIECE, 0).to(tl.int64)
-    return tile, k_lo, tl.where(split, tl.minimum(K - k_lo, K_PIECE), K)
-
-
-@triton.jit
-def _sum_pieces(acc, part_ptr, cnt_ptr, t, piece, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLIT: tl.constexpr):
-    """Tail tile ``t``'s piece ``piece``: stores its partial, counts itself in; (the tile's int32 sum, True) for
-    the piece that counts last, else (acc, False). The counter is left at 0 for the next launch."""
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    base = part_ptr + t.to(tl.int64) * (SPLIT * BLOCK_M * BLOCK_N)
-    tl.store(base + piece * (BLOCK_M * BLOCK_N) + offs, acc)
-    tl.debug_barrier()  # every thread's partial is written before the release below publishes it
-    last = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-    if last:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for p in range(0, SPLIT):  # a loop (not unrolled: one partial in registers at a time); L2 reads (.cg)
-            acc += tl.load(base + p * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-        tl.store(cnt_ptr + t, 0)
-    return acc, last
 
 
 @triton.jit
@@ -383,8 +328,7 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
     m, k = x.shape
     n = w_q.shape[0]
     dev = x.device
-    switches = gemm_switches()
-    forced = switches[3] if len(switches) > 3 else None
+    forced = gemm_switches()[1]
     memo_key = ("xq", dev, n, k, forced)
     cfg = _TUNED.get(memo_key)
     if cfg is not None:
@@ -405,98 +349,6 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
                                    cands, time_fn, tuning_meta(dev), check=run)
     _TUNED[memo_key] = cfg
     return cfg
-
-
-def tail_layout(tiles: int, slots: int, split: int, k_blocks: int) -> tuple[int, int, int]:
-    """The tail split of a GEMM of ``tiles`` output tiles on a GPU that runs ``slots`` programs at once:
-    (whole-tile programs, pieces a tail tile, BLOCK_K steps a piece).
-
-    The tiles past the last full wave (``tiles % slots`` of them) would run as a partial wave with most slots
-    idle; each is cut along K into ``split`` pieces, at most as many as keep every piece in that one wave
-    (``slots // tail``) and as there are K steps, none empty. No tail, or no room for 2 pieces a tile: (tiles, 1,
-    k_blocks), the plain launch."""
-    waves, tail = divmod(tiles, slots)
-    split = min(split, slots // tail if tail else 1, k_blocks)
-    if split < 2 or waves == 0:
-        return tiles, 1, k_blocks
-    per = -(-k_blocks // split)
-    return waves * slots, -(-k_blocks // per), per
-
-
-_SLOTS: dict[tuple, int] = {}       # (device index, tile config) -> programs the GPU runs at once
-
-
-def program_slots(cfg: dict, device: torch.device) -> int:
-    """How many programs of this config the GPU runs at once: SMs x CTAs an SM, bounded by the config's shared
-    memory, its threads and its registers (128 a thread assumed: sm_90 builds the 8-warp 128 x 128 tile with
-    119); a persistent config (``PERSIST``): a program an SM. The interpreter: 4."""
-    if device.type != "cuda":
-        return 4
-    if cfg.get("PERSIST"):
-        return sm_count(device)
-    key = (device.index, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
-    n = _SLOTS.get(key)
-    if n is None:
-        props = torch.cuda.get_device_properties(device)
-        # NOTE: older torch builds lack some of these properties: then one CTA an SM is assumed where unknown
-        n = _SLOTS[key] = sm_count(device) * ctas_per_sm(cfg, getattr(props, "shared_memory_per_multiprocessor", 0),
-                                                          getattr(props, "regs_per_multiprocessor", 0),
-                                                          getattr(props, "max_threads_per_multi_processor", 0))
-    return n
-
-
-def ctas_per_sm(cfg: dict, smem: int, regs: int, threads: int) -> int:
-    """CTAs of ``cfg`` an SM holds at once (at least 1), bounded by its shared memory (``autotune.smem_bytes`` + 1 KB
-    a CTA), registers (128 a thread assumed) and threads; one where any of them is given as 0 (unknown)."""
-    from .autotune import smem_bytes
-    t = 32 * cfg["num_warps"]
-    return max(1, min(have // need if have else 1
-                      for have, need in ((smem, smem_bytes(cfg) + 1024), (regs, t * 128), (threads, t))))
-
-
-def split_maxnreg(ctas: int, num_warps: int) -> int | None:
-    """The register cap (``maxnreg``) of a tail-split launch at ``ctas`` CTAs an SM of ``num_warps`` warps: the plain
-    build's occupancy kept; None where it would not bind (255 or more)."""
-    regs = 65536 // (ctas * 32 * num_warps) // 8 * 8
-    return regs if regs < 255 else None
-
-
-_SCRATCH: dict[tuple, tuple] = {}   # (device index, stream) -> (partials int32, counters int32, all zero)
-
-
-def _scratch(device: torch.device, partials: int, counters: int):
-    """The tail split's buffers on this device and stream: int32 partials and per-tile counters (zero; every
-    launch leaves them zero). Grown as needed, never shrunk; a launch on another stream gets its own pair. A plan
-    (``kernel.plan``) keeps the pair its recorded launch used: it re-issues on the stream it was built on."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    have = _SCRATCH.get(key)
-    if have is None or have[0].numel() < partials or have[1].numel() < counters:
-        p = max(partials, have[0].numel() if have else 0)
-        c = max(counters, have[1].numel() if have else 0)
-        have = _SCRATCH[key] = (keep(torch.empty(p, dtype=torch.int32, device=device)),
-                                keep(torch.zeros(c, dtype=torch.int32, device=device)))
-    return have
-
-
-def split_launch(cfg: dict, tiles: int, k: int, device: torch.device, unused: torch.Tensor):
-    """The tail split of one launch of ``tiles`` tiles with ``cfg`` (``cfg["SPLIT"]``, default 1): (programs,
-    whole-tile programs, K elements a piece, pieces a tail tile, partials, counters, extra launch options). The plain
-    launch: (tiles, tiles, 0, 1, unused, unused, {}). A persistent kernel's programs (one a slot, ``program_slots``) loop
-    over the whole tiles first, then run the pieces."""
-    bk = cfg["BLOCK_K"]
-    if cfg.get("SPLIT", 1) > 1:
-        slots = program_slots(cfg, device)
-        dp, split, per = tail_layout(tiles, slots, cfg["SPLIT"], -(-k // bk))
-        if split > 1:
-            part, cnt = _scratch(device, (tiles - dp) * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], tiles - dp)
-            # The pieces' sum would take the sm_90 build from 119 to 176 registers a thread at 8 warps (one CTA
-            # an SM); capped at the plain build's occupancy it spills a few words at most (tests/test_fused.py).
-            opts = {}
-            if device.type == "cuda":
-                regs = split_maxnreg(slots // sm_count(device), cfg["num_warps"])
-                opts = {"maxnreg": regs} if regs else {}
-            return dp + (tiles - dp) * split, dp, per * bk, split, part, cnt, opts
-    return tiles, tiles, 0, 1, unused, unused, {}
 
 
 def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -583,7 +435,7 @@ def tuning_meta(device: torch.device) -> dict:
     return {"gpu": torch.cuda.get_device_name(device), "triton": triton.__version__}
 
 
-_TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket) or (.., exact M, split asked, switch) -> config
+_TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket, ..) or (.., exact M, split asked, ..) -> config
 _CACHES: dict[tuple, object] = {}   # (device index, forced generation) -> autotune.ConfigCache
 
 
@@ -591,8 +443,7 @@ def device_cache(device: torch.device):
     """The device's autotune file; under ``forced_generation`` another file, named after the forced capability too."""
     from . import autotune
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    switches = gemm_switches()
-    key = (idx, switches[3] if len(switches) > 3 else None)
+    key = (idx, gemm_switches()[1])
     if key not in _CACHES:
         name = torch.cuda.get_device_name(idx) + (f" as sm_{key[1][0]}{key[1][1]}" if key[1] else "")
         _CACHES[key] = autotune.ConfigCache(autotune.cache_file(name, triton.__version__), gpu=name)
@@ -610,7 +461,7 @@ def _generation(device: torch.device, forced: tuple | None) -> tuple[tuple[int, 
 
 @contextlib.contextmanager
 def forced_generation(capability: tuple[int, int]):
-    """Bench hook, not a user switch (bench/consumer_tiles.py): inside, the INT8 GEMMs choose their tiles as on a GPU
+    """Bench hook, not a user switch (bench/checks/consumer_tiles.py): inside, the INT8 GEMMs choose their tiles as on a GPU
     of ``capability`` (its ``autotune.candidates`` at its shared-memory limit, no s8 wgmma tiles unless it is sm_90),
     timed on the GPU at hand, in an autotune file of their own; the row kernels' plans are the same on every GPU.
     Part of ``kernel.gemm_switches()`` inside, so no prepared call (``kernel.plan``) crosses the boundary."""
@@ -627,26 +478,23 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
     """The config for this (N, K, M bucket): memoised, else from the on-disk cache, else timed now with
     ``triton.testing.do_bench`` on these very tensors (``out`` is overwritten by the real call after; None: an
     [M, N] ``out_dtype`` buffer is made for the timing, e.g. for the SwiGLU-epilogue kernel, which shares the
-    merged w1+w3 GEMM's config and passes ``tail_split=False``). With ``tail_split`` (and ``tail_split_on("gemm")``)
-    the config carries this M's tail split, see ``choose_split``."""
+    merged w1+w3 GEMM's config and passes ``tail_split=False``). With ``tail_split`` the config carries this M's
+    tail split, see ``kernel.tailsplit.choose_split``."""
     m, k = a_q.shape
     n = w_q.shape[0]
     dev = a_q.device
-    # exact-M memo first (the switch's raw value in the key: A/B rows in one process); the per-call path is a lookup
-    s8 = s8wgmma.usable(dev)
-    switches = gemm_switches()  # (tail split, s8 path, persistent kernels[, forced generation])
-    persist = s8 and bool(switches[2])
-    forced = switches[3] if len(switches) > 3 else None
-    exact = (dev, n, k, m, tail_split, switches[0], s8, persist, forced)
+    # exact-M memo first (the s8 path in the key: A/B rows in one process); the per-call path is a lookup
+    s8 = s8wgmma.usable(dev)  # the s8 tiles are offered with their persistent form too
+    forced = gemm_switches()[1]
+    exact = (dev, n, k, m, tail_split, s8, forced)
     cfg = _TUNED.get(exact)
     if cfg is not None:
         return cfg
-    tail_split = tail_split and tail_split_on("gemm")
     from . import autotune
     bucket = autotune.m_bucket(m)
     if dev.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the first config
         return autotune.interpreter_configs()[1 if m <= autotune.SMALL_M else 0]
-    memo_key = (dev, n, k, bucket, s8, persist, forced)
+    memo_key = (dev, n, k, bucket, s8, forced)
     cfg = _TUNED.get(memo_key)
     if cfg is None or tail_split:
         cap, smem = _generation(dev, forced)
@@ -663,67 +511,11 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
 
         with not_recorded():
             if cfg is None:
-                cands = autotune.candidates(cap, smem, bucket, s8=s8, persist=persist)
+                cands = autotune.candidates(cap, smem, bucket, s8=s8, persist=s8)
                 cfg = _TUNED[memo_key] = autotune.pick_config(
-                    device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, persist), cands, time_fn, meta,
+                    device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, s8), cands, time_fn, meta,
                     check=run)
             if tail_split:
                 cfg = choose_split(cfg, m, n, k, program_slots(cfg, dev), device_cache(dev), time_fn, meta, check=run)
     _TUNED[exact] = cfg
     return cfg
-
-
-def tail_split_on(kind: str) -> bool:
-    """Whether INT8_FUSED_TAIL_SPLIT lets ``kind`` ("gemm": the INT8 GEMM, "swiglu": the SwiGLU-epilogue GEMM) time
-    the tail split: ``gemm`` (the default) the INT8 GEMM only, ``all`` both, ``0`` neither (``kernel/config.py``
-    validates the value)."""
-    v = _config.get("INT8_FUSED_TAIL_SPLIT")
-    return v != "0" and (kind == "gemm" or v == "all")
-
-
-TAIL_SPLITS = (2, 3, 4)   # the pieces a tail tile is timed with (``choose_split``)
-SPLIT_MARGIN = 0.02       # ... and how much faster than whole tiles a split must time to be chosen
-SPLIT_ROUNDS = 3          # ... as the median of this many interleaved rounds: on the H200 one launch's time varies
-                          # by up to 7 % between processes, as much as a split gains, so one timing each would pick
-                          # splits that another process does not repeat
-
-
-def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None, kind: str = "",
-                 check=None) -> dict:
-    """``cfg``, or ``cfg`` with the tail split (``SPLIT``) that timed (``time_fn(config)`` -> ms; the median of
-    ``SPLIT_ROUNDS`` interleaved rounds) at least ``SPLIT_MARGIN`` faster than whole tiles for this many row tiles
-    on a GPU running ``slots`` programs at once (on the H200 2-8 % faster on some block shapes, slower on others).
-    Decided once per (N, K, M bucket, row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile
-    configs' file) under a key prefixed with ``kind`` (another kernel on the same tiles, e.g. ``SW_`` for the
-    SwiGLU-epilogue GEMM), else taken from the shipped table (``autotune.seed_entry``; ``check(config)`` runs it
-    once first)."""
-    from . import autotune
-    if cfg.get("PERSIST") and kind:  # the persistent SwiGLU kernel runs whole tiles only
-        return cfg
-    tiles_m = -(-m // cfg["BLOCK_M"])
-    tiles, kb = tiles_m * -(-n // cfg["BLOCK_N"]), -(-k // cfg["BLOCK_K"])
-    layouts = {}
-    for s in TAIL_SPLITS:
-        lay = tail_layout(tiles, slots, s, kb)
-        if lay[1] > 1 and lay not in layouts.values():
-            layouts[s] = lay
-    if not layouts:
-        return cfg
-    key = autotune.ConfigCache.key(n, k, autotune.m_bucket(m), bool(cfg.get("S8")), bool(cfg.get("PERSIST")))
-    key = f"{kind}{key}_T{tiles_m}_split"
-    hit = cache.get(key, seed=False) or autotune.seed_entry(
-        cache, key, check and (lambda h: h["SPLIT"] > 1 and check({**cfg, **h})))
-    if hit is None:
-        from .tuned import progress
-        with progress.task("tail split", progress.gemm_label(key), f"{len(layouts) + 1} variants", cache.path):
-            med = autotune.interleaved_medians({1: cfg, **{s: {**cfg, "SPLIT": s} for s in layouts}}, time_fn,
-                                               SPLIT_ROUNDS)
-        best, best_ms = 1, med.pop(1) * (1 - SPLIT_MARGIN)
-        for s, ms in med.items():  # the splits that built
-            if ms < best_ms:
-                best, best_ms = s, ms
-        hit = {"SPLIT": best}
-        cache.put(key, hit, meta)
-    s = int(hit.get("SPLIT", 1))
-    return {**cfg, "SPLIT": s} if s > 1 else cfg
-

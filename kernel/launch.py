@@ -8,8 +8,8 @@ re-binds every argument, stringifies the options for its cache key and checks gl
 Safety: the cache key holds everything Triton specializes on — every constexpr, num_warps/num_stages, tensor
 dtypes and 16-byte pointer alignment, and integers by value (finer than what Triton specializes on: equal to 1,
 divisible by 16, beyond int32; a Python int compares cheaper than those three tests) — so a kernel is
-only reused for arguments it was compiled for. Anything unusual (a profiler's launch hook, the interpreter,
-``INT8_FUSED_JIT_LAUNCH=1``) takes the normal Triton path.
+only reused for arguments it was compiled for. Anything unusual (a profiler's launch hook, the interpreter, a
+Triton whose launcher call differs) takes the normal Triton path.
 
 Launch hooks live in ``triton.knobs.runtime`` (Triton >= 3.4): ``None`` when unset in 3.4, an always-present
 ``HookChain`` whose ``calls`` list is empty when unset since 3.5 (through 3.9 at least); ``launch_hooked``
@@ -32,7 +32,7 @@ from . import config
 
 _COMPILED: dict[tuple, tuple] = {}
 _MAX_ENTRIES = 4096
-_USE_FAST = not config.get("INT8_FUSED_JIT_LAUNCH") and not config.get("TRITON_INTERPRET")
+_USE_FAST = not config.get("TRITON_INTERPRET")
 
 
 def arg_key(v):
@@ -114,8 +114,8 @@ def same_launcher_call() -> bool:
 
 
 def fast_launch_ok() -> bool:
-    """Whether compiled kernels may be re-launched directly here (not the interpreter, not
-    ``INT8_FUSED_JIT_LAUNCH=1``, the installed Triton's launcher call as ``launch`` repeats it)."""
+    """Whether compiled kernels may be re-launched directly here (not the interpreter, the installed Triton's
+    launcher call as ``launch`` repeats it)."""
     return _USE_FAST and bool(_SAME_CALL or same_launcher_call())
 
 

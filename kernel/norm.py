@@ -30,7 +30,7 @@ from .quantize import INTERPRET, SegmentPlan, amax_bad, finish_segments, quant_p
 from .checks import check_2d, check_usable, smooth_vector, vector
 from .rowtile import DT_CODE, FLOAT, TilePlan, batch_rows, round_to, row_major, row_tiles, rsqrt_mean
 
-# Module data, read at each call (the sweep, bench/fused_sweep.py, and the tests set them).
+# Module data, read at each call (the tests set them).
 # RMSNorm: one pass over segments (K = 4608: 4096 + 512, the row read once) for rows up to 8192, 4 warps (more
 # warps were slower on the H200); other rows in RMS_PLAN's tiles (K = 4608 there: 1024-wide chunks, three passes).
 RMS_PLAN = TilePlan(max_single=1024, chunk=1024, chunk_warps=4)

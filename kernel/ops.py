@@ -10,6 +10,7 @@ the fused blocks (``quant.blocks``) call the ops while torch.compile traces (``t
     swiglu_quant                                                   (kernel.swiglu)
     cat_gelu_quant                                                 (kernel.gelu)
     gated_residual                                                 (kernel.residual)
+    hadamard_quant                                                 (kernel.hadamard: ConvRot rotation + quantize)
 
 Registered by ``register_ops()`` (idempotent), so importing this module (or the pack) defines no op and loads no
 triton.
@@ -36,11 +37,10 @@ def row_modules() -> tuple:
 
 
 def tunables() -> tuple:
-    """The module data the row kernels' wrappers read at each call to choose kernels and tiles (the sweep and the
-    tests change them), the launcher they call, and the switches that choose the GEMMs' tiles (tail split, s8 path,
-    persistent kernels): part of a prepared call's key (``kernel.plan.call``), so a change is never served a stale
-    plan (without the GEMM switches, an ``INT8_FUSED_PERSISTENT=0`` A/B re-issued the persistent SwiGLU GEMM planned
-    before it)."""
+    """The module data the row kernels' wrappers read at each call to choose kernels and tiles (the tests
+    change them), the launcher they call, and what chooses the GEMMs' tiles (``kernel.gemm_switches``): part
+    of a prepared call's key (``kernel.plan.call``), so a change is never served a stale plan (without the GEMM
+    switches, an A/B of the s8 path would re-issue the SwiGLU GEMM planned before it)."""
     norm, swiglu, gelu, residual, rope, rowtile, quantize, _ = row_modules()
     return (norm.RMS_PLAN, norm.RMS_ONE_PASS, norm.LN_PLAN, norm.LN_ONE_PASS, swiglu.SWIGLU_PLAN,
             swiglu.SWIGLU_ONE_PASS, residual.RESIDUAL_ONE_PASS, residual.RESIDUAL_LN_ONE_PASS, rowtile.MAX_SINGLE,
@@ -103,6 +103,11 @@ def _act_quant(x, inv_smooth):
     return quantize_per_token(x, inv_smooth)
 
 
+def _hadamard_quant(x, group):
+    from .hadamard import hadamard_quantize
+    return hadamard_quantize(x, group)
+
+
 def _gemm_dequant(a_q, a_scale, w_q, w_scale, bias, out_dtype):
     from . import int8_gemm
     return int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype)
@@ -125,6 +130,7 @@ _OPS = [
     ("cat_gelu_quant", "(Tensor? a, Tensor h, Tensor? inv_smooth) -> (Tensor, Tensor)", _cat_gelu_quant,
      lambda a, h, inv: _rows_fake(h, h.shape[1] + (a.shape[1] if a is not None else 0))),
     ("act_quant", "(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)", _act_quant, lambda x, inv: _rows_fake(x)),
+    ("hadamard_quant", "(Tensor x, int group) -> (Tensor, Tensor)", _hadamard_quant, lambda x, g: _rows_fake(x)),
     ("gemm_dequant", "(Tensor a_q, Tensor a_scale, Tensor w_q, Tensor w_scale, Tensor? bias, "
                      "ScalarType out_dtype) -> Tensor", _gemm_dequant,
      lambda a, sa, w, sw, b, dt: a.new_empty((a.shape[0], w.shape[0]), dtype=dt)),

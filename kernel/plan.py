@@ -22,14 +22,13 @@ Two users: ``quant.linear.Int8Linear`` keeps a plan per call shape (its INT8 lin
 SwiGLU), whose views of their operands are mapped by address.
 
 A launch hook (a profiler) makes the plan launch through Triton's ``JITFunction.run``, as ``kernel.launch`` does;
-on the CPU interpreter every launch goes through Triton (the tests run plans there). ``INT8_FUSED_PLANS=0``: no plan
-is built or used.
+on the CPU interpreter every launch goes through Triton (the tests run plans there).
 """
 from __future__ import annotations
 
 import torch
 
-from . import config, launch
+from . import launch
 
 
 def signature(t: torch.Tensor | None):
@@ -89,15 +88,10 @@ class Plan:
         return None if r is None else tuple(None if i is None else vals[i] for i in r)
 
 
-def enabled() -> bool:
-    """``INT8_FUSED_PLANS`` (default on)."""
-    return bool(config.get("INT8_FUSED_PLANS"))
-
-
 def build(launches: list, operands: tuple, temps: tuple, result, device: torch.device, by_address: bool = False):
     """A :class:`Plan` repeating ``launches`` (``kernel.launch.record``'s entries of one call), or None when that
     call cannot be repeated this way (no launch; a tensor argument that is neither an operand nor a temporary, e.g.
-    a converted copy; plans switched off).
+    a converted copy).
 
     ``operands``: the call's inputs in the order the plan will take them, each a tensor, None, or a pair
     (what callers will pass, what the kernels received) when the kernels saw a view of the caller's tensor that
@@ -108,7 +102,7 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
     ``by_address``: a launch argument that is none of these but starts at the address of exactly one operand, with
     its dtype, is taken as a view of it made by the call (a reshape of a [B, 1, K] modulation row to [B, K]): sound
     for calls whose views are functions of their operands' signatures, which the recorded integers then hold."""
-    if not launches or not enabled():
+    if not launches:
         return None
     slots, sigs = [], []
     for op in operands:
@@ -181,8 +175,6 @@ def call(fn, *args, salt=()):
     leaves the key unplanned: ``fn`` runs each time. The same tensor object passed twice (``out=x`` for in place)
     is one operand, and that pattern is part of the key. ``salt``: whatever else ``fn`` reads to choose its launches
     (``kernel.ops.tunables()``), part of the key."""
-    if not enabled():
-        return fn(*args)
     ops = [a for a in args if isinstance(a, torch.Tensor) or a is None]
     key = (fn, salt, *[(a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
                  else a for a in args])

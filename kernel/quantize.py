@@ -55,14 +55,14 @@ class SegmentPlan:
 # Per-token quantization in one pass over up to three power-of-2 segments (K = 4608: 4096 + 512; 12288: 8192 +
 # 4096), the row in registers without masked lanes; None, or a row with a column stride or wider than max_row:
 # the BLOCK_K kernel (one masked power-of-2 tile up to MAX_BLOCK_K, else two passes over chunks). Module data, read
-# at each call (the sweep and the tests set it); part of ``kernel.ops.tunables()``. Measured on the H200
-# (bench/fused_sweep.py, M 4608): the one-pass plan 10-30 % faster than the BLOCK_K kernel at K 4608 and 12288.
+# at each call (the tests set it); part of ``kernel.ops.tunables()``. Measured on the H200
+# (M 4608): the one-pass plan 10-30 % faster than the BLOCK_K kernel at K 4608 and 12288.
 QUANT_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8, per_warp=1024)
 
 
 # The one-pass quantizer as QUANT_ROW_LOOP programs an SM, each looping over rows with the next row's loads in
 # flight (_quant_rows_loop_kernel), where M is larger than that; 0: a program a row. Measured on the H200
-# (bench/fused_sweep.py, M 4608): 4 an SM 2-3 % faster than a program a row (2 slower, 8 spills). Codes identical.
+# (M 4608): 4 an SM 2-3 % faster than a program a row (2 slower, 8 spills). Codes identical.
 # Module data, read at each call.
 QUANT_ROW_LOOP = 4
 
@@ -95,21 +95,16 @@ if INTERPRET:
     interpreter_compat()
 
 
-# Rounding on the ALUs instead of the conversion unit (INT8_FUSED_ALU_ROUND, taken at import): see _code8 and
-# kernel/rowtile.py round_to; the same results bit for bit, only which instructions compute them differs.
-ALU_ROUND = tl.constexpr(bool(config.get("INT8_FUSED_ALU_ROUND")))
-
-
 @triton.jit
 def _code8(v, INTERPRET: tl.constexpr):
     """int8 code of ``v`` (already times the row's 127 / amax): round half to even of ``clamp(v, -127, 127)``,
     which equals clamping the rounded value (the bounds are integers). The clamp comes first so no FMA can
-    contract the caller's multiply into the rounding. Interpreter / ALU_ROUND: ``c + 1.5 * 2**23`` rounds c to an
+    contract the caller's multiply into the rounding. Interpreter: ``c + 1.5 * 2**23`` rounds c to an
     integer in IEEE fp32 (exact for |c| < 2**22) and leaves it in the low mantissa bits, read as int32 minus the
     constant's bits: two adds, no cvt.rni / cvt.s8 on the conversion unit. Else libdevice rint and a cvt. NaN
     (only in rows the caller zeroes) gives an arbitrary code."""
     c = tl.minimum(tl.maximum(v, -127.0), 127.0)
-    if INTERPRET or ALU_ROUND:
+    if INTERPRET:
         return ((c + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
     else:
         return libdevice.rint(c).to(tl.int8)

@@ -24,7 +24,7 @@ from .checks import check_2d, check_usable, smooth_vector, vector
 from .quantize import INTERPRET, SegmentPlan, finish_segments, quant_params, store_q
 from .rowtile import DT_CODE, FLOAT, MAX_SINGLE, batch_rows, fits, round_to, row_major, row_tiles, rsqrt_mean
 
-# Module data, read at each call (the sweep, bench/fused_sweep.py, and the tests set them).
+# Module data, read at each call (the tests set them).
 # gated_residual_rmsnorm over segments (K = 4608: 4096 + 512, where one tile masks 3584 of 8192 lanes) for rows up
 # to MAX_SINGLE, 4 warps; None: one tile.
 RESIDUAL_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=8192, min_seg=256, warps=4)

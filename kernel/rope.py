@@ -18,7 +18,7 @@ from .quantize import INTERPRET
 from .checks import check_usable, vector
 from .rowtile import DT_CODE, FLOAT, round_to, row_major, rsqrt_mean
 
-# Module data, read at each call (the sweep, bench/fused_sweep.py, and the tests set them).
+# Module data, read at each call (the tests set them).
 # Per-head norms: heads per program, a power of 2 dividing H with at most this many elements.
 QK_GROUP_ELEMS = 1024
 # The token's rotations loaded as 16-byte vectors, and (split-half pairs, Ideogram 4) q's and k's halves all loaded

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .quantize import ALU_ROUND, SegmentPlan, amax_bad, seg_warps, segments, store_q
+from .quantize import SegmentPlan, amax_bad, seg_warps, segments, store_q
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def plan_tiles(n: int, plan: TilePlan | None = None) -> tuple[int, bool, int]:
     """(BLOCK, SINGLE, num_warps) for a row of n elements: in registers (BLOCK = next power of 2, 4 / 8 / 16
     warps by size) up to ``plan.max_single`` (no plan: MAX_SINGLE, one pass only), else ``plan.chunk``-wide
     chunks with ``plan.chunk_warps`` warps (the later passes re-read the row from L2). Long rows run faster in
-    chunks than in one wide register tile on the H200 (bench/fused_sweep.py). Chunks give the same codes where the
+    chunks than in one wide register tile on the H200. Chunks give the same codes where the
     row's scale is a max reduction (SwiGLU); a norm's sum of squares then adds in another order (a last-bit change
     of rstd, i.e. rare +-1 code flips against torch)."""
     if n <= (MAX_SINGLE if plan is None else plan.max_single):
@@ -97,11 +97,10 @@ def batch_rows(t: torch.Tensor, k: int, m: int, tokens_per_batch: int, name: str
 def round_to(y, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 -> nearest (ties to even) value of dtype DT (0 fp32, 1 bf16, 2 fp16), returned as fp32."""
     if DT == 1:
-        if INTERPRET or ALU_ROUND:
+        if INTERPRET:
             # NOTE: Triton 3.6's interpreter rounds fp32 -> bf16 by truncation (and its 'rtne' mode neither
             # breaks ties to even nor carries into the exponent), so round on the bits: add 0x7FFF plus the
             # lowest kept bit, drop the low half. NaN stays NaN (its payload could carry into the sign).
-            # Compiled with ALU_ROUND the same integer ops replace cvt.rn.bf16.f32 (same result).
             bits = y.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return tl.where(y != y, y, bits.to(tl.float32, bitcast=True))

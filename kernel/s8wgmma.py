@@ -130,8 +130,8 @@ def usable(device: torch.device) -> bool:
         return False
     if not launch.fast_launch_ok():
         return False
-    switches = gemm_switches()
-    if len(switches) > 3 and switches[3] != (9, 0):  # a bench forces another generation's tile set
+    forced = gemm_switches()[1]
+    if forced is not None and forced != (9, 0):  # a bench forces another generation's tile set
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     cap = _CAPABILITY.get(idx)

@@ -21,15 +21,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import gemm, gemm_switches
+from . import gemm
 from .checks import check_2d, check_usable, gemm_operands, smooth_vector
-from .gemm import (acc_tile, acc_tile_tma, choose_split, dequant, program_tile, select_config, split_launch,
-                   tail_split_on, tile_ids, tile_sum)
+from .gemm import acc_tile, acc_tile_tma, dequant, select_config, tile_ids
 from .launch import launch, not_recorded  # launch: the compiled kernel re-launched directly (kernel/launch.py)
 from .quantize import INTERPRET, SegmentPlan, quant_params, sm_count, store_q
+from .tailsplit import program_slots
 from .rowtile import DT_CODE, FLOAT, TilePlan, round_to, row_major, row_ptrs, row_tiles, seg_keep, seg_store, smooth
 
-# Module data, read at each call (the sweep, bench/fused_sweep.py, and the tests set them). One pass (silu(a) * b
+# Module data, read at each call (the tests set them). One pass (silu(a) * b
 # computed once and kept in registers in the model dtype) for rows up to 16384 with up to 16 warps; None, or a longer
 # row: SWIGLU_PLAN's tiles (F = 12288 there: 2048-wide chunks, two passes that compute silu(a) * b twice). Both forms
 # give the same codes (the row's scale is a max reduction).
@@ -60,28 +60,23 @@ def _swiglu_math(a, b, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl
 
 
 @triton.jit
-def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, cnt_ptr,
-                        M, F, K, DP_TILES, K_PIECE,
+def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr, M, F, K,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_hn,
                         stride_as, stride_ws, stride_bias,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+                        GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                         DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
     # The merged w1+w3 GEMM with SwiGLU in its epilogue: a tile's BLOCK_N weight rows are HALF rows of w1 and the
     # same HALF rows of w3 (W13 rows j and F + j), so the tile holds a and b of HALF output columns; both are
     # rounded to the model dtype as the GEMM would store them, and h = dt(dt(silu(a)) * b) is stored [M, F].
-    # SPLIT > 1: the tail split of kernel/gemm.py (the last piece of a tail tile runs the epilogue).
     HALF: tl.constexpr = BLOCK_N // 2
-    tile, a_ptr, w_ptr, k_len = program_tile(a_ptr, w_ptr, DP_TILES, K_PIECE, K, stride_ak, stride_wk, SPLIT)
-    pid_m, pid_n = tile_ids(tile, M, F, BLOCK_M, HALF, GROUP_M)
+    pid_m, pid_n = tile_ids(tl.program_id(0), M, F, BLOCK_M, HALF, GROUP_M)
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_wn = _swiglu_w_rows(pid_n, F, BLOCK_N)
-    acc = acc_tile(a_ptr, w_ptr, offs_am, offs_wn, k_len, stride_am, stride_ak, stride_wn, stride_wk,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-    acc, finish = tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M, BLOCK_N, SPLIT)
-    if finish:  # a constant True without the split: no branch
-        _swiglu_epilogue(acc, h_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, F, stride_hm, stride_hn,
-                         stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, DT, CLAMP_FP16, INTERPRET)
+    acc = acc_tile(a_ptr, w_ptr, offs_am, offs_wn, K, stride_am, stride_ak, stride_wn, stride_wk,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    _swiglu_epilogue(acc, h_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, F, stride_hm, stride_hn,
+                     stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, DT, CLAMP_FP16, INTERPRET)
 
 
 @triton.jit
@@ -241,8 +236,6 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
     cfg = select_config(a_q, a_scale, w13, w_scale, bias, None, out_dtype, tail_split=False)
     if a_q.is_cuda:
         cfg = _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
-    if a_q.is_cuda and tail_split_on("swiglu"):  # only with INT8_FUSED_TAIL_SPLIT=all
-        cfg = _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16)
     return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg)
 
 
@@ -254,24 +247,21 @@ def _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg: di
     if cfg.get("PERSIST") and gemm.persistent_ok(a_q, w13, h):
         _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, cfg)
         return h
-    progs, dp, k_piece, split, part, cnt, _ = split_launch(cfg, -(-m // bm) * -(-f // half), k, a_q.device,
-                                                           a_scale)
     # Registers capped so that as many CTAs an SM run as the plain GEMM gets (two at 128 x 128 tiles): one CTA's
     # epilogue then overlaps the other's main loop. Uncapped, the SwiGLU epilogue's register count leaves one CTA an
     # SM, which was much slower on the H200. Tiles whose shared memory allows one CTA an SM (128 x 256) are not
     # capped.
     opts = {}
     if a_q.is_cuda:
-        ctas = max(1, gemm.program_slots(cfg, a_q.device) // sm_count(a_q.device))
+        ctas = max(1, program_slots(cfg, a_q.device) // sm_count(a_q.device))
         regs = 65536 // (ctas * 32 * cfg["num_warps"]) // 8 * 8
         opts = {"maxnreg": regs} if regs < 255 else {}
-    gemm.run_launch(cfg, _gemm_swiglu_kernel, (progs,),
-                    (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale, part, cnt,
-                     m, f, k, dp, k_piece,
+    gemm.run_launch(cfg, _gemm_swiglu_kernel, (-(-m // bm) * -(-f // half),),
+                    (a_q, w13, h, a_scale, w_scale, bias if bias is not None else a_scale, m, f, k,
                      a_q.stride(0), a_q.stride(1), w13.stride(0), w13.stride(1), h.stride(0), h.stride(1),
                      a_scale.stride(0), w_scale.stride(0), bias.stride(0) if bias is not None else 0),
                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None,
-                         EVEN_K=k % bk == 0, SPLIT=split, DT=DT_CODE[h.dtype],
+                         EVEN_K=k % bk == 0, DT=DT_CODE[h.dtype],
                          CLAMP_FP16=bool(clamp_fp16) and h.dtype == torch.float16, INTERPRET=INTERPRET, **opts),
                     a_q.device)
     return h
@@ -297,7 +287,6 @@ def _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp
                     a_q.device)
 
 
-_SW_SPLIT: dict[tuple, dict] = {}   # (device, F, K, M, tile config) -> the config with its tail split, this process
 _SW_TILE: dict[tuple, dict] = {}    # (device, F, K, M bucket, the merged GEMM's config) -> the SwiGLU GEMM's config
 
 
@@ -305,22 +294,20 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
     """The tile config of the SwiGLU-epilogue GEMM: where the s8 wgmma n256 tiles may run (``kernel.s8wgmma``),
     whichever of the merged w1+w3 GEMM's config, the s8 128 x 256 tile, its persistent TMA form and the first
     Hopper tile this kernel timed fastest (medians of interleaved rounds; kept in the autotune file under
-    ``SW_..._tilep``, or ``SW_..._tile`` without the persistent form). Its epilogue is heavier than the plain
-    GEMM's, and a 128 x 256 tile runs one CTA an SM: the plain GEMM's pick need not be its own. Elsewhere
-    ``cfg``."""
+    ``SW_..._tilep``). Its epilogue is heavier than the plain GEMM's, and a 128 x 256 tile runs one CTA an SM: the
+    plain GEMM's pick need not be its own. Elsewhere ``cfg``."""
     from . import autotune, s8wgmma
-    persist = bool(gemm_switches()[2])
     if not s8wgmma.usable(a_q.device):
         return cfg
     m, k = a_q.shape
     bucket = autotune.m_bucket(m)
-    memo = (a_q.device, h.shape[1], k, bucket, tuple(sorted(cfg.items())), persist)
+    memo = (a_q.device, h.shape[1], k, bucket, tuple(sorted(cfg.items())))
     hit = _SW_TILE.get(memo)
     if hit is None:
         cache = gemm.device_cache(a_q.device)
-        key = f"SW_{autotune.ConfigCache.key(w13.shape[0], k, bucket)}_tile" + ("p" if persist else "")
+        key = f"SW_{autotune.ConfigCache.key(w13.shape[0], k, bucket)}_tilep"
         # the merged GEMM's config first: it wins ties, and its failure is raised
-        cands = [cfg, *(c for c in (*autotune.s8_configs(persist), autotune.hopper_configs()[0]) if c != cfg)]
+        cands = [cfg, *(c for c in (*autotune.s8_configs(), autotune.hopper_configs()[0]) if c != cfg)]
 
         def run(c):  # one launch: how a shipped config is checked before it is trusted
             return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c)
@@ -334,25 +321,6 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
             hit = cands[min(med, key=lambda i: (med[i], i))]
             cache.put(key, hit, gemm.tuning_meta(a_q.device))
         hit = _SW_TILE[memo] = {k_: v for k_, v in hit.items() if k_ != "SPLIT"}
-    return hit
-
-
-def _swiglu_split(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:
-    """``cfg`` with the tail split the SwiGLU-epilogue kernel itself timed fastest for this M (``gemm.choose_split``
-    with these operands, kept in the autotune file under ``SW_...``)."""
-    m, k = a_q.shape
-    key = (a_q.device, h.shape[1], k, m, tuple(sorted(cfg.items())))
-    hit = _SW_SPLIT.get(key)
-    if hit is None:
-        def run(c):
-            return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c)
-
-        def time_fn(c):
-            return gemm.timed_ms(lambda: run(c))
-        with not_recorded():
-            hit = _SW_SPLIT[key] = choose_split(
-                cfg, m, w13.shape[0], k, gemm.program_slots(cfg, a_q.device), gemm.device_cache(a_q.device), time_fn,
-                gemm.tuning_meta(a_q.device), kind="SW_", check=run)
     return hit
 
 

@@ -10,6 +10,10 @@ How it fits ComfyUI's ModelPatcher (comfy/model_patcher.py, 0.3.75):
   them with ComfyUI's own ``comfy.lora.calculate_weight`` (from the unpatched backup when the model is
   loaded with patches applied), quantize the merged weight, and drop that layer's ``.weight``/``.bias``
   patches from the clone, so nothing later tries to patch the int8 tensor. Other layers keep theirs.
+* LoRA after this node (a LoraLoader on its output, any strength, stacked): at each sampling run start (an
+  OUTER_SAMPLE wrapper, before ComfyUI loads the model) the patches on INT8 layers move out of that clone's
+  ``patches`` into an attachment and run as low-rank side branches (``quant.lora``); the int8 weights are never
+  patched, and a clone without LoRA runs its layers plain again. A new strength re-quantizes nothing.
 * fp8 / scaled-fp8 / QuantizedTensor checkpoints are cast to fp32 through the layer's own
   ``convert_weight`` (as ``patch_weight_to_device`` does) or ``dequantize()`` before quantizing.
 * The model's adapter (``adapters.adapter_for``: one per architecture) gives the layer presets and, on
@@ -33,9 +37,9 @@ import uuid
 import torch
 
 from .common import CALIBRATION_TYPE, CATEGORY
-from .weights import PREFIX, float_tensor, original_tree
+from .weights import PREFIX, float_tensor, original_modules, original_tree
 from .. import adapters
-from ..quant import backends, cached_linear, dispatch, select
+from ..quant import backends, cached_linear, convrot, dispatch, lora, select
 from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
@@ -50,6 +54,15 @@ PATTERNS_HELP = ("One pattern per line, or several separated by commas; a comma 
                  "belongs to its pattern (layers\\.[0-9]{1,2}\\. is one), \\, is a literal comma. The log "
                  "says which layers each pattern matched; one that matches none is a warning.")
 _BAD_BACKEND: set = set()
+ROTATIONS = ("none", "convrot")
+ROTATION_TOOLTIP = (
+    "convrot: rotate the weights of float layers along K by ComfyUI's ConvRot block Hadamard (group 256; 64 or 16 "
+    "where 256 does not divide the layer's input width) before "
+    "quantizing them; the activations are rotated the same way at run time (on fused_triton inside the "
+    "quantization kernel). It spreads activation outlier channels over their group, so per-token INT8 loses less "
+    "to them; costs one small rotation per linear. Layers whose width is not a multiple of 16 stay unrotated; "
+    "SmoothQuant smoothing of a calibration is not used for rotated layers. Checkpoints stored as ConvRot INT8 "
+    "(ComfyUI int8_tensorwise with convrot) are adopted as stored whatever this says.")
 
 
 def forced_backend() -> str | None:
@@ -102,26 +115,21 @@ def install_patches(out, patches: dict) -> None:
         out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _CALLBACK_KEY, cached_linear.outer_sample_wrapper)
 
 
-def _original_modules(model):
-    """(name, module) over the diffusion model with any currently applied object patch swapped back."""
-    root = model.model.diffusion_model
-    for name, m in root.named_modules():
-        yield name, model.object_patches_backup.get(PREFIX + name, m)
-
-
 def core_int8_weight(model, name: str, module):
     """(int8 [N, K], fp32 scale) of a layer that holds ComfyUI core ``int8_tensorwise`` weights (a
-    ``QuantizedTensor`` with ``TensorWiseINT8Layout``, per-channel or per-tensor scale, no ConvRot rotation,
-    not transposed) and no LoRA patch to merge: Apply adopts them as stored. None otherwise (the layer is
-    then decoded to float and quantized by this pack, as any float layer)."""
+    ``QuantizedTensor`` with ``TensorWiseINT8Layout``, per-channel or per-tensor scale, ConvRot-rotated with a
+    group size the pack runs or not rotated, not transposed) and no LoRA patch to merge: Apply adopts them as
+    stored (a rotated one as a ``ConvRotLinear``, see ``stored_rotations``). None otherwise (the layer is then
+    decoded to float and quantized by this pack, as any float layer)."""
     w = getattr(module, "weight", None)
     if type(w).__name__ != "QuantizedTensor" or getattr(w, "_layout_cls", None) != "TensorWiseINT8Layout":
         return None
     if f"{PREFIX}{name}.weight" in model.patches or getattr(module, "pre_quant_scale", None) is not None:
         return None
     p, q = w._params, w._qdata
-    if getattr(p, "convrot", False) or getattr(p, "transposed", False) or q.dtype != torch.int8 \
-            or tuple(q.shape) != tuple(w.shape) or p.scale.numel() not in (1, q.shape[0]):
+    group = convrot.stored_convrot(w)
+    if (group is not None and group not in convrot.GROUPS) or getattr(p, "transposed", False) \
+            or q.dtype != torch.int8 or tuple(q.shape) != tuple(w.shape) or p.scale.numel() not in (1, q.shape[0]):
         return None
     scale = p.scale.float().reshape(-1)
     if not scale.any():
@@ -132,21 +140,101 @@ def core_int8_weight(model, name: str, module):
     return q, scale
 
 
-def _lora_guard(patcher):
-    """Pre-run check: a LoRA added after this node would target a layer that is now int8."""
+def stored_rotations(model, pairs) -> dict:
+    """{name: group size} of the selected layers stored as ConvRot ``int8_tensorwise`` that Apply adopts as stored.
+    A stored group size that does not divide the layer's K is a damaged file (ValueError naming the layer); one the
+    pack does not run is decoded to float instead (a warning)."""
+    out = {}
+    for name, m in pairs:
+        g = convrot.stored_convrot(getattr(m, "weight", None))
+        if g is None:
+            continue
+        k = m.weight.shape[-1]
+        if g in convrot.GROUPS and k % g:
+            convrot.check_group(k, g, name)
+        if g not in convrot.GROUPS:
+            log.warning("INT8 Apply: layer %r is ConvRot-rotated with group size %d, which the pack does not run "
+                        "(it runs %s): decoded to float and quantized again", name, g, convrot.GROUPS)
+        elif core_int8_weight(model, name, m) is not None:
+            out[name] = g
+    return out
+
+
+_LORA = "int8_fused_lora"
+
+
+class _LoraPatches:
+    """Attachment: the weight patches (LoRA loaded after Apply) on this clone's INT8 layers, taken out of
+    ``patcher.patches`` so that ComfyUI never patches the int8 weights with them; a clone gets its own copy."""
+
+    def __init__(self, patches=None):
+        self.patches = patches or {}
+
+    def on_model_patcher_clone(self):
+        return _LoraPatches({k: v[:] for k, v in self.patches.items()})
+
+
+def take_lora_patches(patcher) -> dict:
+    """{key relative to the diffusion model: patch list} of the LoRA patches on the patcher's INT8 layers: those still
+    in ``patcher.patches`` move to the clone's ``_LoraPatches`` attachment (after the ones earlier clones moved)."""
+    info = patcher.get_attachment(_ATTACHMENT)
+    held = patcher.get_attachment(_LORA)
+    names = info.names if info is not None else ()
+    own = [k for k in patcher.patches if k.startswith(PREFIX) and k[len(PREFIX):].rsplit(".", 1)[0] in names]
+    if own:
+        held = _LoraPatches({k: v[:] for k, v in held.patches.items()} if held is not None else {})
+        for k in own:
+            held.patches[k] = held.patches.get(k, []) + patcher.patches.pop(k)
+        patcher.set_attachments(_LORA, held)
+        patcher.patches_uuid = uuid.uuid4()  # its weight patches changed
+    return {k[len(PREFIX):]: v for k, v in held.patches.items()} if held is not None else {}
+
+
+def install_lora(patcher) -> int:
+    """Run start: the INT8 layers of ``patcher`` get the LoRA branches of its patches (none for a clone without
+    LoRA: a base model after a LoRA clone runs plain). Raises ``quant.lora.LoraError`` for a LoRA kind that cannot
+    run as a branch. Returns the number of layers with branches."""
+    patches = take_lora_patches(patcher)
     info = patcher.get_attachment(_ATTACHMENT)
     names = info.names if info is not None else ()
-    late = [k for k in patcher.patches if k.rsplit(".", 1)[0][len(PREFIX):] in names]
-    if late:
-        raise RuntimeError(
-            f"{len(late)} LoRA weight patches (e.g. {late[0]}) target layers already quantized by "
-            "'Apply Fused INT8 GEMM'. Put LoRA loaders BEFORE the Apply node: it merges them into the "
-            "weights it quantizes.")
+    # INT8 layers in the tree itself (the Ideogram 4 loader's), then the object patches (which win: fused modules)
+    objs = {n: m for n, m in original_modules(patcher) if n in names and isinstance(m, Int8Linear)}
+    objs.update((k[len(PREFIX):], m) for k, m in patcher.object_patches.items() if k.startswith(PREFIX))
+    n = lora.install(patches, lora.owners(objs))
+    if n:
+        log.info("INT8 LoRA: %d layers run %d LoRA patches as low-rank side branches (int8 weights unchanged)",
+                 n, sum(len(v) for v in patches.values()))
+    return n
+
+
+def _lora_outer_sample(executor, *args, **kwargs):
+    """OUTER_SAMPLE wrapper: :func:`install_lora` before ComfyUI loads the model (so it never sees those patches), for
+    the guider's model and DualModelGuider's ``model_negative`` (loaded inside this run; its own OUTER_SAMPLE
+    wrappers never run)."""
+    guider = executor.class_obj
+    install_lora(guider.model_patcher)
+    neg = getattr(guider, "uncond_model_patcher", None)
+    if neg is not None and neg is not guider.model_patcher:
+        install_lora(neg)
+    return executor(*args, **kwargs)
+
+
+def enable_lora(out, names, float_bytes: int | None = None) -> None:
+    """Let a LoRA loaded after ``out`` (a ModelPatcher holding the INT8 layers ``names``, by name relative to the
+    diffusion model: Apply's clone, the Ideogram 4 loader's models) run as side branches on those layers: the
+    run-start wrapper of :func:`install_lora` and the attachment naming the layers (an earlier one's names kept;
+    ``float_bytes``: the float model's weight bytes, for the load log line)."""
+    from comfy.patcher_extension import WrappersMP
+    prev = out.get_attachment(_ATTACHMENT)
+    out.set_attachments(_ATTACHMENT, _Info(set(names) | (prev.names if prev else set()),
+                                           prev.float_bytes if prev else (float_bytes or out.model_size())))
+    out.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, _LORA)
+    out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _LORA, _lora_outer_sample)
 
 
 class _Info:
     """Attachment (survives ModelPatcher.clone): the INT8 layer names and the float model's weight bytes,
-    for the LoRA guard and the one-time 'loaded' log line."""
+    for the LoRA branches and the one-time 'loaded' log line."""
 
     def __init__(self, names, float_bytes: int):
         self.names, self.float_bytes, self.logged = frozenset(names), float_bytes, False
@@ -175,7 +263,8 @@ def _vram(device) -> int | None:
 class ApplyFusedInt8GEMM:
     DESCRIPTION = ("Quantizes the selected linear layers of a diffusion model to INT8 (W8A8: int8 weights "
                    "per output channel, activations per token) once, and runs them on the chosen backend. "
-                   "Returns a patched copy; the input MODEL is unchanged. Put LoRA loaders before this node.")
+                   "Returns a patched copy; the input MODEL is unchanged. LoRA loaders before this node are merged "
+                   "(exact); LoRA loaders after it run as low-rank side branches on the INT8 layers.")
     CATEGORY = CATEGORY
     FUNCTION = "apply"
     RETURN_TYPES = ("MODEL",)
@@ -213,34 +302,37 @@ class ApplyFusedInt8GEMM:
                     "found too sensitive to quantize (kept float).")}),
                 "attention": (attention_routing.CHOICES, {"default": attention_routing.DEFAULT,
                                                           "tooltip": attention_routing.TOOLTIP}),
+                "rotation": (ROTATIONS, {"default": "none", "tooltip": ROTATION_TOOLTIP}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def apply(self, model, backend, preset="blocks", include="", exclude="", keep_float="",
-              calibration=None, attention=attention_routing.DEFAULT, unique_id=None):
+              calibration=None, attention=attention_routing.DEFAULT, rotation="none", unique_id=None):
         backends.get(backend)  # unknown name -> ValueError listing the known ones
         attention_routing.check_mode(attention)
+        if rotation not in ROTATIONS:
+            raise ValueError(f"Apply Fused INT8 GEMM: rotation must be one of {ROTATIONS}, got {rotation!r}")
         select.compile_patterns(keep_float)  # a bad regex -> ValueError naming it, even for bf16
         select.compile_patterns(include), select.compile_patterns(exclude)
         out = model.clone()
         if backend == "bf16":
             log.info("INT8 Apply: backend bf16 = the unquantized control; model passed through")
         else:
-            _patch(out, model, backend, preset, include, exclude, keep_float, calibration)
+            _patch(out, model, backend, preset, include, exclude, keep_float, calibration, rotation)
         attention_routing.install(out, attention)
         pad_elision.install(out, backend)
         timing.instrument(out, node_id=str(unique_id), backend=backend)
         return (out,)
 
 
-def _patch(out, model, backend, preset, include, exclude, keep_float, calibration) -> None:
+def _patch(out, model, backend, preset, include, exclude, keep_float, calibration, rotation="none") -> None:
     """Quantize the selected layers of ``model`` and add them to ``out`` (its clone) as object patches."""
     from comfy.patcher_extension import CallbacksMP
     already = {k[len(PREFIX):] for k in model.object_patches if k.startswith(PREFIX)}
     adapter = adapters.adapter_for(model.model.diffusion_model)
     rules = adapter.rules if adapter is not None else select.GENERIC
-    pairs = [(n, m) for n, m in select.select_from(_original_modules(model), preset, include, exclude, rules)
+    pairs = [(n, m) for n, m in select.select_from(original_modules(model), preset, include, exclude, rules)
              if n not in already and not any(n.startswith(p + ".") for p in already)]
     select.log_matches("keep_float", select.compile_patterns(keep_float), [n for n, _ in pairs])
     if not pairs:
@@ -252,12 +344,29 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     load_dev, store_dev = model.load_device, model.offload_device
     compute_dev = load_dev if load_dev.type == "cuda" else torch.device("cpu")
     before_size, vram_before = model.model_size(), _vram(compute_dev)
+    stored = stored_rotations(model, pairs)
+    rotated = dict(stored)  # name -> ConvRot group size: stored ones, then the float layers this node rotates
+
+    def weight_fn(n, m):
+        w = float_tensor(model, n, m, "weight", compute_dev)
+        g = convrot.group_for(w.shape[-1]) if rotation == "convrot" else None
+        if g is not None:
+            rotated[n] = g
+            return convrot.rotate(w, g, torch.float64)
+        return w
+
+    cal = calibration
+    if calibration is not None and (stored or rotation == "convrot"):
+        cal = convrot.DropSmoothing(calibration, lambda n, k: n in stored or (
+            rotation == "convrot" and convrot.group_for(k) is not None))
     layers, report = build_int8_layers(
-        pairs, backend, calibration=calibration, keep_float=keep_float,
-        weight_fn=lambda n, m: float_tensor(model, n, m, "weight", compute_dev),
+        pairs, backend, calibration=cal, keep_float=keep_float, weight_fn=weight_fn,
         bias_fn=lambda n, m: float_tensor(model, n, m, "bias", compute_dev),
         quantized_fn=lambda n, m: core_int8_weight(model, n, m),
         device=load_dev, compute_device=compute_dev, store_device=store_dev)
+    layers = {n: convrot.ConvRotLinear.of(m, rotated[n]) if n in rotated else m for n, m in layers.items()}
+    report.rotated = {n: rotated[n] for n in layers if n in rotated}  # for tests and the bench
+    _log_rotation(report.rotated, stored, rotation, len(layers), getattr(cal, "dropped", ()))
     patches = _fuse(model, layers, adapter) if adapter is not None else dict(layers)
     install_patches(out, patches)
     dropped = 0
@@ -266,10 +375,7 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
             dropped += out.patches.pop(f"{PREFIX}{name}.{attr}", None) is not None
     out.patches_uuid = uuid.uuid4()  # forces ComfyUI to reload (not reuse) the tree when switching models
     out.size = before_size - report.float_bytes + report.int8_bytes
-    prev = model.get_attachment(_ATTACHMENT)  # an earlier Apply upstream: keep its layers guarded
-    out.set_attachments(_ATTACHMENT, _Info(set(layers) | (prev.names if prev else set()),
-                                           prev.float_bytes if prev else before_size))
-    out.add_callback_with_key(CallbacksMP.ON_PRE_RUN, _CALLBACK_KEY, _lora_guard)
+    enable_lora(out, layers, before_size)  # an earlier Apply upstream: its layers stay guarded (clone's attachment)
     out.add_callback_with_key(CallbacksMP.ON_LOAD, _CALLBACK_KEY, _log_loaded)
     vram_after = _vram(compute_dev)
     mem = f"model weights {before_size / 2**20:.1f} -> {out.size / 2**20:.1f} MiB"
@@ -285,6 +391,22 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     report.dispatch = dispatch.report_line([m for m in patches.values() if isinstance(m, Int8Linear)])
     if report.dispatch:
         log.info("INT8 Apply [%s]: %s", backend, report.dispatch)
+
+
+def _log_rotation(rotated: dict, stored: dict, rotation: str, n_layers: int, dropped) -> None:
+    if not rotated and rotation == "none":
+        return
+    n_stored = sum(1 for n in rotated if n in stored)
+    log.info("INT8 Apply: %d of %d INT8 layers ConvRot-rotated (%d adopted as stored, %d rotated here, group %s); "
+             "on fused_triton their input is rotated and quantized in one kernel, unfused from the norm before it",
+             len(rotated), n_layers, n_stored, len(rotated) - n_stored,
+             "/".join(str(g) for g in sorted(set(rotated.values()))) or "-")
+    if rotation == "convrot" and len(rotated) < n_layers:
+        log.info("INT8 Apply: %d INT8 layers not rotated (input width not a multiple of 16, or already INT8 "
+                 "without rotation: adopted as stored)", n_layers - len(rotated))
+    if dropped:
+        log.warning("INT8 Apply: the calibration's SmoothQuant smoothing is not used for %d ConvRot layers (e.g. "
+                    "%s); its float-kept layers still are", len(dropped), dropped[0])
 
 
 NODE_CLASS_MAPPINGS = {"ApplyFusedInt8GEMM": ApplyFusedInt8GEMM}

@@ -20,7 +20,7 @@ import time
 import torch
 
 from .common import CALIBRATION_TYPE, CATEGORY
-from .weights import PREFIX, float_tensor
+from .weights import PREFIX, float_tensor, original_modules
 from ..quant import select
 from ..quant.calib_capture import DEFAULT_ROW_CAP, ActivationCapture
 from ..quant.calibrate import Calibration, build_calibration
@@ -50,8 +50,7 @@ def _weight_fn(model, device):
 def _targets(model, preset, include, exclude):
     """(name, module that really runs) of the linears to calibrate; refuses an INT8-patched model."""
     root = model.model.diffusion_model
-    originals = [(n, model.object_patches_backup.get(PREFIX + n, m)) for n, m in root.named_modules()]
-    chosen = select.select_from(originals, preset, include, exclude)
+    chosen = select.select_from(list(original_modules(model)), preset, include, exclude)
     out, quantized = [], []
     for name, m in chosen:
         live = model.get_model_object(PREFIX + name)
@@ -267,9 +266,7 @@ class LoadInt8Calibration:
         register_folder()
         cal = Calibration.load(folder_paths.get_full_path_or_raise(FOLDER, calibration_name))
         if model is not None:
-            root = model.model.diffusion_model
-            mods = [(n, model.object_patches_backup.get(PREFIX + n, m)) for n, m in root.named_modules()]
-            linears = {n: m for n, m in mods if select.is_linear(m)}
+            linears = {n: m for n, m in original_modules(model) if select.is_linear(m)}
             cal.check_model(linears)
             dev = model.load_device if model.load_device.type == "cuda" else torch.device("cpu")
             bad = cal.weight_mismatches(_weight_fn(model, dev), linears)

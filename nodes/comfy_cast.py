@@ -32,7 +32,6 @@ import weakref
 
 import torch
 
-from ..kernel import config
 from ..quant import linear
 
 #: blocks and modules fetched by :func:`fetch_block` in this process (benchmarks report them per step)
@@ -54,9 +53,7 @@ def cast(layer, device: torch.device):
 def fetch_block(block: torch.nn.Module, device: torch.device):
     """Fetch every DynamicVRAM-managed weight under ``block`` onto ``device`` in one ComfyUI call; returns the
     release to call after the block's forward, or None when there is nothing to fetch (no DynamicVRAM, a
-    ComfyUI without ``cast_modules_with_vbar``, INT8_FUSED_BLOCK_FETCH=0, or already fetched)."""
-    if not config.get("INT8_FUSED_BLOCK_FETCH"):
-        return None
+    ComfyUI without ``cast_modules_with_vbar``, or already fetched)."""
     mods = _MANAGED.get(block)
     if mods is None:
         mods = _MANAGED[block] = tuple(m for m in block.modules() if hasattr(m, "comfy_cast_weights"))

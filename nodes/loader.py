@@ -29,7 +29,7 @@ from ..quant import backends
 from ..quant.formats import CheckpointError, open_checkpoint, read_header
 from ..quant.linear import Int8Linear
 from . import attention as attention_routing, pad_elision
-from .apply import backend_choices, forced_backend, install_patches
+from .apply import backend_choices, enable_lora, forced_backend, install_patches
 from .common import CATEGORY
 
 log = logging.getLogger("int8_fused")
@@ -172,6 +172,7 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
     fused_modules = {n: m for n, m in adapters.object_patches(dm, layers).items()
                      if getattr(m, "covers", None) is not None}
     install_patches(patcher, fused_modules)
+    enable_lora(patcher, layers)  # a LoRA after the loader runs as side branches, as after Apply
     patcher.int8_fused_modules = len(fused_modules)
     log.info("[int8_fused] %s %s: %d INT8 linears on %s (asked %s)%s%s", ck.name, branch or "model", n_q,
              ", ".join(f"{b}: {n}" for b, n in ran.most_common()) or "none", backend,

@@ -1,4 +1,4 @@
-"""The run's conditioning on the GPU for the whole sampling run (``INT8_FUSED_GPU_CONDS``).
+"""The run's conditioning on the GPU for the whole sampling run.
 
 ComfyUI keeps text-encoder outputs on the CPU. In every model call it concatenates the batch's conditioning
 there (``CONDRegular.concat``, a new tensor each call) and copies it to the GPU from pageable memory
@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from ..kernel import config
 
 log = logging.getLogger("int8_fused")
 
@@ -74,7 +72,7 @@ def sampler_sample_wrapper(executor, guider, *args, **kwargs):
     put back when the run ends, however it ends)."""
     stats["runs"] += 1
     device = getattr(getattr(guider, "model_patcher", None), "load_device", None)
-    if not config.get("INT8_FUSED_GPU_CONDS") or device is None or torch.device(device).type == "cpu":
+    if device is None or torch.device(device).type == "cpu":
         return executor(guider, *args, **kwargs)
     n, undo = move_conds(guider, torch.device(device))
     stats["moved_bytes"] += n

@@ -12,7 +12,9 @@ Formats:
 What is quantized: every ``Int8Linear`` of the MODEL (loaded by "Load Ideogram 4.0 INT8" or patched by
 "Apply Fused INT8 GEMM") is written as it is. A float MODEL is quantized here: the layers of the ``layers``
 preset (``quant.select``), with a calibration's smoothing and protection when one is connected. LoRA
-patches on the MODEL are merged into float weights first.
+patches on the MODEL are merged into float weights first; a LoRA loaded after the MODEL was quantized (which runs
+as side branches when sampling) is merged into the dequantized weights of the INT8 layers it targets, which are
+then quantized again.
 Files go under ComfyUI's first ``diffusion_models`` folder (``models/unet`` in a default install, which
 ComfyUI lists before ``models/diffusion_models``; both are read by the loaders), and the node shows the
 path it wrote. An existing file is an error unless ``overwrite`` is on; writes are atomic (temporary file
@@ -40,9 +42,12 @@ FORMATS = ("int8_fused", "comfy_int8_tensorwise")
 
 
 def _layer_of(m: Int8Linear) -> dict:
-    return {"qweight": m.qweight.detach().cpu(), "weight_scale": m.weight_scale.detach().float().cpu(),
-            "bias": None if m.bias is None else m.bias.detach().float().cpu(),
-            "smooth": None if m.smooth is None else m.smooth.detach().float().cpu()}
+    out = {"qweight": m.qweight.detach().cpu(), "weight_scale": m.weight_scale.detach().float().cpu(),
+           "bias": None if m.bias is None else m.bias.detach().float().cpu(),
+           "smooth": None if m.smooth is None else m.smooth.detach().float().cpu()}
+    if getattr(m, "rotation", 0):  # a ConvRot layer (quant.convrot): its group size goes into the file
+        out["convrot"] = m.rotation
+    return out
 
 
 def _quantize(weight, bias, smooth) -> dict:
@@ -67,8 +72,42 @@ def _under(name: str, quant: dict) -> bool:
     return any(".".join(parts[:i]) in quant for i in range(1, len(parts) + 1))
 
 
+def _late_lora(model) -> dict:
+    """{INT8 layer name: {"weight" | "bias": ComfyUI patch list}} of a LoRA loaded after Apply / the Ideogram 4
+    loader (what its run-start branches would add), taken out of the model's ``patches`` as a sampling run takes
+    them, so that ComfyUI's load below never patches an int8 weight."""
+    from .apply import take_lora_patches
+    out: dict = {}
+    for key, plist in take_lora_patches(model).items():
+        name, param = key.rsplit(".", 1)
+        out.setdefault(name, {})[param] = plist
+    return out
+
+
+def _merged(m: Int8Linear, name: str, patches: dict) -> dict:
+    """An INT8 layer with a LoRA loaded after it, for the file: the LoRA merged by ComfyUI's own
+    ``comfy.lora.calculate_weight`` into the layer's dequantized weight (and bias), quantized again per output
+    channel with the layer's smoothing (a second rounding of the weight, as if the LoRA had been loaded before
+    Apply on the dequantized model)."""
+    import comfy.lora
+    if getattr(m, "rotation", 0):
+        raise ValueError(f"Save INT8 Model: layer {name!r} is ConvRot-rotated and has a LoRA loaded after Apply, "
+                         "which cannot be merged into its rotated weight; save the model before the LoRA loader, "
+                         "or load the LoRA before 'Apply Fused INT8 GEMM'")
+    key = f"diffusion_model.{name}"
+    w = comfy.lora.calculate_weight(patches.get("weight", []), m.dequantized_weight().float().cpu().clone(),
+                                    key + ".weight")
+    b = m.bias
+    if b is not None and patches.get("bias"):
+        b = comfy.lora.calculate_weight(patches["bias"], b.detach().float().cpu().clone(), key + ".bias")
+    return _quantize(w, b, m.smooth)
+
+
 def collect(model, fmt: str, preset: str = "blocks", calibration=None):
-    """(quant layers, float tensors, protected names) of a MODEL, relative to its diffusion model."""
+    """(quant layers, float tensors, protected names) of a MODEL, relative to its diffusion model. A LoRA loaded
+    after the MODEL was quantized is merged into the INT8 layers it targets (:func:`_merged`)."""
+    late = _late_lora(model)
+    n_late = len(late)
     if getattr(model, "patches", None):
         import comfy.model_management as mm
         mm.load_models_gpu([model], force_full_load=True)  # merges LoRA/weight patches into the weights
@@ -92,7 +131,7 @@ def collect(model, fmt: str, preset: str = "blocks", calibration=None):
         if _under(name, quant):
             continue
         if isinstance(m, Int8Linear):
-            quant[name] = _layer_of(m)
+            quant[name] = _merged(m, name, late.pop(name)) if name in late else _layer_of(m)
             continue
         if select.is_linear(m) and name in chosen:
             cal = calibration.for_layer(name, m.out_features, m.in_features) if calibration is not None else None
@@ -104,6 +143,12 @@ def collect(model, fmt: str, preset: str = "blocks", calibration=None):
                 continue
         for pn, t in _own_tensors(m):
             floats[f"{name}.{pn}" if name else pn] = t.detach().cpu()
+    if n_late:
+        log.info("[int8_fused] Save INT8 Model: %d INT8 layers have a LoRA loaded after quantization: merged into "
+                 "their dequantized weights and quantized again", n_late - len(late))
+    if late:
+        raise RuntimeError(f"Save INT8 Model: a LoRA loaded after Apply targets INT8 layers the model does not hold "
+                           f"({sorted(late)[:4]}); nothing written")
     missing = [k for k in expected if k not in floats and not _under(k.rpartition(".")[0], quant)]
     if missing:
         raise RuntimeError(f"Save INT8 Model: {len(missing)} tensors of the model were not collected (e.g. "
@@ -144,6 +189,10 @@ def save_model(model, path: str, fmt: str, overwrite: bool = False, preset: str 
     if os.path.exists(path) and not overwrite:
         raise OutputExistsError(f"Save INT8 Model: {path} already exists; choose another name or turn overwrite on")
     quant, floats, protected = collect(model, fmt, preset, calibration)
+    rotated = [n for n, L in quant.items() if L.get("convrot")]
+    if rotated and fmt != "comfy_int8_tensorwise":
+        raise ValueError(f"Save INT8 Model: {len(rotated)} layers are ConvRot-rotated (e.g. {rotated[0]}), which the "
+                         f"{fmt} format does not record; save as comfy_int8_tensorwise (ComfyUI's ConvRot layout)")
     if fmt == "comfy_int8_tensorwise":
         write_core_int8(path, quant, floats, overwrite=overwrite)
     else:

@@ -28,6 +28,26 @@ def original_tree(model):
             comfy.utils.set_attr(model.model, k, cur)
 
 
+def original_modules(model):
+    """(name, module) pairs over the diffusion model as ``named_modules()`` gives them for the unpatched tree. While a
+    clone of the same model is loaded, its object patches sit in the shared tree and ComfyUI keeps the modules they
+    replaced in ``object_patches_backup`` (shared by every clone); the walk takes the original at each patched name
+    and goes on into the original's children, never into the patch's (a fused block's children are not the
+    block's linears). Reads only: the tree is not changed."""
+    backup, seen = model.object_patches_backup, set()
+
+    def walk(name, module):
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        yield name, module
+        for child_name, child in module.named_children():
+            path = f"{name}.{child_name}" if name else child_name
+            yield from walk(path, backup.get(PREFIX + path, child))
+
+    yield from walk("", backup.get(PREFIX.rstrip("."), model.model.diffusion_model))
+
+
 def float_tensor(model, name: str, module, attr: str, device: torch.device) -> torch.Tensor | None:
     """The layer's weight/bias in fp32 on ``device``, decoded the way ComfyUI decodes it, with the
     MODEL's weight patches (LoRA) merged by ``comfy.lora.calculate_weight``."""

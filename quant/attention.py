@@ -39,7 +39,6 @@ counts around each model call.
 from __future__ import annotations
 
 import collections
-import importlib
 import inspect
 import logging
 import math
@@ -184,16 +183,16 @@ def pick_fastest(candidates, time_fn: Callable[[str], float]) -> tuple[str | Non
 
 
 def _autotune():
-    from . import kernel_module
-    return importlib.import_module(kernel_module().__name__ + ".autotune")
+    from ..kernel import autotune
+    return autotune
 
 
 _DISK_CACHES: dict = {}
 
 
 def _progress():
-    from . import kernel_module
-    return kernel_module("tuned.progress")
+    from ..kernel.tuned import progress
+    return progress
 
 
 def valid_entry(key: str, entry) -> bool:
@@ -215,7 +214,7 @@ def disk_cache(device: torch.device, gpu: str | None = None):
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{name}-torch-{torch.__version__}").strip("-")
     path = at.cache_dir() / f"attention-{slug}.json"
     if path not in _DISK_CACHES:
-        tuned = importlib.import_module(at.__name__.rpartition(".")[0] + ".tuned")
+        from ..kernel import tuned
         _DISK_CACHES[path] = at.ConfigCache(path, valid=valid_entry, what="attention cache", who="INT8 attention",
                                             seed=tuned.Seed(name, "attention", key=tuned.attention_key))
     return _DISK_CACHES[path]
@@ -226,8 +225,8 @@ _INT8_STATUS: dict = {}  # device -> (usable, reason), checked once
 
 
 def _attention8():
-    from . import kernel_module
-    return kernel_module("attention8")  # imports triton
+    from ..kernel import attention8  # imports triton
+    return attention8
 
 
 def int8_reason(q, k, v, mask, extra, devices=("cuda",)) -> str | None:
@@ -246,9 +245,9 @@ def int8_reason(q, k, v, mask, extra, devices=("cuda",)) -> str | None:
     if min(q.shape[2], k.shape[2], q.shape[0], q.shape[1]) == 0:
         return "an empty sequence"
     if q.device not in _INT8_STATUS:
-        from . import kernel_module
+        from .. import kernel
         try:
-            _INT8_STATUS[q.device] = kernel_module().triton_status(q.device)
+            _INT8_STATUS[q.device] = kernel.triton_status(q.device)
         except Exception as e:  # noqa: BLE001 - whatever stops Triton stops int8
             _INT8_STATUS[q.device] = (False, str(e))
     ok, why = _INT8_STATUS[q.device]
@@ -261,8 +260,8 @@ def run_int8(q, k, v, extra) -> torch.Tensor:
 
 
 def _switch(name: str) -> bool:
-    from . import kernel_module
-    return bool(kernel_module("config").get(name))
+    from ..kernel import config
+    return bool(config.get(name))
 
 
 def int8_auto_allowed() -> bool:
@@ -272,13 +271,12 @@ def int8_auto_allowed() -> bool:
 
 def direct_cudnn_ok(q, k, v, mask, extra, devices=("cuda",)) -> bool:
     """Whether a call torch would send to cuDNN may call its op directly (``_CUDNN_OP``): the op exists, a device
-    of ``devices``, no mask, no keyword but ``scale``, nothing that needs a gradient, not under torch.compile, and
-    ``INT8_FUSED_SDPA_DIRECT`` on."""
+    of ``devices``, no mask, no keyword but ``scale``, nothing that needs a gradient, not under torch.compile."""
     if _CUDNN_OP is None or mask is not None or q.device.type not in devices or any(n != "scale" for n in extra):
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    return not torch.compiler.is_compiling() and _switch("INT8_FUSED_SDPA_DIRECT")
+    return not torch.compiler.is_compiling()
 
 
 # ------------------------------------------------------------------------------------ the override

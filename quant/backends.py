@@ -1,7 +1,7 @@
 """The backend registry: every way this pack can run an INT8 linear, with declared constraints.
 
 Each backend has one signature, ``linear(x2d, layer) -> y2d``: ``x2d`` is [M, K] float activations,
-``layer`` an :class:`quant.linear.Int8Linear`, ``y2d`` [M, N] in ``x2d.dtype``. Whether a backend can
+``layer`` an :class:`quant.linear.Int8Linear` (or its fetched operands; nothing here imports it), ``y2d`` [M, N] in ``x2d.dtype``. Whether a backend can
 run is decided once per layer at patch time (``resolve``), never on every call; a layer a backend
 cannot take goes to the backend's stated fallback with one log line for the whole model.
 
@@ -27,10 +27,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import kernel_module
-from .quantize import dequantize, quantize_per_token_ref
+from .. import kernel as _kernel
+from ..kernel import config
+from .quantize import dequantize, quantize_per_token_ref, quantize_weight_per_channel
 
-config = kernel_module("config")
 log = logging.getLogger("int8_fused")
 
 
@@ -83,19 +83,8 @@ def _int_mm_shape(N: int, K: int) -> str | None:
     return None
 
 
-_KERNEL = None  # the kernel package, cached at patch time: torch.compile cannot trace importlib
-
-
-def kernel():
-    """The pack's ``kernel`` package (imported on first use: it imports triton)."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = kernel_module()
-    return _KERNEL
-
-
 def _fused_triton_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
-    k = _KERNEL if _KERNEL is not None else kernel()
+    k = _kernel  # the package imports no Triton; its kernels do, on their first call
     if torch.compiler.is_compiling():  # one opaque custom op (fake impl for shapes): no graph break
         return k.int8_linear_op(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth)
     return k.int8_linear(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth,
@@ -127,10 +116,10 @@ def _comfy_kitchen_device(device: torch.device) -> str | None:
                             "pip install comfy-kitchen with the Python that runs ComfyUI")
         return _KITCHEN_OK[key]
     try:
-        from .linear import Int8Linear
         g = torch.Generator().manual_seed(0)
         w = torch.randn(48, 64, generator=g) * torch.linspace(0.1, 4.0, 48)[:, None]
-        layer = Int8Linear.from_float(w, torch.randn(48, generator=g)).to(device)
+        qw, ws = quantize_weight_per_channel(w)
+        layer = _Probe(qw.to(device), ws.to(device), torch.randn(48, generator=g).to(device))
         x = torch.randn(32, 64, generator=g).to(device=device, dtype=torch.bfloat16)
         ref = _dequant_bf16_linear(x.float(), layer)
         got = _comfy_kitchen_linear(x, layer).float()
@@ -143,17 +132,25 @@ def _comfy_kitchen_device(device: torch.device) -> str | None:
     return _KITCHEN_OK[key]
 
 
+class _Probe:
+    """The tensors a backend reads of a layer (``quant.linear._Operands``' fields), for a check of its own."""
+    __slots__ = ("qweight", "weight_scale", "bias", "inv_smooth")
+
+    def __init__(self, qweight, weight_scale, bias, inv_smooth=None):
+        self.qweight, self.weight_scale, self.bias, self.inv_smooth = qweight, weight_scale, bias, inv_smooth
+
+
 def _fp8_weight(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 e4m3 copy of the layer's (smoothed) weight with per-channel scales, made once and cached."""
+    """FP8 e4m3 copy of the layer's (smoothed) weight with per-channel scales, made once per device and kept by the
+    Int8Linear (``Int8Linear.fp8_weight``)."""
     owner = getattr(layer, "owner", layer)  # the Int8Linear itself, also when handed its fetched operands
-    cached = getattr(owner, "_fp8_cache", None)
-    if cached is None or cached[0].device != layer.qweight.device:
+
+    def make():
         w = dequantize(layer.qweight, layer.weight_scale)
         s = (w.abs().amax(1).clamp(min=1e-12) / 448.0)
         w8 = (w / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-        cached = (w8, s.float())
-        object.__setattr__(owner, "_fp8_cache", cached)
-    return cached
+        return w8, s.float()
+    return owner.fp8_weight(layer.qweight.device, make)
 
 
 def _fp8_rowwise_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
@@ -180,12 +177,11 @@ def _any_shape(N: int, K: int) -> str | None:
 
 def _fused_triton_device(device: torch.device) -> str | None:
     try:
-        k = kernel()
-        ok, reason = k.triton_status(device)
-    except ImportError as e:  # the kernel package itself failed to import
-        return f"the pack's kernel package failed to import ({e})"
+        ok, reason = _kernel.triton_status(device)
+    except ImportError as e:
+        return f"the pack's kernels cannot load ({e})"
     if ok:  # define torch.ops.int8_fused.linear now (no Triton import), never inside a compile trace
-        k.register_ops()
+        _kernel.register_ops()
     return None if ok else reason
 
 

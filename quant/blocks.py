@@ -10,8 +10,8 @@ becomes which fused module, and build it from the pieces here.
   ``call`` launches any kernel wrapper of ``kernels()`` through its prepared launches.
 * ``FusedFeedForward``: a SwiGLU FeedForward (``w2(silu(w1 x) * w3 x)``) with w1 and w3 as one int8 GEMM over
   the concatenated weight [2F, K] (identical smoothing only, ``merge_int8``) computing ``silu(a) * b`` in its
-  epilogue (``gemm_swiglu``; ``INT8_FUSED_SWIGLU_EPILOGUE=0``: the GEMM writes [a | b] and ``swiglu_quantize``
-  quantizes silu(a) * b), then quantization feeding w2; the int8 codes are the same either way.
+  epilogue (``gemm_swiglu``; under torch.compile the GEMM writes [a | b] and ``swiglu_quantize`` quantizes
+  silu(a) * b), then quantization feeding w2; the int8 codes are the same either way.
 * ``FetchedBlock``: the base of the fused blocks (one fetch of a block's ComfyUI-managed weights a call).
 * Structural twins (``rebind``, ``with_layers``): a block's copy with its INT8 layers in place, every other module
   shared; norm weights and eps as ComfyUI's norms apply them (``norm_weight``, ``qk_norm_weights``, ``norm_eps``).
@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernel_module
+from .. import kernel as _kernel
+from ..kernel import config, plan as _PLAN  # torch only: importing them loads no Triton
 from .linear import Int8Linear, block_fetch, derived
 from .quantize import quantize_per_token_ref
 
-config = kernel_module("config")
 log = logging.getLogger("int8_fused")
 FUSED_BACKEND = "fused_triton"
 
@@ -49,8 +49,9 @@ def kernels():
     modules' constructors import it)."""
     global _KF
     if _KF is None:
-        kernel_module("ops").row_modules()
-        _KF = kernel_module()
+        from ..kernel import ops
+        ops.row_modules()
+        _KF = _kernel
     return _KF
 
 
@@ -133,9 +134,6 @@ def call(fn, *args):
     return _PLAN.call(fn, *args, salt=kernels().ops.tunables())
 
 
-_PLAN = kernel_module("plan")  # torch only: importing it loads no Triton
-
-
 def compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -160,7 +158,7 @@ def act_quant(x2, inv_smooth):
     """Per-token int8 quantization of x2 [M, K] (divided by the smoothing first): (int8 [M, K], fp32 [M])."""
     if compiling():
         return torch.ops.int8_fused.act_quant(x2, inv_smooth)
-    return call(kernel_module().quantize_per_token, x2, inv_smooth)
+    return call(_kernel.quantize_per_token, x2, inv_smooth)
 
 
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -213,8 +211,23 @@ def promote(*ts: torch.Tensor) -> torch.dtype:
 
 
 def fusable(layer) -> bool:
-    """Whether ``layer`` is an Int8Linear on the Triton backend (the only one whose input the kernels feed)."""
-    return isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND
+    """Whether ``layer`` is an Int8Linear on the Triton backend (the only one whose input the kernels feed); not a
+    ConvRot layer (``quant.convrot``: it rotates its float input itself); not a layer with LoRA branches this run
+    (``quant.lora``: the branch needs the float input, so the layer runs as a module call)."""
+    return (isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND and not getattr(layer, "rotation", 0)
+            and layer.derived.lora is None)
+
+
+_LAYERS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def lora_active(module: nn.Module) -> bool:
+    """Whether an INT8 layer under ``module`` carries LoRA branches this run (``quant.lora``): a fused block that
+    feeds a layer pre-quantized input without a per-layer :func:`fusable` check then runs its per-linear path."""
+    ls = _LAYERS.get(module)
+    if ls is None:
+        ls = _LAYERS[module] = tuple(m for m in module.modules() if isinstance(m, Int8Linear))
+    return any(m.derived.lora is not None for m in ls)
 
 
 _SMALL: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -343,17 +356,13 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
 
 # The residual-tail kernel (gated_residual_rmsnorm) is built without FMA contraction: with it, the compiler fuses
 # gate * norm(o) into the add and y's elements differ from torch's; without, they differ only by torch's own
-# reduction order for mean(o^2). On by default; INT8_FUSED_RESIDUAL=0 runs torch's ops (taken at import: a module
-# constant costs nothing in the forward).
-FUSE_RESIDUAL = config.get("INT8_FUSED_RESIDUAL")
+# reduction order for mean(o^2).
 
 
 def gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_smooth=None):
     """(y [M, K], int8 | None, fp32 | None): ``x + gate * norm(o)`` and, with ``nxt`` (the next RMSNorm),
     the int8 input ``nxt(y) * next_scale`` of the next GEMM; None when a norm needs its module (weight
     functions) or the row is too long for the one-pass kernel: the caller then runs torch."""
-    if not FUSE_RESIDUAL:
-        return None
     k = x2.shape[-1]
     wn = norm_weight(norm, o2)
     w2 = norm_weight(nxt, x2) if nxt is not None else None
@@ -422,7 +431,7 @@ class FetchedBlock(nn.Module):
     of them before the forward and releases them after it (``quant.linear.set_block_fetch``, installed by
     nodes/comfy_cast.py), so that each layer's own fetch inside finds its weights already fetched and skips
     the per-layer stream synchronisation and vbar fault. The same weights, the same kernels: only host time
-    changes. Without ComfyUI (or with INT8_FUSED_BLOCK_FETCH=0) a plain module call."""
+    changes. Without ComfyUI a plain module call."""
 
     def __call__(self, *args, **kwargs):
         fetch, release = block_fetch(), None
@@ -478,6 +487,12 @@ class FusedFeedForward(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if lora_active(self):  # per linear, each layer's module call adding its LoRA branch (quant.lora)
+            a, b = self.w13(x).chunk(2, dim=-1)
+            h = F.silu(a) * b
+            if self.clamp_fp16 and h.dtype == torch.float16:
+                h = torch.nan_to_num(h, nan=0.0, posinf=65504.0, neginf=-65504.0)
+            return self.w2(h)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         a_q, a_s = act_quant(x2, inv_smooth_of(self.w13, x.device))
@@ -485,7 +500,7 @@ class FusedFeedForward(nn.Module):
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """From the already-quantized input (int8 [M, K], fp32 [M]) -> [M, dim] in ``dtype``."""
-        if fusable(self.w2) and not compiling() and config.get("INT8_FUSED_SWIGLU_EPILOGUE"):
+        if fusable(self.w2) and not compiling():
             h = gemm_swiglu(a_q, a_s, self.w13, dtype, self.clamp_fp16)  # [M, F], then quantized for w2
             return gemm(*act_quant(h, inv_smooth_of(self.w2, a_q.device)), self.w2, dtype)
         h13 = gemm(a_q, a_s, self.w13, dtype)

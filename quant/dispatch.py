@@ -6,7 +6,7 @@ weigh more than the GEMM itself. So an ``Int8Linear`` on ``fused_triton`` picks,
 
 * ``int8``  the pack's W8A8 path (per-token quantization kernel + fused-epilogue INT8 GEMM);
 * ``float`` ``F.linear(x, W', b)`` with ``W' = dequantize(W_q) / smooth`` in the activation dtype, made once per
-  layer on its first float call and kept in the layer's derived-tensor cache (``Int8Linear._vectors``; dropped
+  layer on its first float call and kept in the layer's derived state (``Int8Linear.derived``; dropped
   when ComfyUI moves or swaps the weight). Memory: N * K * 2 bytes (bf16/fp16; 4 in fp32) on top of the int8
   weight, only for layers that ever run a float call; it is not counted by ComfyUI's memory manager. Numerics:
   weight-only int8 (the activation is not quantized), so at least as accurate as W8A8.
@@ -46,10 +46,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import backends, kernel_module
+from ..kernel import autotune, config, jsoncache
+from . import backends
 
-config = kernel_module("config")
-autotune = kernel_module("autotune")
 log = logging.getLogger("int8_fused")
 
 INT8, FLOAT = "int8", "float"
@@ -118,7 +117,7 @@ def _valid_decision(key: str, entry) -> bool:
     return isinstance(entry, dict) and entry.get("path") in (INT8, FLOAT)
 
 
-class DecisionCache(kernel_module("jsoncache").JsonCache):
+class DecisionCache(jsoncache.JsonCache):
     """Decisions of one GPU + software versions: {shape_key: {"path", "int8_ms", "float_ms", "m", ...}} in memory,
     mirrored to a JSON file by the autotune cache's file handling (``kernel.jsoncache``): writes merge with the
     file under a lock (another process may have added shapes) and replace it atomically; a damaged file is set
@@ -127,7 +126,8 @@ class DecisionCache(kernel_module("jsoncache").JsonCache):
     lacks."""
 
     def __init__(self, path, gpu: str | None = None):
-        seed = kernel_module("tuned").Seed(gpu, "dispatch", require={"decisions": DECISIONS_VERSION}) if gpu else None
+        from ..kernel import tuned
+        seed = tuned.Seed(gpu, "dispatch", require={"decisions": DECISIONS_VERSION}) if gpu else None
         super().__init__(path, "decisions", what="decision cache", who="INT8 dispatch", valid=_valid_decision,
                          seed=seed)
 
@@ -186,32 +186,23 @@ def _owner(layer):
 
 
 def float_operands(layer, dtype: torch.dtype, made: torch.Tensor | None = None):
-    """(weight, bias) of the float path in ``dtype``, kept in the owner's derived-tensor cache (see module doc):
-    valid while the owner's int8 weight is the same tensor (same object, device and storage), as ``derived``
-    rules; ``_apply`` (a move or cast by ComfyUI) drops them."""
+    """(weight, bias) of the float path in ``dtype``, kept in the owner's derived state (see module doc):
+    valid while the owner's int8 weight is the same tensor (same object, device and storage), as
+    ``Int8Linear.derived_tensor`` rules; ``_apply`` (a move or cast by ComfyUI) drops them."""
     owner = _owner(layer)
     src = owner._parameters["weight"]
     dev = src.device if layer is owner else layer.qweight.device
-    key = ("dispatch_float", dev, dtype)
-    hit = owner._vectors.get(key)
-    if hit is not None and hit[0] is src and hit[1] == (src.device, src.data_ptr()):
-        return hit[2]
 
     def make(_):
         b = layer.bias
         return (made if made is not None else dequantized(layer, dtype),
                 None if b is None else b.to(device=dev, dtype=dtype))
-    return _derived()(owner._vectors, key, src, make)
+    return owner.derived_tensor(("dispatch_float", dev, dtype), src, make)
 
 
 def float_weight(layer, dtype: torch.dtype) -> torch.Tensor:
     """The layer's float weight [N, K] in ``dtype`` as the float path uses it (made on first use, then kept)."""
     return float_operands(layer, dtype)[0]
-
-
-def _derived():
-    from .linear import derived
-    return derived
 
 
 def float_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
@@ -257,19 +248,8 @@ def _choose_auto(layer, x2d: torch.Tensor) -> str:
     dev = x2d.device
     if not _can_time(dev):
         return INT8
-    owner = _owner(layer)
-    memo = owner.__dict__.get("_dispatch_memo")
-    if memo is None:
-        memo = owner.__dict__["_dispatch_memo"] = {}
-    key = (x2d.shape[0], x2d.dtype, dev)
-    path = memo.get(key)
-    if path is None:
-        path = _decision(layer, x2d)
-        if path is not None:
-            memo[key] = path
-        else:
-            path = INT8
-    return path
+    path = _owner(layer).dispatch_path((x2d.shape[0], x2d.dtype, dev), lambda: _decision(layer, x2d))
+    return INT8 if path is None else path
 
 
 def _can_time(device: torch.device) -> bool:
@@ -302,7 +282,8 @@ def _decision(layer, x2d: torch.Tensor) -> str | None:
             path = entry["path"]
         else:
             try:
-                with kernel_module("tuned.progress").task("dispatch", skey, "int8 vs float", cache.path):
+                from ..kernel.tuned import progress
+                with progress.task("dispatch", skey, "int8 vs float", cache.path):
                     c8, cf, w = measure(layer, x2d)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory for the float copy: stay on int8
                 log.warning("INT8 dispatch: could not time %s (%s: %s); running int8", skey, type(e).__name__, e)
@@ -394,15 +375,7 @@ def measure(layer, x2d: torch.Tensor) -> tuple[Cost, Cost, torch.Tensor]:
 def record(layer, path: str, m: int, forced: bool = False) -> None:
     """Count one call of ``layer`` (the Int8Linear) on ``path`` with ``m`` rows (``forced``: by
     INT8_FUSED_DISPATCH rather than by timing)."""
-    calls = layer.__dict__.get("dispatch_calls")
-    if calls is None:  # a layer built without __init__ (copied from an older pickle)
-        calls = layer.__dict__["dispatch_calls"] = collections.Counter()
-    calls[path] += 1
-    if path == FLOAT:
-        rows = layer.__dict__.get("_dispatch_float_m")
-        if rows is None:
-            rows = layer.__dict__["_dispatch_float_m"] = set()
-        rows.add((m, forced))  # the M values (a handful per layer); bucketed by counts()
+    layer.count_call(path, m, forced)
 
 
 def _dispatch_layers(model) -> list:
@@ -418,7 +391,7 @@ def counts(model) -> dict:
     layers = _dispatch_layers(model)
     shapes = set()
     for m in layers:
-        for rows, forced in m.__dict__.get("_dispatch_float_m") or ():
+        for rows, forced in m.derived.float_rows:
             shapes.add((m_bucket(rows), m.out_features, m.in_features, forced))
     return {"layers": len(layers),
             "int8_layers": sum(1 for m in layers if m.dispatch_calls[INT8]),
@@ -444,5 +417,8 @@ def report_line(model) -> str | None:
     if c["float_shapes"]:
         line += f" (float faster, unless forced): {len(c['float_shapes'])} shapes " + ", ".join(c["float_shapes"])
     line += f"; calls int8 {c['int8_calls']}, float {c['float_calls']}"
-    s8 = kernel_module("s8wgmma").state() if c["int8_calls"] else None
+    if not c["int8_calls"]:
+        return line
+    from ..kernel import s8wgmma
+    s8 = s8wgmma.state()
     return f"{line}; {s8}" if s8 else line

@@ -16,11 +16,9 @@ import os
 
 import torch
 
-from . import kernel_module
+from ..kernel import atomic as _atomic
 from .formats import ERROR_MODULE, FMT_PACK, PACK_FORMAT_VERSION, OutputExistsError
 from .quantize import dequantize, quantize_weight_per_channel
-
-_atomic = kernel_module("atomic")
 
 
 def atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None,
@@ -156,6 +154,9 @@ def write_core_int8(path: str, quant: dict[str, dict], floats: dict[str, torch.T
     tensors = dict(floats)
     conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
     for n, L in quant.items():
+        if L.get("convrot"):
+            tensors.update(core_convrot_tensors(n, L))
+            continue
         L = fold_smoothing(L)
         s = L["weight_scale"].float().reshape(-1)
         tensors[f"{n}.weight"] = L["qweight"].to(torch.int8)
@@ -164,6 +165,21 @@ def write_core_int8(path: str, quant: dict[str, dict], floats: dict[str, torch.T
         if L.get("bias") is not None:
             tensors[f"{n}.bias"] = L["bias"]
     return atomic_save(tensors, path, {"format": "pt"}, overwrite)
+
+
+def core_convrot_tensors(name: str, layer: dict) -> dict[str, torch.Tensor]:
+    """A ConvRot layer (weights rotated with group size ``layer["convrot"]``, never smoothed) in ComfyUI core's
+    layout: ``int8_tensorwise`` with ``"convrot": true`` and ``"convrot_groupsize"`` in ``comfy_quant``, the
+    per-channel scale as [N, 1] (the shape comfy-kitchen's own ConvRot quantizer writes)."""
+    if layer.get("smooth") is not None:
+        raise ValueError(f"{name}: a ConvRot layer cannot carry SmoothQuant smoothing")
+    conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int(layer["convrot"])}
+    out = {f"{name}.weight": layer["qweight"].to(torch.int8),
+           f"{name}.weight_scale": layer["weight_scale"].float().reshape(-1, 1),
+           f"{name}.comfy_quant": torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)}
+    if layer.get("bias") is not None:
+        out[f"{name}.bias"] = layer["bias"]
+    return out
 
 
 def write_transformerlab(path: str, branches: dict[str, tuple[dict, dict]], *, overwrite: bool = False,

@@ -18,9 +18,10 @@ How it lives in ComfyUI's memory manager (comfy/model_patcher.py of 0.33.0 and 0
 * The small vectors (``weight_scale``, ``smooth``; 4 bytes per channel, ~0.1 % of the weight) are moved
   by ComfyUI with the model; when it has left them on the CPU (a partial load, or after an eviction) the
   layer keeps one device copy of each (:meth:`vector_on`), made once, not per call.
-* ``weight`` is int8: ComfyUI never casts it (the fetch asks for int8). Weight patches (a LoRA added
-  after quantization) cannot apply to int8 weights: :meth:`set_weight` and the forward refuse them with
-  a message saying to put LoRA loaders before the Apply node.
+* ``weight`` is int8: ComfyUI never casts it (the fetch asks for int8). A LoRA added after quantization runs
+  as a low-rank side branch (``quant.lora``, :meth:`set_lora`; the Apply node takes its patches away from
+  ComfyUI at each run start); weight patches that still reach the layer (:meth:`set_weight`, weight-function
+  lists) are refused with a message saying to put LoRA loaders before the Apply node.
 """
 from __future__ import annotations
 
@@ -32,10 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backends, dispatch, kernel_module
+from .. import kernel as _kernel
+from . import backends, dispatch
 from .quantize import dequantize, quantize_weight_per_channel
-
-_plan = kernel_module("plan")
 
 #: Input dtypes every backend takes (the compute dtypes of ComfyUI's diffusion models).
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -68,9 +68,39 @@ def block_fetch() -> Callable | None:
 
 
 _TENSORS = ("weight", "weight_scale", "bias", "smooth")
-LORA_AFTER_APPLY = ("weight patches (a LoRA loaded after this layer was quantized) target the INT8 layer "
-                    "{name}: int8 weights cannot take them. Put LoRA loaders BEFORE 'Apply Fused INT8 GEMM' "
+LORA_AFTER_APPLY = ("weight patches (a LoRA loaded after this layer was quantized) reached the INT8 layer "
+                    "{name} outside a sampling run or as a LoRA hook, where ComfyUI would patch the int8 weight "
+                    "itself (sampling runs LoRAs as side branches). Put LoRA loaders BEFORE 'Apply Fused INT8 GEMM' "
                     "(it merges them into the weights it quantizes), or apply the LoRA to the float model.")
+
+
+class Derived:
+    """Everything an Int8Linear keeps besides its tensors, in one place (``Int8Linear.derived``), written only by the
+    layer's methods; :meth:`Int8Linear.clear_derived` drops what holds tensors (a move, a cast, a load).
+
+    ``tensors``     {key: (source, (device, data_ptr), value)} (:func:`derived`): 1/smooth, device copies of the small
+                    vectors, the dispatch float path's weight and bias; each made again when its source changes
+    ``fp8``         (fp8 e4m3 weight, fp32 scales) of the fp8_rowwise backend, made again on another device
+    ``hot``         {(shape, dtype, device, ``dispatch.hot_token()``): (weight, its data_ptr, float weight or None,
+                    float bias)}: the path ``forward`` took per call shape; dropped when a tensor is set
+    ``plans``       {call key: ``kernel.plan.Plan``, or False where the call cannot be planned}: launches, no tensor
+    ``paths``       {(rows, dtype, device): "int8" | "float"}: the dispatch decisions this layer took
+    ``calls``       fused_triton calls per path (``Int8Linear.dispatch_calls``)
+    ``float_rows``  {(rows, forced)}: the row counts that ran on the float path (``dispatch.counts``)
+    ``lora``        ``quant.lora.Branches`` or None: the LoRA side branches of the running model (set at each run
+                    start, ``Int8Linear.set_lora``); kept on a move (its device copies live in the branches)
+    """
+    __slots__ = ("tensors", "fp8", "hot", "plans", "paths", "calls", "float_rows", "lora")
+
+    def __init__(self):
+        self.tensors, self.fp8, self.hot, self.plans, self.paths = {}, None, {}, {}, {}
+        self.calls, self.float_rows, self.lora = collections.Counter(), set(), None
+
+    def clear(self) -> None:
+        """Drop what holds tensors (the decisions, plans and counts stay)."""
+        self.tensors.clear()
+        self.fp8 = None
+        self.hot.clear()
 
 
 class Int8Linear(nn.Module):
@@ -81,6 +111,7 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, smooth: bool = False,
                  backend: str = "dequant_bf16", name: str = "", device=None):
         super().__init__()
+        self.derived = Derived()
         self.in_features, self.out_features = in_features, out_features
         self.name = name
         self.backend = backend
@@ -90,16 +121,21 @@ class Int8Linear(nn.Module):
         self.smooth = torch.ones(in_features, dtype=torch.float32, device=device) if smooth else None
         self.weight_function: list = []  # ComfyUI's per-layer weight/bias function lists (lowvram)
         self.bias_function: list = []
-        self._vectors: dict = {}  # tensors derived from ours (1/smooth, device copies): see derived()
-        self.dispatch_calls = collections.Counter()  # fused_triton calls per path ("int8"/"float"): quant/dispatch
 
     def __setattr__(self, name, value):
         # The four tensors are always no-grad Parameters (ComfyUI assigns Parameters too).
         if name in _TENSORS:
-            self.__dict__.pop("_hot", None)  # the hot float path holds the old tensors: let them go
+            d = self.__dict__.get("derived")
+            if d is not None:
+                d.hot.clear()  # the hot path holds the old tensors: let them go
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=False)
         super().__setattr__(name, value)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "derived" not in self.__dict__:  # pickled before ``derived`` existed
+            self.derived = Derived()
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -116,7 +152,7 @@ class Int8Linear(nn.Module):
         s = self.smooth
         if s is None:
             return None
-        return derived(self._vectors, "inv_smooth", s, lambda t: 1.0 / t.detach().float())
+        return derived(self.derived.tensors, "inv_smooth", s, lambda t: 1.0 / t.detach().float())
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -171,13 +207,11 @@ class Int8Linear(nn.Module):
             name=name)
 
     def _apply(self, fn, *args, **kw):
-        self._vectors.clear()  # tensors change device or dtype in place: drop derived copies
-        self.__dict__.pop("_hot", None)
+        self.clear_derived()  # tensors change device or dtype in place: drop what was derived from them
         return super()._apply(fn, *args, **kw)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kw):
-        self._vectors.clear()
-        self.__dict__.pop("_hot", None)
+        self.clear_derived()
         if prefix + "qweight" in state_dict and prefix + "weight" not in state_dict:  # pre-0.2 name
             state_dict[prefix + "weight"] = state_dict.pop(prefix + "qweight")
         super()._load_from_state_dict(state_dict, prefix, *args, **kw)
@@ -206,8 +240,58 @@ class Int8Linear(nn.Module):
         src = self.inv_smooth if key == "inv_smooth" else getattr(self, key)
         if src is None or src.device == device:
             return src
-        return derived(self._vectors, (key, device), src,
+        return derived(self.derived.tensors, (key, device), src,
                        lambda t: t.detach().to(device, non_blocking=t.is_pinned()))
+
+    # ------------------------------------------------------------------ derived state (``Derived``)
+    def clear_derived(self) -> None:
+        """Drop every tensor derived from this layer's (``Derived.clear``): ``.to()``, a cast, a state-dict load."""
+        self.derived.clear()
+
+    def derived_tensor(self, key, src: torch.Tensor, make: Callable):
+        """``make(src)`` kept under ``key`` while ``src`` is the same tensor (:func:`derived`)."""
+        return derived(self.derived.tensors, key, src, make)
+
+    def fp8_weight(self, device: torch.device, make: Callable[[], tuple]) -> tuple:
+        """The fp8_rowwise backend's (weight, scales) on ``device``: ``make()`` once per device."""
+        d = self.derived
+        if d.fp8 is None or d.fp8[0].device != device:
+            d.fp8 = make()
+        return d.fp8
+
+    def dispatch_path(self, key: tuple, decide: Callable[[], str | None]) -> str | None:
+        """The dispatch path this layer took for ``key`` (rows, dtype, device), else ``decide()``, kept unless None."""
+        paths = self.derived.paths
+        path = paths.get(key)
+        if path is None:
+            path = decide()
+            if path is not None:
+                paths[key] = path
+        return path
+
+    def count_call(self, path: str, rows: int, forced: bool = False) -> None:
+        """Count one fused_triton call on ``path`` ("int8" / "float") with ``rows`` rows (``forced``: by
+        INT8_FUSED_DISPATCH rather than by timing)."""
+        d = self.derived
+        d.calls[path] += 1
+        if path == "float":
+            d.float_rows.add((rows, forced))  # the M values (a handful per layer); bucketed by dispatch.counts
+
+    @property
+    def dispatch_calls(self) -> collections.Counter:
+        """fused_triton calls per path ("int8" / "float") since the layer was built (quant/dispatch.py)."""
+        return self.derived.calls
+
+    def set_lora(self, branches) -> None:
+        """The LoRA side branches (``quant.lora.Branches``) this layer adds to its output, or None."""
+        self.derived.lora = branches
+
+    def __call__(self, x, *args, **kwargs):
+        # The LoRA branch is added here, to the module call, so that it sees the caller's input even where a
+        # subclass's forward transforms it first (ConvRot rotates x).
+        y = super().__call__(x, *args, **kwargs)
+        lora = self.derived.lora
+        return y if lora is None else lora.add(x, y)
 
     def _refuse_patches(self) -> None:
         """Raises when weight patches (a LoRA loaded after quantization) target the layer."""
@@ -279,7 +363,12 @@ class Int8Linear(nn.Module):
 
     def gemm_call(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``kernel.int8_gemm`` of an already-quantized input (int8 [M, K], fp32 [M]) with this layer's weight ->
-        [M, N] in ``dtype``, prepared like :meth:`int8_call`."""
+        [M, N] in ``dtype``, prepared like :meth:`int8_call`. Refused while the layer has LoRA branches (they need
+        the float input: fused modules run such a layer through its module call)."""
+        if self.derived.lora is not None:
+            raise RuntimeError(f"INT8 layer {self.name or '?'} has LoRA side branches but was fed a pre-quantized "
+                               "input by a fused module that has no per-linear path for it. Load that LoRA BEFORE "
+                               "'Apply Fused INT8 GEMM', or set INT8_FUSED_FUSION=0")
         if self._resident(a_q.device):
             p = self._parameters
             return self._planned(("gemm", a_q.shape, dtype), (a_q, a_s, p["weight"], p["weight_scale"],
@@ -297,24 +386,21 @@ class Int8Linear(nn.Module):
 
     def _planned(self, key: tuple, ops: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The kernel call ``key[0]`` ("linear" / "gemm") on ``ops``: the plan kept for ``key`` when the operands'
-        signatures match it, else the checked call, recording a new plan (``kernel.plan``; the checked call
-        alone while INT8_FUSED_PLANS=0). Plans hold no tensor, only launches, so nothing goes stale when ComfyUI moves or
-        swaps the weights: a changed operand signature just fails the plan's check."""
-        k = backends.kernel()
+        signatures match it, else the checked call, recording a new plan (``kernel.plan``). Plans hold
+        no tensor, only launches, so nothing goes stale when ComfyUI moves or swaps the weights: a changed operand
+        signature just fails the plan's check."""
+        k = _kernel
         key = (*key, k.gemm_switches())  # an A/B of a GEMM switch on a loaded model is never served the other's plan
-        plans = self.__dict__.get("_plans")
-        plan = None if plans is None else plans.get(key)
-        on = _plan.enabled()
-        if plan and on:
+        plans = self.derived.plans
+        plan = plans.get(key)
+        if plan:
             y = plan(*ops)
             if y is not None:
                 return y
-        if plan is False or not on:  # this call cannot be planned (no launch, a converted operand) or plans are off
+        if plan is False:  # this call cannot be planned (no launch, a converted operand)
             return k.int8_linear(*ops, out_dtype=dtype) if key[0] == "linear" else k.int8_gemm(*ops, out_dtype=dtype)
         y, plan = (k.int8_linear_planned if key[0] == "linear" else k.int8_gemm_planned)(*ops, out_dtype=dtype)
-        if plans is None:
-            plans = self.__dict__["_plans"] = {}
-        elif len(plans) >= 32:  # a handful of call shapes a layer; bounded for varying ones
+        if len(plans) >= 32:  # a handful of call shapes a layer; bounded for varying ones
             plans.clear()
         plans[key] = plan if plan is not None else False
         return y
@@ -324,7 +410,7 @@ class Int8Linear(nn.Module):
         # it then, while the int8 weight is the same tensor and the dispatch mode and decisions are those of
         # that call: the float path as a bare F.linear on the kept float weight, the int8 path through the
         # layer's prepared launches (the host cost of a small linear is what decides its speed).
-        hot = self.__dict__.get("_hot")
+        hot = self.derived.hot
         if hot and not torch.compiler.is_compiling():
             e = hot.get((x.shape, x.dtype, x.device, dispatch.hot_token()))
             if e is not None:
@@ -332,11 +418,11 @@ class Int8Linear(nn.Module):
                 if e[0] is src and e[1] == src.data_ptr():
                     self._refuse_patches()
                     if e[2] is None:  # int8
-                        self.dispatch_calls["int8"] += 1
+                        self.derived.calls["int8"] += 1
                         p = self._parameters
                         return self._int8_run(x, src, p["weight_scale"], p.get("bias"),
                                               None if p.get("smooth") is None else self.inv_smooth)
-                    self.dispatch_calls["float"] += 1
+                    self.derived.calls["float"] += 1
                     return F.linear(x, e[2], e[3])
         return self._forward(x)
 
@@ -352,7 +438,7 @@ class Int8Linear(nn.Module):
                 y, path = dispatch.run(self, x2, self)
                 # later calls of this shape: the hot path of forward
                 src = self._parameters["weight"]
-                hot = self.__dict__.setdefault("_hot", {})
+                hot = self.derived.hot
                 if len(hot) >= 16:  # a handful of call shapes a layer; bounded for varying ones
                     hot.clear()
                 hot[(x.shape, x.dtype, x.device, dispatch.hot_token())] = (

@@ -28,6 +28,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
+import pack_import  # noqa: E402
+
+pack_import.install()  # kernel, quant, adapters: the pack's subpackages, imported one way (tests/pack_import.py)
+
 import torch  # noqa: E402
 
 import comfy_harness as H  # noqa: E402

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import e2e_models  # noqa: E402  (no torch / ComfyUI at import)
-import e2e_runs  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from bench import e2e_models  # noqa: E402  (no torch / ComfyUI at import)
+from bench.lib import e2e_runs  # noqa: E402
 
 GIB = 2 ** 30
 EXIT_USAGE, EXIT_MACHINE, EXIT_BENCH = 2, 3, 4
@@ -55,7 +55,7 @@ ARCHS = {
     "zimage": ("zimage", "Z-Image", 6_154_908_736, e2e_models.ZIMAGE["dim"], e2e_models.ZIMAGE["n_layers"], 4, True),
     "wan": ("wan13", "Wan 2.1 T2V 1.3B", 1_418_996_800, e2e_models.WAN13["dim"], e2e_models.WAN13["num_layers"], 4,
             False),
-    "ideogram4": ("ideogram4", "Ideogram 4", 9_279_288_448, 4608, 34, 1, True),  # bench/e2e.py: HIDDEN, 34 layers
+    "ideogram4": ("ideogram4", "Ideogram 4", 9_279_288_448, 4608, 34, 1, True),  # bench/lib/e2e.py: HIDDEN, 34 layers
 }
 
 

@@ -19,10 +19,10 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from pack_import import PACK_MODULE, ROOT, import_pack  # noqa: F401  (re-exported: the one way to import the pack)
+
 RUNTIME = Path(os.environ.get("INT8_RUNTIME_DIR") or ROOT / ".runtime")
 COMFY_DIR = RUNTIME / "ComfyUI"
-PACK_MODULE = "comfyui_int8_fused"
 SETUP_HINT = "run `bash scripts/setup_runtime.sh` (or `bash scripts/test.sh`, which does it first)"
 
 
@@ -56,23 +56,6 @@ def import_comfy(comfy_dir: Path = COMFY_DIR):
     import utils.extra_config  # noqa: F401
     import nodes  # noqa: F401  ComfyUI's own nodes.py, which node code may import
     return comfy
-
-
-def import_pack(root: Path = ROOT, name: str = PACK_MODULE):
-    """Import the repository as a ComfyUI custom-node package, the way ComfyUI's loader does
-    (spec_from_file_location of __init__.py with submodule_search_locations)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, root / "__init__.py",
-                                                  submodule_search_locations=[str(root)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
 
 
 def load_tiny(arch: str, seed: int = 0, dtype=None):
@@ -329,6 +312,10 @@ import comfy.model_management, comfy.sd
 import utils.extra_config  # before nodes.py puts comfy/ first on sys.path, as main.py does
 import nodes as _comfy_nodes
 sys.path.insert(1, {root!r})
+sys.path.insert(2, {tests!r})
+import pack_import
+pack_import.install()  # kernel, quant, adapters: the pack's subpackages (tests/pack_import.py)
+from pack_import import import_pack
 
 def sample_image_only_cfg(model, positive, latent, steps=2, model_negative=None, cfg=4.0, seed=0):
     # ComfyUI's own sampling (euler, simple schedule) with an image-only negative (Ideogram 4's reference
@@ -345,31 +332,21 @@ def sample_image_only_cfg(model, positive, latent, steps=2, model_negative=None,
     return guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True,
                          seed=seed).float()
 
-
-def import_pack():
-    if {name!r} in sys.modules:
-        return sys.modules[{name!r}]
-    spec = importlib.util.spec_from_file_location({name!r}, os.path.join({root!r}, "__init__.py"),
-                                                  submodule_search_locations=[{root!r}])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[{name!r}] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
 """
 
 
 def run_in_current_comfy(script_text: str, timeout: float = 900.0, check: bool = False,
                          env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``script_text`` in a fresh Python with the COMFYUI_CURRENT checkout first on sys.path, the
-    CPU selected, comfy.sd and ComfyUI's nodes imported, the repo root on sys.path (``quant``,
-    ``kernel`` importable) and ``import_pack()`` defined (the pack as module "comfyui_int8_fused").
+    CPU selected, comfy.sd and ComfyUI's nodes imported, the repo root on sys.path, ``kernel``, ``quant`` and
+    ``adapters`` the pack's subpackages (``pack_import.install()``) and ``import_pack()`` defined (the pack as
+    module "comfyui_int8_fused").
     Python: COMFYUI_CURRENT_PYTHON, else this interpreter. cwd is the checkout.
     Returns the CompletedProcess (text stdout/stderr); ``check=True`` raises with both on failure."""
     cur, reason = current_comfy_dir()
     if cur is None:
         raise RuntimeError(reason)
-    code = _CURRENT_PRELUDE.format(cur=str(cur), root=str(ROOT), name=PACK_MODULE) + textwrap.dedent(script_text)
+    code = _CURRENT_PRELUDE.format(cur=str(cur), root=str(ROOT), tests=str(ROOT / "tests")) + textwrap.dedent(script_text)
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("TRITON_INTERPRET", "1")
     python = os.environ.get("COMFYUI_CURRENT_PYTHON") or sys.executable

@@ -37,10 +37,19 @@ and returns the CompletedProcess; print results (e.g. JSON) and assert on them i
 
 TRITON_INTERPRET=1 is set here at import time (before anything imports Triton), so the Triton
 kernels run in the interpreter on this CPU-only machine.
+
+The pack is imported one way (tests/pack_import.py, installed here before any test module is imported): as the
+package "comfyui_int8_fused", with ``kernel``, ``quant`` and ``adapters`` as other names of its subpackages, so
+``from quant.linear import Int8Linear`` in a test is ``pack.quant.linear.Int8Linear``. A subprocess that imports
+them calls ``pack_import.install()`` first (tests/ on its sys.path).
 """
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pack_import  # noqa: E402
+
+pack_import.install()
 
 import pytest  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Helpers shared by the fused-block tests (test_flux_fused, test_wan_fused, test_lumina2_fused): the model's INT8
 layers as Apply selects them, a copy of a module with patches swapped in, relative L2 error and ulp distance; and the
 sm_90 build checks of the kernel tests (test_fused, test_flux_fused, test_qk_norm_rope, test_wan_residual)."""
+import contextlib
 import copy
 
 import torch
@@ -20,6 +21,21 @@ def swapped(module, patches: dict):
     for name, sub in patches.items():
         comfy.utils.set_attr(m, name, sub)
     return m
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights for a tiny model in place: norm scales near 1, matrices ~ N(0, 1/fan_in), other vectors small."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.dim() == 1 and "norm" in n:
+                p.copy_(1 + 0.1 * r)
+            elif p.dim() >= 2:
+                p.copy_(r * p[0].numel() ** -0.5)
+            else:
+                p.copy_(0.05 * r)
+    return module
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -64,9 +80,23 @@ def hopper_check_in_subprocess(module: str, env: dict | None = None) -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     code = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]\n"
+            f"import pack_import; pack_import.install()\n"
             f"import {module} as t\nprint('RESULT', t._hopper_check())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     out = r.stdout + r.stderr
     if "ptxas" in out and r.returncode != 0 and "RESULT" not in out:
         pytest.skip(f"cannot build sm_90 code here: {out[-500:]}")
     assert "RESULT OK" in r.stdout, out[-3000:]
+
+
+@contextlib.contextmanager
+def unplanned(plan):
+    """Inside, a kernel wrapper called through ``plan.call`` (``plan``: the pack's ``kernel.plan`` module; the fused
+    blocks' row kernels) runs itself each time, so a spy on it sees each call (a prepared call re-issues its launches
+    without the wrapper)."""
+    call = plan.call
+    plan.call = lambda fn, *args, salt=(): fn(*args)
+    try:
+        yield
+    finally:
+        plan.call = call

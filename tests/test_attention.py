@@ -132,13 +132,12 @@ def test_calls_it_cannot_take_go_to_comfyuis_function(att):
     assert dict(router.counts) == {"comfy_default": 2}
 
 
-def test_a_call_torch_sends_to_cudnn_runs_its_op_directly(att, pack, monkeypatch):
+def test_a_call_torch_sends_to_cudnn_runs_its_op_directly(att, monkeypatch):
     """Where torch runs cuDNN for the call's shape (``_which``; forced here, a CPU has no cuDNN attention), the
     Router calls torch's cuDNN op itself (a stand-in computing the float64 reference, as the op's output tuple)
     with the call's q, k, v and scale, and returns its output in ComfyUI's layout, counted as cudnn. A mask, a
-    keyword but ``scale``, a tensor that needs a gradient, another device or INT8_FUSED_SDPA_DIRECT=0: torch's
-    SDPA under the priority context (the stand-in is not called)."""
-    config = pack.quant.kernel_module("config")  # the pack's own switches (the package ComfyUI imported)
+    keyword but ``scale``, a tensor that needs a gradient or another device: torch's SDPA under the priority context
+    (the stand-in is not called)."""
     calls = []
 
     def op(q, k, v, bias, lse, dropout, causal, debug, scale=None):
@@ -163,9 +162,7 @@ def test_a_call_torch_sends_to_cudnn_runs_its_op_directly(att, pack, monkeypatch
         assert torch.allclose(got.double(), _flat(_ref(*args[:3], kw.get("mask"))), atol=1e-5, rtol=1e-5)
     assert len(calls) == 1
     assert not att.direct_cudnn_ok(q, k, v, None, {})  # a CPU tensor: default devices are CUDA only
-    with config.override(INT8_FUSED_SDPA_DIRECT=False):
-        router(never, q, k, v, 4, skip_reshape=True)
-    assert len(calls) == 1 and router.counts["cudnn"] == 5
+    assert router.counts["cudnn"] == 4
     router(never, q, k, v, 4, skip_reshape=True)
     assert len(calls) == 2
 

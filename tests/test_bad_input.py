@@ -114,21 +114,19 @@ def test_tooltips_say_how_patterns_are_separated(pack):
 # ---------------------------------------------------------------------------------------------- 3.6 switches
 PROBE = """
 import json, logging, sys
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]; import pack_import; pack_import.install()
 logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
-from kernel import config, gemm
+from kernel import config
 from quant import dispatch
-from adapters.base import pad_elision_enabled, qk_rope_on
+from adapters.base import pad_elision_enabled
 names = json.loads(sys.argv[2])
 first = {n: config.get(n) for n in names}
 again = {n: config.get(n) for n in names}  # read once: no second warning
 print(json.dumps({"values": first, "same": first == again,
-                  "qk_rope": {a: qk_rope_on(a) for a in ("flux", "ideogram4")},
-                  "tail_split": {k: gemm.tail_split_on(k) for k in ("gemm", "swiglu")},
                   "dispatch": dispatch.mode(),
                   "pad_elision": {b: pad_elision_enabled(b) for b in ("fused_triton", "torch_int_mm")}}))
 """
-STR_SWITCHES = ("INT8_FUSED_QK_ROPE", "INT8_FUSED_TAIL_SPLIT", "INT8_FUSED_PAD_ELISION", "INT8_FUSED_DISPATCH")
+STR_SWITCHES = ("INT8_FUSED_PAD_ELISION", "INT8_FUSED_DISPATCH")
 
 
 def _probe(env: dict) -> tuple[dict, list]:
@@ -146,8 +144,8 @@ def test_str_switches_declare_their_values():
     assert {n for n, s in config.SWITCHES.items() if s.type is str and not s.choices} == {
         "INT8_FUSED_BACKEND", "INT8_FUSED_CACHE_DIR"}
     table = config.markdown_table()
-    row = next(ln for ln in table.splitlines() if ln.startswith("| `INT8_FUSED_QK_ROPE` |"))
-    assert "Values: `all`, `flux`, `0`" in row
+    row = next(ln for ln in table.splitlines() if ln.startswith("| `INT8_FUSED_PAD_ELISION` |"))
+    assert "Values: `auto`, `0`, `1`" in row
     for n in STR_SWITCHES:
         s = config.SWITCHES[n]
         line = next(ln for ln in table.splitlines() if ln.startswith(f"| `{n}` |"))
@@ -156,13 +154,9 @@ def test_str_switches_declare_their_values():
 
 def test_unknown_str_switch_values_warn_once_and_mean_the_default():
     got, logs = _probe({n: "bogus" for n in STR_SWITCHES})
-    assert got["values"] == {"INT8_FUSED_QK_ROPE": "all", "INT8_FUSED_TAIL_SPLIT": "gemm",
-                             "INT8_FUSED_PAD_ELISION": None, "INT8_FUSED_DISPATCH": "auto"} and got["same"]
-    assert got["qk_rope"] == {"flux": True, "ideogram4": True}  # the defaults' behaviour
-    assert got["tail_split"] == {"gemm": True, "swiglu": False}
+    assert got["values"] == {"INT8_FUSED_PAD_ELISION": None, "INT8_FUSED_DISPATCH": "auto"} and got["same"]
     assert got["dispatch"] == "auto" and got["pad_elision"] == {"fused_triton": True, "torch_int_mm": False}
-    valid = {"INT8_FUSED_QK_ROPE": "all|flux|0", "INT8_FUSED_TAIL_SPLIT": "gemm|all|0",
-             "INT8_FUSED_PAD_ELISION": "auto|0|1", "INT8_FUSED_DISPATCH": "auto|int8|float"}
+    valid = {"INT8_FUSED_PAD_ELISION": "auto|0|1", "INT8_FUSED_DISPATCH": "auto|int8|float"}
     for n in STR_SWITCHES:
         mine = [ln for ln in logs if f"{n}='bogus'" in ln]
         assert len(mine) == 1 and mine[0].startswith("LOG WARNING") and valid[n] in mine[0], (n, logs)
@@ -170,25 +164,24 @@ def test_unknown_str_switch_values_warn_once_and_mean_the_default():
 
 
 def test_str_switch_spellings():
-    got, logs = _probe({"INT8_FUSED_QK_ROPE": " OFF ", "INT8_FUSED_TAIL_SPLIT": "1", "INT8_FUSED_PAD_ELISION": "on",
-                        "INT8_FUSED_DISPATCH": "Float"})
+    got, logs = _probe({"INT8_FUSED_PAD_ELISION": "on", "INT8_FUSED_DISPATCH": "Float"})
     assert not logs
-    assert got["values"] == {"INT8_FUSED_QK_ROPE": "0", "INT8_FUSED_TAIL_SPLIT": "gemm",
-                             "INT8_FUSED_PAD_ELISION": "1", "INT8_FUSED_DISPATCH": "float"}
-    assert got["qk_rope"] == {"flux": False, "ideogram4": False} and got["dispatch"] == "float"
-    assert got["pad_elision"] == {"fused_triton": True, "torch_int_mm": True}
-    got, logs = _probe({"INT8_FUSED_QK_ROPE": "flux", "INT8_FUSED_TAIL_SPLIT": "none", "INT8_FUSED_PAD_ELISION": "0"})
-    assert not logs and got["qk_rope"] == {"flux": True, "ideogram4": False}
-    assert got["tail_split"] == {"gemm": False, "swiglu": False}
+    assert got["values"] == {"INT8_FUSED_PAD_ELISION": "1", "INT8_FUSED_DISPATCH": "float"}
+    assert got["dispatch"] == "float" and got["pad_elision"] == {"fused_triton": True, "torch_int_mm": True}
+    # an off word means 0 where 0 is a choice; an on word without a 1 among the choices means the default
+    got, logs = _probe({"INT8_FUSED_PAD_ELISION": " OFF ", "INT8_FUSED_DISPATCH": "yes"})
+    assert not logs and got["values"] == {"INT8_FUSED_PAD_ELISION": "0", "INT8_FUSED_DISPATCH": "auto"}
     assert got["pad_elision"] == {"fused_triton": False, "torch_int_mm": False}
 
 
 def test_override_reads_a_value_as_the_environment_does(caplog):
     from kernel import config
     with caplog.at_level(logging.WARNING, logger="int8_fused"):
-        with config.override(INT8_FUSED_QK_ROPE="bogus", INT8_FUSED_TAIL_SPLIT="ALL"):
-            assert config.get("INT8_FUSED_QK_ROPE") == "all" and config.get("INT8_FUSED_TAIL_SPLIT") == "all"
-    assert "INT8_FUSED_QK_ROPE='bogus' is not one of all|flux|0" in caplog.text
+        with config.override(INT8_FUSED_PAD_ELISION="bogus", INT8_FUSED_DISPATCH="INT8"):
+            assert config.get("INT8_FUSED_PAD_ELISION") is None and config.get("INT8_FUSED_DISPATCH") == "int8"
+        with config.override(INT8_FUSED_PAD_ELISION="none"):
+            assert config.get("INT8_FUSED_PAD_ELISION") == "0"
+    assert "INT8_FUSED_PAD_ELISION='bogus' is not one of auto|0|1" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- 3.9 zero scales

@@ -1,4 +1,4 @@
-"""The sampler benches' CPU smoke paths (bench/e2e_models.py, bench/e2e_sampler.py, bench/e2e_runs.py) through the
+"""The sampler benches' CPU smoke paths (bench/e2e_models.py, bench/e2e_sampler.py, bench/lib/e2e_runs.py) through the
 real ComfyUI 0.33.0 (COMFYUI_CURRENT): whole-sample figures and the per-sample tax, ``--cold`` and ``--vram-gib``
 (one process per path), core INT8 and the Wan 2.1 14B / Qwen-Image layouts; OOM and dead children as row
 statuses. No timing assertions: the figures are checked against how they are defined (a whole sample is its model
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
-import e2e_runs  # noqa: E402  (no torch / ComfyUI at import)
+from bench.lib import e2e_runs  # noqa: E402  (no torch / ComfyUI at import)
 
 
 def _bench(comfy_current, script: str, args: list[str], out: Path, timeout: float = 1500) -> tuple[dict, str]:
@@ -86,9 +86,9 @@ def test_full_size_wan14_qwen_layouts_detected(comfy_current):
     from comfy_harness import run_in_current_comfy
     cp = run_in_current_comfy(f"""
 import json, sys, torch
-sys.path.insert(0, {str(ROOT / "bench")!r})
+sys.path.append({str(ROOT)!r})
 import comfy.model_detection as md
-import e2e_models
+from bench import e2e_models
 out = {{}}
 for name in ("wan14", "qwen"):
     cfg = e2e_models.unet_config(name, tiny=False)
@@ -124,7 +124,7 @@ def test_sampler_dual_isolated_times_both_backbones(comfy_current, tmp_path):
     assert any(ln.split()[:3] == ["dual", "32", "bf16"] for ln in out.splitlines())
 
 
-# ----------------------------------------------------------------------------- bench/e2e_runs.py alone
+# ----------------------------------------------------------------------------- bench/lib/e2e_runs.py alone
 def test_child_argv_and_sizes():
     argv = ["--comfy", "c", "--cold", "--vram-gib", "24,16", "--paths=bf16", "--models", "flux", "--steps", "6",
             "--out", "x.json", "--isolate", "--child-timeout", "9"]
@@ -177,8 +177,7 @@ def test_child_rows_are_tagged(tmp_path):
 
 def test_summary_ratios_and_vram_targets(capsys):
     """Ratios on the whole-sample figure, within one (model, card size); issue 36's checks per size."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import e2e_models
+    from bench import e2e_models
     p = 10 * 2 ** 30  # 10 Gi parameters: bf16 20 GiB, int8 10 GiB
     rows = [
         {"model": "m", "path": "bf16", "vram_gib": 16.0, "status": "ok", "s_per_step_whole": 0.9, "s_per_step": 0.1},
@@ -210,13 +209,11 @@ def test_summary_ratios_and_vram_targets(capsys):
 
 
 def test_merge_keeps_oom_rows_and_checks_each_run(tmp_path):
-    """bench/merge_models.py: OOM rows are results, bench errors kept apart, run names with dashes kept whole,
+    """bench/lib/merge_models.py: OOM rows are results, bench errors kept apart, run names with dashes kept whole,
     issue 36's checks computed within each run."""
-    bench = tmp_path / "bench"
+    results = tmp_path / "results"
     for d in ("models-runs", "vram-runs"):
-        (bench / "results" / d).mkdir(parents=True)
-    for f in ("merge_models.py", "e2e_runs.py"):
-        (bench / f).write_text((ROOT / "bench" / f).read_text())
+        (results / d).mkdir(parents=True)
 
     def row(path, s, run_status="ok", **kw):
         return {"model": "m", "path": path, "vram_gib": 16.0, "status": run_status, "s_per_step_whole": s, **kw}
@@ -225,10 +222,11 @@ def test_merge_keeps_oom_rows_and_checks_each_run(tmp_path):
     b = [row("bf16", 1.0), row("fp8_fast", 0.3), row("pack:fused_triton", None, "oom", error="CUDA out of memory"),
          {"model": "m", "path": "core_int8", "status": "error", "error": "build: KeyError: 'x'"}]
     for name, rows in (("h200-vram-limited-abc1234-a", a), ("h200-vram-limited-abc1234-b", b)):
-        (bench / "results" / "vram-runs" / f"{name}.json").write_text(json.dumps({"commit": "abc1234", "rows": rows}))
-    cp = subprocess.run([sys.executable, str(bench / "merge_models.py")], capture_output=True, text=True)
+        (results / "vram-runs" / f"{name}.json").write_text(json.dumps({"commit": "abc1234", "rows": rows}))
+    cp = subprocess.run([sys.executable, str(ROOT / "bench" / "lib" / "merge_models.py"), "--results", str(results)],
+                        capture_output=True, text=True)
     assert cp.returncode == 0, cp.stderr
-    doc = json.loads((bench / "results" / "h200-vram-limited.json").read_text())
+    doc = json.loads((results / "h200-vram-limited.json").read_text())
     assert sorted(doc["runs"]) == ["abc1234-a", "abc1234-b"]
     assert [(r["run"], r["path"]) for r in doc["bench_errors"]] == [("abc1234-b", "core_int8")]
     oom = next(r for r in doc["rows"] if r.get("status") == "oom")

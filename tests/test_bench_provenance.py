@@ -1,4 +1,4 @@
-"""bench/provenance.py: the commit a bench run records (``$BENCH_COMMIT`` on the device machine, whose copy of the
+"""bench/lib/provenance.py: the commit a bench run records (``$BENCH_COMMIT`` on the device machine, whose copy of the
 tree keeps a stale git HEAD; else this checkout's HEAD, checked against git itself)."""
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import provenance  # noqa: E402
+from bench.lib import provenance  # noqa: E402
 
 
 def test_bench_commit_env_wins_and_git_state_is_not_claimed(monkeypatch):

@@ -1,4 +1,4 @@
-"""bench/stack_sample.py: a thread's wall time by sampled stacks. The work below splits its time 3 : 1 between two
+"""bench/lib/stack_sample.py: a thread's wall time by sampled stacks. The work below splits its time 3 : 1 between two
 functions by construction (busy loops on the clock), so the sampled shares must split the same way; a recursive
 function is counted once a sample."""
 import sys
@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.stack_sample import StackSampler  # noqa: E402
+from bench.lib.stack_sample import StackSampler  # noqa: E402
 
 
 def _spin(seconds):

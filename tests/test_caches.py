@@ -216,7 +216,7 @@ def test_dispatch_uses_the_autotune_caches_file_handling():
 # ---------------------------------------------------------------- processes writing one file
 WRITER = r"""
 import os, sys, time
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]; import pack_import; pack_import.install()
 kind, folder, who, n, trials = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 if kind == "gemm":
     from kernel import autotune

@@ -1,6 +1,6 @@
 """Every kernel the pack can launch compiles for sm_80 / 86 / 89 / 90 / 120 (issue 36 item 1), with Triton's own
-target compilation and ptxas, no GPU (bench/compile_targets.py does the compiling, in a subprocess: this process runs
-the Triton interpreter). Each target: no failed compile, shared memory within the target's opt-in limit (a GEMM
+target compilation and ptxas, no GPU (tests/compile_targets.py does the compiling, in a subprocess: this
+process runs the Triton interpreter). Each target: no failed compile, shared memory within the target's opt-in limit (a GEMM
 also within ``autotune.smem_bytes``, the estimate its candidates are filtered by), no register spills
 (``compile_targets.SPILL_BOUND`` bytes); every candidate tile of that generation among the compiled ones; sm_90's s8
 tiles built through the PTX rewrite. Then the candidate filter itself, a tile past the limit caught by the check,
@@ -18,14 +18,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import compile_targets as ct  # noqa: E402
+import compile_targets as ct  # noqa: E402
 from kernel import autotune  # noqa: E402
 
 
 def _compile(args: list[str], pythonpath: str | None = None, timeout: int = 1500) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, str(ROOT)) if p)
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_targets.py"), *args, "--json-stdout"],
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_targets.py"), *args, "--json-stdout"],
                        capture_output=True, text=True, env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
@@ -121,7 +121,7 @@ def test_candidates_filtered_by_target_shared_memory():
 
 _OVER = """
 import json, sys
-from bench import compile_targets as ct
+import compile_targets as ct
 from kernel import autotune
 cfg = autotune._cfg(128, 256, 128, 8, 4)
 spec = [j for j in ct.gemm_jobs(86) if j["kernel"] == "_int8_gemm_kernel"][-1]
@@ -134,7 +134,7 @@ print(json.dumps({"row": row, "problems": ct.problems({"sm_86": {"kernels": [row
 
 def test_tile_past_the_limit_is_caught_and_never_offered():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
     r = subprocess.run([sys.executable, "-c", _OVER], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])

@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # Prints what each switch changed, in a fresh process with the environment the test gives it.
 PROBE = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]; import pack_import; pack_import.install()
 import torch
 from torch import nn
 import kernel, kernel.launch
 from kernel import autotune, config
-from quant import backends, blocks as qf
+from quant import attention, backends
 from quant.linear import Int8Linear
 import adapters, dataclasses, functools
 from adapters import lumina2
@@ -50,7 +50,7 @@ print(json.dumps({
     "values": {n: config.get(n) for n in config.SWITCHES},
     "backend": backends.env_override(),
     "fused": sorted(adapters.object_patches(nn.ModuleDict({"ff": ff}), layers, LUMINA)),
-    "residual": qf.FUSE_RESIDUAL,
+    "attn_int8_auto": attention.int8_auto_allowed(),
     "fast_launch": kernel.launch._USE_FAST,
     "interpret": kernel.checks.INTERPRET_AT_IMPORT,
     "cache_dir": str(autotune.cache_dir()),
@@ -69,24 +69,25 @@ def _probe(env: dict) -> tuple[dict, str]:
 def test_defaults_and_every_switch_from_the_environment():
     got, _ = _probe({})
     assert got["values"] == {n: s.default for n, s in config.SWITCHES.items()}
-    assert got["backend"] is None and got["fused"] == ["ff"] and got["residual"] is True
+    assert got["backend"] is None and got["fused"] == ["ff"] and got["attn_int8_auto"] is False
     assert got["fast_launch"] is True and got["interpret"] is False
     assert got["cache_dir"] == str(Path.home() / ".cache" / "comfyui-int8-fused")
 
-    got, _ = _probe({"INT8_FUSED_BACKEND": "torch_int_mm", "INT8_FUSED_FUSION": "0", "INT8_FUSED_RESIDUAL": "0",
-                     "INT8_FUSED_JIT_LAUNCH": "true", "INT8_FUSED_CACHE_DIR": "/tmp/int8-cache",
-                     "TRITON_INTERPRET": "1", "INT8_FUSED_PAD_ELISION": "0"})
+    got, _ = _probe({"INT8_FUSED_BACKEND": "torch_int_mm", "INT8_FUSED_FUSION": "0", "INT8_FUSED_ATTN_INT8_AUTO": "1",
+                     "INT8_FUSED_CACHE_DIR": "/tmp/int8-cache", "TRITON_INTERPRET": "1",
+                     "INT8_FUSED_PAD_ELISION": "0", "INT8_FUSED_S8_WGMMA": "0", "INT8_FUSED_DISPATCH": "float"})
     assert got["backend"] == "torch_int_mm"
     assert got["fused"] == ["ff.w1", "ff.w2", "ff.w3"]  # fusion off: the plain per-linear patches
-    assert got["residual"] is False and got["fast_launch"] is False and got["interpret"] is True
+    assert got["attn_int8_auto"] is True and got["fast_launch"] is False and got["interpret"] is True
     assert got["cache_dir"] == "/tmp/int8-cache" and got["values"]["INT8_FUSED_PAD_ELISION"] == "0"
+    assert got["values"]["INT8_FUSED_S8_WGMMA"] is False and got["values"]["INT8_FUSED_DISPATCH"] == "float"
 
 
 def test_a_value_that_is_no_boolean_warns_and_keeps_the_default():
-    got, err = _probe({"INT8_FUSED_FUSION": "maybe", "INT8_FUSED_JIT_LAUNCH": " ON "})
+    got, err = _probe({"INT8_FUSED_FUSION": "maybe", "INT8_FUSED_ATTN_INT8_AUTO": " ON "})
     assert got["values"]["INT8_FUSED_FUSION"] is True and got["fused"] == ["ff"]
     assert "INT8_FUSED_FUSION='maybe'" in err
-    assert got["values"]["INT8_FUSED_JIT_LAUNCH"] is True and got["fast_launch"] is False
+    assert got["values"]["INT8_FUSED_ATTN_INT8_AUTO"] is True and got["attn_int8_auto"] is True
 
 
 def test_read_once_override_and_reload(monkeypatch):
@@ -133,8 +134,12 @@ def test_markdown_table_lists_every_switch():
     assert table[0] == "| switch | default | what it does |" and len(table) == 2 + len(config.SWITCHES)
     for name, row in zip(config.SWITCHES, table[2:]):
         assert row.startswith(f"| `{name}` |") and "\n" not in row
-    # the README's table is this table, word for word (a new or changed switch shows up as a failure here)
-    assert config.markdown_table().strip() in (ROOT / "README.md").read_text()
+    # the README's table between its markers is this table, word for word (a new, changed or removed switch shows
+    # up as a failure here)
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- switches -->\n", "\n<!-- /switches -->"
+    assert readme.count(start) == 1 and readme.count(end) == 1
+    assert readme[readme.index(start) + len(start):readme.index(end)] == config.markdown_table()
 
 
 def test_generation_moves_with_every_change_and_gemm_switches_follow(monkeypatch):
@@ -143,21 +148,20 @@ def test_generation_moves_with_every_change_and_gemm_switches_follow(monkeypatch
     import kernel
     g0 = config.generation()
     base = kernel.gemm_switches()
-    assert base == (config.get("INT8_FUSED_TAIL_SPLIT"), config.get("INT8_FUSED_S8_WGMMA"),
-                    config.get("INT8_FUSED_PERSISTENT"))
-    with config.override(INT8_FUSED_PERSISTENT=not base[2], INT8_FUSED_TAIL_SPLIT="0"):
+    assert base == (config.get("INT8_FUSED_S8_WGMMA"), None)
+    with config.override(INT8_FUSED_S8_WGMMA=not base[0]):
         g1 = config.generation()
         assert g1 != g0
-        assert kernel.gemm_switches() == ("0", base[1], not base[2])
-        with config.override(INT8_FUSED_S8_WGMMA=not base[1]):
-            assert kernel.gemm_switches() == ("0", not base[1], not base[2])
-        assert kernel.gemm_switches() == ("0", base[1], not base[2])
+        assert kernel.gemm_switches() == (not base[0], None)
+        with config.override(INT8_FUSED_S8_WGMMA=base[0]):
+            assert kernel.gemm_switches() == base
+        assert kernel.gemm_switches() == (not base[0], None)
     assert config.generation() not in (g0, g1) and kernel.gemm_switches() == base
-    monkeypatch.setenv("INT8_FUSED_PERSISTENT", "0" if base[2] else "1")
+    monkeypatch.setenv("INT8_FUSED_S8_WGMMA", "0" if base[0] else "1")
     g2 = config.generation()
     config.reload()
     try:
-        assert config.generation() != g2 and kernel.gemm_switches()[2] is (not base[2])
+        assert config.generation() != g2 and kernel.gemm_switches()[0] is (not base[0])
     finally:
         monkeypatch.undo()
         config.reload()

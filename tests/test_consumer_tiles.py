@@ -1,4 +1,4 @@
-"""The consumer tile set's bench (bench/consumer_tiles.py, issue 36 item 2) in the interpreter on tiny shapes: every
+"""The consumer tile set's bench (bench/checks/consumer_tiles.py, issue 36 item 2) in the interpreter on tiny shapes: every
 tile Ampere / Ada / sm_120 may pick run explicitly, int32 bit-exact against an int64 matmul, the INT8 linear through
 the forced generation's pick within one bf16 rounding of the dequantized exact product; and the bench hook
 (``kernel.gemm.forced_generation``): the switches carry the forced capability (so no prepared call crosses it), the
@@ -24,20 +24,20 @@ pytestmark = pytest.mark.skipif(not config.get("TRITON_INTERPRET"), reason="need
 def test_forced_generation_hook():
     from kernel import gemm, s8wgmma
     base = kernel.gemm_switches()
-    assert len(base) == 3
+    assert base == (config.get("INT8_FUSED_S8_WGMMA"), None)
     with gemm.forced_generation((8, 9)):
         sw = kernel.gemm_switches()
-        assert sw[:3] == base and sw[3] == (8, 9)
-        assert gemm._generation(torch.device("cpu"), sw[3]) == ((8, 9), None)
+        assert sw == (base[0], (8, 9))
+        assert gemm._generation(torch.device("cpu"), sw[1]) == ((8, 9), None)
         assert not s8wgmma.usable(torch.device("cuda", 0))
-        cands = autotune.candidates(*gemm._generation(torch.device("cpu"), sw[3]), 4096)
+        cands = autotune.candidates(*gemm._generation(torch.device("cpu"), sw[1]), 4096)
         assert cands == autotune.target_candidates((8, 9))["large"]
         assert not any(c.get("S8") for c in cands)
     assert kernel.gemm_switches() == base
 
 
 def test_consumer_tiles_cpu_smoke(tmp_path):
-    from bench import consumer_tiles
+    from bench.checks import consumer_tiles
     out = tmp_path / "consumer.json"
     assert consumer_tiles.main(["--cpu-smoke", "--out", str(out)]) == 0
     res = json.loads(out.read_text())

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
 import full_size as F  # noqa: E402
 
@@ -39,7 +39,7 @@ def _flux_params_by_hand() -> int:
 
 def test_parameter_counts():
     assert _flux_params_by_hand() == P_FLUX == F.ARCHS["flux"][2]
-    import e2e  # Ideogram 4's layout (bench/e2e.py), 34 layers
+    from bench.lib import e2e  # Ideogram 4's layout (bench/lib/e2e.py), 34 layers
     assert sum(math.prod(s) for s, _ in e2e.ideogram4_shapes(34).values()) == F.ARCHS["ideogram4"][2]
     # the counts ComfyUI's layout gave on the H200 (bench/e2e_models.py records them)
     doc = json.loads((ROOT / "bench" / "results" / "models-runs" / "h200-e2e-models-822c06c.json").read_text())

@@ -218,7 +218,7 @@ def test_float_weight_made_once_and_only_for_layers_that_run_float(monkeypatch):
     x = _x(5, 72)
     with config.override(INT8_FUSED_DISPATCH="int8"):
         a(x), a(x)
-    assert made == [] and not any(k[0] == "dispatch_float" for k in a._vectors if isinstance(k, tuple))
+    assert made == [] and not any(k[0] == "dispatch_float" for k in a.derived.tensors if isinstance(k, tuple))
     with config.override(INT8_FUSED_DISPATCH="float"):
         b(x), b(x), b(x[:2])
         b(x.to(torch.bfloat16))
@@ -278,7 +278,7 @@ def test_hot_float_path_is_dropped_when_its_conditions_change(monkeypatch):
         assert len(slow) == 3
         old = layer.weight
         layer.weight = layer.weight.detach().clone()  # ComfyUI swapping the int8 weight: another tensor
-        assert "_hot" not in layer.__dict__  # nothing keeps the old weight (or its float copy) alive
+        assert not layer.derived.hot  # nothing keeps the old weight (or its float copy) alive
         del old
         y_new = layer(x)
         assert len(slow) == 4 and _rel(y_new, _float_ref(x, layer)) < 1e-5

@@ -379,7 +379,8 @@ def test_stale_temporary_of_a_killed_writer_is_removed_by_the_next_save(tmp_path
     import sys
     from pathlib import Path
     root = str(Path(__file__).resolve().parents[1])
-    script = ("import sys, time\nsys.path.insert(0, sys.argv[1])\nimport torch, safetensors.torch\n"
+    script = ("import sys, time\nsys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests']\nimport pack_import\n"
+              "pack_import.install()\nimport torch, safetensors.torch\n"
               "def hang(tensors, path, metadata=None):\n"
               "    open(path, 'wb').write(b'partial'); print('writing', flush=True); time.sleep(600)\n"
               "safetensors.torch.save_file = hang\nfrom quant import fmt_write\n"

@@ -305,22 +305,6 @@ def test_gemm_swiglu_equals_gemm_then_swiglu(kf, dtype, m, f, k, bias, clamp, w_
     torch.testing.assert_close(s1, s0, rtol=0 if EXACT else 1e-6, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("split", [2, 3, 4])
-def test_gemm_swiglu_tail_split_is_bit_exact(kf, monkeypatch, split):
-    """The SwiGLU-epilogue GEMM with the tail split (kernel/gemm.py ``tail_layout``): 5 row tiles x 1 column tile of
-    the interpreter's 32 x 32 config on its 4 programs at once leave one tail tile, cut into K pieces (K 300: a K tail
-    too); h equals the whole-tile kernel's bit for bit, twice in a row (the counters reset)."""
-    from kernel import autotune
-    g = torch.Generator().manual_seed(split)
-    a_q, a_s, w, ws, b = _int8_operands(150, 16, 300, BF16, g, True)
-    cfg = autotune.interpreter_configs()[0]
-    monkeypatch.setattr(kf.swiglu, "select_config", lambda *a, **kw: cfg)
-    plain = kf.swiglu.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0)  # row 4 of x holds a NaN
-    monkeypatch.setattr(kf.swiglu, "select_config", lambda *a, **kw: {**cfg, "SPLIT": split})
-    for _ in range(2):
-        assert torch.equal(kf.swiglu.gemm_swiglu(a_q, a_s, w, ws, b, out_dtype=BF16).nan_to_num(nan=7.0), plain)
-
-
 @pytest.mark.parametrize("dtype,m,f,k,bias,clamp", [
     (BF16, 150, 48, 96, True, False),   # 5 row tiles x 3 F tiles (HALF 16) over 4 programs, a bias
     (FP16, 37, 40, 80, False, True),    # F tail (40 = 2.5 x 16) and K tail: TMA reads zero there; fp16 clamped
@@ -358,9 +342,11 @@ def test_gemm_swiglu_edges(kf):
 
 
 @pytest.mark.parametrize("clamp", [False, True])
-def test_fused_feed_forward_swiglu_epilogue_switch(clamp):
-    """INT8_FUSED_SWIGLU_EPILOGUE: the same output bit for bit with SwiGLU in the GEMM epilogue or in its own
-    kernel (and the switch decides which kernel ran)."""
+def test_fused_feed_forward_runs_swiglu_in_the_gemm_epilogue(clamp):
+    """The fused FeedForward computes SwiGLU in the merged GEMM's epilogue (one ``_gemm_swiglu_kernel`` launch, no
+    ``_swiglu_quant_kernel``) and equals the per-linear INT8 path: w1 and w3 as their own Int8Linear, torch's
+    ``silu(a) * b`` (``swiglu_ref``, clamped for fp16), w2's Int8Linear on that."""
+    import kernel.gemm as kgm
     import kernel.swiglu as ksw
     torch.manual_seed(1)
     dtype = FP16 if clamp else BF16
@@ -370,27 +356,23 @@ def test_fused_feed_forward_swiglu_epilogue_switch(clamp):
               "w2": _int8(ff.w2, "w2", 0.5 + torch.rand(96, device=DEV))}
     fused = lumina2.fuse(nn.ModuleDict({"ff": ff}), {f"ff.{k}": v for k, v in layers.items()}, clamp_fp16=clamp)["ff"]
     x = (torch.randn(2, 7, 64, device=DEV) * 4).to(dtype)
-    outs, ran = {}, {}
-    import kernel.gemm as kgm
-    for on in (True, False):
-        seen = []
-        real = ksw.launch
+    seen, real = [], ksw.launch
 
-        def spy(fn, *a, **kw):
-            seen.append(fn)
-            return real(fn, *a, **kw)
-        ksw.launch = kgm.launch = spy  # the GEMM kernels launch through kernel.gemm.run_launch
-        try:
-            with qf.config.override(INT8_FUSED_SWIGLU_EPILOGUE=on):
-                outs[on] = fused(x)
-        finally:
-            ksw.launch = kgm.launch = real
-        ran[on] = [fn for fn in seen if fn is not kgm._int8_gemm_kernel]  # w2's GEMM
-    assert ran[True] == [ksw._gemm_swiglu_kernel] and ksw._swiglu_quant_kernel in ran[False]
+    def spy(fn, *a, **kw):
+        seen.append(fn)
+        return real(fn, *a, **kw)
+    ksw.launch = kgm.launch = spy  # the GEMM kernels launch through kernel.gemm.run_launch
+    try:
+        got = fused(x)
+    finally:
+        ksw.launch = kgm.launch = real
+    assert [fn for fn in seen if fn is not kgm._int8_gemm_kernel] == [ksw._gemm_swiglu_kernel]  # w2's GEMM aside
+    h = qf.swiglu_ref(layers["w1"](x), layers["w3"](x), clamp_fp16=clamp).to(dtype)
+    ref = layers["w2"](h)
     if EXACT:
-        assert torch.equal(outs[True], outs[False])
+        assert torch.equal(got, ref)
     else:
-        _assert_within_rounding(outs[True], outs[False])
+        _assert_within_rounding(got, ref)
 
 
 @pytest.mark.parametrize("one_pass", [True, False], ids=["segments", "one_tile"])
@@ -824,7 +806,7 @@ import copy, os, sys, uuid
 import torch
 root, comfy_dir = sys.argv[1], sys.argv[2]
 sys.path.insert(0, comfy_dir)
-sys.path.insert(0, root)
+sys.path[:0] = [root, root + "/tests"]; import pack_import; pack_import.install()
 dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 import comfy.cli_args
 comfy.cli_args.args.cpu = dev == "cpu"
@@ -952,12 +934,7 @@ def _hopper_check() -> str:
                                                                     kq._quant_rows_loop_kernel) else None)
         if not (cubin and v4 > 0):
             return f"{fn.fn.__name__} {consts}: cubin={cubin}, 16-byte loads={v4}"
-        # INT8_FUSED_ALU_ROUND: the int8 codes (and the bf16 roundings) come from adds, not cvt.rni / cvt.rn.bf16
-        if kf.quantize.ALU_ROUND and ("cvt.rni" in ptx or (consts.get("NORM_DT") == 1 and "cvt.rn.bf16.f32" in ptx
-                                                   and fn not in (kf.residual._gated_residual_kernel,
-                                                                  kf.residual._gated_residual_kernel))):
-            return f"{fn.fn.__name__} {consts}: ALU_ROUND on but the PTX still rounds with cvt"
-        if not kf.quantize.ALU_ROUND and "cvt.rni" not in ptx:
+        if "cvt.rni" not in ptx:  # the int8 codes from libdevice rint
             return f"{fn.fn.__name__} {consts}: no cvt.rni in the default build"
     return _hopper_check_gemm_swiglu(kf)
 
@@ -973,10 +950,10 @@ def _hopper_check_gemm_swiglu(kf) -> str:
     from triton.compiler import ASTSource
     fn = kf.swiglu._gemm_swiglu_kernel
     types = {"a_ptr": "*i8", "w_ptr": "*i8", "h_ptr": "*bf16", "as_ptr": "*fp32", "ws_ptr": "*fp32",
-             "bias_ptr": "*fp32", "part_ptr": "*i32", "cnt_ptr": "*i32"}
+             "bias_ptr": "*fp32"}
     for dt, clamp in ((1, False), (2, True)):
         consts = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "HAS_BIAS": False, "EVEN_K": True,
-                  "SPLIT": 1, "DT": dt, "CLAMP_FP16": clamp, "INTERPRET": False}
+                  "DT": dt, "CLAMP_FP16": clamp, "INTERPRET": False}
         params = list(inspect.signature(fn.fn).parameters)
         sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
         if dt == 2:
@@ -990,17 +967,6 @@ def _hopper_check_gemm_swiglu(kf) -> str:
             return f"_gemm_swiglu_kernel DT={dt}: cubin={'cubin' in k.asm}, no s8 wgmma in the PTX"
         if ".maxnreg 128" not in ptx:
             return f"_gemm_swiglu_kernel DT={dt}: no register cap in the PTX (two CTAs an SM need <= 128)"
-    for split in (2, 3, 4):  # its tail-split builds: the same 8-bit wgmma, the pieces published as gemm's are
-        consts = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "HAS_BIAS": True, "EVEN_K": True,
-                  "SPLIT": split, "DT": 1, "CLAMP_FP16": False, "INTERPRET": False}
-        params = list(inspect.signature(fn.fn).parameters)
-        sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
-        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                             target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 8, "num_stages": 3, "maxnreg": 128}).asm["ptx"]
-        if ".s32.s8.s8" not in ptx or "atom.global.gpu.acq_rel.add" not in ptx or "ld.global.cg" not in ptx:
-            return f"_gemm_swiglu_kernel SPLIT={split}: no s8 wgmma, or partials not published as in kernel/gemm.py"
     return _hopper_check_gemm_split()
 
 
@@ -1053,9 +1019,7 @@ def _hopper_check_gemm_split() -> str:
     return "OK"
 
 
-@pytest.mark.parametrize("alu", ["0", "1"], ids=["cvt", "alu_round"])
-def test_kernels_compile_for_hopper(alu):
+def test_kernels_compile_for_hopper():
     """The compiled (non-interpreter) branches build for sm_90 (Triton's bundled ptxas; no GPU needed) and
-    load rows with 16-byte vectors; with INT8_FUSED_ALU_ROUND=1 (taken at import) without cvt rounding. In a
-    subprocess: under TRITON_INTERPRET=1 kernels are not compilable."""
-    fbh.hopper_check_in_subprocess("test_fused", {"INT8_FUSED_ALU_ROUND": alu})
+    load rows with 16-byte vectors. In a subprocess: under TRITON_INTERPRET=1 kernels are not compilable."""
+    fbh.hopper_check_in_subprocess("test_fused")

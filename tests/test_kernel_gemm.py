@@ -150,7 +150,7 @@ def test_bad_inputs_raise(kwargs, match):
         kernel.int8_gemm(a_q, a_scale, w_q, w_scale, **kwargs)
 
 
-# ---------------------------------------------------------------- the tail split (kernel.gemm.tail_layout)
+# ---------------------------------------------------------------- the tail split (kernel.tailsplit)
 @pytest.mark.parametrize("tiles, slots, split, kb, want", [
     (1152, 264, 4, 36, (1056, 2, 18)),   # Ideogram 4 o / w2 at M 4096 on the H200: 96 tail tiles, room for 2 each
     (576, 264, 4, 36, (528, 4, 9)),      # 48 tail tiles: 4 pieces fit (48 * 5 <= 264), 9 K steps each
@@ -161,20 +161,20 @@ def test_bad_inputs_raise(kwargs, match):
     (5, 4, 8, 1, (5, 1, 1)),             # one K step: nothing to cut
 ])
 def test_tail_layout(tiles, slots, split, kb, want):
-    from kernel.gemm import tail_layout
+    from kernel.tailsplit import tail_layout
     assert tail_layout(tiles, slots, split, kb) == want
 
 
 @pytest.mark.parametrize("m, n, k, split", [(150, 30, 300, 4), (150, 30, 256, 3), (33, 70, 300, 2),
                                             (150, 60, 40, 4), (160, 30, 70, 2)])
 def test_tail_split_is_bit_exact(m, n, k, split):
-    """The interpreter runs 4 programs at once (``_slots``): 5 or 6 tiles of 32 x 32 leave a tail of 1-2 tiles that
-    run in K pieces (K tails and EVEN_K both); the int32 sum equals torch._int_mm / the int64 reference, the bf16
+    """The interpreter runs 4 programs at once (``tailsplit.program_slots``): 5 or 6 tiles of 32 x 32 leave a tail of
+    1-2 tiles that run in K pieces (K tails and EVEN_K both); the int32 sum equals torch._int_mm / the int64 reference, the bf16
     epilogue equals the plain kernel's bit for bit, and a second call (counters reset by the first) again."""
-    from kernel import gemm
+    from kernel import gemm, tailsplit
     cfg = autotune.interpreter_configs()[0]
     tiles = -(-m // 32) * -(-n // 32)
-    assert gemm.tail_layout(tiles, 4, split, -(-k // 32))[1] > 1  # the case does split
+    assert tailsplit.tail_layout(tiles, 4, split, -(-k // 32))[1] > 1  # the case does split
     a, w = _i8(m, k), _i8(n, k)
     a_s, w_s, bias = torch.rand(m) * 1e-2, torch.rand(n) * 1e-2, torch.randn(n).to(torch.bfloat16)
     plain = gemm.launch_int8_gemm(a, a_s, w, w_s, bias, torch.empty(m, n, dtype=torch.bfloat16), cfg)
@@ -185,13 +185,13 @@ def test_tail_split_is_bit_exact(m, n, k, split):
         y = gemm.launch_int8_gemm(a, a_s, w, w_s, bias, torch.full((m, n), float("nan"), dtype=torch.bfloat16),
                                   {**cfg, "SPLIT": split})
         assert torch.equal(y, plain)
-        assert all(not c.any() for _, c in gemm._SCRATCH.values())  # every counter back at 0
+        assert all(not c.any() for _, c in tailsplit._SCRATCH.values())  # every counter back at 0
 
 
 def test_choose_split_times_once_and_keeps_a_margin(tmp_path):
     """``choose_split`` with a fake clock: whole tiles win unless a split is SPLIT_MARGIN faster; the decision is
     kept in the cache (per N, K, M bucket and row tiles) and not timed again; no tail: nothing timed."""
-    from kernel import gemm
+    from kernel import tailsplit
     cfg = autotune.hopper_configs()[0]                # 128 x 128 tiles
     times = {1: 1.0, 2: 0.99, 3: 0.95, 4: 0.97}       # SPLIT 3 is 5 % faster; SPLIT 2 within the margin
     timed = []
@@ -201,13 +201,14 @@ def test_choose_split_times_once_and_keeps_a_margin(tmp_path):
         return times[c.get("SPLIT", 1)]
     cache = autotune.ConfigCache(tmp_path / "gemm.json")
     # M 4608 x N 12288: 36 x 96 = 3456 tiles on 264 slots, a tail of 24: 2, 3 and 4 pieces all fit
-    got = gemm.choose_split(cfg, 4608, 12288, 4608, 264, cache, clock)
-    r = gemm.SPLIT_ROUNDS
+    got = tailsplit.choose_split(cfg, 4608, 12288, 4608, 264, cache, clock)
+    r = tailsplit.SPLIT_ROUNDS
     assert got == {**cfg, "SPLIT": 3} and timed == [1, 2, 3, 4] * r  # interleaved rounds
-    assert gemm.choose_split(cfg, 4500, 12288, 4608, 264, cache, clock) == got and len(timed) == 4 * r  # same row tiles
+    # the same row tiles: the kept decision
+    assert tailsplit.choose_split(cfg, 4500, 12288, 4608, 264, cache, clock) == got and len(timed) == 4 * r
     # M 4736: 37 row tiles, 3552 tiles, a tail of 120: room for 2 pieces only, 1 % faster is within the margin
-    assert gemm.choose_split(cfg, 4736, 12288, 4608, 264, cache, clock) == cfg and timed[4 * r:] == [1, 2] * r
-    assert gemm.choose_split(cfg, 1408, 12288, 4608, 264, cache, clock) == cfg and len(timed) == 6 * r  # no tail
+    assert tailsplit.choose_split(cfg, 4736, 12288, 4608, 264, cache, clock) == cfg and timed[4 * r:] == [1, 2] * r
+    assert tailsplit.choose_split(cfg, 1408, 12288, 4608, 264, cache, clock) == cfg and len(timed) == 6 * r  # no tail
     data = json.loads((tmp_path / "gemm.json").read_text())["configs"]
     assert data["N12288_K4608_M8192_T36_split"] == {"SPLIT": 3} and data["N12288_K4608_M8192_T37_split"] == {"SPLIT": 1}
 
@@ -215,7 +216,7 @@ def test_choose_split_times_once_and_keeps_a_margin(tmp_path):
 def test_choose_split_takes_medians_of_interleaved_rounds(tmp_path):
     """One slow timing of whole tiles (the clock dropping during it, as on the H200 in run bt) does not make a split
     look faster: the medians of the rounds decide; a split that fails to build is dropped, not chosen."""
-    from kernel import gemm
+    from kernel import tailsplit
     cfg = autotune.hopper_configs()[0]
     plain = iter([1.07, 1.0, 1.0])                  # the first round's whole-tile timing 7 % slow
 
@@ -225,22 +226,22 @@ def test_choose_split_takes_medians_of_interleaved_rounds(tmp_path):
             raise RuntimeError("out of resources")
         return next(plain) if s == 1 else {2: 0.995, 3: 0.99}[s]
     cache = autotune.ConfigCache(tmp_path / "gemm.json")
-    assert gemm.choose_split(cfg, 4608, 12288, 4608, 264, cache, clock) == cfg  # 0.99 vs median 1.0: within 2 %
+    assert tailsplit.choose_split(cfg, 4608, 12288, 4608, 264, cache, clock) == cfg  # 0.99 vs median 1.0: within 2 %
     plain = iter([1.0, 1.07, 1.07])                 # whole tiles really slower in most rounds: SPLIT 3 wins
-    assert gemm.choose_split(cfg, 4608, 12288, 4608, 264, autotune.ConfigCache(tmp_path / "b.json"),
+    assert tailsplit.choose_split(cfg, 4608, 12288, 4608, 264, autotune.ConfigCache(tmp_path / "b.json"),
                              clock) == {**cfg, "SPLIT": 3}
 
 
 def test_plan_keeps_the_tail_split_scratch(monkeypatch):
     """A plan of a split GEMM keeps the scratch its launch used (``launch.keep``) and repeats the call bit for bit."""
-    from kernel import gemm
+    from kernel import gemm, tailsplit
     cfg = {**autotune.interpreter_configs()[0], "SPLIT": 2}
     monkeypatch.setattr(gemm, "select_config", lambda *a, **kw: cfg)
     m, n, k = 150, 30, 300
     w, w_s = _i8(n, k), torch.rand(n)
     out, p = kernel.int8_gemm_planned(_i8(m, k), torch.rand(m), w, w_s, None, torch.float32)
     assert p is not None
-    part = gemm._SCRATCH[(None, 0)][0]
+    part = tailsplit._SCRATCH[(None, 0)][0]
     assert any(t is part for st in p._steps for t in st[2])  # the recorded launch's scratch, held by the plan
     a2, s2 = _i8(m, k), torch.rand(m)
     y = p(a2, s2, w, w_s, None)
@@ -253,48 +254,38 @@ def test_slots_from_the_device_properties(monkeypatch):
     SM hold two 96 KB stages + 1 KB reserved of the 128 x 128 x 128 x 3 tile, its 65,536 registers two 8-warp CTAs at
     128 a thread; the 4-stage 128 KB tile fits once. Properties an older torch lacks: one CTA an SM, no error."""
     import types
-    from kernel import gemm
+    from kernel import tailsplit
     h200 = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472,
                                  regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048)
     old = types.SimpleNamespace(multi_processor_count=82)
     props = {0: h200, 1: old}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props[torch.device(d).index])
-    monkeypatch.setattr(gemm, "_SLOTS", {})
+    monkeypatch.setattr(tailsplit, "_SLOTS", {})
     three, four = autotune.hopper_configs()[0], dict(autotune.hopper_configs()[0], num_stages=4)
-    assert gemm.program_slots(three, torch.device("cuda", 0)) == 264
-    assert gemm.program_slots(four, torch.device("cuda", 0)) == 132
-    assert gemm.program_slots(three, torch.device("cuda", 1)) == 82
-    assert gemm.program_slots(three, torch.device("cpu")) == 4
-
-
-@pytest.mark.parametrize("value, gemm_on, swiglu_on", [(None, True, False), ("gemm", True, False), ("1", True, False),
-                                                      ("all", True, True), ("ALL", True, True), ("0", False, False),
-                                                      ("off", False, False)])
-def test_tail_split_switch(value, gemm_on, swiglu_on):
-    """INT8_FUSED_TAIL_SPLIT: the INT8 GEMM by default (measured on the H200), the SwiGLU-epilogue GEMM only with
-    ``all`` (not yet timed on a GPU), neither with ``0``."""
-    from kernel import config, gemm
-    with config.override(INT8_FUSED_TAIL_SPLIT=value):
-        assert gemm.tail_split_on("gemm") is gemm_on and gemm.tail_split_on("swiglu") is swiglu_on
+    assert tailsplit.program_slots(three, torch.device("cuda", 0)) == 264
+    assert tailsplit.program_slots(four, torch.device("cuda", 0)) == 132
+    assert tailsplit.program_slots(three, torch.device("cuda", 1)) == 82
+    assert tailsplit.program_slots(three, torch.device("cpu")) == 4
 
 
 def test_select_config_on_a_gpu_tunes_tiles_then_the_split(monkeypatch, tmp_path):
     """``select_config``'s GPU path with a stand-in GPU (H200 properties, a fake clock in place of do_bench, the
     launches recorded instead of run): the tile config is timed once per (N, K, M bucket), the tail split once per
     row tiles (Ideogram 4's w2 at M 4096: a tail of 96 tiles, room for 2 pieces: SPLIT 2 timed 5 % faster is kept);
-    the SwiGLU caller (``tail_split=False``) and INT8_FUSED_TAIL_SPLIT=0 get the tile config alone; a second
-    process (new memo, same file) times nothing."""
+    the SwiGLU caller (``tail_split=False``) gets the tile config alone; a second process (new memo, same file)
+    times nothing."""
     import types
 
     import triton
-    from kernel import config, gemm
+    from kernel import config, gemm, tailsplit
     h200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
                                  shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472,
                                  regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: h200)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
-    for memo in ("_TUNED", "_CACHES", "_SLOTS"):
+    for memo in ("_TUNED", "_CACHES"):
         monkeypatch.setattr(gemm, memo, {})
+    monkeypatch.setattr(tailsplit, "_SLOTS", {})
     best = autotune.hopper_configs()[0]
     timed = []
 
@@ -314,12 +305,10 @@ def test_select_config_on_a_gpu_tunes_tiles_then_the_split(monkeypatch, tmp_path
     with config.override(INT8_FUSED_CACHE_DIR=str(tmp_path)):
         cfg = gemm.select_config(a_q, None, w_q, None, None, object())
         n_cands = len(autotune.candidates((9, 0), 232448, 4096))
-        n_split = 2 * gemm.SPLIT_ROUNDS
+        n_split = 2 * tailsplit.SPLIT_ROUNDS
         assert cfg == {**best, "SPLIT": 2} and len(timed) == n_cands + n_split  # every tile, then plain vs SPLIT 2
         assert gemm.select_config(a_q, None, w_q, None, None, object()) is cfg and len(timed) == n_cands + n_split
         assert gemm.select_config(a_q, None, w_q, None, None, object(), tail_split=False) == best
-        with config.override(INT8_FUSED_TAIL_SPLIT="0"):
-            assert gemm.select_config(a_q, None, w_q, None, None, object()) == best
         assert len(timed) == n_cands + n_split
         monkeypatch.setattr(gemm, "_TUNED", {})
         monkeypatch.setattr(gemm, "_CACHES", {})

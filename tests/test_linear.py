@@ -179,6 +179,7 @@ def test_managed_layer_fetches_through_the_installed_cast_once_per_call():
         return lay.weight.to(device), lay.bias.to(device), lambda: released.append(lay.name)
 
     layer.comfy_cast_weights = True
+    prev = L._COMFY_CAST  # the pack's nodes may have installed ComfyUI's (one quant.linear in the session)
     L.set_comfy_cast(cast)
     try:
         for _ in range(3):
@@ -193,7 +194,7 @@ def test_managed_layer_fetches_through_the_installed_cast_once_per_call():
         with layer.operands(torch.device("meta")) as t3:
             assert t3.weight_scale is not s1
     finally:
-        L.set_comfy_cast(None)
+        L.set_comfy_cast(prev)
     # on the layer's own device nothing is fetched: the layer's own tensors
     calls.clear()
     x = torch.randn(3, 48)

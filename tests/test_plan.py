@@ -116,13 +116,10 @@ def test_no_plan_where_the_call_converted_an_operand():
     assert _rel(y, _ref(x, layer)) < 1e-6
 
 
-def test_no_plan_without_launches_or_when_switched_off():
+def test_no_plan_without_launches():
     layer = _layer()
     y, p = kernel.int8_linear_planned(torch.zeros(0, 72), *_ops(layer))
     assert p is None and y.shape == (0, 40)
-    with config.override(INT8_FUSED_PLANS=False):
-        y, p = kernel.int8_linear_planned(_x(24, 72), *_ops(layer))
-    assert p is None and _rel(y, _ref(_x(24, 72), layer)) < 1e-6
 
 
 def _spy(monkeypatch, name):
@@ -148,23 +145,6 @@ def test_layer_plans_once_per_call_shape(monkeypatch, dispatch_mode):
     # the later ones re-issue that plan
     assert planned == [torch.Size([48, 72]), torch.Size([2, 24, 72])] and checked == []
     assert layer.dispatch_calls["int8"] == 4
-
-
-def test_layer_switched_off_takes_the_checked_path_each_call(monkeypatch):
-    """INT8_FUSED_PLANS=0 (an A/B on a loaded model): the checked call each time, kept plans unused; back on, the
-    plans run again."""
-    planned, checked = _spy(monkeypatch, "int8_linear_planned"), _spy(monkeypatch, "int8_linear")
-    layer = _layer()
-    x = _x(24, 72)
-    layer.int8_call(x)
-    assert len(planned) == 1 and not checked
-    with config.override(INT8_FUSED_PLANS=False):
-        for seed in range(3):
-            x = _x(24, 72, seed=seed)
-            assert _rel(layer.int8_call(x), _ref(x, layer)) < 1e-6
-    assert len(planned) == 1 and len(checked) == 3
-    layer.int8_call(x)
-    assert len(planned) == 1 and len(checked) == 3
 
 
 def test_unplannable_call_is_remembered(monkeypatch):
@@ -434,30 +414,28 @@ def test_a_changed_quantizer_plan_is_not_served_a_stale_plan(monkeypatch):
     assert torch.equal(q, rq) and torch.equal(s, rs)
 
 
-@pytest.mark.parametrize("switch", ["INT8_FUSED_S8_WGMMA", "INT8_FUSED_PERSISTENT", "INT8_FUSED_TAIL_SPLIT"])
-def test_the_gemm_tile_switches_key_the_prepared_calls(switch):
-    """The switches that choose the GEMMs' tiles are part of the prepared calls' key salt (kernel.ops.tunables()):
-    an A/B row with one of them changed must not re-issue launches planned under the other value (on the H200, run
-    cb, an ``INT8_FUSED_PERSISTENT=0`` row re-issued the persistent SwiGLU GEMM an earlier row had planned)."""
+def test_the_gemm_tile_switch_keys_the_prepared_calls():
+    """The switch that chooses the GEMMs' tiles (INT8_FUSED_S8_WGMMA) is part of the prepared calls' key salt
+    (kernel.ops.tunables()): an A/B row with it changed must not re-issue launches planned under the other value
+    (the SwiGLU GEMM planned with the s8 tiles, say)."""
     kf = _kf()
     base = kf.ops.tunables()
-    with config.override(**{switch: "0" if switch == "INT8_FUSED_TAIL_SPLIT" else False}):
+    with config.override(INT8_FUSED_S8_WGMMA=not config.get("INT8_FUSED_S8_WGMMA")):
         assert kf.ops.tunables() != base
     assert kf.ops.tunables() == base
 
 
-@pytest.mark.parametrize("switch", ["INT8_FUSED_S8_WGMMA", "INT8_FUSED_PERSISTENT", "INT8_FUSED_TAIL_SPLIT"])
-def test_a_layer_plans_again_when_a_gemm_switch_changes(monkeypatch, switch):
-    """An Int8Linear's own plans (its linear and its fused blocks' GEMMs) are keyed by the GEMM switches too: an A/B
-    of one on a loaded model (bench ``--ab``) records the switched call instead of re-issuing the other value's
+def test_a_layer_plans_again_when_the_gemm_switch_changes(monkeypatch):
+    """An Int8Linear's own plans (its linear and its fused blocks' GEMMs) are keyed by the GEMM switch too: an A/B
+    of it on a loaded model (bench ``--ab``) records the switched call instead of re-issuing the other value's
     launches; back to the first value, the first plan runs again."""
     planned, checked = _spy(monkeypatch, "int8_linear_planned"), _spy(monkeypatch, "int8_linear")
     layer = _layer()
     x = _x(24, 72)
     y = layer.int8_call(x)
     assert torch.equal(layer.int8_call(x), y) and len(planned) == 1
-    with config.override(**{switch: "0" if switch == "INT8_FUSED_TAIL_SPLIT" else False}):
+    with config.override(INT8_FUSED_S8_WGMMA=not config.get("INT8_FUSED_S8_WGMMA")):
         assert torch.equal(layer.int8_call(x), y) and len(planned) == 2
         assert torch.equal(layer.int8_call(x), y) and len(planned) == 2
     assert torch.equal(layer.int8_call(x), y) and len(planned) == 2 and not checked
-    assert len(layer._plans) == 2
+    assert len(layer.derived.plans) == 2

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 import kernel  # noqa: E402
-from kernel import autotune, gemm, s8wgmma  # noqa: E402
+from kernel import autotune, gemm, s8wgmma, tailsplit  # noqa: E402
 from quant.quantize import int8_matmul_ref  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_the_persistent_tail_split_gives_the_plain_kernels_bits(m, n, k, split, 
     a_s, w_s = torch.rand(m) * 1e-2, torch.rand(n) * 1e-2
     b = torch.randn(n).to(out_dtype) if bias else None
     tiles = -(-m // 32) * -(-n // 32)
-    assert gemm.tail_layout(tiles, 4, split, -(-k // 32))[1] > 1  # the case does split
+    assert tailsplit.tail_layout(tiles, 4, split, -(-k // 32))[1] > 1  # the case does split
     plain = gemm.launch_int8_gemm(a, a_s, w, w_s, b, torch.empty((m, n), dtype=out_dtype),
                                   autotune.interpreter_configs()[0])
     acc = int8_matmul_ref(a, w).double()
@@ -210,7 +210,7 @@ def test_the_persistent_tail_split_gives_the_plain_kernels_bits(m, n, k, split, 
             gemm.launch_int8_gemm(a, a_s, w, w_s, b, out, {**_persist_cfg(), "SPLIT": split})
         assert [ln.jit_fn for ln in rec] == [gemm._int8_gemm_persistent_kernel]
         assert s8wgmma.same_bits(out, plain)
-        assert all(not c.any() for _, c in gemm._SCRATCH.values())  # every counter back at 0
+        assert all(not c.any() for _, c in tailsplit._SCRATCH.values())  # every counter back at 0
 
 
 def test_a_plan_of_the_persistent_tail_split_repeats_it_with_its_scratch(monkeypatch):
@@ -223,7 +223,7 @@ def test_a_plan_of_the_persistent_tail_split_repeats_it_with_its_scratch(monkeyp
     _, p = kernel.int8_gemm_planned(torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.rand(m), w, w_s, None,
                                     torch.bfloat16)
     assert p is not None and [st[0] for st in p._steps] == [gemm._int8_gemm_persistent_kernel]
-    part = gemm._SCRATCH[(None, 0)][0]
+    part = tailsplit._SCRATCH[(None, 0)][0]
     assert any(t is part for st in p._steps for t in st[2])
     a2, s2 = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.rand(m)
     y = p(a2, s2, w, w_s, None)
@@ -234,8 +234,7 @@ def test_a_plan_of_the_persistent_tail_split_repeats_it_with_its_scratch(monkeyp
 
 def test_choose_split_times_a_persistent_config_on_a_program_an_sm(tmp_path):
     """The persistent GEMM's tail: 576 tiles of 128 x 256 (Ideogram 4 o at M 4096) on 132 programs leave 48 tiles
-    after 4 whole waves, room for 2 pieces each; the split is kept when it times faster, under its own key. The
-    persistent SwiGLU kernel (``kind``) runs whole tiles: nothing timed."""
+    after 4 whole waves, room for 2 pieces each; the split is kept when it times faster, under its own key."""
     cfg = {**autotune.s8_configs()[1]}
     calls = []
 
@@ -243,12 +242,10 @@ def test_choose_split_times_a_persistent_config_on_a_program_an_sm(tmp_path):
         calls.append(c.get("SPLIT", 1))
         return {1: 1.0, 2: 0.9}[c.get("SPLIT", 1)]
     cache = autotune.ConfigCache(tmp_path / "c.json")
-    assert gemm.tail_layout(576, 132, 4, 36) == (528, 2, 18)
-    assert gemm.choose_split(cfg, 4096, 4608, 4608, 132, cache, clock) == {**cfg, "SPLIT": 2}
-    assert calls == [1, 2] * gemm.SPLIT_ROUNDS
+    assert tailsplit.tail_layout(576, 132, 4, 36) == (528, 2, 18)
+    assert tailsplit.choose_split(cfg, 4096, 4608, 4608, 132, cache, clock) == {**cfg, "SPLIT": 2}
+    assert calls == [1, 2] * tailsplit.SPLIT_ROUNDS
     assert json.loads((tmp_path / "c.json").read_text())["configs"]["N4608_K4608_M4096_s8p_T32_split"] == {"SPLIT": 2}
-    assert gemm.choose_split(cfg, 4096, 12288, 4608, 132, cache, clock, kind="SW_") == cfg
-    assert len(calls) == 2 * gemm.SPLIT_ROUNDS
 
 
 def test_interleaved_medians_takes_medians_and_drops_a_variant_that_fails():
@@ -292,8 +289,7 @@ CASES = [
      {"c_ptr": "*i32"}),
     ("gemm K tail", g._int8_gemm_kernel, {"HAS_BIAS": False, "OUT_INT32": False, "EVEN_K": False, "SPLIT": 1}, {}),
     ("gemm split 2", g._int8_gemm_kernel, {"HAS_BIAS": True, "OUT_INT32": False, "EVEN_K": True, "SPLIT": 2}, {}),
-    ("swiglu", ksw._gemm_swiglu_kernel, {"HAS_BIAS": False, "EVEN_K": True, "SPLIT": 1, "DT": 1, "CLAMP_FP16": False},
-     {}),
+    ("swiglu", ksw._gemm_swiglu_kernel, {"HAS_BIAS": False, "EVEN_K": True, "DT": 1, "CLAMP_FP16": False}, {}),
     ("persistent bias bf16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": True, "SPLIT": 1}, {}),
     ("persistent fp16", g._int8_gemm_persistent_kernel, {"HAS_BIAS": False, "SPLIT": 1},
      {"c_desc": "tensordesc<fp16[128, 128]>"}),

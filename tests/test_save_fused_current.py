@@ -43,7 +43,7 @@ def body(pack, models) -> dict:
 
     import comfy.sd
     from safetensors import safe_open
-    spec = importlib.util.spec_from_file_location("bench_e2e", Path(pack.__file__).parent / "bench" / "e2e.py")
+    spec = importlib.util.spec_from_file_location("bench_e2e", Path(pack.__file__).parent / "bench" / "lib" / "e2e.py")
     e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e2e)
     sd = e2e.random_state_dict(1, "cpu", seed=0)  # Ideogram 4's keys and real widths, random bf16 weights

@@ -1,7 +1,7 @@
 """Shipped tuned tables (kernel/tuned, issue 38 item 1): a GPU's seed file stands in for every timing a new user's
 first sample would run (GEMM tiles and tail splits, int8-vs-float dispatch, attention backends); the user's own
 cache wins; a seed of another GPU, or a disabled one, is ignored; a seed config that fails to build is tuned, with
-one log line; bench/tuned_tables.py builds the seed from cache files the real classes wrote; tuning logs its
+one log line; bench/checks/tuned_tables.py builds the seed from cache files the real classes wrote; tuning logs its
 progress and a summary.
 
 Run: bash scripts/test.sh tests/test_tuned_tables.py
@@ -142,14 +142,15 @@ def test_select_config_on_a_stand_in_h200_takes_tile_and_split_from_the_seed(see
     tile and tail split come from the seed, each run once (the check), nothing timed; without the seed the same
     call times every candidate."""
     import triton
-    from kernel import gemm, s8wgmma
+    from kernel import gemm, s8wgmma, tailsplit
     props = types.SimpleNamespace(name=H200, major=9, minor=0, multi_processor_count=132,
                                   shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472,
                                   regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: H200)
-    for memo in ("_TUNED", "_CACHES", "_SLOTS"):
+    for memo in ("_TUNED", "_CACHES"):
         monkeypatch.setattr(gemm, memo, {})
+    monkeypatch.setattr(tailsplit, "_SLOTS", {})
     launched, timed = [], []
     monkeypatch.setattr(gemm, "launch_int8_gemm", lambda a, asc, w, ws, b, out, cfg: launched.append(cfg))
 
@@ -243,7 +244,7 @@ def test_attention_seed_keys_drop_the_device_index():
 
 # ---------------------------------------------------------------- the bench tool
 def test_bench_tool_builds_a_seed_from_cache_files_the_real_classes_wrote(seeds, tmp_path, capsys):
-    from bench import tuned_tables
+    from bench.checks import tuned_tables
     run = tmp_path / "run" / "autotune"
     run.mkdir(parents=True)
     split = KEY + "_T32_split"
@@ -334,18 +335,3 @@ def test_expected_total_shows_in_the_progress_line(seeds, caplog):
     assert any(r.getMessage() == "INT8 autotune: shape 1/12 GEMM N=3072 K=3072 M<=4096: 1 candidate"
                for r in caplog.records)
     assert math.isfinite(progress.snapshot()["seconds"])
-
-
-def test_bench_tuned_cold_smoke(tmp_path):
-    """bench/tuned_cold.py's plumbing on the CPU (three child processes, the seed built between them, the JSON)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "cold.json"
-    r = subprocess.run([sys.executable, str(root / "bench/tuned_cold.py"), "--smoke", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    doc = json.loads(out.read_text())
-    assert doc["smoke"] and doc["outputs_agree"] and set(doc["summary"]) == {"tune", "seeded", "warm"}
-    assert all(len(doc["phases"][p]["rows"]) == 1 for p in doc["summary"]) and "commit" in doc["provenance"]

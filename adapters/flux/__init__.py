@@ -5,23 +5,26 @@ INT8 layers: the linears of ``double_blocks.N`` (img/txt qkv, proj, mlp) and ``s
 linear2); the modulation GEMVs (``img_mod.lin``, ``txt_mod.lin``, ``modulation.lin``) only with
 ``blocks+modulation``. Flux.2's and Chroma's modulation sits outside the blocks.
 
-Fused, on fused_triton (``fuse``): each Flux.1 ``DoubleStreamBlock`` / ``SingleStreamBlock`` becomes a
-``blocks.FusedFluxDoubleBlock`` / ``FusedFluxSingleBlock``: LayerNorm * (1 + scale) + shift +
-quantization feed qkv, mlp.0 and linear1 from one kernel, GELU + quantization feeds mlp.2, and the single block's
-``cat(attn, gelu(mlp))`` is quantized for linear2 without being built. A block is fused only when it is ComfyUI's
-own class with Flux.1's structure: its own ``Modulation`` (``modulation=True``), the tanh-GELU MLP
-(``nn.Sequential(Linear, GELU, Linear)`` / ``mlp_act``; not ``mlp_silu_act`` nor ``yak_mlp``), LayerNorms without
-affine, txt before img (0.3.75's ``flipped_img_txt`` False), and the ``forward`` arguments both supported ComfyUIs
-have. Anything else (Chroma and Flux.2: modulation passed in as tuples, SiLU MLPs) stays per-linear, with one log
-line saying why. At call time, ``modulation_dims`` (current ComfyUI's ``timestep_zero_index``) or
-``attn1_patch`` / ``attn1_output_patch`` in ``transformer_options`` run ComfyUI's own forward on the block's INT8
-twin (the per-linear path). fp16: the fused forwards clamp as ComfyUI's do (``nan_to_num`` of txt / x).
+Fused, on fused_triton (``fuse`` here: Flux.1's blocks; the registered adapter is ``external_mod.ADAPTER``, whose
+``fuse`` also takes the blocks of Flux.2, Chroma and Chroma Radiance, see ``external_mod.py``): each Flux.1
+``DoubleStreamBlock`` / ``SingleStreamBlock`` becomes a ``blocks.FusedFluxDoubleBlock`` / ``FusedFluxSingleBlock``:
+LayerNorm * (1 + scale) + shift + quantization feed qkv, mlp.0 and linear1 from one kernel, GELU + quantization
+feeds mlp.2, and the single block's ``cat(attn, gelu(mlp))`` is quantized for linear2 without being built. A
+block is fused here only when it is ComfyUI's own class with Flux.1's structure: its own ``Modulation``
+(``modulation=True``), the tanh-GELU MLP (``nn.Sequential(Linear, GELU, Linear)`` / ``mlp_act``; not
+``mlp_silu_act`` nor ``yak_mlp``), LayerNorms without affine, txt before img (0.3.75's ``flipped_img_txt``
+False), and the ``forward`` arguments both supported ComfyUIs have. Blocks with modulation passed in (Chroma,
+Flux.2: ``modulation=False``, SiLU-gated MLPs) are ``external_mod.py``'s; anything else (``yak_mlp``,
+``flipped_img_txt``, other classes) stays per-linear, with one log line saying why. At call time,
+``modulation_dims`` (current ComfyUI's ``timestep_zero_index``) or ``attn1_patch`` / ``attn1_output_patch`` in
+``transformer_options`` run ComfyUI's own forward on the block's INT8 twin (the per-linear path). fp16: the fused
+forwards clamp as ComfyUI's do (``nan_to_num`` of txt / x).
 
 ComfyUI functions, imported explicitly in :func:`comfy_functions`: ``comfy.ldm.flux.math.attention`` (RoPE, then
 ``optimized_attention`` with ``transformer_options``: the pack's attention routing applies), that
-``optimized_attention`` itself (``INT8_FUSED_QK_ROPE``, on by default, applies the QK norm and RoPE in its own
-kernel), and ``comfy.ldm.flux.layers.DoubleStreamBlock.forward`` / ``SingleStreamBlock.forward`` (the fallback); the
-blocks' own ``Modulation`` and ``QKNorm`` modules are called as modules. 0.3.75 and 0.33.0 differ inside those (0.33.0:
+``optimized_attention`` itself (called after the fused blocks' own QK norm + RoPE kernel), and
+``comfy.ldm.flux.layers.DoubleStreamBlock.forward`` / ``SingleStreamBlock.forward`` (the fallback); the blocks' own
+``Modulation`` and ``QKNorm`` modules are called as modules. 0.3.75 and 0.33.0 differ inside those (0.33.0:
 comfy_kitchen RoPE, attention patches, ``yak_mlp``, ``modulation_dims`` slicing), not in what the fused path runs.
 """
 from __future__ import annotations

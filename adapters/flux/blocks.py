@@ -7,10 +7,10 @@ each GEMM input (``kernel/{norm,gelu,residual,rope}.py``):
 * ``gelu_tanh`` + quantization (``gelu_tanh_quantize``) feeds ``img_mlp.2`` / ``txt_mlp.2``;
 * ``cat(attn, gelu_tanh(mlp))`` + quantization (``concat_gelu_quantize``, one absmax over both parts, the
   concatenation never written) feeds the single block's ``linear2``;
-* QK RMSNorm + RoPE + the txt / img concatenation (``qk_norm_rope``, ``INT8_FUSED_QK_ROPE``, on by default);
+* QK RMSNorm + RoPE + the txt / img concatenation (``qk_norm_rope``);
 * the residual tails ``x += y * gate`` (in place, the product rounded first as torch's two ops) in ``residual_add``,
   and the double block's first one together with ``img_norm2`` / ``txt_norm2`` · modulation + quantization for
-  ``mlp.0`` (``residual_add_layernorm_modulate_quantize``); ``INT8_FUSED_FLUX_TAILS=0``: torch's ops.
+  ``mlp.0`` (``residual_add_layernorm_modulate_quantize``); torch's ops where the kernels do not apply.
 
 Pure torch + ``kernel``; no ComfyUI import and no architecture recognition: the adapter (``__init__.py``) decides
 which blocks are Flux.1 blocks and hands in what the forwards call from ComfyUI (:class:`FluxFunctions`: Flux's
@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..base import Int8Linear, blocks as qb, qk_rope_on
+from ..base import Int8Linear, blocks as qb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class FluxFunctions:
     single_forward: Callable  # comfy.ldm.flux.layers.SingleStreamBlock.forward
     # the optimized_attention that ``attention`` calls after RoPE (q, k, v, heads, skip_reshape=, mask=,
     # transformer_options=), and whether ComfyUI is training (then its RoPE is torch's, not comfy-kitchen's):
-    # for INT8_FUSED_QK_ROPE, which applies the QK norm and RoPE itself
+    # for the fused QK norm + RoPE (``qk_norm_rope``), which applies them itself
     optimized_attention: Callable | None = None
     in_training: Callable[[], bool] | None = None
 
@@ -82,10 +82,9 @@ class _FusedFluxBlock(qb.FetchedBlock):
 
     def _attention(self, streams, pe, attn_mask, transformer_options) -> torch.Tensor:
         """Attention over the streams' tokens, in order (txt first): ``streams`` = [(QKNorm, qkv [B, L, 3 * H * D])].
-        With INT8_FUSED_QK_ROPE (default ``all``) one kernel per stream applies the QK norm and RoPE and writes
-        q / k / v straight into the concatenated layout, then ComfyUI's ``optimized_attention``; otherwise (or for a
-        call that kernel does not cover) ComfyUI's ops: split, ``QKNorm``, ``torch.cat``, Flux's ``attention`` (RoPE
-        inside)."""
+        One kernel per stream applies the QK norm and RoPE and writes q / k / v straight into the concatenated layout,
+        then ComfyUI's ``optimized_attention``; for a call that kernel does not cover, ComfyUI's ops: split,
+        ``QKNorm``, ``torch.cat``, Flux's ``attention`` (RoPE inside)."""
         qkv = self._fused_qk_rope(streams, pe)
         if qkv is not None:
             q, k, v = qkv
@@ -107,9 +106,9 @@ class _FusedFluxBlock(qb.FetchedBlock):
 
     def _fused_qk_rope(self, streams, pe):
         """(q, k, v) [B, H, L_all, D] from one ``qk_norm_rope`` launch per stream, or None where it does not apply:
-        switch off, torch.compile tracing, training, ``pe`` not Flux's fp32 [B | 1, 1, L_all, D / 2, 2, 2],
-        norms with weight functions (lowvram LoRA)."""
-        if (not qk_rope_on("flux") or self.fn.optimized_attention is None or qb.compiling()
+        torch.compile tracing, training, ``pe`` not Flux's fp32 [B | 1, 1, L_all, D / 2, 2, 2], norms with weight
+        functions (lowvram LoRA)."""
+        if (self.fn.optimized_attention is None or qb.compiling()
                 or (self.fn.in_training is not None and self.fn.in_training())):
             return None
         x0 = streams[0][1]
@@ -149,16 +148,22 @@ class _FusedFluxBlock(qb.FetchedBlock):
 class FusedFluxDoubleBlock(_FusedFluxBlock):
     """Flux.1's ``DoubleStreamBlock`` (its own img_mod / txt_mod, GELU MLPs, txt tokens first in attention)."""
 
+    def modulations(self, vec):
+        """((img_mod1, img_mod2), (txt_mod1, txt_mod2)) of ``vec``, or None for ComfyUI's own forward: Flux.1's
+        img_mod / txt_mod of the vector (subclasses take modulation passed in)."""
+        return (self.img_mod(vec), self.txt_mod(vec)) if isinstance(vec, torch.Tensor) else None
+
     def forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
                 transformer_options={}):
-        if (modulation_dims_img is not None or modulation_dims_txt is not None or qb.attn_patches(transformer_options)
-                or not isinstance(vec, torch.Tensor)):
+        mods = self.modulations(vec)
+        if (mods is None or modulation_dims_img is not None or modulation_dims_txt is not None
+                or qb.attn_patches(transformer_options)):
             return self.fn.double_forward(self, img, txt, vec, pe, attn_mask=attn_mask,
                                           modulation_dims_img=modulation_dims_img,
                                           modulation_dims_txt=modulation_dims_txt,
                                           transformer_options=transformer_options)
-        img_mod1, img_mod2 = self.img_mod(vec)
-        txt_mod1, txt_mod2 = self.txt_mod(vec)
+        (img_mod1, img_mod2), (txt_mod1, txt_mod2) = mods
+        img = img.contiguous()   # the tails write img in place (Chroma Radiance's img_in is a transposed conv)
         img_qkv = self._mod_linear(self.img_attn.qkv, self.img_norm1, img, img_mod1)
         txt_qkv = self._mod_linear(self.txt_attn.qkv, self.txt_norm1, txt, txt_mod1)
         attn = self._attention([(self.txt_attn.norm, txt_qkv), (self.img_attn.norm, img_qkv)], pe, attn_mask,
@@ -181,9 +186,9 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
         return self._gelu_linear(mlp[2], mlp[1], self._mod_linear(mlp[0], norm, x, mod))
 
     def _tails(self, x, proj, mod1, mlp: nn.Sequential, norm: nn.Module, mod2) -> torch.Tensor:
-        """``x += proj * mod1.gate; x += mlp(apply_mod(norm(x), mod2)) * mod2.gate`` (in place, as ComfyUI). With
-        INT8_FUSED_FLUX_TAILS the first sum and mlp.0's int8 input come from one kernel and the second sum from
-        another (:func:`_residual_fusable`); else torch's ops."""
+        """``x += proj * mod1.gate; x += mlp(apply_mod(norm(x), mod2)) * mod2.gate`` (in place, as ComfyUI). The
+        first sum and mlp.0's int8 input come from one kernel and the second sum from another where
+        :func:`_residual_fusable`; else torch's ops."""
         if not (qb.fusable(mlp[0]) and getattr(norm, "weight", None) is None and proj.shape == x.shape
                 and _residual_fusable(x, proj, mod1.gate, mod2.scale, mod2.shift)):
             x += proj * mod1.gate
@@ -195,16 +200,16 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
             qb.kernels().residual.residual_add_layernorm_modulate_quantize, x2, proj.reshape(-1, k), mod1.gate, l,
             float(norm.eps), mod2.scale, mod2.shift, qb.inv_smooth_of(mlp[0], x.device), True, x2)
         h = qb.gemm(a_q, a_s, mlp[0], qb.promote(x, mod2.scale, mod2.shift)).view(b, l, -1)
-        return _residual_add(x, self._gelu_linear(mlp[2], mlp[1], h), mod2.gate)
+        return residual_add(x, self._gelu_linear(mlp[2], mlp[1], h), mod2.gate)
 
 
 def _residual_fusable(x, *ts) -> bool:
-    """Whether INT8_FUSED_FLUX_TAILS runs Flux's residual tails in the residual kernels on these operands: the
-    switch on, x contiguous (written in place), ``qb.residual_operands``."""
-    return bool(qb.config.get("INT8_FUSED_FLUX_TAILS")) and x.is_contiguous() and qb.residual_operands(x, *ts)
+    """Whether Flux's residual tails run in the residual kernels on these operands: x contiguous (written in
+    place), ``qb.residual_operands``."""
+    return x.is_contiguous() and qb.residual_operands(x, *ts)
 
 
-def _residual_add(x, y, gate):
+def residual_add(x, y, gate):
     """``x += y * gate`` (in place, two roundings as torch's two ops): one kernel where it applies."""
     if y.shape != x.shape or not _residual_fusable(x, y, gate):
         x += y * gate
@@ -219,22 +224,26 @@ class FusedFluxSingleBlock(_FusedFluxBlock):
     """Flux.1's ``SingleStreamBlock`` (its own modulation, GELU MLP): linear1 from the LayerNorm kernel, linear2
     from the concatenation kernel."""
 
+    def modulation_of(self, vec):
+        """The block's ModulationOut of ``vec``, or None for ComfyUI's own forward (subclasses take it passed in)."""
+        return self.modulation(vec)[0] if isinstance(vec, torch.Tensor) else None
+
     def forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):
-        if modulation_dims is not None or qb.attn_patches(transformer_options) or not isinstance(vec, torch.Tensor):
+        mod = self.modulation_of(vec)
+        if mod is None or modulation_dims is not None or qb.attn_patches(transformer_options):
             return self.fn.single_forward(self, x, vec, pe, attn_mask=attn_mask, modulation_dims=modulation_dims,
                                           transformer_options=transformer_options)
-        mod, _ = self.modulation(vec)
         h = self._mod_linear(self.linear1, self.pre_norm, x, mod)
         qkv, mlp = torch.split(h, [3 * self.hidden_size, self.mlp_hidden_dim_first], dim=-1)
         attn = self._attention([(self.norm, qkv)], pe, attn_mask, transformer_options)
         del qkv
-        if qb.fusable(self.linear2) and attn.dtype == mlp.dtype:
+        if type(self.mlp_act) is nn.GELU and qb.fusable(self.linear2) and attn.dtype == mlp.dtype:
             a_q, a_s = qb.cat_gelu_quant(attn.reshape(-1, attn.shape[-1]), mlp.reshape(-1, mlp.shape[-1]),
-                                       qb.inv_smooth_of(self.linear2, x.device))
+                                         qb.inv_smooth_of(self.linear2, x.device))
             output = qb.gemm(a_q, a_s, self.linear2, attn.dtype).view(*attn.shape[:-1], -1)
-        else:
-            output = self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
-        x = _residual_add(x, output, mod.gate)
+        else:  # Flux.2's SiLU-gated MLP: ``cat(attn, silu(a) * b)`` by torch, quantized by linear2
+            output = qb.linear(self.linear2, torch.cat((attn, self.mlp_act(mlp)), 2))
+        x = residual_add(x, output, mod.gate)
         if x.dtype == torch.float16:
             x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
         return x

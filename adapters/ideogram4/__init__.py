@@ -21,11 +21,10 @@ import logging
 
 from torch import nn
 
-from ..base import Adapter, Int8Linear, blocks as qb, pack_module, select
+from ...quant.cached_linear import CachedLinear
+from ..base import Adapter, Int8Linear, blocks as qb, select
 from . import layout, pad_elision  # noqa: F401  (layout: ADAPTER.checkpoint_layout, the loader's)
 from .blocks import ComfyFunctions, FusedIdeogram4Attention, FusedIdeogram4Block
-
-CachedLinear = pack_module("quant.cached_linear").CachedLinear
 
 log = logging.getLogger("int8_fused")
 

@@ -4,13 +4,13 @@
 
 ``FusedIdeogram4Block``: adaLN-modulated RMSNorm + quantization feed the qkv GEMM and the merged w1+w3 GEMM straight
 from one kernel (``quant.blocks.norm_modulate_quantize``), SwiGLU + quantization feed w2 (``FusedFeedForward``); the
-residual tails fuse too, with the next norm + quantization (``quant.blocks.gated_residual``; ``INT8_FUSED_RESIDUAL=0``
-leaves them to torch).
+residual tails fuse too, with the next norm + quantization (``quant.blocks.gated_residual``; torch's ops where it
+does not apply).
 
 ``Ideogram4Attention.forward`` takes the normalised activation and calls ``self.qkv`` itself, so
 :class:`FusedIdeogram4Attention` re-states its 15-line body starting from the int8 input, calling the ComfyUI
-functions that body calls (:class:`ComfyFunctions`). With ``INT8_FUSED_QK_ROPE`` at its default (``all``) the QK
-RMSNorm and the split-half RoPE of q / k come from one ``qk_norm_rope`` launch instead of comfy_kitchen's op.
+functions that body calls (:class:`ComfyFunctions`). The QK RMSNorm and the split-half RoPE of q / k come from one
+``qk_norm_rope`` launch instead of comfy_kitchen's op.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..base import Int8Linear, blocks as qb, qk_rope_on
+from ..base import Int8Linear, blocks as qb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +46,21 @@ class FusedIdeogram4Attention(nn.Module):
         self.fn = fn
 
     def forward(self, x, attn_mask, freqs_cis, transformer_options={}):
-        """Drop-in for Ideogram4Attention.forward (normalised x [B, L, dim])."""
+        """Drop-in for Ideogram4Attention.forward (normalised x [B, L, dim]). A qkv with LoRA branches this run
+        (``quant.lora``) runs as its module call, so that the branch sees the float input."""
         b, l, k = x.shape
+        if not qb.fusable(self.qkv):
+            return self._attend(self.qkv(x), b, l, attn_mask, freqs_cis, transformer_options)
         a_q, a_s = qb.act_quant(x.reshape(-1, k), qb.inv_smooth_of(self.qkv, x.device))
         return self.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
 
     def forward_quantized(self, a_q, a_s, b, l, dtype, attn_mask, freqs_cis, transformer_options={}):
+        return self._attend(qb.gemm(a_q, a_s, self.qkv, dtype), b, l, attn_mask, freqs_cis, transformer_options)
+
+    def _attend(self, qkv, b, l, attn_mask, freqs_cis, transformer_options):
+        """The body after the qkv GEMM (``qkv`` [B * L | B, L, 3 * dim])."""
         fn = self.fn
-        qkv = qb.gemm(a_q, a_s, self.qkv, dtype).view(b, l, 3, self.num_heads, self.head_dim)
+        qkv = qkv.view(b, l, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(dim=2)
         if fn.in_training():
             q, k = fn.rope(self.norm_q(q), freqs_cis), fn.rope(self.norm_k(k), freqs_cis)
@@ -80,10 +87,10 @@ class FusedIdeogram4Attention(nn.Module):
     def _fused_qk_rope(self, qkv, q_scale, k_scale, freqs_cis):
         """(q, k, v) [B, H, L, D] views: q / k from one ``qk_norm_rope(split_half=True)`` launch (QK RMSNorm +
         split-half RoPE, instead of comfy_kitchen's ``rms_rope_split_half``), v the qkv output's view, or None where
-        it does not apply: INT8_FUSED_QK_ROPE ``flux`` or ``0``, torch.compile tracing, norms with weight functions
+        it does not apply: torch.compile tracing, norms with weight functions
         (None scales), ``freqs_cis`` not ComfyUI's fp32 [1 | B, L, 1, D/2, 2, 2] matrices, a head_dim that is not a
         power of 2."""
-        if q_scale is None or k_scale is None or not qk_rope_on("ideogram4") or qb.compiling():
+        if q_scale is None or k_scale is None or qb.compiling():
             return None
         b, l, _, h, d = qkv.shape
         pe = qb.rope_rows(freqs_cis, b, l, d, qkv.device, at_least=True)
@@ -121,9 +128,18 @@ class FusedIdeogram4Block(qb.FetchedBlock):
         scale_msa, gate_msa, scale_mlp, gate_mlp = qb.adaln_chunks(mod)  # 1 + s, tanh(g): two launches, not four
         b, l, k = x.shape
         attn, ff = self.attention, self.feed_forward
-        a_q, a_s = qb.norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), scale_msa, l,
-                                             qb.inv_smooth_of(attn.qkv, x.device))
-        attn_out = attn.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
+        # a GEMM whose layer carries LoRA branches this run (quant.lora; fusable() False) takes the float input
+        # through its module call: that part runs as ComfyUI's ops, the rest stays fused
+        if not qb.fusable(attn.qkv):
+            attn_out = attn(qb.rms(self.attention_norm1, x) * scale_msa, attn_mask, freqs_cis, transformer_options)
+        else:
+            a_q, a_s = qb.norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), scale_msa, l,
+                                                 qb.inv_smooth_of(attn.qkv, x.device))
+            attn_out = attn.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
+        if not qb.fusable(ff.w13):
+            x = x + gate_msa * qb.rms(self.attention_norm2, attn_out)
+            ff_out = ff(qb.rms(self.ffn_norm1, x) * scale_mlp).reshape(-1, k)
+            return self._ffn_tail(x, ff_out, gate_mlp)
         inv13 = qb.inv_smooth_of(ff.w13, x.device)
         # residual tail + ffn_norm1 * (1 + s) + quantize in one kernel (torch when it cannot run)
         tail = qb.gated_residual(x.reshape(-1, k), attn_out.reshape(-1, k), self.attention_norm2, gate_msa, l,
@@ -134,7 +150,11 @@ class FusedIdeogram4Block(qb.FetchedBlock):
         else:
             x = x + gate_msa * qb.rms(self.attention_norm2, attn_out)
             a_q, a_s = qb.norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), scale_mlp, l, inv13)
-        ff_out = ff.forward_quantized(a_q, a_s, x.dtype)
+        return self._ffn_tail(x, ff.forward_quantized(a_q, a_s, x.dtype), gate_mlp)
+
+    def _ffn_tail(self, x, ff_out, gate_mlp):
+        """``x + gate_mlp * ffn_norm2(ff_out)`` (ff_out [B * L, dim]): one kernel, torch where it does not apply."""
+        b, l, k = x.shape
         tail = qb.gated_residual(x.reshape(-1, k), ff_out, self.ffn_norm2, gate_mlp, l)
         if tail is not None:
             return tail[0].view(b, l, k)

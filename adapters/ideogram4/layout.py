@@ -12,11 +12,8 @@ import re
 
 import torch
 
-from ..base import pack_module
-
-_formats = pack_module("quant.formats")
-Branch, CheckpointError = _formats.Branch, _formats.CheckpointError
-quantize_weight_per_channel = pack_module("quant.quantize").quantize_weight_per_channel
+from ...quant.formats import Branch, CheckpointError
+from ...quant.quantize import quantize_weight_per_channel
 
 REAL = dict(hidden=4608, heads=18, ffn=12288, adaln=512, text=53248, channels=128)
 

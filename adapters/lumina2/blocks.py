@@ -10,7 +10,7 @@
     x  = x + tanh(gate_mlp) * ffn_norm2(clamp(w2(swiglu+quantize(h))))   # FusedFeedForward; the tail one kernel
 
 The two residual tails run as ``gated_residual_rmsnorm`` (``quant.blocks.gated_residual``: roundings as torch's
-three ops; ``INT8_FUSED_RESIDUAL=0`` leaves them to torch), the first with ffn_norm1 * (1 + scale_mlp) +
+three ops; torch's ops where it does not apply), the first with ffn_norm1 * (1 + scale_mlp) +
 quantization of its result from the same registers.
 
 ``modulate`` in ComfyUI (both supported versions) is ``x * (1 + scale.unsqueeze(1))``: ``1 + scale`` rounds to the
@@ -18,7 +18,7 @@ scale's dtype, the product to the promoted dtype, after ``F.rms_norm``'s one rou
 definition ``rmsnorm_modulate_quantize`` implements (kernel/norm.py), so the int8 inputs of qkv and w1+w3 equal
 what the per-linear Int8Linear quantizes (bit for bit in bf16 / fp16; fp32 up to the fp32 sum order of the norm).
 
-QK norms + RoPE: with ``INT8_FUSED_QK_ROPE=all`` (the default) and as many kv heads as heads (Z-Image), one
+QK norms + RoPE: with as many kv heads as heads (Z-Image), one
 ``kernel.rope.qk_norm_rope`` launch writes q and k in the [B, L, H, D] layout attention reads, and v stays the
 qkv output's view (ComfyUI's ``repeat`` with n_rep 1 would copy k and v unchanged). Otherwise as ComfyUI runs them.
 
@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..base import Int8Linear, blocks as qb, qk_rope_on
+from ..base import Int8Linear, blocks as qb
 
 log = logging.getLogger("int8_fused")
 _LOGGED: set = set()
@@ -115,6 +115,8 @@ class FusedLumina2Block(qb.FetchedBlock):
             why = "no adaln_input"
         elif qb.attn_patches(transformer_options):
             why = "attention patches"
+        elif qb.lora_active(self):
+            why = "LoRA side branches (a LoRA loaded after Apply)"
         if why is not None:
             _log_once(why)
             kw = {"timestep_zero_index": timestep_zero_index} if self.fn.takes_timestep_zero_index else {}
@@ -193,12 +195,11 @@ class FusedLumina2Block(qb.FetchedBlock):
     def _fused_qk_rope(self, qkv, nh, nkv, hd, freqs_cis):
         """(q, k) [B, L, H, D] from one ``qk_norm_rope`` launch (QK RMSNorm per head + interleaved-pair RoPE, in
         place of comfy_kitchen's ``rms_rope`` / the norm modules + ``apply_rope``), or None where it does not
-        apply: INT8_FUSED_QK_ROPE not ``all``, torch.compile tracing, training, GQA (nh != nkv), QK norms that
-        are not RMSNorms over head_dim with a weight (``qk_norm=False``: Identity) or carry weight functions,
-        ``freqs_cis`` not ComfyUI's fp32 [B | 1, L, 1, D/2, 2, 2] rotations, a head_dim that is not a power of
-        2."""
+        apply: torch.compile tracing, training, GQA (nh != nkv), QK norms that are not RMSNorms over head_dim with a
+        weight (``qk_norm=False``: Identity) or carry weight functions, ``freqs_cis`` not ComfyUI's fp32
+        [B | 1, L, 1, D/2, 2, 2] rotations, a head_dim that is not a power of 2."""
         attn, fn = self.attention, self.fn
-        if (not qk_rope_on("lumina2") or qb.compiling() or nh != nkv
+        if (qb.compiling() or nh != nkv
                 or (fn.in_training is not None and fn.in_training())):
             return None
         b, l, w = qkv.shape

@@ -3,9 +3,9 @@
 INT8 layers: self- and cross-attention q/k/v/o (and the image k/v of I2V) and ``ffn.0`` / ``ffn.2`` of ``blocks.N``.
 Wan's block modulation is a parameter, not a linear, so ``blocks+modulation`` adds nothing here.
 
-Fused, on fused_triton (``fuse``): each ``blocks.N`` that is exactly ComfyUI's ``WanAttentionBlock`` (Wan
-2.1 / 2.2 T2V and I2V; also the main blocks of VACE and camera models, which call them as WanModel does) becomes a
-``blocks.FusedWanBlock``: norm1 LayerNorm * (1 + scale) + shift + quantization gives one int8 activation
+Fused, on fused_triton (``fuse``): each ``blocks.N`` that is exactly ComfyUI's ``WanAttentionBlock`` (Wan 2.1 /
+2.2 T2V and I2V, 2.2 TI2V 5B; also the main blocks of VACE and camera models, which call them as WanModel does)
+becomes a ``blocks.FusedWanBlock``: norm1 LayerNorm * (1 + scale) + shift + quantization gives one int8 activation
 for ``self_attn.q``, ``.k`` and ``.v``; the residual sum before norm2 and norm2's the same for ``ffn.0`` in one
 kernel; GELU(tanh) + quantization feeds ``ffn.2``; the other residual tails (with norm3) and QK norm + RoPE one
 kernel each.
@@ -15,9 +15,10 @@ Cross-attention stays per-linear (called as ComfyUI's module on the INT8 layers)
 ``linear_input_act(ffn[2], ffn[0](x), "gelu_tanh")``, the same arithmetic on these layers), a ``[1, 6, dim]``
 modulation, and the ``forward`` arguments both supported ComfyUIs have. Other block classes (VACE's
 ``vace_blocks``, ``WanAttentionBlockAudio`` (S2V), causal, Animate 2, MultiTalk, ...) stay per-linear, with one log
-line saying why. At call time, Wan 2.2 5B's per-token modulation (``e`` [B, T, 6, C], T > 1), ``attn1_patch`` /
-``attn2_patch`` in ``transformer_options`` (current ComfyUI applies them; 0.3.75 ignores them) and unknown keyword
-arguments run ComfyUI's own forward on the block's INT8 twin (the per-linear path).
+line saying why. Wan 2.2 5B (the same block; ``e`` [B, T, 6, C], one modulation row per latent frame) is fused too:
+the kernels read the per-token rows ``repeat_e`` materializes. At call time, ``attn1_patch`` / ``attn2_patch`` in
+``transformer_options`` (current ComfyUI applies them; 0.3.75 ignores them) and unknown keyword arguments run
+ComfyUI's own forward on the block's INT8 twin (the per-linear path).
 
 ComfyUI functions, imported explicitly in :func:`comfy_functions` from the module the block itself runs in
 (``comfy.ldm.wan.model``): ``optimized_attention`` (with ``transformer_options``: the pack's attention routing

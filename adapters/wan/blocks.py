@@ -7,10 +7,10 @@ GELU kernels, the QK norm + RoPE and residual-tail kernels of ``kernel/{norm,gel
   vectors differ get one kernel per distinct vector);
 * ``LayerNorm(x) * (1 + e[4]) + e[3]`` + quantization feeds ``ffn.0``, ``gelu_tanh`` + quantization
   (``gelu_tanh_quantize``) feeds ``ffn.2``;
-* ``norm_q`` / ``norm_k`` (RMSNorm over the width) and RoPE of q and k in one kernel (``qk_rmsnorm_rope_rows``,
-  ``INT8_FUSED_QK_ROPE=all``, the default), writing the [B, L, H, D] layout attention reads; otherwise the norm
-  modules and ComfyUI's ``apply_rope1``;
-* the residual tails (``INT8_FUSED_RESIDUAL``, on by default; operands of one dtype): ``x = addcmul(x, y, e[2])``
+* ``norm_q`` / ``norm_k`` (RMSNorm over the width) and RoPE of q and k in one kernel (``qk_rmsnorm_rope_rows``),
+  writing the [B, L, H, D] layout attention reads; where it does not apply, the norm modules and ComfyUI's
+  ``apply_rope1``;
+* the residual tails (operands of one dtype): ``x = addcmul(x, y, e[2])``
   with ``norm3(x)`` (a LayerNorm with its affine, or Identity) from one kernel (``residual_add_layernorm``); ``x = x
   + cross_attn(...)`` with norm2 * (1 + e[4]) + e[3] + quantization for ``ffn.0``
   (``residual_add_layernorm_modulate_quantize``); the last ``addcmul(x, y, e[5])`` (``residual_add``).
@@ -26,12 +26,13 @@ which blocks are Wan 2.x ``WanAttentionBlock`` s and hands in what the forward c
 
 The fused block is a structural twin of the original (``quant.blocks.with_layers``: same child names, INT8 layers
 in place, every other module shared). ``e`` is [B, 6, C] (VACE, camera models) or [B, 1, 6, C] (WanModel): one
-modulation row per sample, broadcast over the tokens by the kernels. Calls it does not implement run the running
-ComfyUI's own ``WanAttentionBlock.forward`` on the twin, i.e. the per-linear INT8 path exactly: Wan 2.2 5B's
-per-token modulation (``e`` [B, T, 6, C] with T > 1, ``repeat_e`` over the frames), ``attn1_patch`` /
-``attn2_patch`` in ``transformer_options`` (applied by current ComfyUI, ignored by 0.3.75: its own forward decides),
-and extra keyword arguments. A layer that is not INT8 on fused_triton (kept float, another backend) takes its input
-from torch. Numerics equal the per-linear INT8 path within rounding.
+modulation row per sample, broadcast over the tokens by the kernels; or Wan 2.2 5B's per-token modulation [B, T, 6,
+C] (one row per latent frame): ComfyUI's ``repeat_e`` makes each chunk [B, L, C] and the kernels read one row per
+token (``tokens_per_batch`` 1). Calls it does not implement run the running ComfyUI's own
+``WanAttentionBlock.forward`` on the twin, i.e. the per-linear INT8 path exactly: ``attn1_patch`` / ``attn2_patch``
+in ``transformer_options`` (applied by current ComfyUI, ignored by 0.3.75: its own forward decides), a per-token
+``e`` whose batch is not x's, and extra keyword arguments. A layer that is not INT8 on fused_triton (kept float,
+another backend) takes its input from torch. Numerics equal the per-linear INT8 path within rounding.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..base import Int8Linear, blocks as qb, qk_rope_on
+from ..base import Int8Linear, blocks as qb
 
 QKV = ("q", "k", "v")
 
@@ -61,6 +62,12 @@ def _patched(transformer_options) -> bool:
     ``attn1_patch`` in self-attention and ``attn2_patch`` after cross-attention; 0.3.75 ignores both)."""
     p = transformer_options.get("patches") if isinstance(transformer_options, dict) else None
     return bool(p) and ("attn1_patch" in p or "attn2_patch" in p)
+
+
+def _tokens_per_row(t: torch.Tensor, l: int) -> int:
+    """Tokens each modulation row of ``t`` serves: ``l`` for one row per sample ([B | 1, 1, K]), 1 for Wan 2.2 5B's
+    per-token rows ([B, L, K], as ``repeat_e`` materializes them)."""
+    return l if t.shape[1] == 1 else 1
 
 
 def _same_smooth(a: Int8Linear, b: Int8Linear) -> bool:
@@ -119,8 +126,8 @@ class FusedWanBlock(qb.FetchedBlock):
                 continue
             j = src[i]
             if j not in acts:
-                acts[j] = qb.ln_mod_quant(x.reshape(-1, k), scale, shift, l, qb.inv_smooth_of(layer, x.device),
-                                        float(norm.eps))
+                acts[j] = qb.ln_mod_quant(x.reshape(-1, k), scale, shift, _tokens_per_row(scale, l),
+                                          qb.inv_smooth_of(layer, x.device), float(norm.eps))
             a_q, a_s = acts[j]
             outs.append(qb.gemm(a_q, a_s, layer, dt).view(b, l, -1))
         return outs
@@ -144,10 +151,10 @@ class FusedWanBlock(qb.FetchedBlock):
     def _fused_qk_rope(self, q, k, freqs):
         """(q, k) [B, L, H, D] from one ``qk_rmsnorm_rope_rows`` launch (norm_q / norm_k over the row + RoPE,
         instead of two RMSNorm modules and two ``apply_rope1`` calls), or None where it does not apply:
-        INT8_FUSED_QK_ROPE not ``all``, torch.compile tracing, norms that are not RMSNorms with a weight over the
-        width (``qk_norm=False``) or carry weight functions, ``freqs`` not ComfyUI's fp32 [B | 1, L, 1, D/2, 2, 2]
-        rotations, a head_dim that is not a power of 2, q / k of different layouts."""
-        if not qk_rope_on("wan") or qb.compiling():
+        torch.compile tracing, norms that are not RMSNorms with a weight over the width (``qk_norm=False``) or
+        carry weight functions, ``freqs`` not ComfyUI's fp32 [B | 1, L, 1, D/2, 2, 2] rotations, a head_dim that is
+        not a power of 2, q / k of different layouts."""
+        if qb.compiling():
             return None
         attn = self.self_attn
         b, s, w = q.shape
@@ -165,16 +172,17 @@ class FusedWanBlock(qb.FetchedBlock):
     # ---------------------------------------------------------------- residual tails (one kernel each)
     @staticmethod
     def _tail_fusable(x, *ts) -> bool:
-        """Whether the residual-tail kernels run: INT8_FUSED_RESIDUAL on and ``qb.residual_operands`` (else torch,
-        e.g. for a mixed dtype torch would promote)."""
-        return qb.FUSE_RESIDUAL and qb.residual_operands(x, *ts)
+        """Whether the residual-tail kernels run: ``qb.residual_operands`` (else torch, e.g. for a mixed dtype torch
+        would promote)."""
+        return qb.residual_operands(x, *ts)
 
     def _add(self, x, y, gate):
         """``torch.addcmul(x, y, gate)``: one kernel where :meth:`_tail_fusable`, else torch."""
         if not self._tail_fusable(x, y, gate):
             return torch.addcmul(x, y, gate)
         b, l, k = x.shape
-        return qb.call(qb.kernels().residual.residual_add, x.reshape(-1, k), y.reshape(-1, k), gate, l).view(b, l, k)
+        return qb.call(qb.kernels().residual.residual_add, x.reshape(-1, k), y.reshape(-1, k), gate,
+                       _tokens_per_row(gate, l)).view(b, l, k)
 
     def _add_norm3(self, x, y, gate):
         """(x', norm3(x')) with x' = addcmul(x, y, gate): one kernel for both when norm3 is a LayerNorm over the
@@ -188,8 +196,9 @@ class FusedWanBlock(qb.FetchedBlock):
             x = torch.addcmul(x, y, gate)
             return x, norm(x)
         b, l, k = x.shape
-        r, n = qb.call(qb.kernels().residual.residual_add_layernorm, x.reshape(-1, k), y.reshape(-1, k), gate, l,
-                        float(norm.eps), w if norm.weight is not None else None, qb.norm_bias(norm, x))
+        r, n = qb.call(qb.kernels().residual.residual_add_layernorm, x.reshape(-1, k), y.reshape(-1, k), gate,
+                        _tokens_per_row(gate, l), float(norm.eps), w if norm.weight is not None else None,
+                        qb.norm_bias(norm, x))
         return r.view(b, l, k), n.view(b, l, k)
 
     def _add_ffn(self, x, c, e3, e4):
@@ -201,7 +210,8 @@ class FusedWanBlock(qb.FetchedBlock):
             return x, self._ffn(x, e3, e4)
         b, l, k = x.shape
         r, a_q, a_s = qb.call(qb.kernels().residual.residual_add_layernorm_modulate_quantize, x.reshape(-1, k), c.reshape(-1, k),
-                               None, l, float(self.norm2.eps), e4, e3, qb.inv_smooth_of(ffn0, x.device))
+                               None, _tokens_per_row(e4, l), float(self.norm2.eps), e4, e3,
+                               qb.inv_smooth_of(ffn0, x.device))
         h = qb.gemm(a_q, a_s, ffn0, qb.promote(x, e4, e3)).view(b, l, -1)
         return r.view(b, l, k), self._ffn_hidden(h)
 
@@ -221,14 +231,15 @@ class FusedWanBlock(qb.FetchedBlock):
     # -------------------------------------------------------------------------------- forward
     def forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}, **kwargs):
         if (kwargs or _patched(transformer_options) or not isinstance(e, torch.Tensor)
-                or not (e.ndim == 3 or (e.ndim == 4 and e.shape[1] == 1))):
+                or not (e.ndim == 3 or (e.ndim == 4 and (e.shape[1] == 1 or e.shape[0] == x.shape[0])))):
             return self.fn.block_forward(self, x, e, freqs, context, context_img_len=context_img_len,
                                          transformer_options=transformer_options, **kwargs)
-        # as ComfyUI: the block's modulation cast to x's dtype + e (fp32 when e is); chunks [B, 1, C]
+        # as ComfyUI: the block's modulation cast to x's dtype + e (fp32 when e is); chunks [B, 1, C], or [B, T, C]
+        # per-token (Wan 2.2 5B: one row per frame, repeat_e makes them [B, L, C])
         mod = self.fn.cast_to(self.modulation, dtype=x.dtype, device=x.device)
         if e.ndim < 4:   # [B, 6, C] (VACE, camera, ... models)
             e = (mod + e).chunk(6, dim=1)
-        else:            # [B, 1, 6, C] (WanModel)
+        else:            # [B, 1 | T, 6, C] (WanModel)
             e = (mod.unsqueeze(0) + e).unbind(2)
         x = x.contiguous()
         re = self.fn.repeat_e

@@ -2,7 +2,7 @@
 
 Without them a new user's first sample times every GEMM shape's candidate tiles (each one compiled), its tail
 splits, every linear shape's int8-vs-float dispatch and every attention shape's SDPA backend. ``<gpu slug>.json``
-in this folder holds what a bench run on that GPU measured, built by ``bench/tuned_tables.py`` from the run's
+in this folder holds what a bench run on that GPU measured, built by ``bench/checks/tuned_tables.py`` from the run's
 ``INT8_FUSED_CACHE_DIR``::
 
     {"format": 1, "gpu": "NVIDIA H200",

@@ -1,8 +1,9 @@
 """The consumer GPUs' INT8 tile set run in silicon on the H200 (issue 36 item 2).
 
-    python bench/consumer_tiles.py [--capability 8.9] [--out bench/results/h200-consumer-tiles.json] [--only REGEX]
-                                   [--wgmma] [--budget-s 420]
-    TRITON_INTERPRET=1 python bench/consumer_tiles.py --cpu-smoke --out /tmp/x.json   (tests/test_consumer_tiles.py)
+    python bench/checks/consumer_tiles.py [--capability 8.9] [--out bench/results/h200-consumer-tiles.json]
+                                          [--only REGEX] [--wgmma] [--budget-s 420]
+    TRITON_INTERPRET=1 python bench/checks/consumer_tiles.py --cpu-smoke --out /tmp/x.json
+        (tests/test_consumer_tiles.py)
 
 Ampere, Ada and consumer Blackwell (sm_80 / 86 / 89 / 120) get ``autotune.ampere_configs`` (with the small- and
 medium-M tiles), filtered by their shared memory (``autotune.SMEM_OPTIN``: sm_86, sm_89 and sm_120 offer the same set),
@@ -34,8 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))
+import pack_import  # noqa: E402
+pack_import.install()  # kernel, quant, adapters: the pack's subpackages, imported one way (tests/pack_import.py)
 
 # (model, layer, M, N, K, bias): N = out_features, K = in_features
 QWEN = [("qwen-image", f"{s} {name}", m, n, k, True)
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
         os.environ["INT8_FUSED_CACHE_DIR"] = tempfile.mkdtemp(prefix="consumer-tiles-autotune-")
     import torch
 
-    from bench import provenance
+    from bench.lib import provenance
     from kernel import autotune, gelu, norm, quantize, residual, swiglu
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
     if not args.cpu_smoke and not torch.cuda.is_available():

@@ -6,7 +6,7 @@ starts with the environment its row needs.
 - ``--cold``: each child gets a new, empty ``INT8_FUSED_CACHE_DIR`` (the pack's autotune / dispatch cache) and
   ``TRITON_CACHE_DIR`` (compiled kernels), set before it imports torch, removed when it ends: its
   ``first_sample_s`` is a first sample on a machine that never ran the pack.
-- ``--vram-gib N[,M...]``: a holder process (``python3 bench/e2e_runs.py --hold``, plain ``cudaMalloc`` through
+- ``--vram-gib N[,M...]``: a holder process (``python3 bench/lib/e2e_runs.py --hold``, plain ``cudaMalloc`` through
   torch's native allocator) takes all but N GiB of the GPU before the children start, as another program would;
   ComfyUI in the child then plans its offload for the N GiB it finds free. The holder ends with the parent (its
   stdin closes), and children die with the parent (``PR_SET_PDEATHSIG``).
@@ -32,7 +32,6 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 GIB = 2 ** 30
 # flags of the parent that a child does not get, with whether they take a value
 PARENT_ONLY = {"--cold": False, "--isolate": False, "--vram-gib": True, "--out": True, "--models": True,
@@ -299,7 +298,7 @@ def baseline(rows: list[dict], r: dict, prefix: str, keys: tuple) -> dict | None
     """The row of path ``prefix`` (exactly, else the first ``prefix~...``) measured like ``r`` (same ``keys``)."""
     same = [x for x in rows if "path" in x and "check" not in x and all(x.get(k) == r.get(k) for k in keys)]
     exact = [x for x in same if x["path"] == prefix]
-    near = [x for x in same if x["path"].split("~")[0].split("@")[0] == prefix]
+    near = [x for x in same if x["path"].split("~")[0] == prefix]
     return (exact or near or [None])[0]
 
 
@@ -387,4 +386,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--hold"]:
         sys.exit(hold_main())
     print(__doc__)
-    sys.exit(2)
+    sys.exit(0 if sys.argv[1:] in (["--help"], ["-h"]) else 2)

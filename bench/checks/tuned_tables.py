@@ -1,9 +1,9 @@
 """Builds the pack's shipped tuned tables (``kernel/tuned/<gpu slug>.json``, see ``kernel/tuned/__init__.py``) from
 the cache folders of bench runs.
 
-    python3 bench/tuned_tables.py CACHE_DIR [CACHE_DIR ...] [--out kernel/tuned] [--gpu NAME]
-                                  [--triton V] [--torch V] [--replace] [--dry-run]
-    python3 bench/tuned_tables.py --show [SEED.json ...]
+    python3 bench/checks/tuned_tables.py CACHE_DIR [CACHE_DIR ...] [--out kernel/tuned] [--gpu NAME]
+                                         [--triton V] [--torch V] [--replace] [--dry-run]
+    python3 bench/checks/tuned_tables.py --show [SEED.json ...]
 
 A CACHE_DIR is an ``INT8_FUSED_CACHE_DIR`` a run wrote (the H200 bench runs write ``$OUT/autotune``): its
 ``gemm-<gpu>-triton-<v>.json`` (tile configs, tail splits, SwiGLU tiles), ``dispatch-<version>-<gpu>-torch-<v>-
@@ -12,7 +12,7 @@ triton-<v>.json`` (int8-vs-float decisions; other decision versions are skipped)
 names the other files give; ``--gpu`` adds a name), each section takes the entries its cache would accept (the
 caches' own validators), with attention keys' device index dropped (``kernel.tuned.attention_key``) and decisions
 cut to their path and timings. One Triton / torch version a section: a folder holding several needs ``--triton`` /
-``--torch``. Forced-generation files (``NVIDIA H200 as sm_89``, bench/consumer_tiles.py) and set-aside files
+``--torch``. Forced-generation files (``NVIDIA H200 as sm_89``, bench/checks/consumer_tiles.py) and set-aside files
 (``*.bad-*``) are skipped.
 
 The seed of each GPU is merged into ``--out``'s existing file: a section measured with the same versions keeps its
@@ -28,9 +28,12 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench import provenance  # noqa: E402
+sys.path.append(str(ROOT / "tests"))
+import pack_import  # noqa: E402
+pack_import.install()  # kernel, quant, adapters: the pack's subpackages, imported one way (tests/pack_import.py)
+from bench.lib import provenance  # noqa: E402
 from kernel import autotune, tuned  # noqa: E402
 from quant import attention, dispatch  # noqa: E402
 
@@ -122,7 +125,7 @@ def build(folders: list[Path], gpus: tuple[str, ...] = (), pins: dict | None = N
     seeds: dict[str, dict] = {}
     for gpu in sorted({f["gpu"] for f in files if f["gpu"]}):
         if " as sm_" in gpu:
-            notes.append(f"{gpu}: a forced tile generation (bench/consumer_tiles.py): skipped")
+            notes.append(f"{gpu}: a forced tile generation (bench/checks/consumer_tiles.py): skipped")
             continue
         if gpus and gpu not in gpus:
             continue

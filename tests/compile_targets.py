@@ -1,6 +1,6 @@
 """Every kernel the pack can launch, compiled for the GPU generations users have, without a GPU (issue 36 item 1).
 
-    python bench/compile_targets.py [--targets 80,86,89,90,120] [--kinds gemm,row,quant,attn] [--workers 2]
+    python tests/compile_targets.py [--targets 80,86,89,90,120] [--kinds gemm,row,quant,attn] [--workers 2]
         [--out bench/results/compile-targets.json] [--other-triton .runtime/triton-3.4.0 ...]
 
 How: Triton's own target compilation, ``triton.compile(ASTSource(kernel, signature, constexprs, attrs),
@@ -36,11 +36,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))
+import pack_import  # noqa: E402
+pack_import.install()  # kernel, quant, adapters: the pack's subpackages, imported one way (tests/pack_import.py)
 
 TARGETS = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0), 120: (12, 0)}
-# per target: (shared memory an SM, threads an SM), what the launchers' occupancy estimate (``gemm.ctas_per_sm``) reads
+# per target: (shared memory an SM, threads an SM), what the launchers' occupancy estimate (``tailsplit.ctas_per_sm``) reads
 SM_RESOURCES = {80: (167936, 2048), 86: (102400, 1536), 89: (102400, 1536), 90: (233472, 2048), 120: (102400, 1536)}
 SPILL_BOUND = 0       # bytes of local memory (register spills) any compiled kernel may use
 KINDS = ("gemm", "row", "quant", "attn")
@@ -82,7 +84,7 @@ def job(kind, module, kernel, label, args, consts, warps, stages, opts=None, s8=
 def gemm_jobs(arch: int) -> list[dict]:
     import torch
 
-    from kernel import autotune, gemm
+    from kernel import autotune, tailsplit
     cap = TARGETS[arch]
     smem_sm, threads = SM_RESOURCES[arch]
     bf, f32, i8, i32 = torch.bfloat16, torch.float32, torch.int8, torch.int32
@@ -100,7 +102,7 @@ def gemm_jobs(arch: int) -> list[dict]:
         tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"])
         name = "x".join(map(str, (bm, bn, bk))) + f" w{cfg['num_warps']} s{cfg['num_stages']} g{cfg['GROUP_M']}" \
             + (" s8" if s8 else "") + (" persistent" if persist else "")
-        ctas = gemm.ctas_per_sm(cfg, smem_sm, 65536, threads)
+        ctas = tailsplit.ctas_per_sm(cfg, smem_sm, 65536, threads)
         common = dict(as_ptr=P(f32), ws_ptr=P(f32), bias_ptr=P(bf), part_ptr=P(i32), cnt_ptr=P(i32),
                       stride_as=1, stride_ws=1, stride_bias=1)
         if persist:
@@ -132,13 +134,14 @@ def gemm_jobs(arch: int) -> list[dict]:
                                      SCALE_RECIP=True, INTERPRET=False),
                 cfg["num_warps"], cfg["num_stages"], cfg=cfg))
             continue
-        regs = gemm.split_maxnreg(ctas, cfg["num_warps"])
+        regs = tailsplit.split_maxnreg(ctas, cfg["num_warps"])
         sw_opts = {"maxnreg": regs} if regs else {}
         f = n
         out.append(job("gemm", "kernel.swiglu", "_gemm_swiglu_kernel", name + " swiglu", dict(
-            common, a_ptr=P(a_t), w_ptr=P(a_t), h_ptr=P(bf), M=m, F=f, K=k, DP_TILES=1296, K_PIECE=0,
+            as_ptr=P(f32), ws_ptr=P(f32), bias_ptr=P(bf), stride_as=1, stride_ws=1, stride_bias=1,
+            a_ptr=P(a_t), w_ptr=P(a_t), h_ptr=P(bf), M=m, F=f, K=k,
             stride_am=k, stride_ak=1, stride_wn=k, stride_wk=1, stride_hm=f, stride_hn=1),
-            dict(tile, HAS_BIAS=True, EVEN_K=True, SPLIT=1, DT=1, CLAMP_FP16=False, INTERPRET=False),
+            dict(tile, HAS_BIAS=True, EVEN_K=True, DT=1, CLAMP_FP16=False, INTERPRET=False),
             cfg["num_warps"], cfg["num_stages"], sw_opts, s8=s8, cfg=cfg))
         if "large" in bs:  # the tail split is timed where tiles outnumber a wave
             out.append(job("gemm", "kernel.gemm", "_int8_gemm_kernel", name + " tail split 2",
@@ -506,7 +509,7 @@ def main(argv=None) -> int:
     if args.json_stdout:
         print(json.dumps(result))
         return 0
-    from bench import provenance
+    from bench.lib import provenance
     others = args.other_triton
     if others is None:
         others = sorted(str(p) for p in (ROOT / ".runtime").glob("triton-*") if (p / "triton").is_dir())

@@ -8,20 +8,26 @@ setup) are counted apart (``h2d_copies_per_run_start``); ``h2d_weight_copies_per
 own per-step copy of the conditioning (``model_base._apply_model``). Runs without stacks keep the raw count of
 the 2-step profile window (``h2d_copies_per_step_raw``) and null there. A run named ``<commit>-cold`` holds the
 ``--cold`` rows. Prints the summary (the whole-sample s/step first).
-Run: python3 bench/merge_sampler.py
+Run: python3 bench/lib/merge_sampler.py [--results DIR]
 """
+import argparse
 import json
+import sys
 from pathlib import Path
 
-import e2e_runs
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from bench.lib import e2e_runs  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 RUN_START = ("patch_weight_to_device", "partially_load", "outer_sample")
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="the results folder")
+    results = ap.parse_args().results
     rows, meta = [], {}
-    for f in sorted((HERE / "results" / "sampler-runs").glob("h200-e2e-sampler-*.json")):
+    for f in sorted((results / "sampler-runs").glob("h200-e2e-sampler-*.json")):
         doc = json.loads(f.read_text())
         run = f.stem[len("h200-e2e-sampler-"):]
         meta[run] = {k: v for k, v in doc.items() if k != "rows"}
@@ -41,10 +47,10 @@ def main() -> None:
             elif "h2d_copies_per_step_raw" in r:
                 r["h2d_copies_per_step"] = None
             rows.append(r)
-    out = HERE / "results" / "h200-e2e-sampler.json"
+    out = results / "h200-e2e-sampler.json"
     out.write_text(json.dumps({"runs": meta, "rows": rows}, indent=1))
     e2e_runs.summary(rows, ("run", "workflow", "resolution", "path"),
-                     ("run", "workflow", "resolution", "text_pad", "pressure_free_gib", "vram_gib", "cold"))
+                     ("run", "workflow", "resolution", "vram_gib", "cold"))
     print(f"{len(rows)} rows from runs {', '.join(meta)} -> {out}")
 
 

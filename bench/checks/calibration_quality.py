@@ -14,7 +14,7 @@ against the float model, ``||z_int8 - z_float|| / ||z_float||``, averaged over t
 References: the fp32 model (INT8 layers compute in fp32) and the bf16 model (INT8 layers compute in
 bf16, calibrated on the bf16 model).
 
-Run: ``.runtime/venv/bin/python bench/calibration_quality.py [--out bench/results/calibration_quality_cpu.json]``
+Run: ``.runtime/venv/bin/python bench/checks/calibration_quality.py [--out bench/results/calibration_quality_cpu.json]``
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 import comfy_harness as H  # noqa: E402
 

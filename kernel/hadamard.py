@@ -1,0 +1,165 @@
+"""ConvRot activation rotation fused with per-token quantization: one Triton kernel.
+
+``x [M, K]`` float -> ``(int8 [M, K], fp32 scale [M])`` of ``y = x @ blockdiag(H, ..., H)``, where H is the
+normalized *regular* Hadamard matrix of order G (ComfyUI / comfy-kitchen's ConvRot rotation: the Kronecker power
+of ``[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]]``, divided by sqrt(G); symmetric, so ``H @ H = I``) applied to
+each group of G columns. The quantization of y is ``quant.quantize.quantize_per_token_ref``'s, rounding for
+rounding (the same helpers as ``kernel.quantize``).
+
+How. A program takes BLOCK_M rows and walks their K / G groups twice: pass 1 rotates each group and keeps the
+rows' |max|, pass 2 rotates it again (the same operations, the same bits) and stores the codes. The rotation of
+a group is tensor-core matrix products with H's entries (+-2^-k, exact in bf16 / fp16) generated in registers:
+G <= 64 one [BLOCK_M, G] @ H_G; G >= 256 two, through H_G = H_G1 (x) H_16 (the group as a [G1, 16] matrix X,
+``H_G1^T X H_16``). A float32 operand is split into a bf16 head and a bf16 tail (two products, about 16 correct
+bits past the head's 8), so bf16 / fp16 inputs are rotated with exact products and fp32 sums, fp32 inputs and the
+second stage's fp32 intermediate to about 2^-16 relative. Importing this module imports triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch
+from .quantize import INTERPRET, quant_params, store_q
+from .rowtile import FLOAT, row_major
+
+#: ConvRot group sizes this kernel runs (powers of 4 from 16: the regular Hadamard orders tl.dot takes).
+GROUPS = (16, 64, 256, 1024)
+BLOCK_M = 16
+
+
+def check(k: int, group: int, what: str = "ConvRot") -> None:
+    """Raises ValueError unless ``group`` is a supported ConvRot group size that divides K."""
+    if group not in GROUPS:
+        raise ValueError(f"{what}: group size {group} is not supported: the ConvRot rotation is a regular Hadamard "
+                         f"matrix, which exists for powers of 4 only; this kernel runs {', '.join(map(str, GROUPS))}")
+    if k <= 0 or k % group:
+        raise ValueError(f"{what}: group size {group} does not divide the input width K = {k} (K must be a "
+                         f"multiple of {group}); rotate such a layer with another group size or leave it unrotated")
+
+
+@triton.jit
+def _h(N: tl.constexpr, DT: tl.constexpr):
+    """The normalized regular Hadamard matrix of order N (a power of 4) in dtype DT: entry (i, j) is
+    (-1)^(number of base-4 digit positions where i_d + j_d == 3) / sqrt(N)."""
+    i = tl.arange(0, N)[:, None]
+    j = tl.arange(0, N)[None, :]
+    neg = tl.zeros([N, N], dtype=tl.int32)
+    for d in tl.static_range(0, 12, 2):
+        if (1 << d) < N:
+            neg += (((i >> d) & 3) + ((j >> d) & 3) == 3).to(tl.int32)
+    scale = 1.0 / tl.sqrt(N * 1.0)
+    return tl.where((neg & 1) == 1, -scale, scale).to(DT)
+
+
+@triton.jit
+def _mm(a, h, INTERPRET: tl.constexpr):
+    # NOTE: Triton 3.6's interpreter keeps bf16 as raw uint16 and multiplies those in tl.dot, so there the
+    # (exactly representable) operands go through an fp32 product instead: the same products, fp32 sums.
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), h.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        return tl.dot(a, h, out_dtype=tl.float32)
+
+
+@triton.jit
+def _dot_h(a, h, INTERPRET: tl.constexpr):
+    """a @ h (fp32 result): a in bf16 / fp16 as it is (h in its dtype); a fp32 as bf16 head + bf16 tail."""
+    if a.dtype == tl.float32:
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+        return _mm(hi, h, INTERPRET) + _mm(lo, h, INTERPRET)
+    else:
+        return _mm(a, h, INTERPRET)
+
+
+@triton.jit
+def _rotate(x, h1, h2, h2f, BM: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, INTERPRET: tl.constexpr):
+    """One group of BM rows (x [BM, G1 * G2]) times H_G1 (x) H_G2, as fp32 [BM, G1 * G2] (G1 == 1: x @ H_G2)."""
+    if G1 == 1:
+        if x.dtype == tl.float32:
+            return _dot_h(x, h2f, INTERPRET)
+        else:
+            return _dot_h(x, h2, INTERPRET)
+    else:
+        if x.dtype == tl.float32:
+            z = _dot_h(tl.reshape(x, [BM * G1, G2]), h2f, INTERPRET)
+        else:
+            z = _dot_h(tl.reshape(x, [BM * G1, G2]), h2, INTERPRET)
+        zt = tl.reshape(tl.permute(tl.reshape(z, [BM, G1, G2]), (0, 2, 1)), [BM * G2, G1])
+        y = _dot_h(zt, h1, INTERPRET)
+        return tl.reshape(tl.permute(tl.reshape(y, [BM, G2, G1]), (0, 2, 1)), [BM, G1 * G2])
+
+
+@triton.jit
+def _hadamard_quant_kernel(x_ptr, q_ptr, s_ptr, f_ptr, M, K, stride_xm, stride_qm, stride_fm,
+                           G1: tl.constexpr, G2: tl.constexpr, BM: tl.constexpr, HALF: tl.constexpr,
+                           SCALE_RECIP: tl.constexpr, STORE_FLOAT: tl.constexpr, INTERPRET: tl.constexpr):
+    G: tl.constexpr = G1 * G2
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    cols = tl.arange(0, G)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    h2f = _h(G2, tl.bfloat16)        # stage 1 on the input's dtype (bf16 / fp16: exact), or on bf16 pieces
+    if HALF:
+        h2 = _h(G2, tl.float16)
+    else:
+        h2 = h2f
+    if G1 > 1:
+        h1 = _h(G1, tl.bfloat16)
+    else:
+        h1 = h2f                     # unused
+    amax = tl.zeros([BM], dtype=tl.float32)
+    bad = tl.zeros([BM], dtype=tl.int32)
+    for g0 in range(0, K, G):
+        x = tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0)
+        y = _rotate(x, h1, h2, h2f, BM, G1, G2, INTERPRET)
+        ay = tl.abs(y)
+        amax = tl.maximum(amax, tl.max(ay, axis=1))
+        bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0, 1), axis=1))  # NaN fails `< inf` too
+        if STORE_FLOAT:
+            tl.store(f_ptr + rows[:, None] * stride_fm + g0 + cols[None, :], y, mask=rmask[:, None])
+    scale, mult, usable = quant_params(amax, bad > 0, SCALE_RECIP)
+    tl.store(s_ptr + rows, scale, mask=rmask)
+    for g0 in range(0, K, G):
+        x = tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0)
+        y = _rotate(x, h1, h2, h2f, BM, G1, G2, INTERPRET)
+        store_q(q_ptr + rows[:, None] * stride_qm + g0 + cols[None, :], y, mult[:, None], usable[:, None],
+                rmask[:, None], INTERPRET)
+
+
+def _split(group: int) -> tuple[int, int]:
+    return (1, group) if group <= 64 else (group // 16, 16)
+
+
+def _run(x: torch.Tensor, group: int, store_float: bool):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in FLOAT:
+        raise ValueError(f"hadamard_quantize: x must be a float32 / bfloat16 / float16 tensor [M, K], got "
+                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__} "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
+    m, k = x.shape
+    check(k, group, "hadamard_quantize")
+    x = row_major(x, "x")
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    s = torch.empty((m,), dtype=torch.float32, device=x.device)
+    f = torch.empty((m, k), dtype=torch.float32, device=x.device) if store_float else s
+    if m:
+        g1, g2 = _split(group)
+        launch(_hadamard_quant_kernel, (triton.cdiv(m, BLOCK_M),),
+               (x, q, s, f, m, k, x.stride(0), q.stride(0), f.stride(0) if store_float else 0),
+               dict(G1=g1, G2=g2, BM=BLOCK_M, HALF=x.dtype == torch.float16, SCALE_RECIP=x.is_cuda,
+                    STORE_FLOAT=store_float, INTERPRET=INTERPRET), 4, 1, x.device)
+    return q, s, (f if store_float else None)
+
+
+def hadamard_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [M, K], fp32 scale [M]) of ``x [M, K]`` rotated by ConvRot's block Hadamard of order ``group``
+    (module doc). Raises ValueError for a group size outside ``GROUPS`` or one that does not divide K."""
+    q, s, _ = _run(x, group, False)
+    return q, s
+
+
+def hadamard_rotate(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The fp32 rotated values the quantizer of :func:`hadamard_quantize` rounds (for tests and benches)."""
+    return _run(x, group, True)[2]

@@ -1,0 +1,166 @@
+"""ConvRot: INT8 layers whose weights are rotated along K by a block Hadamard matrix (pure torch, no ComfyUI).
+
+ComfyUI's ``int8_tensorwise`` with ``"convrot": true`` (comfy-kitchen) stores ``Q(W @ B)`` where ``B`` is
+block-diagonal with K / G copies of the normalized regular Hadamard matrix ``H`` of order G (the Kronecker power of
+``[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]]`` over sqrt(G); symmetric and orthogonal, so ``B @ B = I``) and
+rotates the activations the same way at run time: ``(x B)(W B)^T = x W^T``. The rotation spreads an outlier
+channel over its group of G, so per-token activation quantization loses less to it.
+
+``ConvRotLinear`` is an ``Int8Linear`` holding such a weight (codes and scales as stored). On ``fused_triton`` its
+forward rotates and quantizes the input in one kernel (``kernel.hadamard``) and runs the pack's GEMM unchanged; on
+the other backends it rotates the input in torch and runs the backend as usual. Fused blocks never feed it a
+pre-quantized input (``quant.blocks.fusable`` is False for it): a block calls it with the norm's float output.
+"""
+from __future__ import annotations
+
+import torch
+
+from .linear import Int8Linear, check_input
+from .quantize import quantize_weight_per_channel
+
+#: ComfyUI's default group size (``convrot_groupsize``) and the ones the pack runs (powers of 4, tl.dot-sized).
+DEFAULT_GROUP = 256
+GROUPS = (16, 64, 256, 1024)
+FUSED_BACKEND = "fused_triton"
+
+
+def check_group(k: int, group: int, name: str = "") -> None:
+    """Raises ValueError (naming the layer) unless ``group`` is a supported ConvRot group size dividing K."""
+    what = f"ConvRot layer {name!r}" if name else "ConvRot"
+    if group not in GROUPS:
+        raise ValueError(f"{what}: group size {group} is not supported: ConvRot's rotation is a regular Hadamard "
+                         f"matrix, which exists for powers of 4 only; the pack runs {', '.join(map(str, GROUPS))}")
+    if k <= 0 or k % group:
+        raise ValueError(f"{what}: group size {group} does not divide the input width K = {k} (ragged K: it must "
+                         f"be a multiple of {group})")
+
+
+def group_for(k: int) -> int | None:
+    """The group size Apply rotates a float layer of input width K with: 256 (ComfyUI's default) where it divides
+    K, else the largest of 64 / 16 that does; None where none does (the layer stays unrotated)."""
+    return next((g for g in (DEFAULT_GROUP, 64, 16) if k > 0 and k % g == 0), None)
+
+
+def hadamard(group: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """The normalized regular Hadamard matrix of order ``group`` (a power of 4): entry (i, j) is
+    (-1)^(number of base-4 digits d with i_d + j_d = 3) / sqrt(group)."""
+    if group < 4 or group & (group - 1) or (group.bit_length() - 1) % 2:
+        raise ValueError(f"a regular Hadamard matrix needs a power of 4, got {group}")
+    i = torch.arange(group, device=device)
+    neg = torch.zeros(group, group, dtype=torch.int64, device=device)
+    for d in range(0, group.bit_length() - 1, 2):
+        neg += (((i[:, None] >> d) & 3) + ((i[None, :] >> d) & 3)) == 3
+    return torch.where(neg % 2 == 1, -1.0, 1.0).to(dtype) / (group ** 0.5)
+
+
+def rotate(t: torch.Tensor, group: int, dtype=torch.float32) -> torch.Tensor:
+    """``t @ B`` (B: the block Hadamard of order ``group`` along the last dimension) computed in ``dtype``; the
+    rotation of activations and (B symmetric) of weights [N, K]. Its own inverse."""
+    k = t.shape[-1]
+    check_group(k, group)
+    h = hadamard(group, dtype, t.device)
+    return (t.to(dtype).reshape(-1, k // group, group) @ h).reshape(t.shape)
+
+
+def stored_convrot(weight) -> int | None:
+    """The ConvRot group size of a ComfyUI ``QuantizedTensor`` weight stored as rotated ``int8_tensorwise``,
+    else None."""
+    if type(weight).__name__ != "QuantizedTensor" or getattr(weight, "_layout_cls", None) != "TensorWiseINT8Layout":
+        return None
+    p = getattr(weight, "_params", None)
+    return int(getattr(p, "convrot_groupsize", DEFAULT_GROUP)) if getattr(p, "convrot", False) else None
+
+
+class ConvRotLinear(Int8Linear):
+    """An ``Int8Linear`` whose int8 weight is ConvRot-rotated with group size ``rotation`` (module doc)."""
+
+    rotation: int = DEFAULT_GROUP
+
+    @classmethod
+    def from_stored(cls, qweight: torch.Tensor, weight_scale: torch.Tensor, group: int,
+                    bias: torch.Tensor | None = None, backend: str = "dequant_bf16", name: str = "") -> "ConvRotLinear":
+        """A layer holding rotated int8 weights as they are (a scalar scale becomes the per-channel vector of
+        that value, what the GEMM epilogue takes)."""
+        check_group(qweight.shape[-1], group, name)
+        m = cls.from_quantized(qweight, weight_scale, bias, None, backend=backend, name=name)
+        m.rotation = group
+        from ..kernel import ops
+        ops.register_ops()  # the custom op of the rotation, for torch.compile
+        return m
+
+    @classmethod
+    def rotate_float(cls, weight: torch.Tensor, group: int = DEFAULT_GROUP, bias: torch.Tensor | None = None,
+                     backend: str = "dequant_bf16", name: str = "") -> "ConvRotLinear":
+        """Rotate a float weight [N, K] (in float64) and quantize it per output channel."""
+        check_group(weight.shape[-1], group, name)
+        qw, ws = quantize_weight_per_channel(rotate(weight.detach(), group, torch.float64))
+        return cls.from_stored(qw, ws, group, bias, backend=backend, name=name)
+
+    @classmethod
+    def of(cls, layer: Int8Linear, group: int) -> "ConvRotLinear":
+        """``layer`` (an Int8Linear built from rotated weights, no smoothing) as a ConvRotLinear: same tensors."""
+        if layer.smooth is not None:
+            raise ValueError(f"ConvRot layer {layer.name!r}: SmoothQuant smoothing and ConvRot rotation do not mix")
+        return cls.from_stored(layer.weight, layer.weight_scale, group, layer.bias, backend=layer.backend,
+                               name=layer.name)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 [N, K] weight applied to the unrotated input (the stored weight rotated back)."""
+        return rotate(super().dequantized_weight(), self.rotation)
+
+    def rotate_quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 [M, K], fp32 [M]) of the rotated input, in one kernel (``kernel.hadamard``)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.int8_fused.hadamard_quant(x2, self.rotation)
+        from ..kernel import hadamard  # imports triton
+        return hadamard.hadamard_quantize(x2, self.rotation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(x, self)
+        if self.backend != FUSED_BACKEND:
+            return super().forward(rotate(x, self.rotation, x.dtype))
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_empty(*lead, self.out_features)
+        a_q, a_s = self.rotate_quantize(x2)
+        self.dispatch_calls["int8"] += 1
+        if torch.compiler.is_compiling():
+            with self.operands(x.device) as t:
+                y = torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, x.dtype)
+        else:
+            y = self.gemm_call(a_q, a_s, x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    int8_call = forward
+
+    def rows(self, start: int, stop: int, name: str = "") -> "ConvRotLinear":
+        return ConvRotLinear.from_stored(self.weight[start:stop], self.weight_scale[start:stop], self.rotation,
+                                         None if self.bias is None else self.bias[start:stop],
+                                         backend=self.backend, name=name)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, convrot={self.rotation}"
+
+
+class DropSmoothing:
+    """A calibration (``for_layer``) whose entries keep their protection but lose their smoothing for the layers
+    ``rotated(name, K)`` says are rotated: rotation and SmoothQuant do not combine here."""
+
+    def __init__(self, calibration, rotated):
+        self.calibration, self.rotated, self.dropped = calibration, rotated, []
+
+    def __getattr__(self, name):
+        return getattr(self.calibration, name)
+
+    def for_layer(self, name: str, n: int, k: int):
+        e = self.calibration.for_layer(name, n, k)
+        if e is None or getattr(e, "smooth", None) is None or not self.rotated(name, k):
+            return e
+        self.dropped.append(name)
+        return _Entry(None, getattr(e, "protected", False))
+
+
+class _Entry:
+    def __init__(self, smooth, protected):
+        self.smooth, self.protected = smooth, protected

@@ -1,0 +1,353 @@
+"""Interop round trips on the current ComfyUI (0.33.0) for every architecture with an adapter (issue 39, item 4).
+
+Per architecture (Flux.1, Wan 2.x, SD3, Lumina 2, Qwen-Image, Ideogram 4) a miniature with random weights is built
+with ComfyUI's own classes, at the smallest size ComfyUI's detection rebuilds from the weights (Flux.1, Wan and SD3
+at width 128; Lumina 2, Qwen-Image and Ideogram 4 have their widths fixed by detection, so one block at the real
+width), written as a bf16 safetensors file and loaded by ComfyUI's loader (``comfy.sd.load_diffusion_model``, what
+UNETLoader calls). Then, on the CPU:
+
+a. Apply Fused INT8 GEMM (fused_triton: the adapter's fused blocks) -> Save INT8 Model (``comfy_int8_tensorwise``):
+   the file's int8 codes and scales are Apply's, bit for bit. A second process that never imports the pack loads the
+   file with ComfyUI's loader (the int8 layers as core ``QuantizedTensor`` weights) and samples it (2 euler steps,
+   cfg 1, fixed noise; compared: the model's output at each step): within ``BOUND_SAME`` of the pack model's and
+   within ``BOUND_FLOAT`` of the float model's.
+   The pack models are sampled on fused_triton (Triton interpreter) at width 128 and on torch_int_mm at the real
+   widths (``SAMPLE_BACKEND``: the same int8 codes, checked; the interpreter would take minutes a step there).
+b. The same file loaded by ComfyUI and put through Apply again: every int8 layer adopted as stored (codes and scales
+   equal to the file's bit for bit, none re-quantized), and its outputs equal the first Apply's bit for bit.
+c. INT8 Calibrate (2 steps) -> Apply with the calibration -> Save (core format) folds the smoothing: per weight
+   element ``|dequant(file) - W| <= a1 / (2 s) + a2 / 2`` (``a1`` the smoothed layer's step, ``s`` its smoothing
+   factor, ``a2`` the file's step: ``Q(W s) / s`` re-rounded, see ``quant.fmt_write.fold_smoothing``), and the plain
+   process samples the file within ``2 * BOUND_FLOAT`` of the calibrated pack model (both within ``BOUND_FLOAT`` of
+   the float model).
+
+Bounds. ``BOUND_SAME``: the pack and core (comfy-kitchen's ``int8_linear``) multiply the same int8 weights with
+per-row int8 activations (step ``absmax / 127`` both), exactly in int32; they differ only in bf16 roundings of the
+dequantized outputs (at most 2^-8 relative) and the activation codes those move by one. Up to 20 quantized linears
+run in sequence (Lumina 2: 2 + 2 refiner blocks and 1 layer, 4 each), the roundings independent: sqrt(20) * 2^-8 =
+1.7 %, so 2 %.
+``BOUND_FLOAT``: one W8A8 linear is ~1 % from its float product (weight and activation each rounded to steps of
+``absmax / 127``: rms error ``step / sqrt(12)`` ~ 0.9 % of the rms for absmax ~ 4 rms); at most 4-5 in sequence
+here: 5 % (the bound tests/test_ideogram4_current.py uses). Runs in two subprocesses (tests/comfy_harness.py);
+skipped, naming COMFYUI_CURRENT, without a current ComfyUI.
+"""
+import json
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+ARCHS = ("flux", "wan", "sd3", "lumina2", "qwen_image", "ideogram4")
+BOUND_SAME = 0.02
+BOUND_FLOAT = 0.05
+STEPS = 2
+FUSED = ("flux", "wan", "lumina2", "ideogram4")  # with fused blocks on fused_triton
+
+# unet configs as ComfyUI 0.33.0's detection rebuilds them from the weights (checked: the loaded model's state dict
+# has the file's keys and shapes)
+CONFIGS = {
+    "flux": dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=64, context_in_dim=64,
+                 hidden_size=128, mlp_ratio=4.0, num_heads=1, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56],
+                 theta=10000, patch_size=2, qkv_bias=True, guidance_embed=False, txt_ids_dims=[]),
+    "wan": dict(image_model="wan2.1", model_type="t2v", dim=128, out_dim=16, num_heads=1, ffn_dim=256, num_layers=2,
+                patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True, cross_attn_norm=True,
+                eps=1e-6, in_dim=16),
+    "sd3": dict(in_channels=16, patch_size=2, out_channels=16, depth=2, input_size=None, adm_in_channels=64,
+                context_embedder_config={"target": "torch.nn.Linear",
+                                         "params": {"in_features": 64, "out_features": 128}},
+                num_patches=256, pos_embed_max_size=16, pos_embed_scaling_factor=None, x_block_self_attn_layers=[]),
+    "lumina2": dict(image_model="lumina2", patch_size=2, in_channels=16, dim=2304, cap_feat_dim=64, n_layers=1,
+                    qk_norm=True, n_heads=24, n_kv_heads=8, axes_dims=[32, 32, 32], axes_lens=[300, 512, 512],
+                    rope_theta=10000.0, ffn_dim_multiplier=4.0),
+    "qwen_image": dict(image_model="qwen_image", in_channels=64, num_layers=1),
+    "ideogram4": dict(image_model="ideogram4", in_channels=128, num_layers=1),
+}
+# (latent shape, text tokens x width, pooled width or 0)
+INPUTS = {"flux": ((1, 16, 8, 8), (8, 64), 64), "wan": ((1, 16, 2, 8, 8), (8, 4096), 0),
+          "sd3": ((1, 16, 8, 8), (8, 64), 64), "lumina2": ((1, 16, 8, 8), (8, 64), 0),
+          "qwen_image": ((1, 16, 1, 8, 8), (8, 3584), 0), "ideogram4": ((1, 128, 2, 2), (4, 53248), 0)}
+# Apply and Save run on fused_triton for every architecture (fused blocks built, no kernel run); the pack models are
+# sampled on fused_triton (the Triton interpreter) at width 128, on torch_int_mm (the same int8 codes, checked) at the
+# real widths, where the interpreter would take minutes a step
+SAMPLE_BACKEND = {"flux": "fused_triton", "wan": "fused_triton", "sd3": "fused_triton", "lumina2": "torch_int_mm",
+                  "qwen_image": "torch_int_mm", "ideogram4": "torch_int_mm"}
+
+
+# ----------------------------------------------------------------------------------- the test
+@pytest.fixture(scope="module")
+def results(request, comfy_current):
+    """Both subprocesses once for the selected architectures: {arch: {"pack": {...}, "plain": {...}}}."""
+    archs = sorted({it.callspec.params["arch"] for it in request.session.items
+                    if it.module is request.module and hasattr(it, "callspec")}, key=ARCHS.index)
+    work = Path(tempfile.mkdtemp(prefix="int8_interop_"))
+    try:
+        pack = _run("pack_body", work, archs)
+        plain = _run("plain_body", work, archs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {a: {"pack": pack[a], "plain": plain.get(a, {"error": "not run"})} for a in archs}
+
+
+_SCRIPT = """\
+import json, runpy
+ns = runpy.run_path({file!r}, init_globals={{"import_pack": import_pack}})
+print("RESULT " + json.dumps(ns[{fn!r}]({work!r}, {archs!r})))
+"""
+
+
+def _run(fn: str, work: Path, archs: list) -> dict:
+    from comfy_harness import run_in_current_comfy
+    cp = run_in_current_comfy(_SCRIPT.format(file=__file__, fn=fn, work=str(work), archs=archs), timeout=2400)
+    print("\n".join(ln for ln in cp.stdout.splitlines() if not ln.startswith("RESULT "))[-3000:])
+    if cp.returncode != 0:
+        raise AssertionError(f"{fn}: exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}")
+    return json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_core_file_round_trip(results, arch):
+    r = results[arch]
+    pack, plain = r["pack"], r["plain"]
+    assert "error" not in pack, pack.get("error")
+    assert "error" not in plain, plain.get("error")
+    assert pack["adapter"] == arch and pack["loaded_as_file"], _brief(pack)
+    # a. Save wrote Apply's int8 codes and scales; plain ComfyUI (no pack imported) reads them as core int8
+    assert pack["int8_layers"] > 0 and pack["saved_equal_apply"] and pack["sampled_codes_equal"], _brief(pack)
+    assert arch not in FUSED or pack["fused_modules"], _brief(pack)  # Save collected from fused blocks
+    assert plain["pack_imported"] == [], plain["pack_imported"][:10]
+    assert plain["core_int8_layers"] == pack["int8_layers"] and plain["keys_equal_file"], _brief(plain)
+    rel = _rels(_outputs(pack, plain))
+    print(arch, pack["seconds"], rel)
+    assert rel["core_vs_pack"] <= BOUND_SAME, rel
+    assert 0 < rel["core_vs_float"] <= BOUND_FLOAT and 0 < rel["pack_vs_float"] <= BOUND_FLOAT, rel
+    # b. the file back through Apply: adopted as stored, the same sample bit for bit
+    assert pack["adopted"] == pack["int8_layers"] and pack["adopted_quantized"] == 0, _brief(pack)
+    assert pack["adopted_bit_identical"] and pack["adopted_sample_equal"], _brief(pack)
+    # c. calibrated: smoothing folded within the two roundings, the file loads and samples in plain ComfyUI
+    assert pack["smoothed_layers"] > 0 and pack["fold_within_bound"], _brief(pack)
+    assert pack["cal_file_keys"] == pack["file_keys"], "the calibrated file has another layout"
+    assert plain["cal_core_int8_layers"] == pack["int8_layers"], _brief(plain)
+    assert rel["cal_core_vs_cal_pack"] <= 2 * BOUND_FLOAT, rel
+    assert rel["cal_pack_vs_float"] <= BOUND_FLOAT and rel["cal_core_vs_float"] <= BOUND_FLOAT, rel
+
+
+def _brief(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("outputs", "file_keys", "cal_file_keys")}
+
+
+def _outputs(pack: dict, plain: dict) -> dict:
+    return {k: torch.tensor(v) for k, v in {**pack["outputs"], **plain["outputs"]}.items()}
+
+
+def _rels(o: dict) -> dict:
+    def rel(a, b):
+        return float((o[a].double() - o[b].double()).norm() / o[b].double().norm())
+    return {"core_vs_pack": rel("core", "pack"), "core_vs_float": rel("core", "float"),
+            "pack_vs_float": rel("pack", "float"), "cal_core_vs_cal_pack": rel("cal_core", "cal_pack"),
+            "cal_pack_vs_float": rel("cal_pack", "float"), "cal_core_vs_float": rel("cal_core", "float")}
+
+
+# ----------------------------------------------------------------------------------- inside ComfyUI 0.33.0
+def _init_(dm, seed: int) -> dict:
+    """Random bf16 weights: norms ~1, biases small, matrices N(0, 1 / fan_in)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, t in dm.state_dict(keep_vars=True).items():
+            if not t.is_floating_point():
+                continue
+            if t.dim() == 1:
+                v = (1 + 0.05 * torch.randn(t.shape, generator=g)) if ("norm" in n or n.endswith("scale")) \
+                    else 0.02 * torch.randn(t.shape, generator=g)
+            else:  # modulation at full gain too: gates O(1), so the blocks' INT8 error is not damped
+                v = torch.randn(t.shape, generator=g) / (t[0].numel() ** 0.5)
+            t.copy_(v)
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in dm.state_dict().items()}
+
+
+def _float_file(arch: str, path: str) -> None:
+    import comfy.model_detection as md
+    from safetensors.torch import save_file
+    mc = md.model_config_from_unet_config(dict(CONFIGS[arch]), {})
+    mc.set_inference_dtype(torch.float32, None)
+    model = mc.get_model({}, "", device=torch.device("cpu"))
+    save_file(_init_(model.diffusion_model, seed=ARCHS.index(arch)), path)
+
+
+def _conds(arch: str):
+    lat, (n, w), pooled = INPUTS[arch]
+    g = torch.Generator().manual_seed(7)
+    extra = {"pooled_output": torch.randn(1, pooled, generator=g)} if pooled else {}
+    return [[torch.randn(1, n, w, generator=g), extra]], torch.zeros(lat)
+
+
+def _sample(model, arch: str) -> torch.Tensor:
+    """ComfyUI's sampler, euler / simple, ``STEPS`` steps, cfg 1 (the positive only), fixed noise; returns the model's
+    outputs along the way (``(x - denoised) / sigma`` of each step: these flow models' velocity), which the noise in
+    the sample would dilute."""
+    import comfy.samplers
+    positive, latent = _conds(arch)
+    guider = comfy.samplers.CFGGuider(model)
+    guider.set_conds(positive, positive)
+    guider.set_cfg(1.0)
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", STEPS)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(11))
+    v = []
+    guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True, seed=0,
+                  callback=lambda i, den, x, n: v.append(((x - den) / sigmas[i]).float().cpu()))
+    return torch.stack(v)
+
+
+def _load(path: str):
+    import comfy.sd
+    return comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.bfloat16})
+
+
+def _file(path: str) -> dict:
+    from safetensors import safe_open
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _same_codes(layers: dict, ref: dict) -> bool:
+    """Whether ``layers`` ({name: Int8Linear}) hold the int8 codes and scales of ``ref`` ({name: (int8, scale)} or
+    Int8Linear), bit for bit, under the same names."""
+    def codes(m):
+        return m if isinstance(m, tuple) else (m.qweight.cpu(), m.weight_scale.float().cpu().reshape(-1))
+    return sorted(layers) == sorted(ref) and all(
+        torch.equal(a, b) for n in ref for a, b in zip(codes(layers[n]), codes(ref[n])))
+
+
+def _free():
+    import gc
+
+    import comfy.model_management as mm
+    mm.unload_all_models()
+    gc.collect()
+
+
+def _pack_arch(pack, arch: str, work: Path) -> dict:
+    A, nodes = pack.adapters, pack.nodes
+    fpath = str(work / f"{arch}_float.safetensors")
+    _float_file(arch, fpath)
+    fl = _load(fpath)
+    dm = fl.model.diffusion_model
+    res = {"adapter": getattr(A.adapter_for(dm), "name", None),
+           "loaded_as_file": {k: tuple(v.shape) for k, v in dm.state_dict().items()}
+           == {k: tuple(v.shape) for k, v in _file(fpath).items()}}
+    out = {"float": _sample(fl, arch)}
+
+    # a. Apply -> Save (core format)
+    apply = nodes.apply.ApplyFusedInt8GEMM().apply
+    sb = SAMPLE_BACKEND[arch]
+    (q,) = apply(fl, "fused_triton")
+    layers = nodes.weights.int8_layers(q)
+    res["fused_modules"] = sorted({type(m).__name__ for m in q.object_patches.values() if hasattr(m, "covers")})
+    qs = q if sb == "fused_triton" else apply(fl, sb)[0]
+    res["sampled_codes_equal"] = _same_codes(nodes.weights.int8_layers(qs), layers)
+    out["pack"] = _sample(qs, arch)
+    save = nodes.save.SaveInt8Model()
+    (core_path,) = save.save(q, f"rt_{arch}", "comfy_int8_tensorwise", False, "blocks")["result"]
+    os.replace(core_path, work / f"{arch}_core.safetensors")
+    core_path = str(work / f"{arch}_core.safetensors")
+    stored = _file(core_path)
+    names = sorted(k[: -len(".comfy_quant")] for k in stored if k.endswith(".comfy_quant"))
+    as_file = {n: (stored[n + ".weight"], stored[n + ".weight_scale"].float().reshape(-1)) for n in names}
+    res["int8_layers"] = len(names)
+    res["file_keys"] = sorted(stored)
+    res["saved_equal_apply"] = _same_codes(layers, as_file)
+    del q, qs, layers
+    _free()
+
+    # b. the file back through Apply
+    core = _load(core_path)
+    (q2,) = apply(core, "fused_triton")
+    rep = q2.int8_report
+    res["adopted"], res["adopted_quantized"] = rep.adopted, rep.quantized - rep.adopted
+    res["adopted_bit_identical"] = _same_codes(nodes.weights.int8_layers(q2), as_file)
+    q2s = q2 if sb == "fused_triton" else apply(core, sb)[0]
+    res["adopted_sample_equal"] = bool(torch.equal(_sample(q2s, arch), out["pack"]))
+    del q2, q2s, core, stored, as_file
+    _free()
+
+    # c. Calibrate -> Apply -> Save (core format, smoothing folded)
+    positive, latent = _conds(arch)
+    cal = nodes.calibrate.run_calibration(fl, positive, None, {"samples": latent}, 0, 2, 1.0, "euler", "simple")
+    (qc,) = apply(fl, sb, calibration=cal)
+    out["cal_pack"] = _sample(qc, arch)
+    (cal_path,) = save.save(qc, f"rt_{arch}_cal", "comfy_int8_tensorwise", False, "blocks")["result"]
+    os.replace(cal_path, work / f"{arch}_cal.safetensors")
+    cal_file = _file(str(work / f"{arch}_cal.safetensors"))
+    res["cal_file_keys"] = sorted(cal_file)
+    smoothed, ok = 0, True
+    floats = _file(fpath)
+    for n, L in nodes.weights.int8_layers(qc).items():
+        if L.smooth is None:
+            continue
+        smoothed += 1
+        s, a1 = L.smooth.float().cpu(), L.weight_scale.float().cpu()
+        a2 = cal_file[n + ".weight_scale"].float().reshape(-1)
+        w = floats[n + ".weight"].float()
+        deq = cal_file[n + ".weight"].float() * a2[:, None]
+        bound = a1[:, None] / (2 * s[None, :]) + a2[:, None] / 2
+        ok &= bool(((deq - w).abs() <= bound * (1 + 1e-5) + 1e-7).all())
+    res["smoothed_layers"], res["fold_within_bound"] = smoothed, ok
+    res["outputs"] = {k: v.tolist() for k, v in out.items()}
+    del qc, fl, dm, floats, cal, cal_file
+    _free()
+    return res
+
+
+def pack_body(work: str, archs: list) -> dict:
+    """Pack process: float file, Apply, Save, adoption, calibration (one architecture at a time)."""
+    import folder_paths
+    pack = import_pack()  # noqa: F821 (comfy_harness prelude)
+    models = Path(work) / "unet"
+    models.mkdir(parents=True, exist_ok=True)
+    folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
+    res = {}
+    for arch in archs:
+        t0 = time.perf_counter()
+        try:
+            res[arch] = _pack_arch(pack, arch, Path(work))
+            res[arch]["seconds"] = round(time.perf_counter() - t0, 1)
+        except Exception:
+            res[arch] = {"error": traceback.format_exc()[-4000:]}
+        _free()
+    return res
+
+
+def plain_body(work: str, archs: list) -> dict:
+    """Plain ComfyUI (the pack never imported): load the core files with ComfyUI's loader and sample them."""
+    import sys
+    res = {}
+    for arch in archs:
+        try:
+            r, outs = {}, {}
+            for tag, name in (("", "core"), ("cal_", "cal")):
+                path = str(Path(work) / f"{arch}_{name}.safetensors")
+                m = _load(path)
+                dm = m.model.diffusion_model
+                r[tag + "core_int8_layers"] = sum(type(getattr(x, "weight", None)).__name__ == "QuantizedTensor"
+                                                  for x in dm.modules())
+                if not tag:
+                    r["keys_equal_file"] = set(dm.state_dict()) >= {k for k in _file(path) if not k.endswith(
+                        (".comfy_quant", ".weight_scale"))}
+                outs[tag + "core"] = _sample(m, arch).tolist()
+                del m, dm
+                _free()
+            r["outputs"] = outs
+            root = Path(__file__).resolve().parents[1]
+            mine = tuple(str(root / d) + os.sep for d in ("kernel", "quant", "adapters", "nodes"))
+            stub = sys.modules.get("comfyui_int8_fused")  # the harness registers the package, unexecuted
+            r["pack_imported"] = sorted(k for k, v in list(sys.modules.items()) if k.startswith("comfyui_int8_fused.")
+                                        or str(getattr(v, "__file__", None) or "").startswith(mine))
+            r["pack_imported"] += ["comfyui_int8_fused"] if "WEB_DIRECTORY" in vars(stub or object) else []
+            res[arch] = r
+        except Exception:
+            res[arch] = {"error": traceback.format_exc()[-4000:]}
+    return res

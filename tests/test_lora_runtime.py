@@ -1,0 +1,184 @@
+"""LoRA loaded AFTER "Apply Fused INT8 GEMM" runs as a low-rank side branch on the INT8 layers (quant/lora.py), on
+the pinned ComfyUI in-process (legacy ModelPatcher, CPU): real LoRA safetensors files loaded by ComfyUI's own
+LoraLoaderModelOnly, sampled by ComfyUI's sampler (``comfy.sample.sample``, 1 euler step) on the tiny Flux.
+
+References and bounds
+---------------------
+* H: the Apply'd model WITHOUT the LoRA, with each targeted INT8 layer's output plus ``s * (x A^T) B^T`` computed in
+  float64 from the file's tensors (forward hooks; Apply with INT8_FUSED_FUSION=0 so every layer is a module call).
+  The runtime branch R runs the same int8 base layers and adds the same term rounded in fp32 (relative ~K * 2^-24),
+  so R and H differ only where such a rounding moves a downstream activation across an int8 rounding boundary: a
+  one-step change of a vanishing fraction of the codes, against the model's int8 error, where every code is
+  rounded. Hence ``||R - H|| <= 0.1 * ||H - F||`` (F: the float model with the LoRA patched by ComfyUI).
+* M: the LoRA merged, then quantized (LoRA loader BEFORE Apply). R and M are both one W8A8 rounding of nearly the
+  same weights (W and W + s B A), so their errors against F have the same distribution; over the latent's
+  elements the norms concentrate, and ``||R - F|| <= 2 ||M - F||`` holds with a wide margin.
+* The LoRA matters: ``||F - F0|| >= 5 ||H - F||`` (F0: the float model without it).
+"""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+PREFIX = "diffusion_model."
+TARGETS = ("double_blocks.0.img_attn.qkv", "double_blocks.0.txt_mlp.2", "single_blocks.0.linear1",
+           "single_blocks.0.linear2")
+
+
+@pytest.fixture(scope="module")
+def env(comfy_inprocess, pack, tmp_path_factory):
+    import comfy.sample
+    import folder_paths
+    import nodes
+    d = tmp_path_factory.mktemp("loras")
+    folder_paths.add_model_folder_path("loras", str(d))
+    return pack, comfy.sample, nodes, d
+
+
+def _lora_file(folder, mp, name, targets, rank=4, seed=3, kind="lora"):
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for t in targets:
+        n, k = mp.get_model_object(PREFIX + t).weight.shape
+        if kind == "lora":
+            sd[f"{PREFIX}{t}.lora_down.weight"] = torch.randn(rank, k, generator=g) / k ** 0.5
+            sd[f"{PREFIX}{t}.lora_up.weight"] = torch.randn(n, rank, generator=g) * 0.3 / rank ** 0.5
+            sd[f"{PREFIX}{t}.alpha"] = torch.tensor(float(rank) / 2)
+        else:  # LoHa
+            for ab, shape in (("1_a", (n, rank)), ("1_b", (rank, k)), ("2_a", (n, rank)), ("2_b", (rank, k))):
+                sd[f"{PREFIX}{t}.hada_w{ab}"] = torch.randn(*shape, generator=g) * 0.1
+            sd[f"{PREFIX}{t}.alpha"] = torch.tensor(float(rank))
+    save_file(sd, str(folder / name))
+    return sd
+
+
+def _sample(cs, model):
+    g = torch.Generator().manual_seed(1)
+    ctx, y = torch.randn(1, 8, 64, generator=g), torch.randn(1, 64, generator=g)
+    latent, noise = torch.zeros(1, 16, 8, 8), torch.randn(1, 16, 8, 8, generator=g)
+    pos = [[ctx, {"pooled_output": y}]]
+    return cs.sample(model, noise, 1, 1.0, "euler", "simple", pos, pos, latent, seed=0, disable_pbar=True).float()
+
+
+def _hooked(base, loras, targets=TARGETS):
+    """Forward hooks adding sum_i s_i (x A_i^T) B_i^T in float64 to the INT8 layers of ``base``."""
+    hooks = []
+    for t in targets:
+        layer = base.object_patches.get(PREFIX + t)
+        assert layer is not None, t
+
+        def hook(m, inp, out, t=t):
+            x = inp[0].double()
+            add = 0
+            for sd, strength in loras:
+                a, b = sd[f"{PREFIX}{t}.lora_down.weight"].double(), sd[f"{PREFIX}{t}.lora_up.weight"].double()
+                add = add + strength * float(sd[f"{PREFIX}{t}.alpha"]) / a.shape[0] * (x @ a.T) @ b.T
+            return (out.double() + add).to(out.dtype)
+        hooks.append(layer.register_forward_hook(hook))
+    return hooks
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("backend", ["torch_int_mm", "fused_triton"])
+def test_lora_after_apply_runs_as_side_branch(env, tiny_model, backend, monkeypatch):
+    pack, cs, nodes, folder = env
+    from kernel import config
+    loader = nodes.LoraLoaderModelOnly()
+    mp = tiny_model("flux")
+    sd1 = _lora_file(folder, mp, "one.safetensors", TARGETS, seed=3)
+    sd2 = _lora_file(folder, mp, "two.safetensors", TARGETS, rank=8, seed=4)
+    apply = pack.nodes.apply.ApplyFusedInt8GEMM()
+    quantized = []
+    real = pack.quant.linear.quantize_weight_per_channel  # what Int8Linear.from_float quantizes with (a counter)
+    monkeypatch.setattr(pack.quant.linear, "quantize_weight_per_channel",
+                        lambda *a, **k: quantized.append(1) or real(*a, **k))
+    q = apply.apply(mp, backend)[0]
+    n_quant = len(quantized)
+    base0 = _sample(cs, q)
+
+    f0 = _sample(cs, mp)
+    f1 = _sample(cs, loader.load_lora_model_only(mp, "one.safetensors", 1.0)[0])
+    r1 = _sample(cs, loader.load_lora_model_only(q, "one.safetensors", 1.0)[0])
+    import comfy.model_management as mm
+    mm.unload_all_models()  # the per-linear twin below and the fused clones above patch nested names of one tree
+    with config.override(INT8_FUSED_FUSION=False):
+        h = apply.apply(mp, backend)[0]
+    hooks = _hooked(h, [(sd1, 1.0)])
+    try:
+        h1 = _sample(cs, h)
+    finally:
+        for x in hooks:
+            x.remove()
+    mm.unload_all_models()
+    m1 = _sample(cs, apply.apply(loader.load_lora_model_only(mp, "one.safetensors", 1.0)[0], backend)[0])
+    err = (h1 - f1).norm()
+    assert (f1 - f0).norm() >= 5 * err          # the LoRA matters
+    assert (r1 - h1).norm() <= 0.1 * err, ((r1 - h1).norm(), err)
+    assert (r1 - f1).norm() <= 2 * (m1 - f1).norm()
+
+    # a new strength and a second LoRA stacked: no Apply re-run, no quantization
+    n_before = len(quantized)
+    q2 = loader.load_lora_model_only(loader.load_lora_model_only(q, "one.safetensors", -0.7)[0],
+                                     "two.safetensors", 0.5)[0]
+    mm.unload_all_models()
+    r2 = _sample(cs, q2)
+    assert len(quantized) == n_before
+    hooks = _hooked(h, [(sd1, -0.7), (sd2, 0.5)])
+    try:
+        h2 = _sample(cs, h)
+    finally:
+        for x in hooks:
+            x.remove()
+    f2 = _sample(cs, loader.load_lora_model_only(loader.load_lora_model_only(mp, "one.safetensors", -0.7)[0],
+                                                 "two.safetensors", 0.5)[0])
+    assert (r2 - h2).norm() <= 0.1 * (h2 - f2).norm()
+    # ComfyUI never patched the int8 weights: the LoRA clone holds no patch on an INT8 layer any more
+    assert not any(k[len(PREFIX):].rsplit(".", 1)[0] in TARGETS for k in q2.patches)
+    # the base model after the LoRA clones: its own output again, bit for bit
+    mm.unload_all_models()
+    assert _sample(cs, q).equal(base0)
+    assert n_quant > 0 and len(quantized) == n_before
+
+
+def test_unsupported_lora_kind_is_refused_naming_the_layer(env, tiny_model):
+    pack, cs, nodes, folder = env
+    mp = tiny_model("flux")
+    _lora_file(folder, mp, "loha.safetensors", TARGETS[:1], kind="loha")
+    q = pack.nodes.apply.ApplyFusedInt8GEMM().apply(mp, "torch_int_mm")[0]
+    late = nodes.LoraLoaderModelOnly().load_lora_model_only(q, "loha.safetensors", 1.0)[0]
+    with pytest.raises(RuntimeError, match=r"LoHa patch on INT8 layer 'double_blocks\.0\.img_attn\.qkv'.*BEFORE"):
+        _sample(cs, late)
+    # merged before Apply it still works
+    early = nodes.LoraLoaderModelOnly().load_lora_model_only(mp, "loha.safetensors", 1.0)[0]
+    assert torch.isfinite(_sample(cs, pack.nodes.apply.ApplyFusedInt8GEMM().apply(early, "torch_int_mm")[0])).all()
+
+
+def test_branch_matches_float64_low_rank_term(pack):
+    from comfy.weight_adapter.lora import LoRAAdapter
+    """One layer: int8(x) + branch - int8(x) equals s (x A^T) B^T within fp32 rounding: per element at most
+    (K + r + 2) * 2^-24 * (|x| |A|^T |B|^T |s| + |y|) (the dot-product error bound of each product and the add)."""
+    lora, Int8Linear = pack.quant.lora, pack.quant.linear.Int8Linear
+    g = torch.Generator().manual_seed(0)
+    n, k, r = 48, 64, 6
+    layer = Int8Linear.from_float(torch.randn(n, k, generator=g), torch.randn(n, generator=g), name="blk.0.qkv")
+    x = torch.randn(5, 3, k, generator=g)
+    a, b = torch.randn(r, k, generator=g), torch.randn(16, r, generator=g)
+    base = layer(x)
+    layers = lora.owners({"blk.0.qkv": layer})
+    lora.install({"blk.0.qkv.weight": [(0.8, LoRAAdapter(set(), (b, a, 3.0, None, None, None)), 1.0, (0, 16, 16),
+                                        None)]}, layers)
+    y = layer(x)
+    s = 0.8 * 3.0 / r
+    ref = torch.zeros(5, 3, n, dtype=torch.float64)
+    ref[..., 16:32] = s * (x.double() @ a.double().T) @ b.double().T
+    mag = torch.zeros_like(ref)
+    mag[..., 16:32] = abs(s) * (x.double().abs() @ a.double().abs().T) @ b.double().abs().T
+    bound = (k + r + 2) * 2.0 ** -24 * (mag + y.double().abs())
+    assert ((y.double() - base.double() - ref).abs() <= bound).all()
+    lora.install({}, layers)
+    assert layer.derived.lora is None and layer(x).equal(base)
+    with pytest.raises(lora.LoraError, match="DoRA.*'blk.0.qkv'.*BEFORE"):
+        dora = LoRAAdapter(set(), (b, a, 3.0, None, torch.ones(16), None))
+        lora.install({"blk.0.qkv.weight": [(1.0, dora, 1.0, (0, 16, 16), None)]}, layers)

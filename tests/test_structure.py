@@ -1,0 +1,223 @@
+"""The pack's import structure, read from the source with ``ast`` (nothing is imported):
+
+* no import cycle among the pack's modules, counting module-level and function-level imports alike (a cycle
+  hidden by an import inside a function is still a cycle). A module's import of its own package (``from . import
+  name`` of a name the package's ``__init__`` defines) is no edge: Python imports a package before any of its
+  modules, so that order is fixed whatever the package's ``__init__`` imports later, inside functions;
+* the pack's code reaches its own modules by plain relative imports: no ``importlib.import_module``, no
+  ``kernel_module`` / ``pack_module`` helper, no absolute ``import kernel`` / ``quant`` / ``adapters``;
+* ``kernel/`` imports nothing else of the pack (it runs with torch and Triton alone).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kernel", "quant", "adapters", "nodes")
+HELPERS = ("kernel_module", "pack_module")
+# importlib.import_module of a module that is not the pack's, named by data: (file, function) -> why
+EXTERNAL_IMPORTS = {("adapters/base.py", "_resolve"): "an adapter's ComfyUI model class path"}
+
+
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    """{dotted name ("" for the pack's own __init__): file} of every module of the pack."""
+    mods = {"": root / "__init__.py"}
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = f.relative_to(root).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return mods
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _imports(name: str, path: Path, mods: dict) -> list[tuple[str, int]]:
+    """(pack module imported, line) for every relative import in the module, wherever it sits."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom) or not node.level:
+            continue
+        base = package.split(".") if package else []
+        base = ".".join(base[:len(base) - (node.level - 1)])
+        target = _join(base, node.module or "")
+        for alias in node.names:
+            sub = _join(target, alias.name)
+            out.append((sub if sub in mods else target, node.lineno))
+    return out
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """{module: {module it imports: line}} over the pack's modules (a module's own packages left out: module doc)."""
+    mods = _modules(root)
+    graph = {}
+    for name, path in mods.items():
+        edges = graph[name] = {}
+        for dep, line in _imports(name, path, mods):
+            if dep in mods and not (dep == "" or name == dep or name.startswith(dep + ".")):
+                edges.setdefault(dep, line)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _describe(comp: list[str], graph) -> str:
+    inside = set(comp)
+    return "; ".join(f"{a or '<pack>'} -> {b or '<pack>'} (line {line})" for a in comp
+                     for b, line in sorted(graph[a].items()) if b in inside)
+
+
+def indirect_imports(root: Path = ROOT) -> list[str]:
+    """Every ``importlib.import_module``, ``kernel_module``, ``pack_module`` and absolute import of the pack's
+    top-level names in the pack's packages (``file:line what``), bar ``EXTERNAL_IMPORTS``."""
+    found = []
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            rel = f.relative_to(root).as_posix()
+            tree = ast.parse(f.read_text(), str(f))
+            funcs = {id(n): fn.name for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     for n in ast.walk(fn)}
+            for node in ast.walk(tree):
+                what = None
+                if isinstance(node, ast.Call):
+                    fn = node.func
+                    fname = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+                    if fname == "import_module" and (rel, funcs.get(id(node))) not in EXTERNAL_IMPORTS:
+                        what = "importlib.import_module"
+                    elif fname in HELPERS:
+                        what = f"{fname}()"
+                elif isinstance(node, ast.FunctionDef) and node.name in HELPERS:
+                    what = f"def {node.name}"
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    if (node.module or "").split(".")[0] in ("kernel", "quant", "adapters"):
+                        what = f"from {node.module} import"
+                    elif any(a.name in HELPERS for a in node.names):
+                        what = "imports " + ", ".join(a.name for a in node.names if a.name in HELPERS)
+                elif isinstance(node, ast.ImportFrom) and any(a.name in HELPERS for a in node.names):
+                    what = "imports " + ", ".join(a.name for a in node.names if a.name in HELPERS)
+                elif isinstance(node, ast.Import):
+                    bad = [a.name for a in node.names if a.name.split(".")[0] in ("kernel", "quant", "adapters")]
+                    what = f"import {', '.join(bad)}" if bad else None
+                if what:
+                    found.append(f"{rel}:{node.lineno} {what}")
+    return found
+
+
+def test_cycle_finder_sees_a_hidden_cycle(tmp_path):
+    """The checker itself, on a made-up pack: a cycle closed by a function-level import is found, with its lines."""
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "__init__.py").write_text("from .nodes import x\n")
+    (tmp_path / "quant" / "a.py").write_text("from . import b\nfrom ..kernel import config\n")
+    (tmp_path / "quant" / "b.py").write_text("def f():\n    from .a import g\n")
+    (tmp_path / "kernel" / "config.py").write_text("import os\n")
+    g = import_graph(tmp_path)
+    assert g["quant.a"] == {"quant.b": 1, "kernel.config": 2} and g["quant.b"] == {"quant.a": 2}
+    assert g[""] == {"nodes": 1}
+    assert cycles(g) == [["quant.a", "quant.b"]]
+    (tmp_path / "quant" / "b.py").write_text("from ..kernel import config\n")
+    assert cycles(import_graph(tmp_path)) == []
+
+
+def test_no_import_cycle():
+    g = import_graph()
+    assert "quant.linear" in g and g["quant.dispatch"], "the graph misses the pack's modules"
+    found = cycles(g)
+    assert not found, "import cycles among the pack's modules:\n" + "\n".join(_describe(c, g) for c in found)
+
+
+def test_pack_modules_imported_directly():
+    found = indirect_imports()
+    assert not found, "reach the pack's modules by relative imports instead:\n" + "\n".join(found)
+
+
+def test_kernel_imports_nothing_else_of_the_pack():
+    g = import_graph()
+    outside = {f"{m} -> {d}" for m, deps in g.items() if m.split(".")[0] == "kernel"
+               for d in deps if d.split(".")[0] != "kernel"}
+    assert not outside, sorted(outside)
+
+
+def test_tests_import_the_pack_one_way():
+    """``import kernel`` / ``quant`` / ``adapters`` in a test are the modules of the package ``comfyui_int8_fused``
+    (tests/pack_import.py, installed by conftest): one ``Int8Linear`` class, one set of switches."""
+    import sys
+
+    import adapters.ideogram4.layout
+    import kernel.config
+    from quant import linear
+
+    pack = sys.modules["comfyui_int8_fused"]
+    assert kernel.config is pack.kernel.config is sys.modules["comfyui_int8_fused.kernel.config"]
+    assert linear.__name__ == "comfyui_int8_fused.quant.linear" and linear.__spec__.name == linear.__name__
+    assert adapters.ideogram4.layout is pack.adapters.ideogram4.layout
+    assert pack.adapters.base.Int8Linear is linear.Int8Linear and pack.quant.dispatch.config is kernel.config
+
+
+def test_layer_state_is_declared_in_one_place_and_dropped_on_a_move():
+    """What dispatch and the backends keep per layer lives in ``Int8Linear.derived`` (no attribute of their own on
+    the layer); a move or cast (``_apply``), a state-dict load and a new weight tensor drop the tensors derived from
+    the old ones, while decisions, plans and call counts stay."""
+    import torch
+
+    from kernel import config
+    from quant import backends, dispatch
+    from quant.linear import Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b, s = torch.randn(16, 32, generator=g), torch.randn(16, generator=g), torch.rand(32, generator=g) + 0.5
+    layer = Int8Linear.from_float(w, b, smooth=s, backend="fused_triton", name="l")
+    attrs = set(vars(layer))
+    x = torch.randn(5, 32, generator=g)
+    with config.override(INT8_FUSED_DISPATCH="float"):
+        y = layer(x)
+        assert torch.equal(layer(x), y)  # the second call: forward's hot path
+    w8, s8 = backends._fp8_weight(layer)
+    assert set(vars(layer)) == attrs  # nothing but the layer's declared attributes
+    ref = torch.nn.functional.linear(x.double(), layer.dequantized_weight().double(), b.double())
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6  # the float path: weight-only int8
+    d = layer.derived
+    assert ("dispatch_float", torch.device("cpu"), torch.float32) in d.tensors and "inv_smooth" in d.tensors
+    assert d.hot and d.fp8[0] is w8 and w8.dtype == torch.float8_e4m3fn
+    assert dict(layer.dispatch_calls) == {"float": 2} and d.float_rows == {(5, True)}
+    assert dispatch.counts([layer])["float_shapes"] == ["M<=16 16x32 (forced)"]
+
+    layer.weight = layer.weight.detach().clone()  # ComfyUI swapping the tensor: the hot path lets the old one go
+    assert not d.hot and d.tensors
+    layer._apply(lambda t: t)  # a move or cast
+    assert not d.tensors and not d.hot and d.fp8 is None and dict(layer.dispatch_calls) == {"float": 2}
+    layer.inv_smooth  # noqa: B018  (made again)
+    layer.load_state_dict(layer.state_dict())
+    assert not d.tensors and layer.derived is d
