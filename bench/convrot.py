@@ -158,8 +158,15 @@ def quality_main(a) -> int:
                     f"({row['rotated_layers']}/{row['int8_layers']} layers rotated)")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        import platform
+
+        import triton
+        from bench.lib import provenance
+        prov = {"device": f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)",
+                "torch": torch.__version__, "triton": triton.__version__, "commit": provenance.commit(),
+                "dirty": provenance.dirty(), "command": " ".join(["python", *sys.argv])}
         Path(a.out).write_text(json.dumps({"bench": "convrot_quality_cpu", "steps": cq.STEPS, "cfg": cq.CFG,
-                                           "held_out_seeds": seeds, "rows": rows}, indent=1))
+                                           "held_out_seeds": seeds, **prov, "rows": rows}, indent=1))
     return 0
 
 
