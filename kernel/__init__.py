@@ -22,34 +22,13 @@ from __future__ import annotations
 import torch
 
 from . import config
+from .config import force_generation, gemm_switches  # noqa: F401  (kernel.gemm_switches)
 from .checks import (FLOAT_IN, check_2d, check_usable, gemm_operands, small_m_operands, smooth_vector,
                      triton_status)
 
 __all__ = ["triton_status", "quantize_per_token", "int8_gemm", "int8_linear", "int8_linear_planned",
            "int8_gemm_planned", "int8_linear_op",
            "register_ops"]
-
-_GEMM_SWITCHES: list = [None, None]  # [config generation, the switches' values read then]
-_FORCED_GENERATION: list = [None]    # a bench's forced tile-set capability (``kernel.gemm.forced_generation``)
-
-
-def gemm_switches() -> tuple:
-    """What chooses the INT8 GEMMs' kernels and tiles besides the operands: (INT8_FUSED_S8_WGMMA, the capability a
-    bench forces with ``kernel.gemm.forced_generation`` or None). Part of every prepared call's key
-    (``kernel.plan``), so an A/B of the s8 path on a loaded model re-plans its calls. Read again only when
-    ``config.generation()`` moved (this runs on every INT8 call)."""
-    cached, gen = _GEMM_SWITCHES, config.generation()
-    if cached[0] != gen:
-        cached[1] = (config.get("INT8_FUSED_S8_WGMMA"), _FORCED_GENERATION[0])
-        cached[0] = gen
-    return cached[1]
-
-
-def force_generation(capability: tuple | None) -> None:
-    """Sets (None: clears) the forced tile-set capability and makes ``gemm_switches`` read again."""
-    _FORCED_GENERATION[0] = capability
-    _GEMM_SWITCHES[0] = None
-
 
 _MODS: dict[str, object] = {}  # kernel modules, imported (with triton) on the first launch
 

@@ -7,8 +7,9 @@ taken when the kernels are defined: ``override`` changes what ``get`` says, not 
 set it in a subprocess' environment.
 
 This module lives in ``kernel/`` because that package imports nothing else of the pack: ``kernel`` imports it
-as ``.config``, ``quant`` as ``kernel_module("config")`` (both as top-level packages in tests and inside the
-pack folder in ComfyUI), ``nodes`` as ``..kernel.config``. The README's switch table is ``markdown_table()``.
+as ``.config``; ``quant``, ``adapters`` and ``nodes`` as ``..kernel.config``. Tests and benches import the pack one
+way (``tests/pack_import.py``), so ``kernel.config`` there is this same module. The README's switch table is
+``markdown_table()``. ``gemm_switches`` (what chooses the GEMMs' kernels besides the operands) lives here too.
 """
 from __future__ import annotations
 
@@ -171,3 +172,25 @@ def markdown_table() -> str:
             if s.choices else ""
         rows.append(f"| `{s.name}` | {default} | {s.doc}{values} |")
     return "\n".join(rows)
+
+
+_GEMM_SWITCHES: list = [None, None]  # [config generation, the switches' values read then]
+_FORCED_GENERATION: list = [None]    # a bench's forced tile-set capability (``kernel.gemm.forced_generation``)
+
+
+def gemm_switches() -> tuple:
+    """What chooses the INT8 GEMMs' kernels and tiles besides the operands: (INT8_FUSED_S8_WGMMA, the capability a
+    bench forces with ``kernel.gemm.forced_generation`` or None). Part of every prepared call's key
+    (``kernel.plan``), so an A/B of the s8 path on a loaded model re-plans its calls. Read again only when
+    ``generation()`` moved (this runs on every INT8 call)."""
+    cached, gen = _GEMM_SWITCHES, generation()
+    if cached[0] != gen:
+        cached[1] = (get("INT8_FUSED_S8_WGMMA"), _FORCED_GENERATION[0])
+        cached[0] = gen
+    return cached[1]
+
+
+def force_generation(capability: tuple | None) -> None:
+    """Sets (None: clears) the forced tile-set capability and makes ``gemm_switches`` read again."""
+    _FORCED_GENERATION[0] = capability
+    _GEMM_SWITCHES[0] = None

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import quantize as _quantize  # noqa: F401  (applies the interpreter compat shim under TRITON_INTERPRET=1)
 from .quantize import rint, sm_count
-from . import gemm_switches
+from .config import force_generation, gemm_switches
 from .launch import launch, not_recorded
 from . import s8wgmma
 from .tailsplit import choose_split, program_slots, program_tile, split_launch, sum_pieces, tile_sum
@@ -465,7 +465,6 @@ def forced_generation(capability: tuple[int, int]):
     of ``capability`` (its ``autotune.candidates`` at its shared-memory limit, no s8 wgmma tiles unless it is sm_90),
     timed on the GPU at hand, in an autotune file of their own; the row kernels' plans are the same on every GPU.
     Part of ``kernel.gemm_switches()`` inside, so no prepared call (``kernel.plan``) crosses the boundary."""
-    from . import force_generation
     force_generation(tuple(capability))
     try:
         yield

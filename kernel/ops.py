@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from . import gemm_switches
+from .config import gemm_switches
 
 _LOCK = threading.Lock()
 _READY = False

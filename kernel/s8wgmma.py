@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from . import config, gemm_switches, launch
+from . import config, launch
+from .config import gemm_switches
 
 log = logging.getLogger("int8_fused")
 
