@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,8 +44,8 @@ def kernel_rows(pack, dev, tiny: bool) -> list[dict]:
     """Part 1: the rotate + quantize kernel against float64 and the plain quantizer, per K."""
     import torch
     import importlib
-    hd, kq, cv, qz = (importlib.import_module(f"{pack.__name__}.{m}")
-                      for m in ("kernel.hadamard", "kernel", "quant.convrot", "quant.quantize"))
+    hd, kq, cv, qz, at = (importlib.import_module(f"{pack.__name__}.{m}")
+                          for m in ("kernel.hadamard", "kernel", "quant.convrot", "quant.quantize", "quant.attention"))
     ref_q = qz.quantize_per_token_ref
     rows = []
     m = 40 if tiny else 4608
@@ -65,8 +64,8 @@ def kernel_rows(pack, dev, tiny: bool) -> list[dict]:
             q2, s2 = ref_q(f)
             row["codes_equal_ref"] = bool(torch.equal(q, q2) and torch.equal(s, s2))
             if dev.type == "cuda":
-                row["hadamard_quant_us"] = _time(lambda: hd.hadamard_quantize(x, 256))
-                row["plain_quant_us"] = _time(lambda: kq.quantize_per_token(x, None))
+                row["hadamard_quant_us"] = at.cuda_time(lambda: hd.hadamard_quantize(x, 256), 50) * 1e3
+                row["plain_quant_us"] = at.cuda_time(lambda: kq.quantize_per_token(x, None), 50) * 1e3
                 row["x_plain"] = row["hadamard_quant_us"] / row["plain_quant_us"]
             row["status"] = "ok"
         except Exception as e:  # non-fatal: the sampler part still runs
@@ -76,21 +75,6 @@ def kernel_rows(pack, dev, tiny: bool) -> list[dict]:
         log(json.dumps(row))
         rows.append(row)
     return rows
-
-
-def _time(fn, iters: int = 50) -> float:
-    import torch
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 def sampler_main(a) -> int:
