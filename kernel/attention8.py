@@ -63,11 +63,6 @@ MAX_GRID_Y = 65535
 
 # ------------------------------------------------------------------------------------------------ kernels
 @triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _quant_tile(x, INTERPRET: tl.constexpr):
     """fp32 tile -> (int8 tile, fp32 scale): scale = max|x| / 127 (NaN when x holds NaN/Inf), q = rint(x / scale)
     (zeros for an all-zero or non-finite tile)."""

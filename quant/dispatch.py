@@ -200,11 +200,6 @@ def float_operands(layer, dtype: torch.dtype, made: torch.Tensor | None = None):
     return owner.derived_tensor(("dispatch_float", dev, dtype), src, make)
 
 
-def float_weight(layer, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's float weight [N, K] in ``dtype`` as the float path uses it (made on first use, then kept)."""
-    return float_operands(layer, dtype)[0]
-
-
 def float_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
     """The float path: ``F.linear(x, W', b)`` in ``x2d.dtype`` (any M, 0 included)."""
     w, b = float_operands(layer, x2d.dtype)
