@@ -249,6 +249,54 @@ def test_autotune_launches_are_not_part_of_a_recording(fast):
     assert [r.constexprs["BLOCK"] for r in rec] == [32]
 
 
+class _SeededCache:
+    """An autotune cache without entries whose shipped table holds ``seed`` for every key (kernel.tuned)."""
+    path = "(test)"
+
+    def __init__(self, seed):
+        self.seed, self.seed_gets, self.puts = seed, [], {}
+
+    def get(self, key, seed=True):
+        return self.puts.get(key)
+
+    def seed_get(self, key):
+        self.seed_gets.append(key)
+        return dict(self.seed)
+
+    def refuse_seed(self, key):
+        raise AssertionError(f"the shipped config of {key} was refused")
+
+    def put(self, key, val, meta=None):
+        self.puts[key] = val
+
+
+def test_shipped_swiglu_tile_check_is_not_part_of_a_recording(monkeypatch):
+    """The one launch that checks a shipped SwiGLU-epilogue tile (kernel/swiglu.py ``_swiglu_config``) runs inside the
+    first call of a shape, which a plan records: recorded, every later call of that shape repeated the whole merged
+    w1+w3 GEMM twice (same bits, ~50 ms a step on the H200 for Ideogram 4). The check must run, unrecorded."""
+    from kernel import autotune, gemm, s8wgmma, swiglu
+    cache = _SeededCache(autotune.interpreter_configs()[0])
+    monkeypatch.setattr(s8wgmma, "usable", lambda dev: True)
+    monkeypatch.setattr(gemm, "device_cache", lambda dev: cache)
+    monkeypatch.setattr(swiglu, "_SW_TILE", {})
+    g = torch.Generator().manual_seed(0)
+    m, k, f = 40, 128, 64
+    a_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    w13 = torch.randint(-127, 128, (2 * f, k), dtype=torch.int8, generator=g)
+    a_s, w_s = torch.rand(m, generator=g) / 100 + 1e-3, torch.rand(2 * f, generator=g) / 100 + 1e-3
+    h = torch.full((m, f), float("nan"), dtype=torch.bfloat16)
+    with launch.record() as rec:
+        cfg = swiglu._swiglu_config(dict(cache.seed), a_q, a_s, w13, w_s, None, h, False)
+    assert cache.seed_gets and cfg == {k_: v for k_, v in cache.seed.items() if k_ != "SPLIT"}
+    assert not torch.isnan(h.float()).any()  # the check launched the kernel (it wrote every element) ...
+    assert rec == []                         # ... and a plan recording the call does not repeat it
+    # what it wrote is the SwiGLU of the float64 W8A8 product, rounded as the kernel's contract says
+    acc = (a_q.double() @ w13.double().T) * a_s.double()[:, None] * w_s.double()[None]
+    a, b = acc[:, :f].to(torch.bfloat16).float(), acc[:, f:].to(torch.bfloat16).float()
+    want = (torch.nn.functional.silu(a).to(torch.bfloat16).float() * b).to(torch.bfloat16)
+    assert (h.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
 # ---------------------------------------------------------------- plans keyed by the call (kernel.plan.call)
 def _kf():
     import kernel.ops
