@@ -1,4 +1,4 @@
-"""Flux.1, Z-Image, Wan 2.1 (1.3B, 14B), Qwen-Image and Ideogram 4 sampled by ComfyUI's own sampler.
+"""Flux.1, Z-Image, Wan 2.1 (1.3B, 14B), Wan 2.2 TI2V 5B, Qwen-Image and Ideogram 4 sampled by ComfyUI's own sampler.
 
 The method of bench/e2e_sampler.py for more architectures: ComfyUI 0.33.0 set up as ``main.py`` does on an
 NVIDIA GPU (``e2e_sampler.comfy_setup``: cudaMallocAsync, comfy-aimdo, DynamicVRAM), and per model a FULL-SIZE
@@ -22,6 +22,11 @@ state dict must detect the same model class and config (asserted). Ideogram 4 us
   wan13      Wan 2.1 T2V 1.3B: dim 1536, ffn 8960, 12 heads, 30 layers, in/out 16. 480x832, 33 frames:
              latent [1,16,9,60,104] = 14040 tokens; umT5 text 512 x 4096
   wan14      Wan 2.1 T2V 14B: dim 5120, ffn 13824, 40 heads, 40 layers; the inputs of wan13
+  wan22      Wan 2.2 TI2V 5B (ComfyUI's WAN22_T2V / model_base.WAN22, selected by out_dim 48): dim 3072, ffn 14336,
+             24 heads, 30 layers, in/out 48 (the Wan 2.2 VAE's latent, 16x spatial). 480x832, 33 frames, image
+             to video as Wan22ImageToVideoLatent with a start image: latent [1,48,9,30,52] = 3510 tokens, its
+             first frame kept (noise mask 0), so WAN22 gives per-frame timesteps: per-token modulation, e [B,9,6,C];
+             umT5 text 512 x 4096
   qwen       Qwen-Image (20 B): 60 blocks, 24 heads x 128 = 3072, joint_attention_dim 3584 (Qwen2.5-VL 7B),
              in_channels 64 (16-channel latent, 2x2 patches); ComfyUI detects image_model, in_channels and
              num_layers, the rest are the model's defaults. 1024x1024: latent [1,16,1,128,128] = 4096 image
@@ -30,7 +35,7 @@ state dict must detect the same model class and config (asserted). Ideogram 4 us
              tokens of 53248
 
 Dtypes are ComfyUI's UNETLoader defaults (rows say ``compute_dtype``): bf16 for Flux, Z-Image and Ideogram 4;
-Wan 2.1 lists fp16 first, so on an H200 its "bf16" file computes in fp16 (``--comfy-flag=--bf16-unet`` makes
+Wan 2.x lists fp16 first, so on an H200 its "bf16" file computes in fp16 (``--comfy-flag=--bf16-unet`` makes
 the bf16 and pack paths compute in bf16; fp8_fast keeps ComfyUI's manual-cast choice).
 
 Paths (bench/e2e_sampler.py's grammar, loaded by its ``SamplerBench.load_path``): bf16 | fp8_fast (UNETLoader
@@ -106,6 +111,8 @@ WAN13 = {"image_model": "wan2.1", "dim": 1536, "out_dim": 16, "num_heads": 12, "
          "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
          "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "model_type": "t2v"}
 WAN14 = dict(WAN13, dim=5120, num_heads=40, ffn_dim=13824, num_layers=40)
+# Wan 2.2 TI2V 5B: detection reads in_dim from patch_embedding and out_dim from head.head (192 = 48 x 1x2x2)
+WAN22 = dict(WAN13, dim=3072, num_heads=24, ffn_dim=14336, num_layers=30, in_dim=48, out_dim=48)
 # ComfyUI's Qwen-Image detection reads these three; width (24 heads x 128), joint_attention_dim 3584 and out_channels
 # 16 are QwenImageTransformer2DModel's defaults
 QWEN = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60}
@@ -131,6 +138,16 @@ def wan_inputs(tiny: bool) -> dict:
             "text": (1, 16, 4096) if tiny else (1, 512, 4096),
             "what": "480x832, 33 frames (latent 9x60x104), umT5 512 tokens"}
 
+
+def wan22_inputs(tiny: bool) -> dict:
+    """Wan 2.2 5B image to video: the Wan 2.2 VAE's latent (48 channels, 16x spatial, 4x temporal), its first frame
+    the start image's (``first_frame``: a denoise mask 0 there, as Wan22ImageToVideoLatent makes)."""
+    return {"latent": (1, 48, 2, 8, 8) if tiny else (1, 48, 9, 30, 52),
+            "text": (1, 16, 4096) if tiny else (1, 512, 4096), "first_frame": True,
+            "what": "480x832, 33 frames (latent 48x9x30x52), start image in frame 0 (per-token modulation), "
+                    "umT5 512 tokens"}
+
+
 MODELS = {
     # name: (ComfyUI supported_models class, unet_config, tiny overrides, inputs(tiny) -> dict)
     "flux": ("Flux", FLUX, {"hidden_size": 256, "num_heads": 2, "context_in_dim": 64, "vec_in_dim": 32,
@@ -145,6 +162,7 @@ MODELS = {
                              "what": "1024x1024, caption 256 tokens of 2560"}),
     "wan13": ("WAN21_T2V", WAN13, WAN_TINY, wan_inputs),
     "wan14": ("WAN21_T2V", WAN14, WAN_TINY, wan_inputs),
+    "wan22": ("WAN22_T2V", WAN22, WAN_TINY, wan22_inputs),
     "qwen": ("QwenImage", QWEN, {"num_layers": 1},
              lambda tiny: {"latent": (1, 16, 1, 8, 8) if tiny else (1, 16, 1, 128, 128),
                            "text": (1, 8, 3584) if tiny else (1, 256, 3584),
@@ -172,8 +190,9 @@ MODELS = {
 WIDTH_FIXED = {"zimage": 3840, "ideogram4": 4608, "qwen": 3072, "qwen20": 3072, "chroma": 3072}
 # where the repeated blocks' linears live (core_int8 quantizes their 2-D weights)
 BLOCKS = {"flux": ("double_blocks.", "single_blocks."), "zimage": ("layers.",), "wan13": ("blocks.",),
-          "wan14": ("blocks.",), "qwen": ("transformer_blocks.",), "qwen20": ("transformer_blocks.",),
-          "chroma": ("double_blocks.", "single_blocks."), "flux2": ("double_blocks.", "single_blocks.")}
+          "wan14": ("blocks.",), "wan22": ("blocks.",), "qwen": ("transformer_blocks.",),
+          "qwen20": ("transformer_blocks.",), "chroma": ("double_blocks.", "single_blocks."),
+          "flux2": ("double_blocks.", "single_blocks.")}
 
 # issue 13: (min x bf16, min x fp8_fast, max s/step) for the pack's paths
 TARGETS = {"flux": (1.5, 1.3, 0.115), "zimage": (1.5, 1.2, None), "wan13": (1.5, 1.2, None),
@@ -230,6 +249,7 @@ class ModelsBench(SamplerBench):
         self.ref = {}  # model -> bf16 final latent
         self.ref_pack = {}  # model -> the plain pack row's final latent (switched rows compare against it)
         self._core_models: dict = {}  # model -> core int8 state dict
+        self.denoise_mask = None  # the current model's sampling mask (wan22: its start frame kept), set by conds
         self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "models": {}}
 
     # ------------------------------------------------------------------ per model
@@ -269,6 +289,9 @@ class ModelsBench(SamplerBench):
                 "compute_dtype": str(m.model.get_dtype_inference()).replace("torch.", "")}
 
     def conds(self, name: str):
+        """(text, extra conditioning, latent, noise, spec) of ``name``; sets ``denoise_mask``: None, or for a
+        ``first_frame`` model (Wan 2.2 5B image to video) a random start-image latent in frame 0 and the mask
+        Wan22ImageToVideoLatent makes (0 on that frame, 1 elsewhere)."""
         torch = self.torch
         spec = MODELS[name][3](self.a.tiny)
         g = torch.Generator().manual_seed(7)
@@ -279,6 +302,11 @@ class ModelsBench(SamplerBench):
         if "guidance" in spec:
             extra["guidance"] = spec["guidance"]
         latent = torch.zeros(spec["latent"])
+        self.denoise_mask = None
+        if spec.get("first_frame"):
+            latent[:, :, :1] = torch.randn(latent[:, :, :1].shape, generator=g)
+            self.denoise_mask = torch.ones((latent.shape[0], 1, *latent.shape[2:]))
+            self.denoise_mask[:, :, :1] = 0.0
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(3))
         return ctx, extra, latent, noise, spec
 
@@ -307,7 +335,9 @@ class ModelsBench(SamplerBench):
         ctx, extra, latent, noise, spec = self.conds(name)
         self.doc_extra["models"][name] = {"comfy_class": cls, "unet_config": cfg, "params": n_params,
                                           "inputs": spec["what"] if not self.a.tiny else "tiny",
-                                          "latent": list(latent.shape), "text": list(ctx.shape)}
+                                          "latent": list(latent.shape), "text": list(ctx.shape),
+                                          "denoise_mask": None if self.denoise_mask is None else
+                                          "start frame kept (0 on latent frame 0, 1 elsewhere)"}
         log(f"{name}: {cls}, {n_params / 1e9:.3f} B params, state dict in {time.perf_counter() - t0:.1f} s; "
             f"latent {list(latent.shape)}, text {list(ctx.shape)}")
         paths = self.a.paths.split(",")

@@ -249,11 +249,13 @@ class SamplerBench:
         g.set_cfg(4.0)
         return g
 
+    denoise_mask = None  # a subclass's sampling mask (bench/e2e_models.py: Wan 2.2 5B's kept start frame)
+
     def sample(self, guider, model, latent, noise, steps: int, callback=None):
         import comfy.samplers
         sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", steps)
         return guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas,
-                             callback=callback, disable_pbar=True, seed=3)
+                             denoise_mask=self.denoise_mask, callback=callback, disable_pbar=True, seed=3)
 
     def timed(self, guider, model, latent, noise):
         torch, steps = self.torch, self.a.steps

@@ -1,6 +1,6 @@
 """The sampler benches' CPU smoke paths (bench/e2e_models.py, bench/e2e_sampler.py, bench/lib/e2e_runs.py) through the
 real ComfyUI 0.33.0 (COMFYUI_CURRENT): whole-sample figures and the per-sample tax, ``--cold`` and ``--vram-gib``
-(one process per path), core INT8 and the Wan 2.1 14B / Qwen-Image layouts; OOM and dead children as row
+(one process per path), core INT8 and the Wan 2.1 14B / Wan 2.2 5B / Qwen-Image layouts; OOM and dead children as row
 statuses. No timing assertions: the figures are checked against how they are defined (a whole sample is its model
 calls plus the rest; one model call a step at cfg 1.0, two with DualModelGuider's two backbones)."""
 import json
@@ -65,24 +65,28 @@ def test_models_cold_vram_rows_one_process_each(comfy_current, tmp_path):
     assert header.split()[:5] == ["model", "path", "vram", "whole", "x"]  # the whole sample is the headline
 
 
-def test_models_wan14_qwen_core_int8(comfy_current, tmp_path):
-    doc, _ = _bench(comfy_current, "e2e_models.py", ["--tiny", "--models", "wan14,qwen", "--paths", "bf16,core_int8",
-                                                     "--steps", "1"], tmp_path / "models.json")
+def test_models_wan14_wan22_qwen_core_int8(comfy_current, tmp_path):
+    doc, _ = _bench(comfy_current, "e2e_models.py", ["--tiny", "--models", "wan14,wan22,qwen", "--paths",
+                                                     "bf16,core_int8", "--steps", "1"], tmp_path / "models.json")
     rows = {(r["model"], r["path"]): r for r in _measured(doc)}
     assert rows[("wan14", "bf16")]["model_class"] == "WAN21_T2V"
+    assert rows[("wan22", "bf16")]["model_class"] == "WAN22_T2V"  # out_dim 48: Wan 2.2 5B, model_base.WAN22
     assert rows[("qwen", "bf16")]["model_class"] == "QwenImage"
+    # Wan 2.2 5B image to video: 48-channel latent, start frame kept by the denoise mask
+    w22 = doc["models"]["wan22"]
+    assert w22["latent"][:2] == [1, 48] and w22["denoise_mask"] is not None
     for r in rows.values():
         assert r["status"] == "ok" and r["finite"], r
         _whole_is_calls_plus_tax(r, steps=1, calls_per_step=1)
-    for m in ("wan14", "qwen"):
+    for m in ("wan14", "wan22", "qwen"):
         # core int8_tensorwise weights (per-channel absmax / 127): near bf16's output, yet not bf16's
         assert 0 < rows[(m, "core_int8")]["rel_l2_vs_bf16"] < 0.05
         assert rows[(m, "bf16")]["rel_l2_vs_bf16"] == 0.0
 
 
-def test_full_size_wan14_qwen_layouts_detected(comfy_current):
+def test_full_size_wan14_wan22_qwen_layouts_detected(comfy_current):
     """The full-size layouts (built on the meta device) are what ComfyUI's detection maps back to the same model
-    and config; their sizes are the published ones (Wan 2.1 14B, Qwen-Image 20B)."""
+    and config; their sizes are the published ones (Wan 2.1 14B, Wan 2.2 TI2V 5B, Qwen-Image 20B)."""
     from comfy_harness import run_in_current_comfy
     cp = run_in_current_comfy(f"""
 import json, sys, torch
@@ -90,21 +94,29 @@ sys.path.append({str(ROOT)!r})
 import comfy.model_detection as md
 from bench import e2e_models
 out = {{}}
-for name in ("wan14", "qwen"):
+for name in ("wan14", "wan22", "qwen"):
     cfg = e2e_models.unet_config(name, tiny=False)
     dm = md.model_config_from_unet_config(cfg).get_model({{}}, device=torch.device("meta")).diffusion_model
     sd = dict(dm.named_parameters())
     det = md.detect_unet_config(sd, "")
-    q = "blocks.0.self_attn.q.weight" if name == "wan14" else "transformer_blocks.0.attn.to_q.weight"
+    q = "transformer_blocks.0.attn.to_q.weight" if name == "qwen" else "blocks.0.self_attn.q.weight"
     out[name] = {{"params": sum(p.numel() for p in sd.values()), "dim": sd[q].shape[0], "blocks": det["num_layers"],
                  "class": type(md.model_config_from_unet(sd, "")).__name__,
                  "same": all(det.get(k) == v for k, v in cfg.items())}}
+    if name == "wan22":  # the Wan 2.2 VAE's 48 channels in (patch_embedding) and out (head: 48 x 1x2x2)
+        out[name].update(in_ch=sd["patch_embedding.weight"].shape[1], head_out=sd["head.head.weight"].shape[0],
+                         ffn=sd["blocks.0.ffn.0.weight"].shape[0], heads=dm.blocks[0].self_attn.num_heads)
 print("RESULT " + json.dumps(out))
 """, check=True)
     res = json.loads(cp.stdout.split("RESULT ", 1)[1])
     assert res["wan14"]["class"] == "WAN21_T2V" and res["wan14"]["same"]
     assert res["wan14"]["dim"] == 5120 and res["wan14"]["blocks"] == 40
     assert abs(res["wan14"]["params"] / 14e9 - 1) < 0.05
+    w22 = res["wan22"]
+    assert w22["class"] == "WAN22_T2V" and w22["same"]
+    assert (w22["dim"], w22["blocks"], w22["ffn"], w22["heads"]) == (3072, 30, 14336, 24)
+    assert (w22["in_ch"], w22["head_out"]) == (48, 48 * 4)
+    assert abs(w22["params"] / 5e9 - 1) < 0.05
     assert res["qwen"]["class"] == "QwenImage" and res["qwen"]["same"]
     assert res["qwen"]["dim"] == 3072 and res["qwen"]["blocks"] == 60
     assert abs(res["qwen"]["params"] / 20e9 - 1) < 0.05
