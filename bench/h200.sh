@@ -31,7 +31,8 @@
 #            pack, pack), then the pack rows' final-latent rel L2 against bf16 compared with the recorded values
 #            (equal to the last digit = the same output bits; step times to compare with bench/RESULTS.md).
 #   exec     the rest of the line as a command, after the same setup (a bench without a suite, a check:
-#            exec python3 bench/checks/consumer_tiles.py --out $OUT/h200-consumer-tiles.json).
+#            exec python3 bench/checks/consumer_tiles.py --out $OUT/h200-consumer-tiles.json
+#            exec python3 bench/checks/save_roundtrip.py --comfy .carry/comfy --out $OUT/h200-save-roundtrip.json).
 set -uo pipefail
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"

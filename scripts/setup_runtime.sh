@@ -159,7 +159,7 @@ sp="$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 if cpu_wheel; then
   say "installing torch 2.13.0+cpu, torchvision 0.28.0 and torchaudio 2.11.1 (compiled ops left out), triton 3.6.0"
   pipi "torch==2.13.0+cpu"
-  pipi --no-deps "torchvision==0.28.0" "torchaudio==2.11.1"
+  pipi --no-deps "torchvision==0.28.0" "torchaudio==2.11.1" pillow  # pillow: torchvision's one dependency ComfyUI also takes
   rm -f "$sp"/torchaudio/lib/*.so
   cp "$here/scripts/cpu_torchvision.py" "$sp/int8fused_cpu_torchvision.py"
   echo "import int8fused_cpu_torchvision" > "$sp/int8fused_cpu_torchvision.pth"
