@@ -195,6 +195,8 @@ def install_lora(patcher) -> int:
     LoRA: a base model after a LoRA clone runs plain). Raises ``quant.lora.LoraError`` for a LoRA kind that cannot
     run as a branch. Returns the number of layers with branches."""
     patches = take_lora_patches(patcher)
+    if not patches and not lora.any_branches():  # no LoRA, and no layer left with branches: nothing to do
+        return 0
     info = patcher.get_attachment(_ATTACHMENT)
     names = info.names if info is not None else ()
     # INT8 layers in the tree itself (the Ideogram 4 loader's), then the object patches (which win: fused modules)

@@ -227,6 +227,19 @@ def owners(object_patches: dict) -> dict:
     return out
 
 
+_CARRYING: "weakref.WeakSet[Int8Linear]" = weakref.WeakSet()  # layers :func:`install` gave branches
+
+
+def any_branches() -> bool:
+    """Whether an INT8 layer that :func:`install` gave branches still carries them (any model): when not, a run
+    without LoRA patches has nothing to take off and can skip :func:`install` (and finding the layers)."""
+    for layer in list(_CARRYING):
+        if layer.derived.lora is not None:
+            return True
+        _CARRYING.discard(layer)
+    return False
+
+
 def install(patches: dict, layers: dict) -> int:
     """Set the branches of the INT8 layers of one model from ``patches`` ({"<layer name>.weight" | ".bias": ComfyUI
     patch list}, names relative to the diffusion model; ``layers``: every INT8 layer of that model, from
@@ -252,4 +265,6 @@ def install(patches: dict, layers: dict) -> int:
         old = layer.derived.lora
         if new is None or old is None or not new.same(old):
             layer.set_lora(new)
+        if new is not None:
+            _CARRYING.add(layer)
     return sum(1 for f in found.values() if f[1] or f[2])

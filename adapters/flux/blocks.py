@@ -70,15 +70,17 @@ class _FusedFluxBlock(qb.FetchedBlock):
     def extra_repr(self) -> str:
         return f"covers={len(self.covers)} linears"
 
-    def _mod_linear(self, layer: nn.Module, norm: nn.Module, x: torch.Tensor, mod) -> torch.Tensor:
+    def _mod_linear(self, layer: nn.Module, norm: nn.Module, x: torch.Tensor, mod, rows: bool = False):
         """``layer(apply_mod(norm(x), 1 + mod.scale, mod.shift))`` (x [B, L, K]): one kernel feeding the int8 GEMM
-        when ``layer`` is INT8 on fused_triton, else torch as ComfyUI runs it."""
+        when ``layer`` is INT8 on fused_triton, else torch as ComfyUI runs it. ``rows``: the int8 path's output
+        as the GEMM gives it, [B * L, N]."""
         if not qb.fusable(layer):
             return layer(torch.addcmul(mod.shift, norm(x), 1 + mod.scale))
         b, l, k = x.shape
         a_q, a_s = qb.ln_mod_quant(x.reshape(-1, k), mod.scale, mod.shift, l, qb.inv_smooth_of(layer, x.device),
                                  float(norm.eps))
-        return qb.gemm(a_q, a_s, layer, qb.promote(x, mod.scale, mod.shift)).view(b, l, -1)
+        y = qb.gemm(a_q, a_s, layer, _dtype(x, mod.scale, mod.shift))
+        return y if rows else y.view(b, l, -1)
 
     def _attention(self, streams, pe, attn_mask, transformer_options) -> torch.Tensor:
         """Attention over the streams' tokens, in order (txt first): ``streams`` = [(QKNorm, qkv [B, L, 3 * H * D])].
@@ -138,11 +140,14 @@ class _FusedFluxBlock(qb.FetchedBlock):
 
     @staticmethod
     def _gelu_linear(layer: nn.Module, act: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """``layer(act(h))`` with act the tanh GELU: one kernel feeding the int8 GEMM, or torch."""
+        """``layer(act(h))`` with act the tanh GELU: one kernel feeding the int8 GEMM, or torch. An [M, F] ``h``
+        gives [M, N] (no reshapes)."""
         if not qb.fusable(layer):
             return layer(act(h))
-        a_q, a_s = qb.cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(layer, h.device))
-        return qb.gemm(a_q, a_s, layer, h.dtype).view(*h.shape[:-1], -1)
+        flat = h.dim() == 2
+        a_q, a_s = qb.cat_gelu_quant(None, h if flat else h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(layer, h.device))
+        y = qb.gemm(a_q, a_s, layer, h.dtype)
+        return y if flat else y.view(*h.shape[:-1], -1)
 
 
 class FusedFluxDoubleBlock(_FusedFluxBlock):
@@ -169,7 +174,10 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
         attn = self._attention([(self.txt_attn.norm, txt_qkv), (self.img_attn.norm, img_qkv)], pe, attn_mask,
                                transformer_options)
         del img_qkv, txt_qkv
-        txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
+        # each stream's rows: with a batch > 1 not one stride apart, so the copy the projection's input needs is made
+        # here, and the projection runs its prepared launches (a strided input would take the checked path each call)
+        txt_attn, img_attn = attn[:, :txt.shape[1]].contiguous(), attn[:, txt.shape[1]:].contiguous()
+        del attn
 
         img = self._tails(img, qb.linear(self.img_attn.proj, img_attn), img_mod1, self.img_mlp, self.img_norm2,
                           img_mod2)
@@ -182,25 +190,33 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
             txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
         return img, txt
 
-    def _mlp(self, mlp: nn.Sequential, norm: nn.Module, x: torch.Tensor, mod) -> torch.Tensor:
-        return self._gelu_linear(mlp[2], mlp[1], self._mod_linear(mlp[0], norm, x, mod))
-
     def _tails(self, x, proj, mod1, mlp: nn.Sequential, norm: nn.Module, mod2) -> torch.Tensor:
         """``x += proj * mod1.gate; x += mlp(apply_mod(norm(x), mod2)) * mod2.gate`` (in place, as ComfyUI). The
         first sum and mlp.0's int8 input come from one kernel and the second sum from another where
-        :func:`_residual_fusable`; else torch's ops."""
-        if not (qb.fusable(mlp[0]) and getattr(norm, "weight", None) is None and proj.shape == x.shape
+        :func:`_residual_fusable`; else torch's ops. The MLP's hidden and output stay [B * L, *] between the
+        kernels."""
+        lin0, act, lin2 = mlp
+        if not (qb.fusable(lin0) and getattr(norm, "weight", None) is None and proj.shape == x.shape
                 and _residual_fusable(x, proj, mod1.gate, mod2.scale, mod2.shift)):
             x += proj * mod1.gate
-            x += self._mlp(mlp, norm, x, mod2) * mod2.gate
+            x += self._gelu_linear(lin2, act, self._mod_linear(lin0, norm, x, mod2)) * mod2.gate
             return x
-        b, l, k = x.shape
+        l, k = x.shape[1:]
         x2 = x.view(-1, k)
         _, a_q, a_s = qb.call(  # round_product, out=x2 (in place)
             qb.kernels().residual.residual_add_layernorm_modulate_quantize, x2, proj.reshape(-1, k), mod1.gate, l,
-            float(norm.eps), mod2.scale, mod2.shift, qb.inv_smooth_of(mlp[0], x.device), True, x2)
-        h = qb.gemm(a_q, a_s, mlp[0], qb.promote(x, mod2.scale, mod2.shift)).view(b, l, -1)
-        return residual_add(x, self._gelu_linear(mlp[2], mlp[1], h), mod2.gate)
+            float(norm.eps), mod2.scale, mod2.shift, qb.inv_smooth_of(lin0, x.device), True, x2)
+        h = qb.gemm(a_q, a_s, lin0, _dtype(x, mod2.scale, mod2.shift))
+        return residual_add(x, self._gelu_linear(lin2, act, h), mod2.gate, x2)
+
+
+def _dtype(x: torch.Tensor, *ts: torch.Tensor) -> torch.dtype:
+    """The dtype torch promotes ``x`` and ``ts`` to: ``x``'s when they all have it (no ``promote_types`` call)."""
+    dt = x.dtype
+    for t in ts:
+        if t.dtype != dt:
+            return qb.promote(x, *ts)
+    return dt
 
 
 def _residual_fusable(x, *ts) -> bool:
@@ -209,14 +225,24 @@ def _residual_fusable(x, *ts) -> bool:
     return x.is_contiguous() and qb.residual_operands(x, *ts)
 
 
-def residual_add(x, y, gate):
-    """``x += y * gate`` (in place, two roundings as torch's two ops): one kernel where it applies."""
-    if y.shape != x.shape or not _residual_fusable(x, y, gate):
+def residual_add(x, y, gate, x2=None):
+    """``x += y * gate`` (x [B, L, K] in place, two roundings as torch's two ops): one kernel where it applies.
+    ``y``: x's shape, or [B * L, K] rows (a GEMM's output); ``x2``: ``x.view(-1, K)`` when the caller has it."""
+    b, l, k = x.shape
+    if y.dim() == 2:  # what qb.residual_operands asks of an operand of x's shape, asked of its rows
+        rows = (y.shape[0] == b * l and y.shape[1] == k and y.dtype == x.dtype and y.device == x.device
+                and _residual_fusable(x, gate))
+        if not rows:
+            x += y.view(x.shape) * gate
+            return x
+    elif y.shape != x.shape or not _residual_fusable(x, y, gate):
         x += y * gate
         return x
-    b, l, k = x.shape
-    x2 = x.view(-1, k)
-    qb.call(qb.kernels().residual.residual_add, x2, y.reshape(-1, k), gate, l, True, x2)  # round_product, out=x2 (in place)
+    else:
+        y = y.reshape(-1, k)
+    if x2 is None:
+        x2 = x.view(-1, k)
+    qb.call(qb.kernels().residual.residual_add, x2, y, gate, l, True, x2)  # round_product, out=x2 (in place)
     return x
 
 
@@ -233,15 +259,18 @@ class FusedFluxSingleBlock(_FusedFluxBlock):
         if mod is None or modulation_dims is not None or qb.attn_patches(transformer_options):
             return self.fn.single_forward(self, x, vec, pe, attn_mask=attn_mask, modulation_dims=modulation_dims,
                                           transformer_options=transformer_options)
-        h = self._mod_linear(self.linear1, self.pre_norm, x, mod)
+        h = self._mod_linear(self.linear1, self.pre_norm, x, mod, rows=True)  # [B * L, 3K + F] (or [B, L, *])
         qkv, mlp = torch.split(h, [3 * self.hidden_size, self.mlp_hidden_dim_first], dim=-1)
-        attn = self._attention([(self.norm, qkv)], pe, attn_mask, transformer_options)
+        attn = self._attention([(self.norm, qkv.view(*x.shape[:2], -1) if qkv.dim() == 2 else qkv)], pe, attn_mask,
+                               transformer_options)
         del qkv
         if type(self.mlp_act) is nn.GELU and qb.fusable(self.linear2) and attn.dtype == mlp.dtype:
-            a_q, a_s = qb.cat_gelu_quant(attn.reshape(-1, attn.shape[-1]), mlp.reshape(-1, mlp.shape[-1]),
+            a_q, a_s = qb.cat_gelu_quant(attn.reshape(-1, attn.shape[-1]),
+                                         mlp if mlp.dim() == 2 else mlp.reshape(-1, mlp.shape[-1]),
                                          qb.inv_smooth_of(self.linear2, x.device))
-            output = qb.gemm(a_q, a_s, self.linear2, attn.dtype).view(*attn.shape[:-1], -1)
+            output = qb.gemm(a_q, a_s, self.linear2, attn.dtype)  # [B * L, K]: residual_add takes the rows
         else:  # Flux.2's SiLU-gated MLP: ``cat(attn, silu(a) * b)`` by torch, quantized by linear2
+            mlp = mlp.view(*attn.shape[:2], -1) if mlp.dim() == 2 else mlp
             output = qb.linear(self.linear2, torch.cat((attn, self.mlp_act(mlp)), 2))
         x = residual_add(x, output, mod.gate)
         if x.dtype == torch.float16:

@@ -90,8 +90,14 @@ def why_not_external_single(blk: nn.Module, layers) -> str | None:
 
 def _is_mod(m) -> bool:
     """Whether ``m`` is a ModulationOut of [B | 1, 1, K] tensors (what the fused kernels broadcast)."""
-    ts = [getattr(m, n, None) for n in ("shift", "scale", "gate")]
-    return all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1 for t in ts)
+    try:
+        ts = (m.shift, m.scale, m.gate)
+    except AttributeError:
+        return False
+    for t in ts:
+        if not (isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1):
+            return False
+    return True
 
 
 def _double_mods(vec):
@@ -99,7 +105,7 @@ def _double_mods(vec):
         (a, b), (c, d) = vec
     except (TypeError, ValueError):
         return None
-    return ((a, b), (c, d)) if all(_is_mod(m) for m in (a, b, c, d)) else None
+    return ((a, b), (c, d)) if _is_mod(a) and _is_mod(b) and _is_mod(c) and _is_mod(d) else None
 
 
 def _swiglu_quant(h2, inv_smooth):
@@ -121,8 +127,10 @@ class ExternalModDoubleBlock(FusedFluxDoubleBlock):
             return FusedFluxDoubleBlock._gelu_linear(layer, act, h)
         if not qb.fusable(layer):
             return layer(act(h))
-        a_q, a_s = _swiglu_quant(h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(layer, h.device))
-        return qb.gemm(a_q, a_s, layer, h.dtype).view(*h.shape[:-1], -1)
+        flat = h.dim() == 2
+        a_q, a_s = _swiglu_quant(h if flat else h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(layer, h.device))
+        y = qb.gemm(a_q, a_s, layer, h.dtype)
+        return y if flat else y.view(*h.shape[:-1], -1)
 
 
 class ExternalModSingleBlock(FusedFluxSingleBlock):
