@@ -249,7 +249,6 @@ class ModelsBench(SamplerBench):
         self.ref = {}  # model -> bf16 final latent
         self.ref_pack = {}  # model -> the plain pack row's final latent (switched rows compare against it)
         self._core_models: dict = {}  # model -> core int8 state dict
-        self.denoise_mask = None  # the current model's sampling mask (wan22: its start frame kept), set by conds
         self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "models": {}}
 
     # ------------------------------------------------------------------ per model

@@ -203,10 +203,12 @@ def cat_gelu_quant(a2, h2, inv_smooth):
 
 
 def promote(*ts: torch.Tensor) -> torch.dtype:
-    """The dtype torch promotes ``ts`` to."""
+    """The dtype torch promotes ``ts`` to (no ``promote_types`` call where they all have one dtype: the usual case,
+    and this runs per block call)."""
     dt = ts[0].dtype
     for t in ts[1:]:
-        dt = torch.promote_types(dt, t.dtype)
+        if t.dtype != dt:
+            dt = torch.promote_types(dt, t.dtype)
     return dt
 
 

@@ -79,7 +79,7 @@ class _FusedFluxBlock(qb.FetchedBlock):
         b, l, k = x.shape
         a_q, a_s = qb.ln_mod_quant(x.reshape(-1, k), mod.scale, mod.shift, l, qb.inv_smooth_of(layer, x.device),
                                  float(norm.eps))
-        y = qb.gemm(a_q, a_s, layer, _dtype(x, mod.scale, mod.shift))
+        y = qb.gemm(a_q, a_s, layer, qb.promote(x, mod.scale, mod.shift))
         return y if rows else y.view(b, l, -1)
 
     def _attention(self, streams, pe, attn_mask, transformer_options) -> torch.Tensor:
@@ -206,17 +206,8 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
         _, a_q, a_s = qb.call(  # round_product, out=x2 (in place)
             qb.kernels().residual.residual_add_layernorm_modulate_quantize, x2, proj.reshape(-1, k), mod1.gate, l,
             float(norm.eps), mod2.scale, mod2.shift, qb.inv_smooth_of(lin0, x.device), True, x2)
-        h = qb.gemm(a_q, a_s, lin0, _dtype(x, mod2.scale, mod2.shift))
+        h = qb.gemm(a_q, a_s, lin0, qb.promote(x, mod2.scale, mod2.shift))
         return residual_add(x, self._gelu_linear(lin2, act, h), mod2.gate, x2)
-
-
-def _dtype(x: torch.Tensor, *ts: torch.Tensor) -> torch.dtype:
-    """The dtype torch promotes ``x`` and ``ts`` to: ``x``'s when they all have it (no ``promote_types`` call)."""
-    dt = x.dtype
-    for t in ts:
-        if t.dtype != dt:
-            return qb.promote(x, *ts)
-    return dt
 
 
 def _residual_fusable(x, *ts) -> bool:
