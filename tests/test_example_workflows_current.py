@@ -20,6 +20,10 @@ MODEL_WORKFLOWS = {  # the model workflows: (loader, its model file, the sampler
     "flux1_int8": ("UNETLoader", "flux1-dev.safetensors", "KSampler"),
     "z_image_int8": ("UNETLoader", "z_image_turbo_bf16.safetensors", "KSampler"),
     "wan21_t2v_int8": ("UNETLoader", "wan2.1_t2v_1.3B_fp16.safetensors", "KSampler"),
+    "qwen_image_int8": ("UNETLoader", "qwen_image_fp8_e4m3fn.safetensors", "KSampler"),
+    "flux2_int8": ("UNETLoader", "flux2_dev_fp8mixed.safetensors", "BasicGuider"),
+    "chroma_int8": ("UNETLoader", "Chroma1-HD.safetensors", "KSampler"),
+    "wan22_ti2v_int8": ("UNETLoader", "wan2.2_ti2v_5B_fp16.safetensors", "KSampler"),
 }
 FILE_INPUTS = ("unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "ckpt_name", "int8_checkpoint",
                "base_checkpoint", "base_checkpoint_unconditional")
@@ -122,8 +126,9 @@ def test_example_workflows_validate_on_current_comfyui(comfy_server_current):
 
 
 def test_model_workflows_apply_int8_between_core_loader_and_sampler(comfy_server_current):
-    """Flux.1, Z-Image, Wan: core loader (a model file of ComfyUI's examples) -> Apply Fused INT8 GEMM (fused_triton)
-    -> (model sampling) -> sampler; the Apply node's MODEL reaches the sampler and no other MODEL does."""
+    """Flux.1, Flux.2, Z-Image, Qwen-Image, Chroma, Wan 2.1 / 2.2: core loader (a model file of ComfyUI's examples)
+    -> Apply Fused INT8 GEMM (fused_triton) -> (model sampling) -> sampler (Flux.2: the guider); the Apply node's
+    MODEL reaches the sampler and no other MODEL does."""
     W = _workflow_module()
     info = comfy_server_current.object_info()
     for name, (loader_type, file, sampler_type) in MODEL_WORKFLOWS.items():
@@ -139,3 +144,21 @@ def test_model_workflows_apply_int8_between_core_loader_and_sampler(comfy_server
             cur = api[cur]["inputs"]["model"][0]
         assert chain[-1] == "ApplyFusedInt8GEMM" and all(c.startswith("ModelSampling") for c in chain[:-1]), (name,
                                                                                                             chain)
+        readers = [k for k, v in api.items() for x in v["inputs"].values() if x == [loader, 0]]
+        assert readers == [apply], (name, readers)  # the float model reaches nothing but the Apply node
+
+
+def test_model_workflows_pass_the_servers_own_prompt_validation(comfy_server_current):
+    """POST /prompt runs ComfyUI's own validation (types, links, combos, ranges) on each model workflow: the only
+    errors are the model files the test server does not hold, so the prompt is rejected before anything runs."""
+    W = _workflow_module()
+    srv = comfy_server_current
+    info = srv.object_info()
+    for name in MODEL_WORKFLOWS:
+        api = W.ui_to_api(json.loads((H.ROOT / "example_workflows" / f"{name}.json").read_text()), info)
+        r = requests.post(f"{srv.url}/prompt", json={"prompt": api}, timeout=60)
+        body = r.json()
+        errors = [(nid, e["type"], e.get("extra_info", {}).get("input_name"))
+                  for nid, ne in body.get("node_errors", {}).items() for e in ne["errors"]]
+        assert r.status_code == 400 and errors, (name, body)
+        assert all(t == "value_not_in_list" and i in FILE_INPUTS for _, t, i in errors), (name, errors)
