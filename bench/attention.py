@@ -3,7 +3,7 @@
 
 Standalone: needs torch and triton only (comfy_kitchen optional); run from the repository root::
 
-    python3 bench/attention.py [--quick] [--check] [--out bench/results/h200-attention.json]
+    python3 bench/attention.py [--check] [--out bench/results/h200-attention.json]
 
 Per shape (B 1, H 18, D 256, L 4608 / 4096 / 2816, and L 4608 with a block-diagonal mask isolating 100 padded
 tokens for the backends that take a mask): median time (triton.testing.do_bench), effective TFLOP/s =
@@ -12,9 +12,9 @@ reference computed on the GPU for the first 2 heads; bf16 SDPA's own error (cuDN
 recorded beside it with the ratio int8 / SDPA ("≤ 2x" is the bar under discussion). The masked shape also gets
 the pack's kernel on the 4508 unpadded tokens: what pad elision runs instead of the mask.
 
---check: correctness of attention_int8 at a few ragged shapes (D 64/128/256, bf16/fp16, GQA, strided) against the
-float64 reference; exits 1 when one fails. --quick: L 4608 only and 4 tile candidates. A missing optional piece
-(a backend that cannot run, comfy_kitchen absent, no git/nvidia-smi) is recorded as skipped with the reason.
+--check: first the correctness of attention_int8 at a few ragged shapes (D 64/128/256, bf16/fp16, GQA, strided)
+against the float64 reference; exits 1 when one fails. A missing optional piece (a backend that cannot run,
+comfy_kitchen absent, no git/nvidia-smi) is recorded as skipped with the reason.
 The whole run keeps to a time budget (--budget seconds, default 200): what is left when it runs out is skipped.
 """
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 import traceback
@@ -39,14 +38,6 @@ import torch  # noqa: E402
 T0 = time.time()
 
 
-def _run(cmd):
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=ROOT)
-        return r.stdout.strip() if r.returncode == 0 else None
-    except Exception:  # noqa: BLE001 - no git / no nvidia-smi: recorded as None
-        return None
-
-
 def provenance(argv):
     info = {"argv": list(argv), "python": sys.version.split()[0], "torch": torch.__version__,
             "cuda": torch.version.cuda, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -58,9 +49,8 @@ def provenance(argv):
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["capability"] = list(torch.cuda.get_device_capability(0))
-    info["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm",
-                           "--format=csv,noheader"])
     from bench.lib import provenance
+    info["driver"] = provenance.driver("driver_version,power.limit,clocks.max.sm")
     info["git_commit"] = provenance.commit()
     info["git_dirty"] = provenance.dirty()
     try:
@@ -142,7 +132,7 @@ def run_bench(args, out):
         A, a_reason = None, f"kernel.attention8 not importable: {type(e).__name__}: {e}"
     runner = Runner(args.budget)
     b, h, d = 1, 18, 256
-    lengths = [4608] if args.quick else [4608, 4096, 2816]
+    lengths = [4608, 4096, 2816]
     dtype = torch.bfloat16
     try:
         import comfy_kitchen
@@ -151,10 +141,7 @@ def run_bench(args, out):
     except Exception as e:  # noqa: BLE001
         ck, ck_reason = None, f"comfy_kitchen not importable: {type(e).__name__}: {e}"
     if A is not None:
-        cands = A.configs(d)
-        if args.quick:
-            cands = [A.default_config(d)] + [c for c in cands if c != A.default_config(d)][:3]
-        cands = cands + [dict(A.default_config(d), RESCALE_TAU=0.0)]  # eager rescaling, for comparison
+        cands = A.configs(d) + [dict(A.default_config(d), RESCALE_TAU=0.0)]  # eager rescaling, for comparison
     rows = out.setdefault("shapes", [])
     for L in lengths + ["masked"]:
         masked = L == "masked"
@@ -279,10 +266,8 @@ def main(argv=None):
     argv = sys.argv if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench/results/h200-attention.json"))
-    ap.add_argument("--quick", action="store_true", help="L 4608 only, 4 tile candidates")
     ap.add_argument("--check", action="store_true", help="correctness of attention_int8 at a few shapes, then the "
-                                                        "benchmark unless --check-only")
-    ap.add_argument("--check-only", action="store_true")
+                                                        "benchmark")
     ap.add_argument("--budget", type=float, default=200.0, help="seconds for the whole run")
     args = ap.parse_args(argv[1:])
     out = {"provenance": provenance(argv), "skipped": None}
@@ -298,10 +283,9 @@ def main(argv=None):
                 __import__("kernel.attention8")
             except Exception as e:  # noqa: BLE001
                 out["pack_int8_import_error"] = f"{type(e).__name__}: {e}"
-            if args.check or args.check_only:
+            if args.check:
                 ok = run_check(out)
-            if not args.check_only:
-                run_bench(args, out)
+            run_bench(args, out)
     except Exception as e:  # noqa: BLE001 - write what there is
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()

@@ -15,7 +15,7 @@ Per model (``--models ideogram4,flux``):
               with the hooks, then the per-layer analysis); peak VRAM as ``torch.cuda.max_memory_allocated``
               (torch's allocator: activations, capture, analysis) and as device-wide use from ``mem_get_info``
               polled every 10 ms (DynamicVRAM's vbar, the weights, is outside torch's allocator); peak host RSS
-              (polled; also VmHWM / ru_maxrss of the process); the calibrated backbones' resident weight size
+              (polled; also the process's VmHWM); the calibrated backbones' resident weight size
               (ComfyUI's ``model_size``); ``fits_24gib`` = peak device-wide VRAM < 24 GiB.
   bf16        the float model(s) sampled: the reference final latent
   pack        Apply Fused INT8 GEMM (``fused_triton``, the node's defaults), no calibration: a warm-up run, then a
@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -54,7 +53,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
 from bench.e2e_models import MODELS, ModelsBench  # noqa: E402  (imports neither torch nor ComfyUI at import time)
-from bench.e2e_sampler import comfy_setup  # noqa: E402
+from bench.e2e_sampler import has_comfy, start  # noqa: E402
+from bench.lib.e2e_runs import host_rss, logger, reset_peak_rss  # noqa: E402
+
+log = logger("calib")
 
 GIB = 2 ** 30
 NOTE = ("Full-size models with random weights: their activations have no real outlier channels (what SmoothQuant "
@@ -62,53 +64,11 @@ NOTE = ("Full-size models with random weights: their activations have no real ou
         "gains on trained weights. s_per_step_wall = whole sample() / steps.")
 
 
-def log(*a):
-    print(f"[calib {time.strftime('%H:%M:%S')}]", *a, flush=True)
-
-
-def rel_l2(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64."""
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
-
-
-def host_rss() -> int:
-    """Resident set size of this process now, bytes (psutil when installed, else /proc/self/statm)."""
-    try:
-        import psutil
-        return psutil.Process().memory_info().rss
-    except ImportError:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_hwm() -> bool:
-    """Restart the process's VmHWM at its current RSS (Linux ``/proc/self/clear_refs`` 5); whether it worked."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def host_hwm() -> int:
-    """The process's peak resident set so far, bytes: VmHWM, else ru_maxrss."""
-    try:
-        with open("/proc/self/status") as f:
-            for ln in f:
-                if ln.startswith("VmHWM:"):
-                    return int(ln.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 class Peaks:
     """Peaks over a block: device-wide VRAM in use (``mem_get_info``: total - free, polled every ``interval`` s on
     a thread, so DynamicVRAM's vbar counts), torch's allocator peak (``max_memory_allocated``) and host RSS
-    (polled, and VmHWM restarted at the start where Linux allows). ``result``: GiB figures, with the values before
-    the block."""
+    (VmRSS polled, and VmHWM restarted at the start where Linux allows). ``result``: GiB figures, with the values
+    before the block."""
 
     def __init__(self, torch, dev, interval: float = 0.01):
         self.torch, self.dev, self.interval = torch, dev, interval
@@ -119,7 +79,7 @@ class Peaks:
         return total - free
 
     def _sample(self):
-        self.rss = max(self.rss, host_rss())
+        self.rss = max(self.rss, host_rss().get("host_rss_gib", 0.0))
         if self.cuda:
             self.vram = max(self.vram, self._used())
 
@@ -138,9 +98,10 @@ class Peaks:
                 self.stats = False
             self.vram0 = self.vram = self._used()
             self.alloc0 = self.torch.cuda.memory_allocated(self.dev)
-        self.rss0 = self.rss = host_rss()
-        self.hwm0 = host_hwm()
-        self.hwm_reset = reset_hwm()  # VmHWM at the end is then the block's own peak, exactly
+        r = host_rss()
+        self.rss0 = self.rss = r.get("host_rss_gib", 0.0)
+        self.hwm0 = r.get("host_rss_peak_gib", 0.0)
+        self.hwm_reset = reset_peak_rss()  # VmHWM at the end is then the block's own peak, exactly
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._poll, daemon=True)
         self._t.start()
@@ -152,10 +113,10 @@ class Peaks:
         self._stop.set()
         self._t.join()
         self._sample()
-        hwm = host_hwm()
-        peak = max(self.rss, hwm if self.hwm_reset else 0)
-        r = {"host_rss_before_gib": self.rss0 / GIB, "host_rss_peak_gib": peak / GIB,
-             "host_vmhwm_process_gib": max(hwm, self.hwm0, peak) / GIB, "host_vmhwm_reset": self.hwm_reset}
+        hwm = host_rss().get("host_rss_peak_gib", 0.0)
+        peak = max(self.rss, hwm if self.hwm_reset else 0.0)
+        r = {"host_rss_before_gib": self.rss0, "host_rss_peak_gib": peak,
+             "host_vmhwm_process_gib": max(hwm, self.hwm0, peak), "host_vmhwm_reset": self.hwm_reset}
         if self.cuda:
             r.update(vram_used_before_gib=self.vram0 / GIB, vram_used_peak_gib=self.vram / GIB,
                      torch_allocated_before_gib=self.alloc0 / GIB if self.stats else None,
@@ -164,41 +125,10 @@ class Peaks:
         self.result = r
 
 
-def node_inputs(cls, links: dict, widgets: dict | None = None, unique_id: str = "bench") -> dict:
-    """The keyword arguments ComfyUI's executor passes to node ``cls``: every widget input (required and optional,
-    since the frontend sends each widget's value) at its INPUT_TYPES default unless ``widgets`` sets it, the
-    connected inputs ``links``, and the hidden UNIQUE_ID. Unconnected link inputs are left out."""
-    spec = cls.INPUT_TYPES()
-    kw = {}
-    for section in ("required", "optional"):
-        for name, (typ, *opt) in spec.get(section, {}).items():
-            o = opt[0] if opt else {}
-            if name in links:
-                kw[name] = links[name]
-            elif isinstance(typ, (list, tuple)):
-                kw[name] = o.get("default", typ[0])
-            elif typ in ("INT", "FLOAT", "BOOLEAN", "STRING"):
-                kw[name] = o.get("default", {"INT": 0, "FLOAT": 0.0, "BOOLEAN": False, "STRING": ""}[typ])
-    for name, value in (widgets or {}).items():
-        if name not in kw:
-            raise KeyError(f"{cls.__name__} has no widget input {name!r}")
-        kw[name] = value
-    for name, what in spec.get("hidden", {}).items():
-        if what == "UNIQUE_ID":
-            kw[name] = unique_id
-    return kw
-
-
-def run_node(torch, cls, kw: dict):
-    """``getattr(cls(), cls.FUNCTION)(**kw)`` inside ``torch.inference_mode()``; the node's result tuple."""
-    with torch.inference_mode():
-        out = getattr(cls(), cls.FUNCTION)(**kw)
-    return out["result"] if isinstance(out, dict) else out
-
-
 def cal_diff(a, b) -> dict:
     """How far calibration ``a`` is from ``b``: same layers, largest difference of a layer's errors, largest
     relative L2 difference of a smoothing vector."""
+    from bench.lib.e2e import rel_l2
     same = list(a.layers) == list(b.layers)
     d_err, d_s = 0.0, 0.0
     for n, la in a.layers.items():
@@ -209,7 +139,7 @@ def cal_diff(a, b) -> dict:
         if (la.smooth is None) != (lb.smooth is None):
             d_s = float("inf")
         elif la.smooth is not None:
-            d_s = max(d_s, rel_l2(la.smooth, lb.smooth))
+            d_s = max(d_s, rel_l2(la.smooth, lb.smooth, f64=True))
     return {"same_layers": same, "max_err_diff": d_err, "max_smooth_rel_diff": d_s}
 
 
@@ -230,10 +160,8 @@ class CalibrateBench(ModelsBench):
     def __init__(self, a, dynamic: bool, e2e):
         super().__init__(a, dynamic, e2e)
         import importlib
-        self.mods = {m: importlib.import_module(f"{self.pack.__name__}.{m}")
-                     for m in ("nodes.calibrate", "nodes.apply", "quant.select", "adapters")}
+        self.mods = {m: importlib.import_module(f"{self.pack.__name__}.{m}") for m in ("quant.select", "adapters")}
         self.Calibrate = self.pack.NODE_CLASS_MAPPINGS["Int8Calibrate"]
-        self.Apply = self.pack.NODE_CLASS_MAPPINGS["ApplyFusedInt8GEMM"]
         self.widgets = parse_widgets(a.calib_set)
         self.checks: list[dict] = []
         self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "res": a.res,
@@ -283,12 +211,10 @@ class CalibrateBench(ModelsBench):
         row = {"model": name, "stage": label, "weights_gib": sum(m.model_size() for m in models) / GIB}
         for i, m in enumerate(models):
             widgets = dict(self.widgets, **({"image_tokens_only": True} if i == 1 else {}))
-            kw = node_inputs(self.Calibrate, {"model": m, "positive": inp["positive"],
-                                              "latent_image": {"samples": inp["latent"]}}, widgets,
-                             unique_id=f"calibrate-{i}")
+            links = {"model": m, "positive": inp["positive"], "latent_image": {"samples": inp["latent"]}}
             with Peaks(self.torch, self.dev) as pk:
                 t0 = time.perf_counter()
-                cal, text = run_node(self.torch, self.Calibrate, kw)
+                cal, text = self.e2e.run_node(self.Calibrate, links, widgets, unique_id=f"calibrate-{i}")
                 wall = time.perf_counter() - t0
             cals.append(cal)
             per.append({"backbone": ["cond", "uncond"][i], "wall_s": wall, "layers": len(cal.layers),
@@ -307,12 +233,8 @@ class CalibrateBench(ModelsBench):
         return cals, row
 
     def apply(self, models: list, backend: str, cals: list | None) -> list:
-        out = []
-        for i, m in enumerate(models):
-            links = {"model": m} if cals is None else {"model": m, "calibration": cals[i]}
-            kw = node_inputs(self.Apply, links, {"backend": backend}, unique_id=f"apply-{i}")
-            out.append(run_node(self.torch, self.Apply, kw)[0])
-        return out
+        return [self.e2e.pack_apply(self.pack, m, backend, None if cals is None else cals[i], unique_id=f"apply-{i}")
+                for i, m in enumerate(models)]
 
     def sampled(self, name: str, models: list, inp: dict, timed: bool) -> tuple[object, dict]:
         """The final latent of ``models`` sampled; ``timed``: after a warm-up run, with step times."""
@@ -432,7 +354,7 @@ class CalibrateBench(ModelsBench):
                     out, info = self.sampled(name, packed, inp, timed=True)
                 lat[stage] = out
                 self.add({"model": name, "stage": stage, "backend": backend, "apply_s": build, **info,
-                          "rel_l2_vs_bf16": rel_l2(out, lat["bf16"]) if "bf16" in lat else None,
+                          "rel_l2_vs_bf16": self.e2e.rel_l2(out, lat["bf16"], f64=True) if "bf16" in lat else None,
                           "finite": bool(torch.isfinite(out).all()), "modules": self.fused_counts(packed),
                           "smoothed": [m.int8_report.smoothed for m in packed],
                           "kept_float": [len(m.int8_report.kept_float) for m in packed],
@@ -452,7 +374,7 @@ class CalibrateBench(ModelsBench):
                 out, info = self.sampled(name, cores, inp, timed=False)
             lat["core_int8"] = out
             self.add({"model": name, "stage": "core_int8", "layers_int8": len(names),
-                      "rel_l2_vs_bf16": rel_l2(out, lat["bf16"]) if "bf16" in lat else None,
+                      "rel_l2_vs_bf16": self.e2e.rel_l2(out, lat["bf16"], f64=True) if "bf16" in lat else None,
                       "finite": bool(torch.isfinite(out).all()), **info})
         self.step(name, "core_int8", core)
         self.cleanup()
@@ -565,18 +487,13 @@ def main() -> int:
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
     ap.add_argument("--out", default=str(HERE / "results" / "h200-calibrate-e2e.json"))
     a = ap.parse_args()
-    # what ModelsBench / SamplerBench read
-    a.paths, a.profile, a.host_sample, a.gpu_gaps, a.ab = "", "", "", "", ""
-    if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
-        print("bench/calibrate_e2e.py needs a ComfyUI 0.33.0 tree (with comfy/ldm/ideogram4): --comfy or "
-              "COMFYUI_CURRENT")
+    if not has_comfy(a):
         return 2
-    cpu = a.device == "cpu"
-    dynamic = comfy_setup(a.comfy, cpu, a.comfy_flag)
+    dynamic = start(a)
+    if dynamic is None:
+        return 2
     import torch
-    if not cpu and not torch.cuda.is_available():
-        print("bench/calibrate_e2e.py needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
-        return 2
+
     from bench.lib import e2e
     with torch.inference_mode():  # ComfyUI's executor runs every node inside it
         return CalibrateBench(a, dynamic, e2e).run()

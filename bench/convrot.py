@@ -31,13 +31,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
+from bench.lib.e2e_runs import logger  # noqa: E402
 
 SHAPES = {"qkv / mlp_in / linear1 (K 3072)": 3072, "mlp_out (K 12288)": 12288, "linear2 (K 15360)": 15360}
 PATHS = "bf16,pack:fused_triton,pack:fused_triton^convrot"
-
-
-def log(*a):
-    print(f"[convrot {time.strftime('%H:%M:%S')}]", *a, flush=True)
+log = logger("convrot")
 
 
 def kernel_rows(pack, dev, tiny: bool) -> list[dict]:
@@ -78,12 +76,10 @@ def kernel_rows(pack, dev, tiny: bool) -> list[dict]:
 
 
 def sampler_main(a) -> int:
-    from bench.e2e_models import ModelsBench, comfy_setup
-    cpu = a.device == "cpu"
-    dynamic = comfy_setup(a.comfy, cpu, [])
-    import torch
-    if not cpu and not torch.cuda.is_available():
-        print("bench/convrot.py needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
+    from bench.e2e_models import ModelsBench
+    from bench.e2e_sampler import start
+    dynamic = start(a)
+    if dynamic is None:
         return 2
     from bench.lib import e2e
 
@@ -107,7 +103,7 @@ def sampler_main(a) -> int:
             bench.n_rotated[bench.rotation] = len(rot)
             return out
 
-    a.models, a.profile, a.host_sample, a.gpu_gaps, a.ab = "flux", "", "", "", ""
+    a.models, a.profile, a.host_sample = "flux", "", ""
     a.ideogram_layers, a.child = 34, False
     bench = Bench(a, dynamic, E2E())
     bench.n_rotated = {}
@@ -120,6 +116,7 @@ def quality_main(a) -> int:
     """``--quality-cpu``: Apply rotation none vs convrot on the outlier miniature (module doc)."""
     import torch
     from bench.checks import calibration_quality as cq
+    from bench.lib.e2e import rel_l2
     H = cq.H
     H.import_comfy(H.COMFY_DIR)
     apply = H.import_pack().nodes.apply.ApplyFusedInt8GEMM()
@@ -132,7 +129,7 @@ def quality_main(a) -> int:
             for rotation in ("none", "convrot"):
                 t0 = time.time()
                 (q,) = apply.apply(model, backend, "blocks", "", "", "", rotation=rotation)
-                errs = [float((cq.sample(q, s) - refs[s]).norm() / refs[s].norm()) for s in seeds]
+                errs = [rel_l2(cq.sample(q, s), refs[s]) for s in seeds]
                 row = {"reference": str(dtype).replace("torch.", ""), "backend": backend, "rotation": rotation,
                        "rotated_layers": len(q.int8_report.rotated), "int8_layers": q.int8_report.quantized,
                        "rel_err_mean": sum(errs) / len(errs), "rel_err_per_seed": errs,
@@ -148,7 +145,7 @@ def quality_main(a) -> int:
         from bench.lib import provenance
         prov = {"device": f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)",
                 "torch": torch.__version__, "triton": triton.__version__, "commit": provenance.commit(),
-                "dirty": provenance.dirty(), "command": " ".join(["python", *sys.argv])}
+                "dirty": provenance.dirty(), "command": provenance.command()}
         Path(a.out).write_text(json.dumps({"bench": "convrot_quality_cpu", "steps": cq.STEPS, "cfg": cq.CFG,
                                            "held_out_seeds": seeds, **prov, "rows": rows}, indent=1))
     return 0
@@ -171,10 +168,8 @@ def main() -> int:
     if a.quality_cpu:
         return quality_main(a)
     a.out = a.out or str(HERE / "results" / ("h200-convrot.json" if a.device == "cuda" else "convrot-smoke.json"))
-    if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
-        print("bench/convrot.py needs a ComfyUI 0.33.0 tree (with comfy/ldm/ideogram4): --comfy or COMFYUI_CURRENT")
-        return 2
-    return sampler_main(a)
+    from bench.e2e_sampler import has_comfy
+    return sampler_main(a) if has_comfy(a) else 2
 
 
 if __name__ == "__main__":

@@ -38,34 +38,16 @@ Dtypes are ComfyUI's UNETLoader defaults (rows say ``compute_dtype``): bf16 for 
 Wan 2.x lists fp16 first, so on an H200 its "bf16" file computes in fp16 (``--comfy-flag=--bf16-unet`` makes
 the bf16 and pack paths compute in bf16; fp8_fast keeps ComfyUI's manual-cast choice).
 
-Paths (bench/e2e_sampler.py's grammar, loaded by its ``SamplerBench.load_path``): bf16 | fp8_fast (UNETLoader
-``fp8_e4m3fn_fast``) | pack:<backend> ("Apply Fused INT8 GEMM" with its defaults); ``~<attention>`` sets the
-Apply node's ``attention`` input for pack paths, or installs the pack's attention router on the others
-(``kitchen``: core's comfy-kitchen attention). This bench also takes a trailing ``%SWITCH=value`` (one
-``kernel.config`` switch read at call time, set for that row only: A/B rows in one process, e.g.
-``pack:fused_triton%INT8_FUSED_S8_WGMMA=0``).
+Paths: bench/e2e_sampler.py's grammar (bf16 | fp8_fast | core_int8 | pack:<backend>, ``~<attention>``), loaded by
+its ``SamplerBench.load_path``. ``core_int8`` quantizes every 2-D weight of the repeated blocks (Ideogram 4:
+bench/lib/e2e.py's block linears); a process whose only path is core_int8 drops the bf16 state dict before loading,
+as a user with the int8 file.
 
-``core_int8`` is ComfyUI core's ``int8_tensorwise`` file layout (per-channel scales) of the block linears (every
-2-D weight of the repeated blocks; Ideogram 4: bench/lib/e2e.py's). A run whose only path is core_int8 in its own
-process (--cold / --vram-gib / --isolate) drops the bf16 state dict before loading, as a user with the int8 file.
-
-Measurement: ComfyUI's sampler, CFGGuider with cfg 1.0 (ComfyUI then skips the unconditional pass: one model
-forward per step; s_per_step = one forward through ComfyUI's sampler), euler, 'simple' schedule, --steps steps:
-a first sampling run (autotune, compiles, DynamicVRAM faulting; synced: ``first_sample_s``, the first sample of
-that path in this process), one timed run with CUDA events in the step callback (median step; e2e_sampler's
-``SamplerBench.timed``), then two whole samples synced before and after: ``s_per_step_whole`` (best / steps,
-the headline figure of the summary, its x bf16 / x fp8_fast and the issue-13 checks), ``model_calls_s`` and
-``per_sample_tax_s`` (e2e_sampler's ``SamplerBench.whole``). Also the final latent's relative L2 to bf16's, peak
-device memory in use (less what another process holds) and host RAM (VmRSS / VmHWM; ``host_rss_peak_row_gib``
-from the model's load on). Each (model, path) is built, measured and unloaded before the next; a failing path
-records ``status`` "oom" or "error" and its message, and the run goes on. JSON (provenance + rows) is written
-after every row.
-
-``--cold`` / ``--vram-gib N[,M]`` / ``--isolate``: each (model, path) in its own process (bench/lib/e2e_runs.py), with
-new, empty autotune and Triton caches (--cold), or all but N GiB of the GPU held by another process before
-ComfyUI starts (--vram-gib: ComfyUI plans DynamicVRAM's offload for an N GiB card; on the CPU the size is
-recorded as not applicable). ``--per-process model``: one process per model for all its paths (less start-up
-time; the host RAM figures then share the process). Rows at a size get issue 36's checks (e2e_runs.vram_targets).
+Measurement: as bench/e2e_sampler.py's (first sample, a timed run, two whole samples: ``s_per_step_whole`` is the
+headline of the summary, its x bf16 / x fp8_fast and the issue-13 checks), with CFGGuider cfg 1.0 (ComfyUI then skips
+the unconditional pass: one model forward a step). Each (model, path) is built, measured and unloaded before the next;
+a failing path records ``status`` "oom" or "error" and the run goes on. ``--cold`` / ``--vram-gib`` / ``--isolate``
+as there (bench/lib/e2e_runs.py); rows at a ``--vram-gib`` size get issue 36's checks.
 
 ``--device cpu --tiny`` smoke-runs the whole code path on the CPU (legacy patcher, shrunken models that
 ComfyUI's detection still recognises: fewer blocks everywhere, narrower Flux and Wan; Z-Image and Ideogram 4
@@ -77,7 +59,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -86,14 +67,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
 # nothing there imports torch or ComfyUI at import time
-from bench.e2e_sampler import SamplerBench, add_isolation_args, comfy_setup, isolated  # noqa: E402
+from bench.e2e_sampler import SamplerBench, add_run_args, has_comfy, isolated, start  # noqa: E402
+from bench.lib.e2e_runs import logger  # noqa: E402
 
 NOTE = ("s_per_step = one forward through ComfyUI's sampler (CFGGuider, cfg 1.0: ComfyUI skips the "
         "unconditional pass), median of the timed run's steps; euler, 'simple' schedule")
 
 
-def log(*a):
-    print(f"[models {time.strftime('%H:%M:%S')}]", *a, flush=True)
+log = logger("models")
 
 
 # ----------------------------------------------------------------------------- model table
@@ -247,7 +228,6 @@ class ModelsBench(SamplerBench):
     def __init__(self, a, dynamic: bool, e2e):
         super().__init__(a, dynamic, e2e)
         self.ref = {}  # model -> bf16 final latent
-        self.ref_pack = {}  # model -> the plain pack row's final latent (switched rows compare against it)
         self._core_models: dict = {}  # model -> core int8 state dict
         self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "models": {}}
 
@@ -340,20 +320,17 @@ class ModelsBench(SamplerBench):
         log(f"{name}: {cls}, {n_params / 1e9:.3f} B params, state dict in {time.perf_counter() - t0:.1f} s; "
             f"latent {list(latent.shape)}, text {list(ctx.shape)}")
         paths = self.a.paths.split(",")
-        if self.a.child and all(p.split("%")[0].split("~")[0] == "core_int8" for p in paths):
+        if self.a.child and all(p.split("~")[0] == "core_int8" for p in paths):
             self.core_sd_for(name, sd)  # a core INT8 user loads the int8 file alone: no bf16 copy in RAM
             sd = None
         for req in paths:
-            req, _, switch = req.partition("%")
-            with self.switch(switch):
-                self.run_row(name, req, switch, sd, cls, cfg, ctx, extra, latent, noise,
-                             drop_sd=self.a.child and len(paths) == 1)
+            self.run_row(name, req, sd, cls, cfg, ctx, extra, latent, noise, drop_sd=self.a.child and len(paths) == 1)
         del sd
         self._core_models.pop(name, None)
         self.ref.pop(name, None)
         self.cleanup()
 
-    def run_row(self, name, req, switch, sd, cls, cfg, ctx, extra, latent, noise, drop_sd=False):
+    def run_row(self, name, req, sd, cls, cfg, ctx, extra, latent, noise, drop_sd=False):
         """One (model, path) row: build, first sample, time, whole samples, compare with bf16, profile as asked;
         errors recorded (``status`` "oom" / "error"). ``drop_sd``: the bench lets go of its state dict once the
         model is loaded (a process of one path: its host RAM is then what a user's ComfyUI holds)."""
@@ -365,8 +342,7 @@ class ModelsBench(SamplerBench):
             log(why)
             self.rows.append({"model": name, "path": req, "status": "skipped", "skipped": why})
             return
-        row = {"model": name, "path": path + (f"%{switch}" if switch else ""),
-               "params": self.doc_extra["models"][name]["params"]}
+        row = {"model": name, "path": path, "params": self.doc_extra["models"][name]["params"]}
         if path != req:
             row["requested_path"] = req
             log(f"{name}: CPU smoke run: {req} -> {path} (the Triton interpreter is too slow at width "
@@ -389,29 +365,24 @@ class ModelsBench(SamplerBench):
             g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
             g.set_cfg(1.0)
             # first sample: autotune, compiles, DynamicVRAM faults (a CPU smoke run: one step runs the code path)
-            self.first_sample(row, (name, row["path"]), g, m, latent, noise,
+            self.first_sample(row, (name, path), g, m, latent, noise,
                               self.a.steps if self.dev.type == "cuda" else 1)
             row["warmup_s"] = row["first_sample_s"]
             out, s, s_wall, peak = self.timed(g, m, latent, noise)
             row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()),
-                       **self.last_gc)
+                       **self.last)
             row.update(self.whole(g, m, latent, noise))
             if path.startswith("pack:"):
                 row["dispatch"] = self.dispatch_line(m)
             if path.split("~")[0] == "bf16" and name not in self.ref:  # bf16 with any attention
                 self.ref[name] = out
             ref = self.ref.get(name)
-            row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
-            if path.startswith("pack:"):
-                if not switch:
-                    self.ref_pack.setdefault(name, out)
-                elif name in self.ref_pack:  # a switched row against the plain pack row of this process
-                    row["bit_identical_vs_pack"] = bool(torch.equal(out, self.ref_pack[name]))
-            if self.dev.type == "cuda" and row["path"] in self.a.profile.split(","):
+            row["rel_l2_vs_bf16"] = None if ref is None else self.e2e.rel_l2(out, ref)
+            if self.dev.type == "cuda" and path in self.a.profile.split(","):
                 row.update(self.profiled(g, m, latent, noise))
                 for k, ms, pct in row["top_kernels_ms_per_step"]:
                     log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
-            self.row_extras(row, row["path"], g, m, latent, noise)
+            self.row_extras(row, path, g, m, latent, noise)
             row["status"] = "ok"
         except Exception as e:  # a path that cannot run is reported, not hidden
             import traceback
@@ -482,39 +453,25 @@ def table(rows: list[dict]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--comfy", default=os.environ.get("COMFYUI_CURRENT"), help="ComfyUI 0.33.0 tree")
     ap.add_argument("--models", default="flux,zimage,wan13,ideogram4")
     ap.add_argument("--paths", default="bf16,fp8_fast,pack:fused_triton")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ideogram-layers", type=int, default=34)
     ap.add_argument("--profile", default="", help="comma-separated paths to profile (a 2-step run each)")
-    ap.add_argument("--host-sample", default="", help="comma-separated paths: 4 steps with the host thread's "
-                    "stack sampled every ms (e2e_sampler's host_sampled)")
-    ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only, "
-                                                   "idle gaps by size (e2e_sampler's gpu_gaps)")
-    ap.add_argument("--ab", default="", help="NAME=value: pack rows also run 4 timed runs with that switch "
-                                             "interleaved with 4 without (host-time A/B on one loaded model)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
-    add_isolation_args(ap)
+    add_run_args(ap)
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-models.json"))
     a = ap.parse_args()
-    if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
-        print("bench/e2e_models.py needs a ComfyUI 0.33.0 tree (with comfy/ldm/ideogram4): --comfy or COMFYUI_CURRENT")
+    if not has_comfy(a):
         return 2
     if isolated(a):  # before torch is imported: each child starts with its own caches / free memory
         from bench.lib import e2e_runs
-        units = [{"models": m, "paths": p} for m in a.models.split(",")
-                 for p in (a.paths.split(",") if a.per_process == "path" else [a.paths])]
+        units = [{"models": m, "paths": p} for m in a.models.split(",") for p in a.paths.split(",")]
         return e2e_runs.run_isolated(Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device,
                                      a.child_timeout, table=table,
                                      finish=None if a.device == "cpu" else targets)
-    cpu = a.device == "cpu"
-    dynamic = comfy_setup(a.comfy, cpu, a.comfy_flag)
-    import torch
-    if not cpu and not torch.cuda.is_available():
-        print("bench/e2e_models.py needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
+    dynamic = start(a)
+    if dynamic is None:
         return 2
     from bench.lib import e2e
     return ModelsBench(a, dynamic, e2e).run()

@@ -14,10 +14,8 @@ per-channel scales) | pack:<backend> (the bf16 backbones through "Apply Fused IN
 core_int8+pack:<backend> (the core INT8 backbones through Apply: int8 weights adopted as stored).
 A ``~<attention>`` suffix sets how attention runs: for pack paths the Apply node's ``attention`` input
 (``auto`` / ``comfy_default`` / ``cudnn`` / ``flash`` / ``efficient`` / ``math`` / ``int8``; no suffix = the node's
-default, ``auto`` since 2026-12-01 and ``comfy_default`` in the runs before, bench/RESULTS.md); for the others
-``kitchen`` = core's ModelAttentionBackend "comfy kitchen attention" (comfy-kitchen INT8 attention), any other
-mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``: cuDNN SDPA first).
-A ``%NAME=value`` suffix sets that ``kernel.config`` switch for the row (``--ab NAME=value``: interleaved A/B).
+default); for the others ``kitchen`` = core's ModelAttentionBackend "comfy kitchen attention" (comfy-kitchen INT8
+attention), any other mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``).
 
 Per (path, resolution): a first sampling run (autotune, DynamicVRAM faulting; its time, synced before
 and after, is ``first_sample_s``: for the path's first row the first sample of that path in this process), one
@@ -34,7 +32,7 @@ weight copies) and the GEMM kernels that ran. A row that fails says ``status`` "
 with new, empty autotune and Triton caches; ``--vram-gib`` with all but N GiB of the GPU held by another process
 before ComfyUI starts (ComfyUI plans DynamicVRAM's offload for an N GiB card); rows say ``cold``, ``vram_gib``,
 and their host RAM peak (``host_rss_peak_row_gib``: from the model's load on; a process of one path lets go of the
-bench's state dicts once loaded). ``--per-process model``: one process for all the paths (less start-up time).
+bench's state dicts once loaded).
 
 Output: JSON {gpu, driver, torch, triton, commit, command, rows: [{resolution, workflow, path, patcher,
 s_per_step, h2d_copies_per_step, peak_gib, rel_l2_vs_bf16, ...}]}. Needs a CUDA GPU with comfy-aimdo
@@ -44,7 +42,6 @@ tiny --layers/--res; no timing claims).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -56,10 +53,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
+from bench.lib.e2e_runs import logger  # noqa: E402  (no torch / ComfyUI at import)
 
 
-def log(*a):
-    print(f"[sampler {time.strftime('%H:%M:%S')}]", *a, flush=True)
+log = logger("sampler")
 
 
 def comfy_setup(comfy_dir: str, cpu: bool, comfy_flags: list[str]) -> bool:
@@ -94,16 +91,39 @@ def comfy_setup(comfy_dir: str, cpu: bool, comfy_flags: list[str]) -> bool:
     return dynamic
 
 
-def add_isolation_args(ap) -> None:
-    """``--cold``, ``--vram-gib``, ``--isolate`` (bench/lib/e2e_runs.py) and the flags a child run gets."""
+def has_comfy(a) -> bool:
+    """Whether ``a.comfy`` is a ComfyUI tree with Ideogram 4 (0.33.0 or newer); says so when not."""
+    if a.comfy and (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
+        return True
+    print(f"{sys.argv[0]} needs a ComfyUI 0.33.0 tree (with comfy/ldm/ideogram4): --comfy or COMFYUI_CURRENT")
+    return False
+
+
+def start(a) -> bool | None:
+    """``comfy_setup`` for ``a.device`` (with ``a.comfy_flag`` where the bench has it): whether DynamicVRAM is on,
+    or None (said why) when a CUDA run finds no GPU."""
+    script, cpu = sys.argv[0], a.device == "cpu"
+    dynamic = comfy_setup(a.comfy, cpu, getattr(a, "comfy_flag", []))
+    import torch
+    if cpu or torch.cuda.is_available():
+        return dynamic
+    print(f"{script} needs a CUDA GPU (or --device cpu for a smoke run)")
+    return None
+
+
+def add_run_args(ap) -> None:
+    """The flags bench/e2e_sampler.py and bench/e2e_models.py share: ComfyUI, device, ``--host-sample``, and
+    ``--cold`` / ``--vram-gib`` / ``--isolate`` (bench/lib/e2e_runs.py) with the flags a child run gets."""
+    ap.add_argument("--comfy", default=os.environ.get("COMFYUI_CURRENT"), help="ComfyUI 0.33.0 tree")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
+    ap.add_argument("--host-sample", default="", help="comma-separated paths: 4 steps with the host thread's stack "
+                    "sampled every ms (bench/lib/stack_sample.py): where its wall time goes, without cProfile's slowdown")
     ap.add_argument("--cold", action="store_true", help="each path in its own process with new, empty autotune "
                     "(INT8_FUSED_CACHE_DIR) and Triton (TRITON_CACHE_DIR) caches: first_sample_s is a cold start")
     ap.add_argument("--vram-gib", default="", help="N[,M...]: each path in its own process with all but N GiB of "
                     "the GPU held by another process before ComfyUI starts (one round per size)")
     ap.add_argument("--isolate", action="store_true", help="each path in its own process (host RAM per path)")
-    ap.add_argument("--per-process", choices=("path", "model"), default="path",
-                    help="with --cold / --vram-gib / --isolate: one process per path (default), or per model with all "
-                         "its paths (less start-up time; host RAM then as each path's growth in that process)")
     ap.add_argument("--child-timeout", type=float, default=600.0, help="seconds one child process may run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a child of an isolated run
 
@@ -126,7 +146,6 @@ def summary(rows: list[dict]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--comfy", default=os.environ.get("COMFYUI_CURRENT"), help="ComfyUI 0.33.0 tree")
     ap.add_argument("--layers", type=int, default=34)
     ap.add_argument("--res", default="1024,768")
     ap.add_argument("--text-tokens", type=int, default=512)
@@ -136,35 +155,23 @@ def main() -> int:
                                         "pack:torch_int_mm,pack:fp8_rowwise,pack:dequant_bf16,"
                                         "core_int8+pack:fused_triton")
     ap.add_argument("--profile", default="all", help="'all', 'none' or comma-separated paths to profile")
-    ap.add_argument("--host-sample", default="", help="comma-separated paths: 4 steps with the host thread's stack "
-                    "sampled every ms (bench/lib/stack_sample.py): where its wall time goes, without cProfile's slowdown")
-    ap.add_argument("--gpu-gaps", default="", help="comma-separated paths: a 4-step run traced on the GPU only "
-                                                   "(no host events: the host stays ahead), idle gaps by size")
-    ap.add_argument("--ab", default="", help="NAME=value: pack rows also run 4 timed runs with that switch "
-                                             "interleaved with 4 without (host-time A/B on one loaded model)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
-    add_isolation_args(ap)
+    add_run_args(ap)
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-sampler.json"))
     a = ap.parse_args()
-    if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
-        print("bench/e2e_sampler.py needs a ComfyUI tree with comfy/ldm/ideogram4: --comfy or COMFYUI_CURRENT")
+    if not has_comfy(a):
         return 2
     cpu = a.device == "cpu"
     if isolated(a):  # before torch is imported: each child starts with its own caches / free memory
         from bench.lib import e2e_runs
-        units = [{"paths": p} for p in a.paths.split(",")] if a.per_process == "path" else [{"paths": a.paths}]
+        units = [{"paths": p} for p in a.paths.split(",")]
         return e2e_runs.run_isolated(Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device,
                                      a.child_timeout, table=summary,
                                      finish=lambda rows: [] if cpu else e2e_runs.vram_targets(rows, SUMMARY_KEYS))
-    dynamic = comfy_setup(a.comfy, cpu, a.comfy_flag)
-    import torch
-    if not cpu and not torch.cuda.is_available():
-        print("bench/e2e_sampler.py needs a CUDA GPU (or --device cpu for a smoke run)")
+    dynamic = start(a)
+    if dynamic is None:
         return 2
     from bench.lib import e2e  # Ideogram 4's layout, the pack's import and Apply node
-    bench = SamplerBench(a, dynamic, e2e)
-    return bench.run()
+    return SamplerBench(a, dynamic, e2e).run()
 
 
 class SamplerBench:
@@ -277,38 +284,29 @@ class SamplerBench:
             ref = torch.cuda.Event(enable_timing=True)
             ref.record()
             h_ref = time.perf_counter()  # the GPU reaches ``ref`` about now: its queue is empty
-        gc_t, gc_n = self._gc_watch()
-        moved0 = self._conds_moved()
         fetched0 = self._block_fetches()
         t0 = time.perf_counter()
-        try:
-            out = self.sample(guider, model, latent, noise, steps, cb)
-            if cuda:
-                torch.cuda.synchronize()
-        finally:
-            gc.callbacks.remove(self._gc_cb)
+        out = self.sample(guider, model, latent, noise, steps, cb)
+        if cuda:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        self.last_gc = {"gc_s_per_step": sum(gc_t) / steps, "gc_collections": dict(gc_n),
-                        "gc_tracked_objects": len(gc.get_objects()),
-                        "loaded_models": len(getattr(self.mm, "current_loaded_models", []) or []),
-                        # the pack's conditioning-on-GPU wrapper (nodes/resident_conds.py): MiB it moved this run
-                        "conds_moved_mib": round((self._conds_moved() - moved0) / 2 ** 20, 2)}
         # the pack's one-fetch-per-block (nodes/comfy_cast.py): fused-block calls and modules fetched per step
         fetched = self._block_fetches()
-        self.last_gc.update(block_fetches_per_step=round((fetched[0] - fetched0[0]) / steps, 1),
-                            block_fetch_modules_per_step=round((fetched[1] - fetched0[1]) / steps, 1))
+        self.last = {"loaded_models": len(getattr(self.mm, "current_loaded_models", []) or []),
+                     "block_fetches_per_step": round((fetched[0] - fetched0[0]) / steps, 1),
+                     "block_fetch_modules_per_step": round((fetched[1] - fetched0[1]) / steps, 1)}
         if cuda:
             deltas = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
             # how far the GPU lags the host at each step's end (ms): about 0 when the host is what paces the
             # step (the GPU finishes what it was given and waits), large and growing when the GPU does
             lags = [(h_ref + ref.elapsed_time(e) / 1e3 - h) * 1e3 for e, h in zip(marks, host)]
-            self.last_gc.update(gpu_lag_ms_at_step_end=[round(v, 1) for v in lags],
-                                host_s_per_step=statistics.median(b - a for a, b in zip(host, host[1:]))
-                                if len(host) > 1 else None)
+            self.last.update(gpu_lag_ms_at_step_end=[round(v, 1) for v in lags],
+                             host_s_per_step=statistics.median(b - a for a, b in zip(host, host[1:]))
+                             if len(host) > 1 else None)
         else:
             deltas = [b - a for a, b in zip(marks, marks[1:])]
         if used:
-            self.last_gc["peak_device_used_gib"] = max(used) / 2 ** 30
+            self.last["peak_device_used_gib"] = max(used) / 2 ** 30
         return out.float().cpu(), statistics.median(deltas) if deltas else wall / steps, wall / steps, \
             (max(0, max(used) - self.others) / 2 ** 30 if used else 0.0)
 
@@ -365,36 +363,13 @@ class SamplerBench:
         return {"s_per_step_whole": wall / steps, "whole_sample_s": [round(w, 4) for w, _, _ in runs],
                 "model_calls_s": calls, "model_calls_per_sample": n, "per_sample_tax_s": wall - calls}
 
-    last_gc: dict = {}
-
-    def _pack_stats(self, module: str) -> dict:
-        """The ``stats`` counters of the pack's ``nodes.<module>`` in this process ({} before the pack is imported)."""
-        mod = sys.modules.get(f"{self.pack.__name__}.nodes.{module}") if getattr(self, "pack", None) else None
-        return mod.stats if mod is not None else {}
-
-    def _conds_moved(self) -> int:
-        """Bytes the pack's ``resident_conds`` wrapper has moved to the GPU in this process."""
-        return self._pack_stats("resident_conds").get("moved_bytes", 0)
+    last: dict = {}  # the last timed run's extra fields (block fetches, GPU lag, host time a step)
 
     def _block_fetches(self) -> tuple[int, int]:
         """(fused-block fetches, modules fetched) by the pack's ``comfy_cast.fetch_block`` in this process."""
-        st = self._pack_stats("comfy_cast")
+        mod = sys.modules.get(f"{self.pack.__name__}.nodes.comfy_cast")
+        st = mod.stats if mod is not None else {}
         return st.get("blocks", 0), st.get("modules", 0)
-
-    def _gc_watch(self):
-        """Time spent in Python's garbage collector (and collections per generation) while sampling: a host cost
-        that grows with every object the process keeps alive (models not freed, caches)."""
-        spent, counts, start = [], {}, [0.0]
-
-        def cb(phase, info):
-            if phase == "start":
-                start[0] = time.perf_counter()
-            else:
-                spent.append(time.perf_counter() - start[0])
-                counts[info["generation"]] = counts.get(info["generation"], 0) + 1
-        self._gc_cb = cb
-        gc.callbacks.append(cb)
-        return spent, counts
 
     def profiled(self, guider, model, latent, noise) -> dict:
         """A 2-step run under the profiler: host->device copies per step and the top GEMM kernels."""
@@ -417,7 +392,7 @@ class SamplerBench:
         top = sorted(kern.items(), key=lambda kv: -kv[1])[:14]
         src = _h2d_sources(ev, h2d)
         run_start = [r for r in src if any(k in r[0] for k in _RUN_START)]
-        return {**_idle_gaps(ev, steps=2), "h2d_sources": src,
+        return {"h2d_sources": src,
                 # per step of the sampling loop: without the copies made once per sampling run (ComfyUI's
                 # load at the start of a run, the sampler's setup), which a 2-step window counts half each
                 "h2d_copies_per_step": sum(r[1] for r in src) - sum(r[1] for r in run_start),
@@ -426,50 +401,6 @@ class SamplerBench:
                 "h2d_mib_per_step_raw": sum(e.get("args", {}).get("bytes", 0) for e in h2d) / 2 / 2 ** 20,
                 "h2d_pageable_per_step_raw": sum("Pageable" in e["name"] for e in h2d) / 2,
                 "top_kernels_ms_per_step": [[n, round(ms / 2, 2), round(100 * ms / total, 1)] for n, ms in top]}
-
-    def gpu_gaps(self, guider, model, latent, noise, steps: int = 4) -> dict:
-        """A ``steps``-step run traced with CUDA activity only (no host events, no Python stacks: the host keeps
-        its pace), then the GPU's idle gaps between the end of the first step's work and the last kernel: their
-        total per step by size, and the kernels that follow the gaps of 10 µs and more. Tells kernel-to-kernel
-        latency on a fed queue (many µs-gaps) from a starved GPU (few long gaps), and ``nvidia-smi``'s SM clock
-        and power while it runs (a power-capped clock makes kernels slower than in a sparse profiled window)."""
-        torch = self.torch
-        from torch.profiler import ProfilerActivity, profile
-        marks = []
-        clocks = _Clocks()
-        with clocks, profile(activities=[ProfilerActivity.CUDA]) as prof:
-            self.sample(guider, model, latent, noise, steps, lambda *a: marks.append(time.perf_counter()))
-            torch.cuda.synchronize()
-        trace = Path(self.a.out).with_suffix(".gaps.json")
-        prof.export_chrome_trace(str(trace))
-        ev = json.loads(trace.read_text()).get("traceEvents", [])
-        trace.unlink()
-        gpu = _gpu_events(ev)
-        if len(gpu) < 8:
-            return {"gpu_gaps": "too few GPU events"}
-        skip = len(gpu) // steps  # the first step's share: its start waits for the host
-        gpu = gpu[skip:]
-        bins = [(0, 2), (2, 5), (5, 10), (10, 50), (50, 500), (500, 1e12)]
-        idle = {f"{a}-{b if b < 1e12 else 'inf'}us": [0, 0.0] for a, b in bins}
-        after: dict = {}
-        busy, end, gaps = _sweep(gpu)
-        for gap, g in gaps:
-            for (a, b), k in zip(bins, idle):
-                if a <= gap < b:
-                    idle[k][0] += 1
-                    idle[k][1] += gap
-            if gap >= 10:
-                n = g.get("name", "")[:70]
-                c, t = after.get(n, (0, 0.0))
-                after[n] = (c + 1, t + gap)
-        per = steps - 1
-        span = (end - gpu[0]["ts"]) / 1e3 / per
-        return {"gaps_span_ms_per_step": round(span, 2), "gaps_busy_ms_per_step": round(busy / 1e3 / per, 2),
-                "gaps_idle_by_size": {k: [round(n / per, 1), round(t / 1e3 / per, 3)] for k, (n, t) in idle.items()},
-                "gaps_10us_before": [[k, round(n / per, 1), round(t / 1e3 / per, 3)]
-                                     for k, (n, t) in sorted(after.items(), key=lambda kv: -kv[1][1])[:10]],
-                "gaps_s_per_step": round(statistics.median(b - a for a, b in zip(marks, marks[1:])), 4)
-                if len(marks) > 1 else None, **clocks.summary()}
 
     def host_sampled(self, guider, model, latent, noise, steps: int = 4, top: int = 30) -> dict:
         """Steps 1..``steps`` of a run with this thread's Python stack sampled every ms (``bench/lib/stack_sample.py``):
@@ -491,37 +422,29 @@ class SamplerBench:
         return {"host_sample_wall_s_per_step": round(t["wall_s"] / steps, 4), "host_sample_n": t["samples"],
                 "host_sample_own_ms_per_step": t["own"], "host_sample_cum_ms_per_step": t["cum"]}
 
-    def ab(self, guider, model, latent, noise, reps: int = 4) -> dict:
-        """``--ab NAME=value``: timed runs of this row's model alternating that switch with the row's setting,
-        ``reps`` of each (switched first). The host's speed drifts within a process (bench/RESULTS.md), so only
-        interleaved runs of one loaded model compare a host-time change; medians of s/step and host time a step
-        of each, and whether every run's output equals the first's."""
-        spec, torch = self.a.ab, self.torch
-        runs = {"switched": [], "plain": []}
-        first, same = None, True
-        for _ in range(reps):
-            for key in ("switched", "plain"):
-                with self.switch(spec if key == "switched" else ""):
-                    out, s, _, _ = self.timed(guider, model, latent, noise)
-                runs[key].append((round(s, 5), round(self.last_gc.get("host_s_per_step") or 0.0, 5)))
-                if first is None:
-                    first = out
-                else:
-                    same = same and bool(torch.equal(out, first))
-        res = {"ab_switch": spec, "ab_same_output": same}
-        for key, v in runs.items():
-            res[f"ab_{key}_s_per_step"] = [a for a, _ in v]
-            res[f"ab_{key}_host_s_per_step"] = [b for _, b in v]
-            res[f"ab_{key}_median"] = [statistics.median(a for a, _ in v), statistics.median(b for _, b in v)]
-        log(f"    A/B {spec}: switched {res['ab_switched_median']} plain {res['ab_plain_median']} (s/step, host s/step;"
-            f" medians of {reps}), same output {same}")
-        return res
+    def gpu_busy(self, guider, model, latent, noise, steps: int = 4) -> dict:
+        """A ``steps``-step sample traced with CUDA activity only (no host events or stacks: the host keeps its
+        pace): ``gpu_busy_s_per_step``, the union of its kernels' and copies' spans on the GPU's timeline a step,
+        the first step's share left out (its start waits for the host)."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.sample(guider, model, latent, noise, steps)
+            self.torch.cuda.synchronize()
+        trace = Path(self.a.out).with_suffix(".busy.json")
+        prof.export_chrome_trace(str(trace))
+        ev = json.loads(trace.read_text()).get("traceEvents", [])
+        trace.unlink()
+        return {"gpu_busy_s_per_step": gpu_busy_s(ev, steps)}
 
     def row_extras(self, row: dict, path: str, guider, model, latent, noise) -> None:
-        """What the flags ask for a timed row beyond its timing, on a GPU: ``--host-sample`` (stack sampling),
-        ``--ab`` (a switch A/B'd on the loaded model, plain pack rows only) and ``--gpu-gaps`` (a GPU-only trace)."""
+        """On a GPU: the row's GPU-busy time a step and what paces it (``paced_by``: "host" when the timed run's
+        host time a step exceeds the GPU-busy time, else "gpu"); ``--host-sample``'s stack sampling."""
         if self.dev.type != "cuda":
             return
+        row.update(self.gpu_busy(guider, model, latent, noise))
+        busy, host = row["gpu_busy_s_per_step"], row.get("host_s_per_step")
+        if busy is not None and host is not None:
+            row["paced_by"] = "host" if host > busy else "gpu"
         if path in self.a.host_sample.split(","):
             row.update(self.host_sampled(guider, model, latent, noise))
             log(f"    host (stack samples, {row['host_sample_n']}) {row['host_sample_wall_s_per_step'] * 1e3:.1f} "
@@ -529,20 +452,6 @@ class SamplerBench:
             for key in ("host_sample_own_ms_per_step", "host_sample_cum_ms_per_step"):
                 for where, ms in row[key]:
                     log(f"    {key[12:15]} {ms:8.2f} ms  {where}")
-        if getattr(self.a, "ab", "") and path.startswith("pack:") and "%" not in path:
-            row.update(self.ab(guider, model, latent, noise))
-        if path in self.a.gpu_gaps.split(","):
-            row.update(self.gpu_gaps(guider, model, latent, noise))
-
-    def switch(self, spec: str):
-        """``kernel.config.override`` of ``NAME=value`` (parsed as the switch's type) for one row (a path's
-        ``%NAME=value`` suffix); a no-op context for ''."""
-        import importlib
-        if not spec:
-            return contextlib.nullcontext()
-        k, _, v = spec.partition("=")
-        config = importlib.import_module(self.pack.__name__ + ".kernel.config")
-        return config.override(**{k: config._parse(config._switch(k), v)})
 
     def dispatch_line(self, patcher) -> str | None:
         """The pack's per-shape dispatch summary of ``patcher``'s model (which linears ran int8 / float), or None
@@ -566,23 +475,19 @@ class SamplerBench:
             try:
                 self.first_sample(row, path, g, cond, latent, noise, self.a.steps)  # autotune, vbar faults
                 out, s, s_wall, peak = self.timed(g, cond, latent, noise)
-                row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, **self.last_gc)
+                row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, **self.last)
                 row.update(self.whole(g, cond, latent, noise))
                 if path == "bf16":
                     self.ref.setdefault(res, out)
                 ref = self.ref.get(res)
-                row["rel_l2_vs_bf16"] = None if ref is None else float((out - ref).norm() / ref.norm())
+                row["rel_l2_vs_bf16"] = None if ref is None else self.e2e.rel_l2(out, ref)
                 row["finite"] = bool(torch.isfinite(out).all())
                 if path.startswith("pack:"):
                     row["dispatch"] = self.dispatch_line(cond)
-                    plain = self.latents.get((path.split("%")[0], res))
-                    if "%" in path and plain is not None:  # a switched row against the plain pack row
-                        row["bit_identical_vs_pack"] = bool(torch.equal(out, plain))
                 if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
                     row.update(self.profiled(g, cond, latent, noise))
-                if i == 0:  # their own flags (--host-sample, --ab, --gpu-gaps), with or without --profile
+                if i == 0:
                     self.row_extras(row, path, g, cond, latent, noise)
-                self.latents[(path, res)] = out
                 row["status"] = "ok"
             except Exception as e:  # a path that cannot run is reported, not hidden
                 import traceback
@@ -600,37 +505,34 @@ class SamplerBench:
 
     def run(self) -> int:
         a, torch = self.a, self.torch
-        self.latents: dict = {}
         gen = self.dev if self.dev.type == "cuda" else torch.device("cpu")
         sds = {"cond": self.e2e.random_state_dict(a.layers, gen, seed=0),
                "uncond": self.e2e.random_state_dict(a.layers, gen, seed=1)}
         self.params = sum(v.numel() for sd in sds.values() for v in sd.values())  # both backbones
-        if a.child and all(p.split("%")[0].split("~")[0] == "core_int8" for p in a.paths.split(",")):
+        if a.child and all(p.split("~")[0] == "core_int8" for p in a.paths.split(",")):
             for br in ("cond", "uncond"):  # a core INT8 user loads the int8 files alone
                 self.core_sd(br, sds[br])
                 sds[br] = None
         log(f"DynamicVRAM {'on' if self.dynamic else 'off'}; state dicts built")
         for path in a.paths.split(","):
             log(f"building {path}")
-            base, _, sw = path.partition("%")  # a %SWITCH=value suffix: that kernel.config switch for this row
-            with self.switch(sw):
-                self.rss_mark()
-                try:
-                    cond, uncond, patcher = self.build(base, sds)
-                    if a.child and len(a.paths.split(",")) == 1:
-                        # a process of one path lets go of its state dicts: its host RAM is a user's ComfyUI's
-                        for d in [*sds.values(), *self._core_cache.values()]:
-                            if d is not None:
-                                d.clear()
-                except Exception as e:
-                    import traceback
-                    traceback.print_exc()
-                    self.rows.append({"path": path, **self.runs.error_fields(e, "build: "), **self.host_fields()})
-                    self.write()
-                    cond = uncond = None
-                    self.cleanup()
-                    continue
-                self.measure(path, patcher, cond, uncond)
+            self.rss_mark()
+            try:
+                cond, uncond, patcher = self.build(path, sds)
+                if a.child and len(a.paths.split(",")) == 1:
+                    # a process of one path lets go of its state dicts: its host RAM is a user's ComfyUI's
+                    for d in [*sds.values(), *self._core_cache.values()]:
+                        if d is not None:
+                            d.clear()
+            except Exception as e:
+                import traceback
+                traceback.print_exc()
+                self.rows.append({"path": path, **self.runs.error_fields(e, "build: "), **self.host_fields()})
+                self.write()
+                cond = uncond = None
+                self.cleanup()
+                continue
+            self.measure(path, patcher, cond, uncond)
             del cond, uncond
             self.cleanup()
         self.check()
@@ -686,8 +588,10 @@ class SamplerBench:
 
     def write(self):
         import comfyui_version
+
+        from bench.lib import provenance
         doc = dict(self.e2e.provenance(self.dev), comfyui=comfyui_version.__version__, dynamic_vram=self.dynamic,
-                   command=" ".join(["python3"] + [str(x) for x in sys.orig_argv[1:]]), **self.doc_extra,
+                   command=provenance.command(), **self.doc_extra,
                    caches=self.runs.caches(self.pack), rows=self.rows)
         Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(self.a.out).write_text(json.dumps(doc, indent=1))
@@ -696,6 +600,22 @@ class SamplerBench:
 # copies made once per sampling run: ComfyUI's load, the sampler's setup, the pack's conditioning move
 # (nodes/resident_conds.py, at the run's start: conditioning, not weights)
 _RUN_START = ("patch_weight_to_device", "partially_load", "outer_sample", "sampler_sample_wrapper")
+
+
+def gpu_busy_s(ev: list, steps: int) -> float | None:
+    """Seconds a step that the GPU was busy in a chrome trace of ``steps`` steps: the union of the spans of its
+    kernels, copies and memsets in time order, without the first ``1 / steps`` of them; None for fewer events than steps."""
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    if steps < 2 or len(gpu) < steps:
+        return None
+    gpu = gpu[len(gpu) // steps:]
+    busy, end = 0.0, float("-inf")
+    for e in gpu:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy / 1e6 / (steps - 1)
 
 
 def _h2d_sources(ev: list, h2d: list) -> list:
@@ -715,139 +635,6 @@ def _h2d_sources(ev: list, h2d: list) -> list:
         c, b = out.get(name, (0, 0))
         out[name] = (c + 1, b + m.get("args", {}).get("bytes", 0))
     return [[n, c / 2, round(b / 2 / 1024, 1)] for n, (c, b) in sorted(out.items(), key=lambda kv: -kv[1][0])]
-
-
-def _pack_frames(ev: list) -> dict:
-    """{tid: [python_function events of ComfyUI or this pack, by start]} (profiler ``with_stack``)."""
-    by_tid: dict = {}
-    for e in ev:
-        n = e.get("name", "")
-        if e.get("cat") == "python_function" and "site-packages/torch" not in n and (
-                "comfy" in n or "quant/" in n or "nodes/" in n or "kernel/" in n or "adapters/" in n):
-            by_tid.setdefault(e.get("tid"), []).append(e)
-    for fs in by_tid.values():
-        fs.sort(key=lambda f: f["ts"])
-    return by_tid
-
-
-def _frames_at(by_tid: dict, queries: list) -> dict:
-    """{id(query): the three innermost frames around each query event's start, innermost first}: one sweep per
-    thread with a stack (Python frames nest)."""
-    out: dict = {}
-    for tid, qs in _group(queries, lambda e: e.get("tid")).items():
-        fs, fi, stack = by_tid.get(tid, []), 0, []
-        for q in sorted(qs, key=lambda e: e["ts"]):
-            while fi < len(fs) and fs[fi]["ts"] <= q["ts"]:
-                f = fs[fi]
-                while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < f["ts"]:
-                    stack.pop()
-                stack.append(f)
-                fi += 1
-            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < q["ts"]:
-                stack.pop()
-            out[id(q)] = " < ".join(f["name"].split("/")[-1][:60] for f in reversed(stack[-3:])) or "?"
-    return out
-
-
-def _group(items: list, key) -> dict:
-    g: dict = {}
-    for it in items:
-        g.setdefault(key(it), []).append(it)
-    return g
-
-
-class _Clocks:
-    """``nvidia-smi`` sampling SM clock (MHz), power (W) and temperature every 50 ms while the block runs."""
-
-    def __enter__(self):
-        import subprocess
-        try:
-            self.p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
-                                       "--format=csv,noheader,nounits", "-lms", "50"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            self.p = None
-        return self
-
-    def __exit__(self, *exc):
-        self.out = ""
-        if self.p is not None:
-            self.p.terminate()
-            self.out = self.p.communicate(timeout=10)[0]
-
-    def summary(self) -> dict:
-        rows = []
-        for ln in getattr(self, "out", "").splitlines():
-            try:
-                rows.append([float(x) for x in ln.split(",")])
-            except ValueError:
-                continue
-        if not rows:
-            return {}
-        col = list(zip(*rows))
-        return {"sm_clock_mhz_median": statistics.median(col[0]), "sm_clock_mhz_min": min(col[0]),
-                "power_w_median": statistics.median(col[1]), "power_w_max": max(col[1]),
-                "temp_c_max": max(col[2]), "clock_samples": len(rows)}
-
-
-def _gpu_events(ev: list) -> list:
-    """The trace's GPU work (kernels, copies, memsets, any stream) by start time."""
-    return sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-
-
-def _sweep(gpu: list, min_us: float = 0.0) -> tuple[float, float, list]:
-    """(busy µs, end µs, [(gap µs, next event)] for gaps of at least ``min_us``) over the union of ``gpu``'s
-    intervals (sorted by start)."""
-    busy, end, start, gaps = 0.0, gpu[0]["ts"], gpu[0]["ts"], []
-    for g in gpu:
-        if g["ts"] > end:
-            busy += end - start
-            if g["ts"] - end >= min_us:
-                gaps.append((g["ts"] - end, g))
-            start = g["ts"]
-        end = max(end, g["ts"] + g.get("dur", 0))
-    return busy + end - start, end, gaps
-
-
-def _idle_gaps(ev: list, steps: int, min_us: float = 2.0, top: int = 12) -> dict:
-    """Where the GPU waits inside the sampling steps: the window from the first to the last model call
-    (``_apply_model`` frames), the union of GPU activity (kernels, copies, memsets, any stream) in it, and each
-    idle gap of at least ``min_us`` charged to the host frames that launched the work after it (the CUDA runtime
-    call of the gap's next GPU event). Also the synchronising runtime calls in the window, by frame. Per step."""
-    calls = [e for e in ev if e.get("cat") == "python_function" and "_apply_model" in e.get("name", "")]
-    gpu = _gpu_events(ev)
-    if not calls or not gpu:
-        return {}
-    t0 = min(c["ts"] for c in calls)
-    t1 = max(c["ts"] + c.get("dur", 0) for c in calls)
-    gpu = [g for g in gpu if t0 <= g["ts"] <= t1]
-    if not gpu:
-        return {}
-    runtime = {e.get("args", {}).get("correlation"): e for e in ev
-               if e.get("cat") in ("cuda_runtime", "cuda_driver")}  # Triton launches through the driver API
-    busy, _, gaps = _sweep(gpu, min_us)
-    launchers = [runtime.get(g.get("args", {}).get("correlation")) for _, g in gaps]
-    syncs = [e for e in ev if e.get("cat") == "cuda_runtime" and t0 <= e["ts"] <= t1
-             and ("Synchronize" in e.get("name", "") or e.get("name", "") in ("cudaMemcpy", "cudaMemGetInfo"))]
-    where = _frames_at(_pack_frames(ev), [r for r in launchers if r is not None] + syncs)
-    by: dict = {}
-    for (us, g), r in zip(gaps, launchers):
-        k = where.get(id(r), "?") if r is not None else "? (no runtime call)"
-        n, t = by.get(k, (0, 0.0))
-        by[k] = (n + 1, t + us)
-    sy: dict = {}
-    for e in syncs:
-        k = f"{e['name']} @ {where.get(id(e), '?')}"
-        n, t = sy.get(k, (0, 0.0))
-        sy[k] = (n + 1, t + e.get("dur", 0))
-    return {"window_ms_per_step": round((t1 - t0) / 1e3 / steps, 2),
-            "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 2),
-            "gpu_idle_ms_per_step": round((t1 - t0 - busy) / 1e3 / steps, 2),
-            "idle_gaps_per_step": round(len(gaps) / steps, 1),
-            "idle_by_launcher": [[k, round(n / steps, 1), round(t / 1e3 / steps, 3)]
-                                 for k, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]],
-            "syncs_per_step": [[k, round(n / steps, 1), round(t / 1e3 / steps, 3)]
-                               for k, (n, t) in sorted(sy.items(), key=lambda kv: -kv[1][1])[:top]]}
 
 
 if __name__ == "__main__":

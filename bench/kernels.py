@@ -1,6 +1,6 @@
 """W8A8 linears on the GPU, every competitor side by side in one run (issue 3).
 
-    python bench/kernels.py --out bench/results/h200-kernels.json [--commit HASH] [--quick]
+    python bench/kernels.py --out bench/results/h200-kernels.json [--commit HASH]
 
 First checks the compiled kernels (quantizer bit-exact vs quant.quantize, int32 accumulator bit-exact vs
 torch._int_mm / an int64 matmul, epilogue vs a float64 reference), then times each Ideogram 4 shape with
@@ -18,9 +18,7 @@ Effective TOP/s = 2*M*N*K / t. Paths:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +31,7 @@ sys.path.append(str(ROOT / "tests"))
 import pack_import  # noqa: E402
 pack_import.install()  # kernel, quant, adapters: the pack's subpackages, imported one way (tests/pack_import.py)
 import kernel  # noqa: E402
+from bench.lib import provenance  # noqa: E402
 from quant.quantize import (dequant_epilogue_ref, int8_matmul_ref, quantize_per_token_ref,  # noqa: E402
                             quantize_weight_per_channel)
 
@@ -189,7 +188,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/h200-kernels.json")
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args()
     lines = []
 
@@ -199,12 +197,7 @@ def main():
 
     import triton
     props = torch.cuda.get_device_properties(0)
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        driver = "?"
-    from bench.lib import provenance
+    driver = provenance.driver() or "?"
     commit = args.commit or provenance.commit()
     log(f"GPU {props.name}, driver {driver}, torch {torch.__version__}, triton {triton.__version__}, "
         f"L2 {props.L2_cache_size >> 20} MB, SMs {props.multi_processor_count}")
@@ -215,8 +208,7 @@ def main():
                         for k, v in ck_mod.list_backends().items()))
     except Exception as e:  # noqa: BLE001
         log(f"comfy_kitchen not importable: {e!r}")
-    if not args.skip_check:
-        check_correctness(log)
+    check_correctness(log)
 
     from kernel import autotune
     rows, extras = [], []
@@ -269,8 +261,8 @@ def main():
         log(f"| {case} | {m} | {n} | {k} | " + " | ".join(f"{r[p]:.0f}" if p in r else "-" for p in PATHS)
             + f" | {ratio(r.get('bf16'))} | {ratio(ckb)} | {ratio(r.get('fp8_fast'))} |")
 
-    out = dict(gpu=props.name, driver=driver, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               torch=torch.__version__, triton=triton.__version__, commit=commit,
+    out = dict(gpu=props.name, driver=driver, date=provenance.now(), torch=torch.__version__,
+               triton=triton.__version__, commit=commit,
                command="python bench/kernels.py " + " ".join(sys.argv[1:]), rows=rows, extras=extras,
                autotune={k: [[c, ms] for c, ms in v] for k, v in autotune.TIMINGS.items()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -23,11 +23,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
-from bench.e2e_sampler import comfy_setup  # noqa: E402  (no torch / ComfyUI at import)
+from bench.e2e_sampler import has_comfy, start  # noqa: E402  (no torch / ComfyUI at import)
+from bench.lib.e2e_runs import logger  # noqa: E402
 
-
-def log(*a):
-    print(f"[lora {time.strftime('%H:%M:%S')}]", *a, flush=True)
+log = logger("lora")
 
 
 def lora_file(folder: Path, name: str, sd: dict, rank: int, seed: int, device) -> None:
@@ -56,22 +55,19 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(HERE / "results" / "h200-lora.json"))
     a = ap.parse_args()
-    if not a.comfy or not (Path(a.comfy) / "comfy").is_dir():
-        print("bench/lora.py needs a ComfyUI 0.33.0 tree: --comfy or COMFYUI_CURRENT")
+    if not has_comfy(a):
         return 2
-    cpu = a.device == "cpu"
-    dynamic = comfy_setup(a.comfy, cpu, [])
+    dynamic = start(a)
+    if dynamic is None:
+        return 2
     import torch
-    if not cpu and not torch.cuda.is_available():
-        print("bench/lora.py needs a CUDA GPU (or --device cpu --tiny for a smoke run)")
-        return 2
     import comfy.sample
     import comfy.sd
     import folder_paths
     import nodes
     from bench import e2e_models
     from bench.lib import e2e
-    from bench.lib.provenance import commit, dirty
+    from bench.lib import provenance
     pack = e2e.load_pack()
     dev = torch.device(a.device)
     cfg = e2e_models.unet_config("flux", a.tiny)
@@ -135,9 +131,9 @@ def main() -> int:
     checks["no_requantization"] = change["quantizations"] == 0
     log("checks:", checks)
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    doc = {"bench": "lora", "command": " ".join(sys.argv), "commit": commit(), "dirty": dirty(), "device": dev_name,
-           "torch": torch.__version__, "dynamic_vram": dynamic, "backend": a.backend, "tiny": a.tiny, "steps": a.steps,
-           "rows": rows, "strength_change": change, "checks": checks,
+    doc = {"bench": "lora", "command": provenance.command(), "commit": provenance.commit(), "dirty": provenance.dirty(),
+           "device": dev_name, "torch": torch.__version__, "dynamic_vram": dynamic, "backend": a.backend,
+           "tiny": a.tiny, "steps": a.steps, "rows": rows, "strength_change": change, "checks": checks,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))

@@ -30,11 +30,9 @@ INT8_FUSED_CACHE_DIR for the next run).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,30 +111,18 @@ SHAPES = [
 PATHS = ["bf16", "bf16_module", "fp8_fast", "int8", "int8_kernel", "dispatched"]
 
 
-def _run(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
-def provenance(args) -> dict:
+def provenance() -> dict:
     import triton
     props = torch.cuda.get_device_properties(0)
     return dict(gpu=props.name, sms=props.multi_processor_count, l2_mb=props.L2_cache_size >> 20,
-                driver=_run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or "?",
-                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                commit=provenance_.commit(), dirty=provenance_.dirty(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                argv=[sys.executable, *sys.argv], cache_dir=str(autotune.cache_dir()),
+                driver=provenance_.driver() or "?", torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, commit=provenance_.commit(), dirty=provenance_.dirty(),
+                date=provenance_.now(), argv=[sys.executable, *sys.argv], cache_dir=str(autotune.cache_dir()),
                 dispatch_margin=dispatch.MARGIN, rounds=ROUNDS, reps=REPS)
 
 
-DEVICE = "cuda"  # a CPU smoke test of this script's logic sets "cpu" (TRITON_INTERPRET=1, fake timers)
-
-
 def make_paths(m, n, k, has_bias):
-    dev = DEVICE
+    dev = "cuda"
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     b = torch.randn(n, device=dev, dtype=torch.bfloat16) if has_bias else None
@@ -163,16 +149,17 @@ def make_paths(m, n, k, has_bias):
 def check_small_m(log) -> int:
     """The one-launch M <= 16 kernel against quantize_per_token + int8_gemm on this GPU: bit-identical expected."""
     failures = 0
-    g = torch.Generator(device=DEVICE).manual_seed(0)
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
     for m, n, k, smooth, bias in [(1, 18432, 512, False, True), (7, 4608, 4608, True, True), (16, 3072, 3072, True, False),
                                   (3, 3000, 1000, False, False)]:
-        x = torch.randn(m, k, device=DEVICE, generator=g).to(torch.bfloat16) * 3
+        x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) * 3
         if m > 2:
             x[1] = 0
-        w = torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8, generator=g)
-        ws = torch.rand(n, device=DEVICE, generator=g) * 1e-3
-        b = torch.randn(n, device=DEVICE, generator=g) if bias else None
-        inv = (torch.rand(k, device=DEVICE, generator=g) + 0.5) if smooth else None
+        w = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8, generator=g)
+        ws = torch.rand(n, device=dev, generator=g) * 1e-3
+        b = torch.randn(n, device=dev, generator=g) if bias else None
+        inv = (torch.rand(k, device=dev, generator=g) + 0.5) if smooth else None
         y = kernel.int8_linear(x, w, ws, b, inv)
         y = kernel.int8_linear(x, w, ws, b, inv)  # second call: the direct-launch path
         a_q, a_s = kernel.quantize_per_token(x, inv)
@@ -220,13 +207,13 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench/shapes.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    prov = provenance(args)
+    prov = provenance()
     log(f"GPU {prov['gpu']} ({prov['sms']} SMs, L2 {prov['l2_mb']} MB), driver {prov['driver']}, torch {prov['torch']}, "
         f"triton {prov['triton']}, commit {prov['commit'][:12]}{' (dirty)' if prov['dirty'] else ''}; "
         f"cache {prov['cache_dir']}")
     prov["small_m_check_failures"] = check_small_m(log)
     shapes = [s for s in SHAPES if args.only is None or re.search(args.only, f"{s[0]} {s[1]}")]
-    flush = dispatch.flush_buffer(torch.device("cuda", 0)) if DEVICE == "cuda" else None
+    flush = dispatch.flush_buffer(torch.device("cuda", 0))
     rows, skipped = [], []
     log(f"{'model':12s} {'layer':24s} {'M':>6s} {'N':>6s} {'K':>6s}  " + "  ".join(f"{p:>11s}" for p in PATHS)
         + "   (eff us, x bf16)  picked")

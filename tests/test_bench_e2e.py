@@ -221,7 +221,7 @@ def test_summary_ratios_and_vram_targets(capsys):
 
 
 def test_merge_keeps_oom_rows_and_checks_each_run(tmp_path):
-    """bench/lib/merge_models.py: OOM rows are results, bench errors kept apart, run names with dashes kept whole,
+    """bench/lib/merge.py: OOM rows are results, bench errors kept apart, run names with dashes kept whole,
     issue 36's checks computed within each run."""
     results = tmp_path / "results"
     for d in ("models-runs", "vram-runs"):
@@ -235,7 +235,7 @@ def test_merge_keeps_oom_rows_and_checks_each_run(tmp_path):
          {"model": "m", "path": "core_int8", "status": "error", "error": "build: KeyError: 'x'"}]
     for name, rows in (("h200-vram-limited-abc1234-a", a), ("h200-vram-limited-abc1234-b", b)):
         (results / "vram-runs" / f"{name}.json").write_text(json.dumps({"commit": "abc1234", "rows": rows}))
-    cp = subprocess.run([sys.executable, str(ROOT / "bench" / "lib" / "merge_models.py"), "--results", str(results)],
+    cp = subprocess.run([sys.executable, str(ROOT / "bench" / "lib" / "merge.py"), "--results", str(results)],
                         capture_output=True, text=True)
     assert cp.returncode == 0, cp.stderr
     doc = json.loads((results / "h200-vram-limited.json").read_text())
@@ -246,3 +246,19 @@ def test_merge_keeps_oom_rows_and_checks_each_run(tmp_path):
     # the runs' own check rows are dropped, then computed again within each run: a's pack against a's fp8_fast
     checks = [(c["run"], c["x_fp8_fast"], c["checks"]) for c in doc["rows"] if c.get("check") == "issue36"]
     assert checks == [("abc1234-a", pytest.approx(0.6 / 0.5), {"x_fp8_fast>=1.3": False}), ("abc1234-b", None, {})]
+
+
+def test_gpu_busy_is_the_union_of_gpu_spans_without_the_first_step():
+    """bench/e2e_sampler.py ``gpu_busy_s`` on a hand-made trace of 3 steps (µs): overlapping spans count once, gaps not
+    at all, host events not at all, and the first third of the GPU events (the first step) is left out."""
+    from bench import e2e_sampler
+
+    def k(ts, dur, cat="kernel"):
+        return {"cat": cat, "ts": ts, "dur": dur}
+    ev = [k(0, 50), k(60, 40),                           # step 0: left out
+          k(1000, 100), k(1050, 100, "gpu_memcpy"),     # step 1: [1000, 1150] -> 150
+          k(2000, 30), k(2100, 20, "gpu_memset"),       # step 2: 30 + 20 -> 50
+          {"cat": "cpu_op", "ts": 1000, "dur": 5000}]   # host work: not GPU time
+    # six GPU events, 3 steps: the first 2 left out; (150 + 50) µs over 2 steps
+    assert e2e_sampler.gpu_busy_s(ev, 3) == pytest.approx(100e-6)
+    assert e2e_sampler.gpu_busy_s(ev[:2], 3) is None  # fewer GPU events than steps: nothing to tell

@@ -475,7 +475,7 @@ def test_the_gemm_tile_switch_keys_the_prepared_calls():
 
 def test_a_layer_plans_again_when_the_gemm_switch_changes(monkeypatch):
     """An Int8Linear's own plans (its linear and its fused blocks' GEMMs) are keyed by the GEMM switch too: an A/B
-    of it on a loaded model (bench ``--ab``) records the switched call instead of re-issuing the other value's
+    of it on a loaded model (``kernel.config.override`` around a call) records the switched call instead of re-issuing the other value's
     launches; back to the first value, the first plan runs again."""
     planned, checked = _spy(monkeypatch, "int8_linear_planned"), _spy(monkeypatch, "int8_linear")
     layer = _layer()

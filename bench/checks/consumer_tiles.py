@@ -26,7 +26,6 @@ of the consumer tiles, not a consumer GPU's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -199,8 +198,8 @@ def main(argv=None) -> int:
         "all_int32_exact": all(r["int32_exact"] for r in rows + tiles),
         "ptx_instructions": instructions(cache) if cache else None,
         "provenance": dict(gpu=props.name if props else "cpu", torch=torch.__version__, triton=triton.__version__,
-                           driver=_driver() if props else None, commit=provenance.commit(), dirty=provenance.dirty(),
-                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           driver=(provenance.driver() or "?") if props else None, commit=provenance.commit(),
+                           dirty=provenance.dirty(), date=provenance.now(),
                            command=[sys.executable, *sys.argv], seconds=round(time.time() - t0, 1)),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -210,15 +209,6 @@ def main(argv=None) -> int:
     print(f"{len(rows)} shapes, {len(tiles)} tile runs, {len(skipped)} skipped; int32 not exact: {bad or 'none'}")
     print(f"wrote {args.out}")
     return 1 if bad else 0
-
-
-def _driver() -> str:
-    import subprocess
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20).stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 if __name__ == "__main__":

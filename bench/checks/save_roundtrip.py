@@ -36,13 +36,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
-from bench.e2e_sampler import comfy_setup  # noqa: E402  (no torch / ComfyUI at import)
+from bench.e2e_sampler import has_comfy, start  # noqa: E402  (no torch / ComfyUI at import)
+from bench.lib.e2e_runs import logger  # noqa: E402
 
 FORMATS = ("int8_fused", "comfy_int8_tensorwise")
-
-
-def log(*a):
-    print(f"[save_roundtrip {time.strftime('%H:%M:%S')}]", *a, flush=True)
+log = logger("save_roundtrip")
 
 
 def parse_args(argv=None):
@@ -66,14 +64,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if not a.comfy or not (Path(a.comfy) / "comfy" / "ldm" / "ideogram4").is_dir():
-        print("bench/checks/save_roundtrip.py needs a ComfyUI tree with comfy/ldm/ideogram4 (--comfy or "
-              "COMFYUI_CURRENT)")
+    if not has_comfy(a):
         return 2
-    dynamic = comfy_setup(a.comfy, a.device == "cpu", [])
-    import torch
-    if a.device != "cpu" and not torch.cuda.is_available():
-        print("bench/checks/save_roundtrip.py needs a CUDA GPU (or --device cpu for a smoke run)")
+    dynamic = start(a)
+    if dynamic is None:
         return 2
     work = Path(a.workdir or tempfile.mkdtemp(prefix="save_roundtrip_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -194,14 +188,10 @@ class RoundTrip:
         import comfyui_version
         a, lat = self.a, self.latents
 
-        def rel(x, y):
-            if x not in lat or y not in lat:
-                return None
-            return float((lat[x].double() - lat[y].double()).norm() / lat[y].double().norm())
-
         pairs = (("apply", "bf16"), ("pack_file", "apply"), ("core_file", "apply"), ("pack_file", "bf16"),
                  ("core_file", "bf16"))
-        rels = {f"{x}_vs_{y}": rel(x, y) for x, y in pairs}
+        rels = {f"{x}_vs_{y}": self.e2e.rel_l2(lat[x], lat[y], f64=True) if x in lat and y in lat else None
+                for x, y in pairs}
         missing = {fmt: self.stages.get(f"save_{fmt}", {}).get("missing") for fmt in FORMATS}
         within = lambda r, tol: r is not None and r <= tol  # noqa: E731
         checks = {
@@ -212,9 +202,8 @@ class RoundTrip:
             "core_file_matches_apply": within(rels["core_file_vs_apply"], a.tol_core),
         }
         ok = all(checks.values())
-        from bench.lib.provenance import dirty
-        doc = dict(self.e2e.provenance(self.dev), dirty=dirty(),
-                   command=" ".join(["python3"] + [str(x) for x in sys.orig_argv[1:]]),
+        from bench.lib import provenance
+        doc = dict(self.e2e.provenance(self.dev), dirty=provenance.dirty(), command=provenance.command(),
                    comfyui=comfyui_version.__version__, dynamic_vram=self.dynamic, layers=a.layers, res=a.res,
                    steps=a.steps, text_tokens=a.text_tokens, backend=a.backend,
                    tolerances={"pack": a.tol_pack, "core": a.tol_core}, rel_l2=rels, missing=missing,

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
         old = None if a.replace else (tuned.read(path) if path.exists() else None)
         doc = merge(old, doc, notes)
         doc["built"] = {"at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                        "commit": provenance.commit(), "command": " ".join(["python3", *sys.argv])}
+                        "commit": provenance.commit(), "command": provenance.command()}
         print(("would write " if a.dry_run else "wrote ") + f"{path}: {summary(doc)}")
         if not a.dry_run:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,1 +1,1 @@
-"""Helpers the benches share (not run on their own, except the merge scripts and the VRAM holder)."""
+"""Helpers the benches share (not run on their own, except merge.py and the VRAM holder)."""

@@ -2,21 +2,19 @@
 bench/e2e_models.py, bench/calibrate_e2e.py, bench/lora.py, bench/convrot.py):
 its ComfyUI state-dict layout (34 layers, hidden 4608) with deterministic random weights, ComfyUI core's
 ``int8_tensorwise`` layout of it, the pack imported as ComfyUI imports it, the pack's Apply node with its defaults,
-and a run's provenance. Imports torch; ComfyUI only through the pack (the caller has put ComfyUI on ``sys.path``).
+a run's provenance and the relative L2 the benches report. Imports torch; ComfyUI only through the pack (the caller
+has put ComfyUI on ``sys.path``).
 """
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, FFN, HEADS, ADALN, TEXT_DIM, IN_CH = 4608, 12288, 18, 512, 53248, 128
 BLOCK_LINEARS = ["attention.qkv", "attention.o", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
 
@@ -62,7 +60,7 @@ def random_state_dict(layers: int, device, seed: int = 0) -> dict[str, torch.Ten
     for k, (shape, is_w) in ideogram4_shapes(layers).items():
         if is_w:
             t = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16) * (shape[1] ** -0.5)
-        elif k.endswith("norm_q.weight") or k.endswith("norm_k.weight") or "norm" in k:
+        elif "norm" in k:
             t = 1.0 + 0.1 * torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         else:
             t = 0.02 * torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
@@ -101,45 +99,62 @@ def load_pack():
     return pack_import.import_pack()
 
 
-def pack_apply(pack, patcher, backend: str, **inputs):
-    """Run the pack's "Apply Fused INT8 GEMM" node on ``patcher`` with its default settings (``inputs``
-    override named inputs, e.g. ``attention="cudnn"``)."""
-    cls = pack.NODE_CLASS_MAPPINGS["ApplyFusedInt8GEMM"]
+def node_inputs(cls, links: dict, widgets: dict | None = None, unique_id: str = "bench") -> dict:
+    """The keyword arguments ComfyUI's executor passes to node ``cls``: every widget input (required and optional,
+    since the frontend sends each widget's value) at its INPUT_TYPES default unless ``widgets`` sets it, the
+    connected inputs ``links``, and the hidden UNIQUE_ID. Unconnected link inputs are left out."""
     spec = cls.INPUT_TYPES()
     kw = {}
-    for name, (typ, *opt) in spec["required"].items():
-        if name == "model":
-            continue
-        if isinstance(typ, list):
-            kw[name] = (opt[0] if opt else {}).get("default", typ[0])
-        else:
-            kw[name] = (opt[0] if opt else {}).get("default")
-    kw["backend"] = backend
-    kw.update(inputs)
-    hidden = {k: "e2e" for k in spec.get("hidden", {})}
-    out = getattr(cls(), cls.FUNCTION)(model=patcher, **kw, **hidden)
-    return out[0] if isinstance(out, tuple) else out["result"][0]
+    for section in ("required", "optional"):
+        for name, (typ, *opt) in spec.get(section, {}).items():
+            o = opt[0] if opt else {}
+            if name in links:
+                kw[name] = links[name]
+            elif isinstance(typ, (list, tuple)):
+                kw[name] = o.get("default", typ[0])
+            elif typ in ("INT", "FLOAT", "BOOLEAN", "STRING"):
+                kw[name] = o.get("default", {"INT": 0, "FLOAT": 0.0, "BOOLEAN": False, "STRING": ""}[typ])
+    for name, value in (widgets or {}).items():
+        if name not in kw:
+            raise KeyError(f"{cls.__name__} has no widget input {name!r}")
+        kw[name] = value
+    for name, what in spec.get("hidden", {}).items():
+        if what == "UNIQUE_ID":
+            kw[name] = unique_id
+    return kw
+
+
+def run_node(cls, links: dict, widgets: dict | None = None, unique_id: str = "bench"):
+    """Node ``cls`` called with ``node_inputs``; its result tuple. (ComfyUI's executor also runs it inside
+    ``torch.inference_mode()``: the caller's choice here.)"""
+    out = getattr(cls(), cls.FUNCTION)(**node_inputs(cls, links, widgets, unique_id))
+    return out["result"] if isinstance(out, dict) else out
+
+
+def pack_apply(pack, patcher, backend: str, calibration=None, unique_id: str = "e2e", **widgets):
+    """The pack's "Apply Fused INT8 GEMM" node on ``patcher`` with its defaults (``widgets`` override them, e.g.
+    ``attention="cudnn"``), ``calibration`` connected when given; the patched model."""
+    cls = pack.NODE_CLASS_MAPPINGS["ApplyFusedInt8GEMM"]
+    links = {"model": patcher} if calibration is None else {"model": patcher, "calibration": calibration}
+    return run_node(cls, links, dict(widgets, backend=backend), unique_id)[0]
 
 
 def provenance(dev) -> dict:
     """GPU, driver, date, torch / Triton versions and commit ($BENCH_COMMIT, else git) of a bench run."""
-    # by file: bench/ may not be importable as a package here, and the pack's root must not shadow ComfyUI's modules
-    spec = importlib.util.spec_from_file_location("bench_provenance", HERE / "provenance.py")
-    prov = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prov)
-    commit = prov.commit(short=True)
+    from bench.lib import provenance as prov
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    driver = None
-    if dev.type == "cuda":
-        try:
-            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
-    return {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke run)", "driver": driver,
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton_version,
-            "commit": commit}
+    return {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke run)",
+            "driver": prov.driver() if dev.type == "cuda" else None, "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "triton": triton_version, "commit": prov.commit(short=True)}
+
+
+def rel_l2(out, ref, f64: bool = False) -> float:
+    """||out - ref|| / ||ref||: in float64 with ``f64``, else in the inputs' dtype (bench/h200.sh's check compares the
+    sampler rows' float32 figures to the last digit)."""
+    if f64:
+        out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())

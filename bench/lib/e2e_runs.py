@@ -35,12 +35,19 @@ from pathlib import Path
 GIB = 2 ** 30
 # flags of the parent that a child does not get, with whether they take a value
 PARENT_ONLY = {"--cold": False, "--isolate": False, "--vram-gib": True, "--out": True, "--models": True,
-               "--paths": True, "--child-timeout": True, "--per-process": True}
+               "--paths": True, "--child-timeout": True}
 OTHERS_ENV = "INT8_BENCH_OTHERS_BYTES"  # device memory other processes hold (the holder), for a child's peak
 
 
-def log(*a):
-    print(f"[isolated {time.strftime('%H:%M:%S')}]", *a, flush=True)
+def logger(tag: str):
+    """A ``log(*a)`` that prints its arguments after ``[tag HH:MM:SS]``, flushed (children's lines reach the parent
+    as they come)."""
+    def log(*a):
+        print(f"[{tag} {time.strftime('%H:%M:%S')}]", *a, flush=True)
+    return log
+
+
+log = logger("isolated")
 
 
 # ----------------------------------------------------------------------------- in a bench process
@@ -183,8 +190,8 @@ def run_isolated(script: Path, argv: list[str], units: list[dict], out: str, col
     in its own child process of ``script``; rows merged into ``out``. ``finish(rows)`` gives rows to add at the
     end (target checks), ``table(rows)`` prints the summary."""
     base = child_argv(argv)
-    doc: dict = {"rows": [], "isolated": True, "cold": cold,
-                 "command": " ".join(["python3"] + [str(x) for x in sys.orig_argv[1:]])}
+    from bench.lib import provenance
+    doc: dict = {"rows": [], "isolated": True, "cold": cold, "command": provenance.command()}
     sizes = vram_sizes(vram)
     cpu = device == "cpu"
     holder = VramHolder() if sizes != [None] and not cpu else None
@@ -275,13 +282,13 @@ def run_child(script: Path, base: list[str], unit: dict, cold: bool, gib, held: 
         meta = json.loads(child_out.read_text())
         rows = meta.pop("rows", [])
     shutil.rmtree(tmp, ignore_errors=True)
-    done = {r["path"].split("%")[0] for r in rows if "path" in r and "check" not in r}
+    done = {r["path"] for r in rows if "path" in r and "check" not in r}
     if rc != 0:  # a row for each path the child did not get to
         text = "\n".join(tail)
         status = ("timeout" if timed_out else "oom" if "out of memory" in text.lower()
                   else "killed" if rc in (-9, 137) else "crashed")
         for path in unit["paths"].split(","):
-            if path.split("%")[0] not in done:
+            if path not in done:
                 rows.append({**({"model": unit["models"]} if "models" in unit else {}), "path": path,
                              "status": status, "exit_code": rc, "error": text[-1500:]})
     wall = time.perf_counter() - t0
@@ -361,10 +368,11 @@ def summary(rows: list[dict], lead: tuple, keys: tuple, note: str = "") -> None:
     f = lambda v, n=7, d=2: f"{v:{n}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{n}}"  # noqa: E731
     print(f"\nwhole = whole sample() / steps (best of 2, synced); x bf16 / x fp8 on it (on the median step where a "
           f"row has no whole figure); step = median step; first = first sample of the path in its process; tax = "
-          f"whole sample - its model calls{('; ' + note) if note else ''}")
+          f"whole sample - its model calls; host / busy = the host's time and the GPU's busy time a step (GPU "
+          f"rows), host-paced when host > busy{('; ' + note) if note else ''}")
     w = {c: 22 if c == "path" else 10 for c in lead}
     print(" ".join(f"{c:<{w[c]}}" for c in lead) + f" {'vram':>5} {'whole':>8} {'x bf16':>7} {'x fp8':>7} {'step':>8} "
-          f"{'first s':>7} {'tax s':>6} {'VRAM':>6} {'RSS':>6}  status")
+          f"{'first s':>7} {'tax s':>6} {'host s':>7} {'busy s':>7} {'VRAM':>6} {'RSS':>6}  status")
     for r in rows:
         if "path" not in r or "check" in r:
             continue
@@ -378,8 +386,10 @@ def summary(rows: list[dict], lead: tuple, keys: tuple, note: str = "") -> None:
         xb, xf = speedups(rows, r, keys)
         rss = r.get("host_rss_peak_row_gib") or r.get("host_rss_peak_gib")
         print(f"{lc} {vs} {f(r.get('s_per_step_whole'), 8, 4)} {f(xb)} {f(xf)} {f(r.get('s_per_step'), 8, 4)} "
-              f"{f(r.get('first_sample_s'), 7, 1)} {f(r.get('per_sample_tax_s'), 6, 3)} {f(r.get('peak_gib'), 6, 1)} "
-              f"{f(rss, 6, 1)}  {st}" + (" cold" if r.get("cold") else ""))
+              f"{f(r.get('first_sample_s'), 7, 1)} {f(r.get('per_sample_tax_s'), 6, 3)} "
+              f"{f(r.get('host_s_per_step'), 7, 4)} {f(r.get('gpu_busy_s_per_step'), 7, 4)} {f(r.get('peak_gib'), 6, 1)} "
+              f"{f(rss, 6, 1)}  {st}" + (" cold" if r.get("cold") else "")
+              + (" host-paced" if r.get("paced_by") == "host" else ""))
 
 
 if __name__ == "__main__":
