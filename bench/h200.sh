@@ -5,7 +5,7 @@
 #     BENCH_COMMIT=<commit> INT8_FUSED_CACHE_DIR=/tmp/<name> bash bench/h200.sh <suite> [<suite> ...]
 #     BENCH_COMMIT=<commit> bash bench/h200.sh exec <command ...>   # any command, with the same setup
 #   Results land in $OUT (default /tmp/h200-out): one JSON per bench plus its log, gpu.txt (GPU, driver, torch,
-#   Triton, CUDA, commit). BENCH_COMMIT names the tree sent (the device copy's git HEAD is stale); a fresh
+#   Triton, CUDA, commit), cache/ (the tuning caches the run wrote). BENCH_COMMIT names the tree sent (the device copy's git HEAD is stale); a fresh
 #   INT8_FUSED_CACHE_DIR makes the run tune every kernel again (the first call of each shape then includes tuning).
 #   Needs what bench/device_carry.sh builds here: .carry/comfy .carry/whl .carry/stub .carry/ck.zip (or .carry/ck).
 #
@@ -48,7 +48,11 @@ export PYTHONPATH=/tmp/site:$ck:$PWD/.carry/stub
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
   echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 } 2>&1 | tee "$OUT/gpu.txt"
-if [ "$1" = exec ]; then shift; exec "$@"; fi
+# the caches the run wrote (GEMM tiles, int8-vs-float dispatch, attention backends) come back in $OUT/cache: the
+# seeds of the shipped tuned tables (bench/checks/tuned_tables.py $OUT/cache)
+keep_caches() { mkdir -p "$OUT/cache" && cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/cache/" 2>/dev/null; true; }
+trap keep_caches EXIT
+if [ "$1" = exec ]; then shift; "$@"; exit $?; fi
 sampler="python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6 --profile none"
 models="python3 bench/e2e_models.py --comfy .carry/comfy --steps 6"
 for suite in "$@"; do
@@ -59,8 +63,7 @@ case $suite in
     timeout 260 python3 bench/attention.py --check --out "$OUT/h200-attention.json" 2>&1 | tee "$OUT/attention.log" ;;
   shapes)
     timeout 400 python3 bench/shapes.py --stream-rounds 15 --budget-s 300 --out "$OUT/h200-shapes.json" 2>&1 \
-      | tee "$OUT/shapes.log"
-    cp "$INT8_FUSED_CACHE_DIR"/autotune*.json "$OUT/" 2>/dev/null ;;
+      | tee "$OUT/shapes.log" ;;
   fused)
     timeout 90 python3 bench/fused.py --out "$OUT/h200-fused.json" 2>&1 | tee "$OUT/fused.log" ;;
   host)

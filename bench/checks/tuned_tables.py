@@ -5,7 +5,7 @@ the cache folders of bench runs.
                                          [--triton V] [--torch V] [--replace] [--dry-run]
     python3 bench/checks/tuned_tables.py --show [SEED.json ...]
 
-A CACHE_DIR is an ``INT8_FUSED_CACHE_DIR`` a run wrote (the H200 bench runs write ``$OUT/autotune``): its
+A CACHE_DIR is an ``INT8_FUSED_CACHE_DIR`` a run wrote (bench/h200.sh brings its files back in ``$OUT/cache``): its
 ``gemm-<gpu>-triton-<v>.json`` (tile configs, tail splits, SwiGLU tiles), ``dispatch-<version>-<gpu>-torch-<v>-
 triton-<v>.json`` (int8-vs-float decisions; other decision versions are skipped) and ``attention-<gpu>-torch-<v>.json``
 (SDPA backends). Per GPU named in the files (``gpu`` in a file's meta, else the file name matched against the GPU
