@@ -285,14 +285,27 @@ class SamplerBench:
             ref.record()
             h_ref = time.perf_counter()  # the GPU reaches ``ref`` about now: its queue is empty
         fetched0 = self._block_fetches()
+        gc_spans, gc_start = [], [0.0]  # Python's cyclic collector: host time that grows with the objects kept
+
+        def gc_cb(phase, info):
+            if phase == "start":
+                gc_start[0] = time.perf_counter()
+            else:
+                gc_spans.append((info["generation"], time.perf_counter() - gc_start[0]))
+        gc.callbacks.append(gc_cb)
         t0 = time.perf_counter()
-        out = self.sample(guider, model, latent, noise, steps, cb)
-        if cuda:
-            torch.cuda.synchronize()
+        try:
+            out = self.sample(guider, model, latent, noise, steps, cb)
+            if cuda:
+                torch.cuda.synchronize()
+        finally:
+            gc.callbacks.remove(gc_cb)
         wall = time.perf_counter() - t0
         # the pack's one-fetch-per-block (nodes/comfy_cast.py): fused-block calls and modules fetched per step
         fetched = self._block_fetches()
-        self.last = {"loaded_models": len(getattr(self.mm, "current_loaded_models", []) or []),
+        self.last = {"gc_s_per_step": sum(t for _, t in gc_spans) / steps,
+                     "gc_full_collections": sum(g == 2 for g, _ in gc_spans),
+                     "loaded_models": len(getattr(self.mm, "current_loaded_models", []) or []),
                      "block_fetches_per_step": round((fetched[0] - fetched0[0]) / steps, 1),
                      "block_fetch_modules_per_step": round((fetched[1] - fetched0[1]) / steps, 1)}
         if cuda:

@@ -78,6 +78,8 @@ def test_models_wan14_wan22_qwen_core_int8(comfy_current, tmp_path):
     for r in rows.values():
         assert r["status"] == "ok" and r["finite"], r
         _whole_is_calls_plus_tax(r, steps=1, calls_per_step=1)
+        # the collector's time is part of the timed sample's wall time
+        assert 0 <= r["gc_s_per_step"] <= r["s_per_step_wall"] and r["gc_full_collections"] >= 0, r
     for m in ("wan14", "wan22", "qwen"):
         # core int8_tensorwise weights (per-channel absmax / 127): near bf16's output, yet not bf16's
         assert 0 < rows[(m, "core_int8")]["rel_l2_vs_bf16"] < 0.05
