@@ -147,10 +147,13 @@ def fold_smoothing(layer: dict) -> dict:
 
 
 def write_core_int8(path: str, quant: dict[str, dict], floats: dict[str, torch.Tensor], *,
-                    overwrite: bool = False, scale_shape: str = "vector") -> str:
-    """ComfyUI core ``int8_tensorwise``: ``<p>.weight`` int8, ``<p>.weight_scale`` fp32 [N] (or [N, 1] with
-    ``scale_shape="column"``), ``<p>.comfy_quant`` JSON. Smoothed layers are folded (``fold_smoothing``).
-    Loads in plain ComfyUI (with comfy-kitchen) without this pack."""
+                    overwrite: bool = False, scale_shape: str = "column") -> str:
+    """ComfyUI core ``int8_tensorwise``: ``<p>.weight`` int8, ``<p>.weight_scale`` fp32 [N, 1] (``scale_shape=
+    "vector"``: [N], for tests of readers), ``<p>.comfy_quant`` JSON. Smoothed layers are folded (``fold_smoothing``).
+    Loads in plain ComfyUI (with comfy-kitchen) without this pack. [N, 1] is the shape comfy-kitchen's own per-channel
+    quantizer writes and what its dequantization (``q * scale``, used where it has no int8 kernel for an op, e.g. a
+    linear without bias, and when ComfyUI patches weights) needs: an [N] scale scales the columns of a square weight
+    and fails on others."""
     tensors = dict(floats)
     conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
     for n, L in quant.items():

@@ -108,9 +108,29 @@ def test_pack_newer_version_rejected(tmp_path, branches):
         F.open_checkpoint(p)
 
 
+def test_core_scales_are_columns_as_comfy_kitchen_dequantizes_them(tmp_path):
+    """A core file's per-channel scales are [N, 1]: comfy-kitchen dequantizes an int8_tensorwise weight as
+    ``q.float() * scale`` (its eager ``dequantize_int8_simple``, what ComfyUI runs where comfy-kitchen has no int8
+    kernel for an op, e.g. a linear without bias), which must give row n the scale of output channel n, on square
+    and non-square weights alike (an [N] scale would scale the columns of a square one)."""
+    from safetensors.torch import load_file
+    g = torch.Generator().manual_seed(3)
+    quant = {}
+    for name, (n, k) in {"square": (16, 16), "wide": (8, 24)}.items():
+        quant[name] = {"qweight": torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                       "weight_scale": torch.rand(n, generator=g) + 0.01, "bias": None, "smooth": None}
+    sd = load_file(W.write_core_int8(str(tmp_path / "c.safetensors"), quant, {}))
+    for name, L in quant.items():
+        n, k = L["qweight"].shape
+        assert sd[f"{name}.weight_scale"].shape == (n, 1)
+        got = sd[f"{name}.weight"].float() * sd[f"{name}.weight_scale"]
+        want = torch.stack([L["qweight"][r].float() * L["weight_scale"][r] for r in range(n)])  # row by row
+        assert torch.equal(got, want), name
+
+
 def test_core_round_trip_and_folding(tmp_path, branches):
     q, f = branches["conditional"]
-    p = W.write_core_int8(str(tmp_path / "c.safetensors"), q, f, scale_shape="column")
+    p = W.write_core_int8(str(tmp_path / "c.safetensors"), q, f)
     with F.open_checkpoint(p) as ck:
         assert ck.format == F.FMT_CORE
         b = ck.branches[""]

@@ -1,18 +1,22 @@
 """Interop round trips on the current ComfyUI (0.33.0) for every architecture with an adapter (issue 39, item 4).
 
-Per architecture (Flux.1, Wan 2.x, SD3, Lumina 2, Qwen-Image, Ideogram 4) a miniature with random weights is built
-with ComfyUI's own classes, at the smallest size ComfyUI's detection rebuilds from the weights (Flux.1, Wan and SD3
-at width 128; Lumina 2, Qwen-Image and Ideogram 4 have their widths fixed by detection, so one block at the real
-width), written as a bf16 safetensors file and loaded by ComfyUI's loader (``comfy.sd.load_diffusion_model``, what
-UNETLoader calls). Then, on the CPU:
+Per architecture (Flux.1, Wan 2.1, SD3, Lumina 2, Qwen-Image, Ideogram 4; Chroma and Flux.2, which the Flux adapter
+serves, and Wan 2.2 TI2V 5B, which the Wan adapter serves) a miniature with random weights is built with ComfyUI's
+own classes, at the smallest size ComfyUI's detection rebuilds from the weights (Flux.1, Flux.2, Wan 2.1 / 2.2 and
+SD3 at width 128; Lumina 2, Qwen-Image, Ideogram 4 and Chroma have their widths fixed by detection, so one block at
+the real width, Chroma one double and one single), written as a bf16 safetensors file and loaded by ComfyUI's loader
+(``comfy.sd.load_diffusion_model``, what UNETLoader calls). Wan 2.2 5B samples image to video (``FIRST_FRAME``).
+Then, on the CPU:
 
 a. Apply Fused INT8 GEMM (fused_triton: the adapter's fused blocks) -> Save INT8 Model (``comfy_int8_tensorwise``):
    the file's int8 codes and scales are Apply's, bit for bit. A second process that never imports the pack loads the
    file with ComfyUI's loader (the int8 layers as core ``QuantizedTensor`` weights) and samples it (2 euler steps,
    cfg 1, fixed noise; compared: the model's output at each step): within ``BOUND_SAME`` of the pack model's and
-   within ``BOUND_FLOAT`` of the float model's.
+   within ``BOUND_FLOAT`` of the float model's; every int8 layer's output there, on the input it got, within
+   ``BOUND_LAYER`` of what the file's weights give (``_layers_vs_file``).
    The pack models are sampled on fused_triton (Triton interpreter) at width 128 and on torch_int_mm at the real
-   widths (``SAMPLE_BACKEND``: the same int8 codes, checked; the interpreter would take minutes a step there).
+   widths and for Flux.2, whose ComfyUI pads the text to 512 tokens (``SAMPLE_BACKEND``: the same int8 codes,
+   checked; the interpreter would take minutes a step there).
 b. The same file loaded by ComfyUI and put through Apply again: every int8 layer adopted as stored (codes and scales
    equal to the file's bit for bit, none re-quantized), and its outputs equal the first Apply's bit for bit.
 c. INT8 Calibrate (2 steps) -> Apply with the calibration -> Save (core format) folds the smoothing: per weight
@@ -24,11 +28,21 @@ c. INT8 Calibrate (2 steps) -> Apply with the calibration -> Save (core format) 
 Bounds. ``BOUND_SAME``: the pack and core (comfy-kitchen's ``int8_linear``) multiply the same int8 weights with
 per-row int8 activations (step ``absmax / 127`` both), exactly in int32; they differ only in bf16 roundings of the
 dequantized outputs (at most 2^-8 relative) and the activation codes those move by one. Up to 20 quantized linears
-run in sequence (Lumina 2: 2 + 2 refiner blocks and 1 layer, 4 each), the roundings independent: sqrt(20) * 2^-8 =
-1.7 %, so 2 %.
+run in sequence (Lumina 2: 2 + 2 refiner blocks and 1 layer, 4 each; Chroma and Flux.2 6: a double block's qkv,
+proj, mlp.0, mlp.2, a single block's linear1, linear2; Wan 2.2 6: self- and cross-attention q, o, ffn.0, ffn.2), the
+roundings independent: sqrt(20) * 2^-8 = 1.7 %, so 2 %. A layer ComfyUI dequantizes instead (``BOUND_LAYER``; Flux.2's
+bias-free attention projections, one a stream) leaves its activations unrounded: ~0.9 % (``BOUND_FLOAT``) for each,
+at most 2 (img and txt, side by side): sqrt(2) * 0.9 % = 1.3 %, within 2 %.
+``BOUND_LAYER``: the float64 reference takes the activation codes comfy-kitchen's ``int8_linear`` takes and
+multiplies exactly; what remains is the output's rounding (at most one bf16 rounding, 2^-9 an element, and the fp32
+scale products): 2^-8. Where ComfyUI dequantizes the weight instead (comfy-kitchen's fallback for an op it does not
+handle: the ``expand`` torch's matmul issues for Flux.2's bias-free attention projections), the reference is the
+dequantized weight's product, with the same rounding.
 ``BOUND_FLOAT``: one W8A8 linear is ~1 % from its float product (weight and activation each rounded to steps of
-``absmax / 127``: rms error ``step / sqrt(12)`` ~ 0.9 % of the rms for absmax ~ 4 rms); at most 4-5 in sequence
-here: 5 % (the bound tests/test_ideogram4_current.py uses). Runs in two subprocesses (tests/comfy_harness.py);
+``absmax / 127``: rms error ``step / sqrt(12)`` ~ 0.9 % of the rms for absmax ~ 4 rms, ~1.2 % for ~5 rms at width
+3072); n in sequence, their errors independent as in ``BOUND_SAME``: sqrt(n) times one's, for the 6 of Chroma, Flux.2
+and Wan 2.2 at most sqrt(6) * 1.2 % = 2.9 %, for Lumina 2's 20 sqrt(20) * 0.9 % = 4.0 %: 5 % (the bound
+tests/test_ideogram4_current.py uses). Runs in two subprocesses (tests/comfy_harness.py);
 skipped, naming COMFYUI_CURRENT, without a current ComfyUI.
 """
 import json
@@ -42,11 +56,17 @@ from pathlib import Path
 import pytest
 import torch
 
-ARCHS = ("flux", "wan", "sd3", "lumina2", "qwen_image", "ideogram4")
+ARCHS = ("flux", "wan", "sd3", "lumina2", "qwen_image", "ideogram4", "chroma", "flux2", "wan22")
 BOUND_SAME = 0.02
 BOUND_FLOAT = 0.05
+BOUND_LAYER = 2.0 ** -8
 STEPS = 2
-FUSED = ("flux", "wan", "lumina2", "ideogram4")  # with fused blocks on fused_triton
+FUSED = ("flux", "wan", "lumina2", "qwen_image", "ideogram4", "chroma", "flux2", "wan22")  # fused blocks built
+# image to video (Wan 2.2 TI2V 5B as Wan22ImageToVideoLatent sets it up): latent frame 0 a start image's, kept by a
+# denoise mask 0 there, so WAN22 runs per-frame timesteps (per-token modulation); the kept frame's output is the
+# start image whatever the model, so only the denoised frames are compared
+FIRST_FRAME = ("wan22",)
+ADAPTER = {"chroma": "flux", "flux2": "flux", "wan22": "wan"}  # the adapter serving it, where not its own
 
 # unet configs as ComfyUI 0.33.0's detection rebuilds them from the weights (checked: the loaded model's state dict
 # has the file's keys and shapes)
@@ -66,16 +86,36 @@ CONFIGS = {
                     rope_theta=10000.0, ffn_dim_multiplier=4.0),
     "qwen_image": dict(image_model="qwen_image", in_channels=64, num_layers=1),
     "ideogram4": dict(image_model="ideogram4", in_channels=128, num_layers=1),
+    # Chroma: detection fixes the approximator (in 64, hidden 5120, 5 layers, out 3072), whose output is the
+    # blocks' modulation: width 3072 (24 heads of 128)
+    "chroma": dict(image_model="chroma", in_channels=64, out_channels=64, vec_in_dim=None, context_in_dim=64,
+                   hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1,
+                   axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, txt_ids_dims=[], in_dim=64,
+                   out_dim=3072, hidden_dim=5120, n_layers=5),
+    # Flux.2: detection sets heads = width / 128 (axes 4 x 32)
+    "flux2": dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
+                  hidden_size=128, mlp_ratio=3.0, num_heads=1, depth=1, depth_single_blocks=1,
+                  axes_dim=[32, 32, 32, 32], theta=2000, patch_size=1, qkv_bias=False, ops_bias=False,
+                  global_modulation=True, mlp_silu_act=True, txt_ids_dims=[3], default_ref_method="index",
+                  ref_index_scale=10.0, guidance_embed=False, yak_mlp=False, txt_norm=False),
+    # Wan 2.2 TI2V 5B: out_dim 48 selects WAN22_T2V (model_base.WAN22)
+    "wan22": dict(image_model="wan2.1", model_type="t2v", dim=128, out_dim=48, num_heads=1, ffn_dim=256,
+                  num_layers=1, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
+                  cross_attn_norm=True, eps=1e-6, in_dim=48),
 }
 # (latent shape, text tokens x width, pooled width or 0)
 INPUTS = {"flux": ((1, 16, 8, 8), (8, 64), 64), "wan": ((1, 16, 2, 8, 8), (8, 4096), 0),
           "sd3": ((1, 16, 8, 8), (8, 64), 64), "lumina2": ((1, 16, 8, 8), (8, 64), 0),
-          "qwen_image": ((1, 16, 1, 8, 8), (8, 3584), 0), "ideogram4": ((1, 128, 2, 2), (4, 53248), 0)}
+          "qwen_image": ((1, 16, 1, 8, 8), (8, 3584), 0), "ideogram4": ((1, 128, 2, 2), (4, 53248), 0),
+          "chroma": ((1, 16, 8, 8), (8, 64), 0), "flux2": ((1, 128, 4, 4), (8, 64), 0),
+          "wan22": ((1, 48, 2, 8, 8), (8, 4096), 0)}
 # Apply and Save run on fused_triton for every architecture (fused blocks built, no kernel run); the pack models are
 # sampled on fused_triton (the Triton interpreter) at width 128, on torch_int_mm (the same int8 codes, checked) at the
-# real widths, where the interpreter would take minutes a step
+# real widths, where the interpreter would take minutes a step, and for Flux.2, whose model_base pads the text to 512
+# tokens (~100 s a forward in the interpreter)
 SAMPLE_BACKEND = {"flux": "fused_triton", "wan": "fused_triton", "sd3": "fused_triton", "lumina2": "torch_int_mm",
-                  "qwen_image": "torch_int_mm", "ideogram4": "torch_int_mm"}
+                  "qwen_image": "torch_int_mm", "ideogram4": "torch_int_mm", "chroma": "torch_int_mm",
+                  "flux2": "torch_int_mm", "wan22": "fused_triton"}
 
 
 # ----------------------------------------------------------------------------------- the test
@@ -115,14 +155,16 @@ def test_core_file_round_trip(results, arch):
     pack, plain = r["pack"], r["plain"]
     assert "error" not in pack, pack.get("error")
     assert "error" not in plain, plain.get("error")
-    assert pack["adapter"] == arch and pack["loaded_as_file"], _brief(pack)
+    assert pack["adapter"] == ADAPTER.get(arch, arch) and pack["loaded_as_file"], _brief(pack)
     # a. Save wrote Apply's int8 codes and scales; plain ComfyUI (no pack imported) reads them as core int8
     assert pack["int8_layers"] > 0 and pack["saved_equal_apply"] and pack["sampled_codes_equal"], _brief(pack)
     assert arch not in FUSED or pack["fused_modules"], _brief(pack)  # Save collected from fused blocks
     assert plain["pack_imported"] == [], plain["pack_imported"][:10]
     assert plain["core_int8_layers"] == pack["int8_layers"] and plain["keys_equal_file"], _brief(plain)
     rel = _rels(_outputs(pack, plain))
-    print(arch, pack["seconds"], rel)
+    print(arch, pack["seconds"], rel, {k: plain[k] for k in ("layers_rel", "cal_layers_rel")})
+    # every core int8 layer multiplied the file's weights as the pack quantized them
+    assert plain["layers_run"] == pack["int8_layers"] and plain["layers_rel"] <= BOUND_LAYER, _brief(plain)
     assert rel["core_vs_pack"] <= BOUND_SAME, rel
     assert 0 < rel["core_vs_float"] <= BOUND_FLOAT and 0 < rel["pack_vs_float"] <= BOUND_FLOAT, rel
     # b. the file back through Apply: adopted as stored, the same sample bit for bit
@@ -132,6 +174,7 @@ def test_core_file_round_trip(results, arch):
     assert pack["smoothed_layers"] > 0 and pack["fold_within_bound"], _brief(pack)
     assert pack["cal_file_keys"] == pack["file_keys"], "the calibrated file has another layout"
     assert plain["cal_core_int8_layers"] == pack["int8_layers"], _brief(plain)
+    assert plain["cal_layers_run"] == pack["int8_layers"] and plain["cal_layers_rel"] <= BOUND_LAYER, _brief(plain)
     assert rel["cal_core_vs_cal_pack"] <= 2 * BOUND_FLOAT, rel
     assert rel["cal_pack_vs_float"] <= BOUND_FLOAT and rel["cal_core_vs_float"] <= BOUND_FLOAT, rel
 
@@ -179,10 +222,16 @@ def _float_file(arch: str, path: str) -> None:
 
 
 def _conds(arch: str):
+    """(positive, latent, denoise mask or None)."""
     lat, (n, w), pooled = INPUTS[arch]
     g = torch.Generator().manual_seed(7)
     extra = {"pooled_output": torch.randn(1, pooled, generator=g)} if pooled else {}
-    return [[torch.randn(1, n, w, generator=g), extra]], torch.zeros(lat)
+    positive, latent, mask = [[torch.randn(1, n, w, generator=g), extra]], torch.zeros(lat), None
+    if arch in FIRST_FRAME:
+        latent[:, :, :1] = torch.randn(latent[:, :, :1].shape, generator=g)
+        mask = torch.ones((lat[0], 1, *lat[2:]))
+        mask[:, :, :1] = 0.0
+    return positive, latent, mask
 
 
 def _sample(model, arch: str) -> torch.Tensor:
@@ -190,16 +239,18 @@ def _sample(model, arch: str) -> torch.Tensor:
     outputs along the way (``(x - denoised) / sigma`` of each step: these flow models' velocity), which the noise in
     the sample would dilute."""
     import comfy.samplers
-    positive, latent = _conds(arch)
+    positive, latent, mask = _conds(arch)
     guider = comfy.samplers.CFGGuider(model)
     guider.set_conds(positive, positive)
     guider.set_cfg(1.0)
     sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", STEPS)
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(11))
     v = []
-    guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True, seed=0,
+    guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, denoise_mask=mask,
+                  disable_pbar=True, seed=0,
                   callback=lambda i, den, x, n: v.append(((x - den) / sigmas[i]).float().cpu()))
-    return torch.stack(v)
+    v = torch.stack(v)
+    return v if mask is None else v[:, :, :, 1:]  # the denoised frames
 
 
 def _load(path: str):
@@ -275,8 +326,9 @@ def _pack_arch(pack, arch: str, work: Path) -> dict:
     _free()
 
     # c. Calibrate -> Apply -> Save (core format, smoothing folded)
-    positive, latent = _conds(arch)
-    cal = nodes.calibrate.run_calibration(fl, positive, None, {"samples": latent}, 0, 2, 1.0, "euler", "simple")
+    positive, latent, mask = _conds(arch)
+    lat = {"samples": latent} if mask is None else {"samples": latent, "noise_mask": mask}
+    cal = nodes.calibrate.run_calibration(fl, positive, None, lat, 0, 2, 1.0, "euler", "simple")
     (qc,) = apply(fl, sb, calibration=cal)
     out["cal_pack"] = _sample(qc, arch)
     (cal_path,) = save.save(qc, f"rt_{arch}_cal", "comfy_int8_tensorwise", False, "blocks")["result"]
@@ -321,6 +373,57 @@ def pack_body(work: str, archs: list) -> dict:
     return res
 
 
+class _LayerCapture:
+    """(input, output) of each core int8 layer's first call while active: its forward, or ComfyUI's
+    ``comfy.ops.linear_input_act`` (Wan's FFN: the activation folded into comfy-kitchen's quantizer, the layer's
+    forward never called; its input is then the activation's output)."""
+
+    def __init__(self, dm):
+        self.mods = {n: x for n, x in dm.named_modules()
+                     if type(getattr(x, "weight", None)).__name__ == "QuantizedTensor"}
+        self.names = {id(m): n for n, m in self.mods.items()}
+        self.seen = {}
+
+    def _keep(self, name, x, out):
+        if name is not None and name not in self.seen:
+            self.seen[name] = (x.detach().float().cpu().clone(), out.detach().float().cpu().clone())
+
+    def __enter__(self):
+        import comfy.ops
+        self.ops, self.input_act = comfy.ops, comfy.ops.linear_input_act
+
+        def input_act(linear, x, act):
+            out = self.input_act(linear, x, act)
+            self._keep(self.names.get(id(linear)), comfy.ops.INPUT_ACT_EAGER[act](x), out)
+            return out
+        comfy.ops.linear_input_act = input_act
+        self.hooks = [m.register_forward_hook(lambda mod, args, out, n=n: self._keep(n, args[0], out))
+                      for n, m in self.mods.items()]
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.linear_input_act = self.input_act
+        for h in self.hooks:
+            h.remove()
+
+
+def _layers_vs_file(seen: dict, stored: dict) -> tuple[float, str]:
+    """Largest relative distance (and its layer) of a core int8 layer's output from what the file's weights give on
+    the same input: per-row int8 activations (comfy-kitchen's rule: step absmax / 127, round half to even) times the
+    int8 codes times the per-channel scales, or, where ComfyUI dequantizes the weight instead, the input times the
+    dequantized weight; the nearer of the two, in float64."""
+    worst, name = 0.0, ""
+    for n, (x, y) in seen.items():
+        w = stored[n + ".weight"].double() * stored[n + ".weight_scale"].double().reshape(-1, 1)
+        x, y = x.reshape(-1, x.shape[-1]).double(), y.reshape(-1, y.shape[-1]).double()
+        step = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)
+        b = stored[n + ".bias"].double() if n + ".bias" in stored else 0.0
+        d = min(float((y - r).norm() / r.norm()) for r in (torch.round(x / step) * step @ w.T + b, x @ w.T + b))
+        if d >= worst:
+            worst, name = d, n
+    return worst, name
+
+
 def plain_body(work: str, archs: list) -> dict:
     """Plain ComfyUI (the pack never imported): load the core files with ComfyUI's loader and sample them."""
     import sys
@@ -337,8 +440,11 @@ def plain_body(work: str, archs: list) -> dict:
                 if not tag:
                     r["keys_equal_file"] = set(dm.state_dict()) >= {k for k in _file(path) if not k.endswith(
                         (".comfy_quant", ".weight_scale"))}
-                outs[tag + "core"] = _sample(m, arch).tolist()
-                del m, dm
+                with _LayerCapture(dm) as cap:
+                    outs[tag + "core"] = _sample(m, arch).tolist()
+                r[tag + "layers_run"] = len(cap.seen)
+                r[tag + "layers_rel"], r[tag + "layers_worst"] = _layers_vs_file(cap.seen, _file(path))
+                del m, dm, cap
                 _free()
             r["outputs"] = outs
             root = Path(__file__).resolve().parents[1]
