@@ -70,8 +70,8 @@ def random_state_dict(layers: int, device, seed: int = 0) -> dict[str, torch.Ten
 
 def core_int8_state_dict(sd: dict[str, torch.Tensor], device, linear=None) -> dict[str, torch.Tensor]:
     """``sd`` with the linears ``linear(name, weight)`` picks (default: Ideogram 4's block linears) in ComfyUI core's
-    ``int8_tensorwise`` layout (int8 weight, per-output-channel ``weight_scale`` = absmax / 127, ``comfy_quant``),
-    quantized on ``device`` and returned on the CPU."""
+    ``int8_tensorwise`` layout (int8 weight, per-output-channel ``weight_scale`` = absmax / 127 as [N, 1], the shape
+    comfy-kitchen's own quantizer writes, ``comfy_quant``), quantized on ``device`` and returned on the CPU."""
     if linear is None:
         linear = lambda p, w: any(p.endswith(n) for n in BLOCK_LINEARS)  # noqa: E731
     conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
@@ -82,7 +82,7 @@ def core_int8_state_dict(sd: dict[str, torch.Tensor], device, linear=None) -> di
             w = v.to(device).float()
             scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
             out[k] = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).cpu()
-            out[f"{p}.weight_scale"] = scale.cpu()
+            out[f"{p}.weight_scale"] = scale[:, None].cpu()
             out[f"{p}.comfy_quant"] = conf.clone()
         else:
             out[k] = v
