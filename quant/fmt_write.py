@@ -147,9 +147,9 @@ def fold_smoothing(layer: dict) -> dict:
 
 
 def write_core_int8(path: str, quant: dict[str, dict], floats: dict[str, torch.Tensor], *,
-                    overwrite: bool = False, scale_shape: str = "column") -> str:
-    """ComfyUI core ``int8_tensorwise``: ``<p>.weight`` int8, ``<p>.weight_scale`` fp32 [N, 1] (``scale_shape=
-    "vector"``: [N], for tests of readers), ``<p>.comfy_quant`` JSON. Smoothed layers are folded (``fold_smoothing``).
+                    overwrite: bool = False) -> str:
+    """ComfyUI core ``int8_tensorwise``: ``<p>.weight`` int8, ``<p>.weight_scale`` fp32 [N, 1], ``<p>.comfy_quant``
+    JSON. Smoothed layers are folded (``fold_smoothing``).
     Loads in plain ComfyUI (with comfy-kitchen) without this pack. [N, 1] is the shape comfy-kitchen's own per-channel
     quantizer writes and what its dequantization (``q * scale``, used where it has no int8 kernel for an op, e.g. a
     linear without bias, and when ComfyUI patches weights) needs: an [N] scale scales the columns of a square weight
@@ -161,9 +161,8 @@ def write_core_int8(path: str, quant: dict[str, dict], floats: dict[str, torch.T
             tensors.update(core_convrot_tensors(n, L))
             continue
         L = fold_smoothing(L)
-        s = L["weight_scale"].float().reshape(-1)
         tensors[f"{n}.weight"] = L["qweight"].to(torch.int8)
-        tensors[f"{n}.weight_scale"] = s[:, None] if scale_shape == "column" else s
+        tensors[f"{n}.weight_scale"] = L["weight_scale"].float().reshape(-1, 1)
         tensors[f"{n}.comfy_quant"] = conf.clone()
         if L.get("bias") is not None:
             tensors[f"{n}.bias"] = L["bias"]
