@@ -15,7 +15,9 @@ core_int8+pack:<backend> (the core INT8 backbones through Apply: int8 weights ad
 A ``~<attention>`` suffix sets how attention runs: for pack paths the Apply node's ``attention`` input
 (``auto`` / ``comfy_default`` / ``cudnn`` / ``flash`` / ``efficient`` / ``math`` / ``int8``; no suffix = the node's
 default); for the others ``kitchen`` = core's ModelAttentionBackend "comfy kitchen attention" (comfy-kitchen INT8
-attention), any other mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``).
+attention), any other mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``). A final ``^inductor`` / ``^cudagraphs`` puts
+ComfyUI's TorchCompileModel node with that backend after the rest (e.g. ``pack:fused_triton^cudagraphs``; the node
+turns DynamicVRAM off for its clone; the compile lands in the first sample).
 
 Per (path, resolution): a first sampling run (autotune, DynamicVRAM faulting; its time, synced before
 and after, is ``first_sample_s``: for the path's first row the first sample of that path in this process), one
@@ -201,6 +203,7 @@ class SamplerBench:
         dict for core_int8 paths. Shared with bench/e2e_models.py."""
         import comfy.sd
         torch = self.torch
+        path, _, compiled = path.partition("^")
         base, _, attn = path.partition("~")
         kind, _, backend = base.partition("+") if base.startswith("core_int8+") else ("", "", base)
         src = "core_int8" if kind == "core_int8" else base.split(":")[0]
@@ -229,6 +232,10 @@ class SamplerBench:
         elif attn:
             import importlib
             importlib.import_module(self.pack.__name__ + ".nodes.attention").install(m, attn)
+        if compiled:  # ComfyUI's TorchCompileModel node after everything else, as a user wires it
+            import comfy_extras.nodes_torch_compile as ntc
+            res = ntc.TorchCompileModel.execute(m, compiled)
+            m = res.result[0] if hasattr(res, "result") else res[0]
         return m
 
     _core_cache: dict = {}
