@@ -176,6 +176,12 @@ def main() -> int:
     return SamplerBench(a, dynamic, e2e).run()
 
 
+def _load_sd(sd: dict, opts: dict, disable_dynamic: bool = False):
+    """``comfy.sd.load_diffusion_model_state_dict`` of a copy of ``sd`` (the loader pops its keys)."""
+    import comfy.sd
+    return comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts, disable_dynamic=disable_dynamic)
+
+
 class SamplerBench:
     def __init__(self, a, dynamic: bool, e2e):
         import torch
@@ -216,6 +222,9 @@ class SamplerBench:
         m = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts)
         if m is None:
             raise RuntimeError(f"{path}: ComfyUI did not detect a model in the state dict")
+        # what UNETLoader's load_diffusion_model records: how to load the model again (TorchCompileModel's clone
+        # without DynamicVRAM reloads it through this)
+        m.cached_patcher_init = (_load_sd, (sd, opts))
         pk = backend if kind == "core_int8" else (base if base.startswith("pack:") else "")
         if pk:
             t0 = time.perf_counter()
