@@ -15,9 +15,10 @@ core_int8+pack:<backend> (the core INT8 backbones through Apply: int8 weights ad
 A ``~<attention>`` suffix sets how attention runs: for pack paths the Apply node's ``attention`` input
 (``auto`` / ``comfy_default`` / ``cudnn`` / ``flash`` / ``efficient`` / ``math`` / ``int8``; no suffix = the node's
 default); for the others ``kitchen`` = core's ModelAttentionBackend "comfy kitchen attention" (comfy-kitchen INT8
-attention), any other mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``). A final ``^inductor`` / ``^cudagraphs`` puts
-ComfyUI's TorchCompileModel node with that backend after the rest (e.g. ``pack:fused_triton^cudagraphs``; the node
-turns DynamicVRAM off for its clone; the compile lands in the first sample).
+attention), any other mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``).
+A final ``^inductor`` / ``^cudagraphs`` puts ComfyUI's TorchCompileModel node with that backend after the rest
+(e.g. ``pack:fused_triton^cudagraphs``; the node turns DynamicVRAM off for its clone, reloading the model; the
+compile lands in the first sample).
 
 Per (path, resolution): a first sampling run (autotune, DynamicVRAM faulting; its time, synced before
 and after, is ``first_sample_s``: for the path's first row the first sample of that path in this process), one
@@ -177,8 +178,12 @@ def main() -> int:
 
 
 def _load_sd(sd: dict, opts: dict, disable_dynamic: bool = False):
-    """``comfy.sd.load_diffusion_model_state_dict`` of a copy of ``sd`` (the loader pops its keys)."""
+    """``comfy.sd.load_diffusion_model_state_dict`` of a copy of ``sd`` (the loader pops its keys): the bench's
+    UNETLoader, and how its models are loaded again (``cached_patcher_init``)."""
     import comfy.sd
+    if not sd:
+        raise RuntimeError("the bench let go of this model's state dict (a one-path isolated run), so it cannot be "
+                           "loaded again (a ^inductor / ^cudagraphs path needs that): run it with another path")
     return comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts, disable_dynamic=disable_dynamic)
 
 
@@ -207,7 +212,6 @@ class SamplerBench:
         """One ModelPatcher for ``path`` (grammar in the module doc) from the float state dict ``sd``, loaded the
         UNETLoader way (``comfy.sd.load_diffusion_model_state_dict``); ``core_sd()`` gives the core int8 state
         dict for core_int8 paths. Shared with bench/e2e_models.py."""
-        import comfy.sd
         torch = self.torch
         path, _, compiled = path.partition("^")
         base, _, attn = path.partition("~")
@@ -219,7 +223,7 @@ class SamplerBench:
             opts = {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
         else:
             opts = {}
-        m = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts)
+        m = _load_sd(sd, opts)
         if m is None:
             raise RuntimeError(f"{path}: ComfyUI did not detect a model in the state dict")
         # what UNETLoader's load_diffusion_model records: how to load the model again (TorchCompileModel's clone
@@ -243,8 +247,7 @@ class SamplerBench:
             importlib.import_module(self.pack.__name__ + ".nodes.attention").install(m, attn)
         if compiled:  # ComfyUI's TorchCompileModel node after everything else, as a user wires it
             import comfy_extras.nodes_torch_compile as ntc
-            res = ntc.TorchCompileModel.execute(m, compiled)
-            m = res.result[0] if hasattr(res, "result") else res[0]
+            m = ntc.TorchCompileModel.execute(m, compiled).result[0]
         return m
 
     _core_cache: dict = {}
