@@ -366,14 +366,14 @@ class Router:
         hit = self.winners.get(key)
         if hit is not None:
             return hit
+        if torch.compiler.is_compiling():  # no file access in a traced graph: an eager call's winner, else ComfyUI's
+            return None
         cache = self.cache if self.cache is not None else disk_cache(q.device)
         text = key_text(key[:9]) + ("_int8ok" if with_int8 else "")
         stored = cache.get(text)
         if stored and (stored.get("backend") in BACKENDS or (with_int8 and stored.get("backend") == INT8)):
             self.winners[key] = stored["backend"]
             return stored["backend"]
-        if torch.compiler.is_compiling():
-            return None
 
         def time_one(name):
             def run():

@@ -352,3 +352,26 @@ def test_attention_labels(pack):
     assert label("cudnn", "auto", {"cudnn": 64, "flash": 4}) == "cudnn (auto; 4 of 68 calls on flash)"
     assert label("efficient", "efficient", {"efficient": 3, "comfy_default": 1}) == \
         "efficient (1 of 4 calls on comfy_default)"
+
+
+def test_auto_under_torch_compile_reads_no_file_and_breaks_no_graph(att, tmp_path, monkeypatch):
+    """Under torch.compile ``auto`` takes a winner an eager call picked, else ComfyUI's function; it never builds or
+    reads its JSON cache inside a traced graph (dynamo cannot trace the cache's path handling: on the H200 the first
+    compiled Flux.1 call failed there). ``fullgraph=True`` turns any graph break into an error."""
+    monkeypatch.setattr(att, "disk_cache", lambda *a, **k: pytest.fail("the JSON cache was reached while tracing"))
+    router = att.Router("auto", time_fn=lambda n, r: pytest.fail("probed while tracing"), probe_devices=("cpu",))
+
+    def comfy(q, k, v, heads, skip_reshape=False, skip_output_reshape=False):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v) * 2  # tells its output apart
+
+    q, k, v = _qkv()
+    fn = torch.compile(lambda q, k, v: router(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True),
+                       backend="eager", fullgraph=True)
+    out = fn(q, k, v)
+    assert torch.allclose(out.double(), 2 * _ref(q, k, v), atol=1e-5)  # ComfyUI's function ran
+    assert router.winners == {}
+    # a winner an eager call picked is used in the traced graph: routed SDPA, not ComfyUI's function
+    router.winners[att.shape_key(q, k, None)] = "math"
+    torch._dynamo.reset()
+    out = fn(q, k, v)
+    assert torch.allclose(out.double(), _ref(q, k, v), atol=1e-5)
