@@ -496,44 +496,61 @@ class SamplerBench:
             return f"unavailable: {type(e).__name__}: {e}"
 
     # ------------------------------------------------------------------ driver
+    def sample_row(self, row: dict, key, g, model, latent, noise, first_steps: int, ref_key, sets_ref: bool,
+                   profile: bool, extras: bool = True) -> None:
+        """A row's measurements (module doc): the first sample (``first_steps`` steps; ``key`` as for
+        ``first_sample``), the timed run, two whole samples, the relative L2 to the bf16 output kept under
+        ``ref_key`` (kept from this row where ``sets_ref`` and none is), the pack's dispatch summary, a profiled run
+        where ``profile`` (GPU only) and ``row_extras`` where ``extras``. Shared with bench/e2e_models.py."""
+        path, torch = row["path"], self.torch
+        self.first_sample(row, key, g, model, latent, noise, first_steps)  # autotune, vbar faults
+        out, s, s_wall, peak = self.timed(g, model, latent, noise)
+        row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()),
+                   **self.last)
+        row.update(self.whole(g, model, latent, noise))
+        if sets_ref:
+            self.ref.setdefault(ref_key, out)
+        ref = self.ref.get(ref_key)
+        row["rel_l2_vs_bf16"] = None if ref is None else self.e2e.rel_l2(out, ref)
+        if path.startswith("pack:"):
+            row["dispatch"] = self.dispatch_line(model)
+        if self.dev.type == "cuda" and profile:
+            row.update(self.profiled(g, model, latent, noise))
+        if extras:
+            self.row_extras(row, path, g, model, latent, noise)
+        row["status"] = "ok"
+
+    def row_failed(self, row: dict, e: Exception, prefix: str = "") -> None:
+        """A row whose path cannot run: reported, not hidden (traceback printed, ``status`` and ``error``)."""
+        import traceback
+        traceback.print_exc()
+        row.update(self.runs.error_fields(e, prefix))
+
+    def finish_row(self, row: dict) -> None:
+        """The row's host RAM; the row recorded, logged (its H2D copies and kernels a line each) and written."""
+        row.update(self.host_fields())
+        self.rows.append(row)
+        log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                        if k not in ("top_kernels_ms_per_step", "h2d_sources")}))
+        for n, c, kib in row.get("h2d_sources", []):
+            log(f"    H2D {c:7.1f}/step {kib:9.1f} KiB/step  {n}")
+        for n, ms, pct in row.get("top_kernels_ms_per_step", []):
+            log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {n}")
+        self.write()
+
     def measure(self, path: str, patcher: str, cond, uncond):
-        torch = self.torch
-        prof_paths = self.a.profile.split(",")
         for i, res in enumerate(int(r) for r in self.a.res.split(",")):
             ctx, latent, noise = self.conds(res)
             g = self.guider(cond, uncond, ctx)
             row = {"model": "ideogram4", "resolution": res, "workflow": "dual", "path": path, "patcher": patcher,
                    "params": self.params}
             try:
-                self.first_sample(row, path, g, cond, latent, noise, self.a.steps)  # autotune, vbar faults
-                out, s, s_wall, peak = self.timed(g, cond, latent, noise)
-                row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, **self.last)
-                row.update(self.whole(g, cond, latent, noise))
-                if path == "bf16":
-                    self.ref.setdefault(res, out)
-                ref = self.ref.get(res)
-                row["rel_l2_vs_bf16"] = None if ref is None else self.e2e.rel_l2(out, ref)
-                row["finite"] = bool(torch.isfinite(out).all())
-                if path.startswith("pack:"):
-                    row["dispatch"] = self.dispatch_line(cond)
-                if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
-                    row.update(self.profiled(g, cond, latent, noise))
-                if i == 0:
-                    self.row_extras(row, path, g, cond, latent, noise)
-                row["status"] = "ok"
-            except Exception as e:  # a path that cannot run is reported, not hidden
-                import traceback
-                traceback.print_exc()
-                row.update(self.runs.error_fields(e))
-            row.update(self.host_fields())
-            self.rows.append(row)
-            log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                            if k not in ("top_kernels_ms_per_step", "h2d_sources")}))
-            for n, c, kib in row.get("h2d_sources", []):
-                log(f"    H2D {c:7.1f}/step {kib:9.1f} KiB/step  {n}")
-            for n, ms, pct in row.get("top_kernels_ms_per_step", []):
-                log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {n}")
-            self.write()
+                self.sample_row(row, path, g, cond, latent, noise, self.a.steps, res, sets_ref=path == "bf16",
+                                profile=i == 0 and (self.a.profile == "all" or path in self.a.profile.split(",")),
+                                extras=i == 0)
+            except Exception as e:
+                self.row_failed(row, e)
+            self.finish_row(row)
 
     def run(self) -> int:
         a, torch = self.a, self.torch
@@ -557,10 +574,9 @@ class SamplerBench:
                         if d is not None:
                             d.clear()
             except Exception as e:
-                import traceback
-                traceback.print_exc()
-                self.rows.append({"path": path, **self.runs.error_fields(e, "build: "), **self.host_fields()})
-                self.write()
+                row = {"path": path}
+                self.row_failed(row, e, "build: ")
+                self.finish_row(row)
                 cond = uncond = None
                 self.cleanup()
                 continue
