@@ -330,7 +330,7 @@ class ModelsBench(SamplerBench):
         self.cleanup()
 
     def run_row(self, name, req, sd, cls, cfg, ctx, extra, latent, noise, drop_sd=False):
-        """One (model, path) row: build, first sample, time, whole samples, compare with bf16, profile as asked;
+        """One (model, path) row: build, first sample, time, whole samples, compare with bf16;
         errors recorded (``status`` "oom" / "error"). ``drop_sd``: the bench lets go of its state dict once the
         model is loaded (a process of one path: its host RAM is then what a user's ComfyUI holds)."""
         torch = self.torch
@@ -366,7 +366,7 @@ class ModelsBench(SamplerBench):
             # first sample: autotune, compiles, DynamicVRAM faults (a CPU smoke run: one step runs the code path);
             # the bf16 output (with any attention) is the model's reference
             self.sample_row(row, (name, path), g, m, latent, noise, self.a.steps if self.dev.type == "cuda" else 1,
-                            name, sets_ref=path.split("~")[0] == "bf16", profile=path in self.a.profile.split(","))
+                            name, sets_ref=path.split("~")[0] == "bf16")
         except Exception as e:
             self.row_failed(row, e)
         if "first_sample_s" in row:
@@ -437,7 +437,6 @@ def main() -> int:
     ap.add_argument("--paths", default="bf16,fp8_fast,pack:fused_triton")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ideogram-layers", type=int, default=34)
-    ap.add_argument("--profile", default="", help="comma-separated paths to profile (a 2-step run each)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
     add_run_args(ap)
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-models.json"))
