@@ -61,10 +61,6 @@ def provenance(argv):
     return info
 
 
-def flops(b, h, lq, lk, d):
-    return 4.0 * b * h * lq * lk * d
-
-
 def reference(q, k, v, mask=None, heads=2, scale=None):
     """float64 softmax(q kᵀ scale [+ mask]) v for the first ``heads`` heads (on the GPU)."""
     q, k, v = (t[:, :heads].double() for t in (q, k, v))
@@ -77,11 +73,6 @@ def reference(q, k, v, mask=None, heads=2, scale=None):
 def rel_err(out, ref, heads=2):
     o = out[:, :heads].double()
     return float((o - ref).norm() / ref.norm())
-
-
-def bench_ms(fn):
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def sdpa_fn(name, q, k, v, mask):
@@ -111,7 +102,8 @@ class Runner:
             out = fn()
             torch.cuda.synchronize()
             err = rel_err(out, ref, heads) if ref is not None else None
-            ms = bench_ms(fn)
+            import triton.testing
+            ms = float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
             res = {"ms": ms, "tflops": fl / (ms * 1e-3) / 1e12, "rel_err": err}
             print(f"  {name:<28} {ms:8.3f} ms  {res['tflops']:7.1f} TFLOP/s  rel err "
                   f"{err if err is None else f'{err:.2e}'}", flush=True)
@@ -153,7 +145,7 @@ def run_bench(args, out):
             seg = torch.arange(lq, device="cuda") >= lq - 100
             mask = (seg[:, None] == seg[None, :])[None, None]
         ref = reference(q, k, v, mask)
-        fl = flops(b, h, lq, lq, d)
+        fl = 4.0 * b * h * lq * lq * d  # FLOPs of the two matmuls
         row = {"B": b, "H": h, "L": lq, "D": d, "dtype": str(dtype).replace("torch.", ""),
                "mask": "block-diagonal, 100 padded tokens" if masked else None, "results": {}}
         rows.append(row)

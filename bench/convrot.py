@@ -103,7 +103,7 @@ def sampler_main(a) -> int:
             bench.n_rotated[bench.rotation] = len(rot)
             return out
 
-    a.models, a.profile, a.host_sample = "flux", "", ""
+    a.models, a.host_sample = "flux", ""
     a.ideogram_layers, a.child = 34, False
     bench = Bench(a, dynamic, E2E())
     bench.n_rotated = {}

@@ -57,7 +57,6 @@ at that width, runs as pack:torch_int_mm and fp8_fast is skipped, said in the ro
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -305,9 +304,9 @@ class ModelsBench(SamplerBench):
         try:
             sd, cls, cfg = self.make_sd(name)
         except Exception as e:
-            import traceback
-            traceback.print_exc()
-            self.rows.append({"model": name, **self.runs.error_fields(e, "state dict: ")})
+            row = {"model": name}
+            self.row_failed(row, e, "state dict: ")
+            self.rows.append(row)
             self.write()
             return
         n_params = sum(v.numel() for v in sd.values())
@@ -331,7 +330,7 @@ class ModelsBench(SamplerBench):
         self.cleanup()
 
     def run_row(self, name, req, sd, cls, cfg, ctx, extra, latent, noise, drop_sd=False):
-        """One (model, path) row: build, first sample, time, whole samples, compare with bf16, profile as asked;
+        """One (model, path) row: build, first sample, time, whole samples, compare with bf16;
         errors recorded (``status`` "oom" / "error"). ``drop_sd``: the bench lets go of its state dict once the
         model is loaded (a process of one path: its host RAM is then what a user's ComfyUI holds)."""
         torch = self.torch
@@ -364,35 +363,16 @@ class ModelsBench(SamplerBench):
             g = comfy.samplers.CFGGuider(m)
             g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
             g.set_cfg(1.0)
-            # first sample: autotune, compiles, DynamicVRAM faults (a CPU smoke run: one step runs the code path)
-            self.first_sample(row, (name, path), g, m, latent, noise,
-                              self.a.steps if self.dev.type == "cuda" else 1)
+            # first sample: autotune, compiles, DynamicVRAM faults (a CPU smoke run: one step runs the code path);
+            # the bf16 output (with any attention) is the model's reference
+            self.sample_row(row, (name, path), g, m, latent, noise, self.a.steps if self.dev.type == "cuda" else 1,
+                            name, sets_ref=path.split("~")[0] == "bf16")
+        except Exception as e:
+            self.row_failed(row, e)
+        if "first_sample_s" in row:
             row["warmup_s"] = row["first_sample_s"]
-            out, s, s_wall, peak = self.timed(g, m, latent, noise)
-            row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()),
-                       **self.last)
-            row.update(self.whole(g, m, latent, noise))
-            if path.startswith("pack:"):
-                row["dispatch"] = self.dispatch_line(m)
-            if path.split("~")[0] == "bf16" and name not in self.ref:  # bf16 with any attention
-                self.ref[name] = out
-            ref = self.ref.get(name)
-            row["rel_l2_vs_bf16"] = None if ref is None else self.e2e.rel_l2(out, ref)
-            if self.dev.type == "cuda" and path in self.a.profile.split(","):
-                row.update(self.profiled(g, m, latent, noise))
-                for k, ms, pct in row["top_kernels_ms_per_step"]:
-                    log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {k}")
-            self.row_extras(row, path, g, m, latent, noise)
-            row["status"] = "ok"
-        except Exception as e:  # a path that cannot run is reported, not hidden
-            import traceback
-            traceback.print_exc()
-            row.update(self.runs.error_fields(e))
         row["total_s"] = time.perf_counter() - t1
-        row.update(self.host_fields())
-        self.rows.append(row)
-        log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
-        self.write()
+        self.finish_row(row)
         m = g = None  # the guider holds the patcher too: drop both before unloading
         self.cleanup()
 
@@ -457,7 +437,6 @@ def main() -> int:
     ap.add_argument("--paths", default="bf16,fp8_fast,pack:fused_triton")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ideogram-layers", type=int, default=34)
-    ap.add_argument("--profile", default="", help="comma-separated paths to profile (a 2-step run each)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
     add_run_args(ap)
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-models.json"))

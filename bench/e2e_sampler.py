@@ -27,9 +27,8 @@ then two whole samples, synced before and after, without a step callback: ``s_pe
 one's time / steps (the headline figure: what a user waits for), ``model_calls_s`` = its model calls' time
 (CUDA events around each ``apply_model``) and ``per_sample_tax_s`` = the rest (the sample's time outside model
 calls). Also the final latent's relative L2 to bf16's, peak device memory in use (``mem_get_info``; DynamicVRAM's
-vbar is not in torch's allocator; less what other processes hold), the process's host RAM (VmRSS / VmHWM) and,
-at the first resolution, a profiled 2-step run: host->device copies per step (count, MiB; the pack must show no
-weight copies) and the GEMM kernels that ran. A row that fails says ``status`` "oom" or "error" (else "ok").
+vbar is not in torch's allocator; less what other processes hold) and the process's host RAM (VmRSS / VmHWM).
+A row that fails says ``status`` "oom" or "error" (else "ok").
 
 ``--cold`` / ``--vram-gib N[,M]`` / ``--isolate``: each path in its own process (bench/lib/e2e_runs.py): ``--cold``
 with new, empty autotune and Triton caches; ``--vram-gib`` with all but N GiB of the GPU held by another process
@@ -38,7 +37,7 @@ and their host RAM peak (``host_rss_peak_row_gib``: from the model's load on; a 
 bench's state dicts once loaded).
 
 Output: JSON {gpu, driver, torch, triton, commit, command, rows: [{resolution, workflow, path, patcher,
-s_per_step, h2d_copies_per_step, peak_gib, rel_l2_vs_bf16, ...}]}. Needs a CUDA GPU with comfy-aimdo
+s_per_step, s_per_step_whole, peak_gib, rel_l2_vs_bf16, ...}]}. Needs a CUDA GPU with comfy-aimdo
 and a ComfyUI 0.33.0 tree (--comfy). ``--device cpu`` smoke-runs the code path (legacy patcher,
 tiny --layers/--res; no timing claims).
 """
@@ -157,7 +156,6 @@ def main() -> int:
     ap.add_argument("--paths", default="bf16,fp8_fast,core_int8,pack:fused_triton,pack:comfy_kitchen,"
                                         "pack:torch_int_mm,pack:fp8_rowwise,pack:dequant_bf16,"
                                         "core_int8+pack:fused_triton")
-    ap.add_argument("--profile", default="all", help="'all', 'none' or comma-separated paths to profile")
     add_run_args(ap)
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-sampler.json"))
     a = ap.parse_args()
@@ -403,37 +401,6 @@ class SamplerBench:
         st = mod.stats if mod is not None else {}
         return st.get("blocks", 0), st.get("modules", 0)
 
-    def profiled(self, guider, model, latent, noise) -> dict:
-        """A 2-step run under the profiler: host->device copies per step and the top GEMM kernels."""
-        torch = self.torch
-        from torch.profiler import ProfilerActivity, profile
-        trace = Path(self.a.out).with_suffix(".trace.json")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-            self.sample(guider, model, latent, noise, 2)
-            torch.cuda.synchronize()
-        prof.export_chrome_trace(str(trace))
-        ev = json.loads(trace.read_text()).get("traceEvents", [])
-        trace.unlink()
-        h2d = [e for e in ev if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
-        kern: dict = {}
-        for e in ev:
-            if e.get("cat") == "kernel":
-                n = e.get("name", "")[:90]
-                kern[n] = kern.get(n, 0.0) + e.get("dur", 0) / 1e3
-        total = sum(kern.values()) or 1.0
-        top = sorted(kern.items(), key=lambda kv: -kv[1])[:14]
-        src = _h2d_sources(ev, h2d)
-        run_start = [r for r in src if any(k in r[0] for k in _RUN_START)]
-        return {"h2d_sources": src,
-                # per step of the sampling loop: without the copies made once per sampling run (ComfyUI's
-                # load at the start of a run, the sampler's setup), which a 2-step window counts half each
-                "h2d_copies_per_step": sum(r[1] for r in src) - sum(r[1] for r in run_start),
-                "h2d_copies_per_run_start": sum(r[1] for r in run_start) * 2,
-                "h2d_copies_per_step_raw": len(h2d) / 2,
-                "h2d_mib_per_step_raw": sum(e.get("args", {}).get("bytes", 0) for e in h2d) / 2 / 2 ** 20,
-                "h2d_pageable_per_step_raw": sum("Pageable" in e["name"] for e in h2d) / 2,
-                "top_kernels_ms_per_step": [[n, round(ms / 2, 2), round(100 * ms / total, 1)] for n, ms in top]}
-
     def host_sampled(self, guider, model, latent, noise, steps: int = 4, top: int = 30) -> dict:
         """Steps 1..``steps`` of a run with this thread's Python stack sampled every ms (``bench/lib/stack_sample.py``):
         ms of wall time a step by innermost line (own, with the C calls it makes) and by function (cumulative)."""
@@ -496,44 +463,53 @@ class SamplerBench:
             return f"unavailable: {type(e).__name__}: {e}"
 
     # ------------------------------------------------------------------ driver
+    def sample_row(self, row: dict, key, g, model, latent, noise, first_steps: int, ref_key, sets_ref: bool,
+                   extras: bool = True) -> None:
+        """A row's measurements (module doc): the first sample (``first_steps`` steps; ``key`` as for
+        ``first_sample``), the timed run, two whole samples, the relative L2 to the bf16 output kept under
+        ``ref_key`` (kept from this row where ``sets_ref`` and none is), the pack's dispatch summary and
+        ``row_extras`` where ``extras``. Shared with bench/e2e_models.py."""
+        path, torch = row["path"], self.torch
+        self.first_sample(row, key, g, model, latent, noise, first_steps)  # autotune, vbar faults
+        out, s, s_wall, peak = self.timed(g, model, latent, noise)
+        row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, finite=bool(torch.isfinite(out).all()),
+                   **self.last)
+        row.update(self.whole(g, model, latent, noise))
+        if sets_ref:
+            self.ref.setdefault(ref_key, out)
+        ref = self.ref.get(ref_key)
+        row["rel_l2_vs_bf16"] = None if ref is None else self.e2e.rel_l2(out, ref)
+        if path.startswith("pack:"):
+            row["dispatch"] = self.dispatch_line(model)
+        if extras:
+            self.row_extras(row, path, g, model, latent, noise)
+        row["status"] = "ok"
+
+    def row_failed(self, row: dict, e: Exception, prefix: str = "") -> None:
+        """A row whose path cannot run: reported, not hidden (traceback printed, ``status`` and ``error``)."""
+        import traceback
+        traceback.print_exc()
+        row.update(self.runs.error_fields(e, prefix))
+
+    def finish_row(self, row: dict) -> None:
+        """The row's host RAM; the row recorded, logged and written."""
+        row.update(self.host_fields())
+        self.rows.append(row)
+        log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+        self.write()
+
     def measure(self, path: str, patcher: str, cond, uncond):
-        torch = self.torch
-        prof_paths = self.a.profile.split(",")
         for i, res in enumerate(int(r) for r in self.a.res.split(",")):
             ctx, latent, noise = self.conds(res)
             g = self.guider(cond, uncond, ctx)
             row = {"model": "ideogram4", "resolution": res, "workflow": "dual", "path": path, "patcher": patcher,
                    "params": self.params}
             try:
-                self.first_sample(row, path, g, cond, latent, noise, self.a.steps)  # autotune, vbar faults
-                out, s, s_wall, peak = self.timed(g, cond, latent, noise)
-                row.update(s_per_step=s, s_per_step_wall=s_wall, peak_gib=peak, **self.last)
-                row.update(self.whole(g, cond, latent, noise))
-                if path == "bf16":
-                    self.ref.setdefault(res, out)
-                ref = self.ref.get(res)
-                row["rel_l2_vs_bf16"] = None if ref is None else self.e2e.rel_l2(out, ref)
-                row["finite"] = bool(torch.isfinite(out).all())
-                if path.startswith("pack:"):
-                    row["dispatch"] = self.dispatch_line(cond)
-                if self.dev.type == "cuda" and i == 0 and (self.a.profile == "all" or path in prof_paths):
-                    row.update(self.profiled(g, cond, latent, noise))
-                if i == 0:
-                    self.row_extras(row, path, g, cond, latent, noise)
-                row["status"] = "ok"
-            except Exception as e:  # a path that cannot run is reported, not hidden
-                import traceback
-                traceback.print_exc()
-                row.update(self.runs.error_fields(e))
-            row.update(self.host_fields())
-            self.rows.append(row)
-            log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                            if k not in ("top_kernels_ms_per_step", "h2d_sources")}))
-            for n, c, kib in row.get("h2d_sources", []):
-                log(f"    H2D {c:7.1f}/step {kib:9.1f} KiB/step  {n}")
-            for n, ms, pct in row.get("top_kernels_ms_per_step", []):
-                log(f"    {ms:8.2f} ms/step {pct:5.1f}%  {n}")
-            self.write()
+                self.sample_row(row, path, g, cond, latent, noise, self.a.steps, res, sets_ref=path == "bf16",
+                                extras=i == 0)
+            except Exception as e:
+                self.row_failed(row, e)
+            self.finish_row(row)
 
     def run(self) -> int:
         a, torch = self.a, self.torch
@@ -557,17 +533,15 @@ class SamplerBench:
                         if d is not None:
                             d.clear()
             except Exception as e:
-                import traceback
-                traceback.print_exc()
-                self.rows.append({"path": path, **self.runs.error_fields(e, "build: "), **self.host_fields()})
-                self.write()
+                row = {"path": path}
+                self.row_failed(row, e, "build: ")
+                self.finish_row(row)
                 cond = uncond = None
                 self.cleanup()
                 continue
             self.measure(path, patcher, cond, uncond)
             del cond, uncond
             self.cleanup()
-        self.check()
         self.write()
         if not a.child:  # an isolated run's parent prints the summary of all its children
             summary(self.rows)
@@ -602,22 +576,6 @@ class SamplerBench:
         if self.dev.type == "cuda":
             self.torch.cuda.empty_cache()
 
-    def check(self):
-        """The GPU check of the DynamicVRAM issue, printed PASS/FAIL: no per-step weight copies for the pack.
-        Weight-sized means >= 1 MiB a step (ComfyUI's own sigma/timestep copies are bytes)."""
-        ok = True
-        for r in self.rows:
-            if "h2d_sources" in r and "pack:" in r.get("path", ""):
-                # in the loop, the only copies allowed are ComfyUI's conditioning (model_base._apply_model)
-                w = sum(c for n, c, _ in r["h2d_sources"]
-                        if "_apply_model" not in n and not any(k in n for k in _RUN_START))
-                r["weight_copies_per_step"] = w
-                good = w == 0
-                ok &= good
-                log(f"check {'PASS' if good else 'FAIL'}: {r['path']} {r['workflow']} {r['resolution']}: "
-                    f"{w} weight copies per step ({r['h2d_copies_per_step']} H2D copies per step in all)")
-        self.rows.append({"check": "summary", "pass": bool(ok)})
-
     def write(self):
         import comfyui_version
 
@@ -627,11 +585,6 @@ class SamplerBench:
                    caches=self.runs.caches(self.pack), rows=self.rows)
         Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(self.a.out).write_text(json.dumps(doc, indent=1))
-
-
-# copies made once per sampling run: ComfyUI's load, the sampler's setup, the pack's conditioning move
-# (nodes/resident_conds.py, at the run's start: conditioning, not weights)
-_RUN_START = ("patch_weight_to_device", "partially_load", "outer_sample", "sampler_sample_wrapper")
 
 
 def gpu_busy_s(ev: list, steps: int) -> float | None:
@@ -648,25 +601,6 @@ def gpu_busy_s(ev: list, steps: int) -> float | None:
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
     return busy / 1e6 / (steps - 1)
-
-
-def _h2d_sources(ev: list, h2d: list) -> list:
-    """Where the host->device copies come from: the innermost Python frame of ComfyUI or this pack around
-    the CUDA runtime call of each copy (profiler ``with_stack``), as [[frame, copies per step, KiB], ...]."""
-    runtime = {e.get("args", {}).get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
-    frames = [e for e in ev if e.get("cat") == "python_function" and "site-packages/torch" not in e.get("name", "")
-              and ("comfy" in e.get("name", "") or "quant/" in e.get("name", "") or "nodes/" in e.get("name", ""))]
-    out: dict = {}
-    for m in h2d:
-        r = runtime.get(m.get("args", {}).get("correlation"))
-        name = "?"
-        if r is not None:
-            inside = [f for f in frames if f.get("tid") == r.get("tid") and f["ts"] <= r["ts"] <= f["ts"] + f.get("dur", 0)]
-            if inside:  # the three innermost frames, innermost first
-                name = " < ".join(f["name"].split("/")[-1][:60] for f in sorted(inside, key=lambda f: -f["ts"])[:3])
-        c, b = out.get(name, (0, 0))
-        out[name] = (c + 1, b + m.get("args", {}).get("bytes", 0))
-    return [[n, c / 2, round(b / 2 / 1024, 1)] for n, (c, b) in sorted(out.items(), key=lambda kv: -kv[1][0])]
 
 
 if __name__ == "__main__":

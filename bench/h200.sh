@@ -53,7 +53,7 @@ export PYTHONPATH=/tmp/site:$ck:$PWD/.carry/stub
 keep_caches() { mkdir -p "$OUT/cache" && cp "$INT8_FUSED_CACHE_DIR"/*.json "$OUT/cache/" 2>/dev/null; true; }
 trap keep_caches EXIT
 if [ "$1" = exec ]; then shift; "$@"; exit $?; fi
-sampler="python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6 --profile none"
+sampler="python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6"
 models="python3 bench/e2e_models.py --comfy .carry/comfy --steps 6"
 for suite in "$@"; do
 case $suite in

@@ -35,13 +35,10 @@ from bench.lib import provenance  # noqa: E402
 from quant.quantize import (dequant_epilogue_ref, int8_matmul_ref, quantize_per_token_ref,  # noqa: E402
                             quantize_weight_per_channel)
 
-SHAPES = [  # (case, M, N, K, bias)
-    ("qkv", 4608, 13824, 4608, False), ("o", 4608, 4608, 4608, False), ("w1", 4608, 12288, 4608, False),
-    ("w2", 4608, 4608, 12288, False), ("qkv", 4096, 13824, 4608, False), ("o", 4096, 4608, 4608, False),
-    ("w1", 4096, 12288, 4608, False), ("w2", 4096, 4608, 12288, False), ("qkv", 2816, 13824, 4608, False),
-    ("o", 2816, 4608, 4608, False), ("w1", 2816, 12288, 4608, False), ("w2", 2816, 4608, 12288, False),
-    ("llm_cond_proj", 512, 4608, 53248, True), ("adaln", 1, 18432, 512, True),
-]
+SHAPES = [  # (case, M, N, K, bias): Ideogram 4's block linears at M 4608 / 4096 / 2816, then two more
+    *[(case, m, n, k, False) for m in (4608, 4096, 2816)
+      for case, n, k in (("qkv", 13824, 4608), ("o", 4608, 4608), ("w1", 12288, 4608), ("w2", 4608, 12288))],
+    ("llm_cond_proj", 512, 4608, 53248, True), ("adaln", 1, 18432, 512, True)]
 PATHS = ["bf16", "production_int8", "int_mm", "fp8_rowwise", "fp8_fast", "ck_cuda", "ck_triton",
          "ours_gemm", "ours_linear"]
 E4M3_MAX = 448.0

@@ -199,24 +199,19 @@ def predict(card: dict, model: dict, path: str, fit: dict, attention: str | None
 def h200_rows(models_json: Path, sampler_json: Path, commit: str = "822c06c") -> list[dict]:
     """The measured rows at ``commit``: per model, bf16 / pack (mean of its rows) / fp8 s/step, and the
     attention backend each ran with."""
-    out = []
     d = json.loads(models_json.read_text())
     mrows = [r for r in d["rows"] if r.get("commit") == commit and "s_per_step" in r and "check" not in r]
-    for model in ("flux", "zimage", "wan13"):
-        for path, key in (("bf16", "bf16"), ("pack", "pack:fused_triton"), ("fp8", "fp8_fast")):
-            v = [r["s_per_step"] for r in mrows if r["model"] == model and r["path"] == key]
-            if v:
-                out.append(dict(model=model, path=path, s_per_step=sum(v) / len(v), n=len(v),
-                                attention="cudnn" if path == "pack" else "comfy", source=f"{models_json.name}@{commit}"))
     d = json.loads(sampler_json.read_text())
     runs = {k for k, r in d.get("runs", {}).items() if str(r.get("commit", "")).startswith(commit)}
     srows = [r for r in d["rows"] if r.get("run") in runs and r.get("workflow") == "dual" and "s_per_step" in r]
-    for path, key, att in (("bf16", "bf16", "comfy"), ("pack", "pack:fused_triton", "cudnn"),
-                           ("fp8", "fp8_fast~cudnn", "cudnn")):
-        v = [r["s_per_step"] for r in srows if r["path"] == key]
-        if v:
-            out.append(dict(model="ideogram4", path=path, s_per_step=sum(v) / len(v), n=len(v), attention=att,
-                            source=f"{sampler_json.name}@{commit}"))
+    out, sources = [], [(m, mrows, models_json, "fp8_fast", "comfy") for m in ("flux", "zimage", "wan13")]
+    for model, rows, src, fp8, fp8_att in sources + [("ideogram4", srows, sampler_json, "fp8_fast~cudnn", "cudnn")]:
+        for path, key, att in (("bf16", "bf16", "comfy"), ("pack", "pack:fused_triton", "cudnn"),
+                               ("fp8", fp8, fp8_att)):
+            v = [r["s_per_step"] for r in rows if r.get("model", model) == model and r["path"] == key]
+            if v:
+                out.append(dict(model=model, path=path, s_per_step=sum(v) / len(v), n=len(v), attention=att,
+                                source=f"{src.name}@{commit}"))
     return out
 
 

@@ -82,10 +82,8 @@ SHAPES = [
     ("flux1", "double modulation", 1, 18432, 3072, True),
     ("flux1", "single modulation", 1, 9216, 3072, True),
     # Z-Image (hidden 3840, FFN 10240), M 4096 image + ~256 text
-    ("z-image", "qkv", 4352, 11520, 3840, False),
-    ("z-image", "o", 4352, 3840, 3840, False),
-    ("z-image", "w1/w3", 4352, 10240, 3840, False),
-    ("z-image", "w2", 4352, 3840, 10240, False),
+    *[("z-image", name, 4352, n, k, False)
+      for name, n, k in (("qkv", 11520, 3840), ("o", 3840, 3840), ("w1/w3", 10240, 3840), ("w2", 3840, 10240))],
     ("z-image", "adaLN", 1, 15360, 256, True),
     # SD3.5 Large (hidden 2432, MLP 9728): image stream M 4096, context stream M 333 (77 CLIP + 256 T5)
     ("sd3.5-l", "x qkv", 4096, 7296, 2432, True),
@@ -97,16 +95,10 @@ SHAPES = [
     ("sd3.5-l", "adaLN", 1, 14592, 2432, True),
     # Wan 2.1 1.3B (dim 1536, FFN 8960) and 14B (dim 5120, FFN 13824): 480x832, 33 frames -> 30*52*9 = 14040
     # tokens; cross-attention k/v over 512 text tokens; time projection M 1
-    ("wan2.1-1.3b", "self q/k/v/o", 14040, 1536, 1536, True),
-    ("wan2.1-1.3b", "ffn.0", 14040, 8960, 1536, True),
-    ("wan2.1-1.3b", "ffn.2", 14040, 1536, 8960, True),
-    ("wan2.1-1.3b", "cross k/v (text)", 512, 1536, 1536, True),
-    ("wan2.1-1.3b", "time_projection", 1, 9216, 1536, True),
-    ("wan2.1-14b", "self q/k/v/o", 14040, 5120, 5120, True),
-    ("wan2.1-14b", "ffn.0", 14040, 13824, 5120, True),
-    ("wan2.1-14b", "ffn.2", 14040, 5120, 13824, True),
-    ("wan2.1-14b", "cross k/v (text)", 512, 5120, 5120, True),
-    ("wan2.1-14b", "time_projection", 1, 30720, 5120, True),
+    *[(f"wan2.1-{size}", name, m, n, k, True)
+      for size, d, f in (("1.3b", 1536, 8960), ("14b", 5120, 13824))
+      for name, m, n, k in (("self q/k/v/o", 14040, d, d), ("ffn.0", 14040, f, d), ("ffn.2", 14040, d, f),
+                            ("cross k/v (text)", 512, d, d), ("time_projection", 1, 6 * d, d))],
 ]
 PATHS = ["bf16", "bf16_module", "fp8_fast", "int8", "int8_kernel", "dispatched"]
 

@@ -129,8 +129,8 @@ def test_sampler_dual_isolated_times_both_backbones(comfy_current, tmp_path):
     unconditional backbone (two calls a step). No blocks (--layers 0) keeps it small on the CPU."""
     doc, out = _bench(comfy_current, "e2e_sampler.py", ["--layers", "0", "--res", "32", "--text-tokens", "4",
                                                         "--steps", "1", "--workflows", "dual", "--paths", "bf16",
-                                                        "--profile", "none", "--isolate",
-                                                        "--comfy-flag=--bf16-unet"], tmp_path / "dual.json")
+                                                        "--isolate", "--comfy-flag=--bf16-unet"],
+                        tmp_path / "dual.json")
     assert doc["isolated"] and doc["cold"] is False and doc["parent_imported_torch"] is False
     (r,) = _measured(doc)
     assert r["status"] == "ok" and r["workflow"] == "dual" and r["isolated"] and r["vram_gib"] is None

@@ -4,8 +4,8 @@
 weight and bias) and keeps the original in ``patcher.backup``, keyed by its path under the object patches
 (``diffusion_model.layers.0.feed_forward.w13.weight_scale``). Its ``unpatch_model`` undoes the object patches first
 and restores the backups afterwards: on the H200 ``unload_all_models`` raised ``AttributeError: 'FeedForward' object
-has no attribute 'w13'`` (bench/calibrate_e2e.py), and keys that exist in the float model (``attention.qkv``) put the
-INT8 layer's ``weight_scale`` on ComfyUI's float Linear.
+has no attribute 'w13'`` (12fd228:bench/calibrate_e2e.py), and keys that exist in the float model
+(``attention.qkv``) put the INT8 layer's ``weight_scale`` on ComfyUI's float Linear.
 
 ComfyUI's own code runs here: ``LoadedModel.model_load`` / ``model_unload`` (what ``load_models_gpu`` and
 ``unload_all_models`` call), ``ModelPatcherDynamic.partially_load`` / ``load`` / ``detach`` / ``unpatch_model``. The
