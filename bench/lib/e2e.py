@@ -1,5 +1,5 @@
 """Ideogram 4's full-size backbone for the benches that run it through ComfyUI (bench/e2e_sampler.py,
-bench/e2e_models.py, bench/lora.py, bench/convrot.py):
+bench/e2e_models.py, bench/convrot.py):
 its ComfyUI state-dict layout (34 layers, hidden 4608) with deterministic random weights, ComfyUI core's
 ``int8_tensorwise`` layout of it, the pack imported as ComfyUI imports it, the pack's Apply node with its defaults,
 a run's provenance and the relative L2 the benches report. Imports torch; ComfyUI only through the pack (the caller
