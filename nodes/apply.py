@@ -209,13 +209,31 @@ def install_lora(patcher) -> int:
     return n
 
 
+CUDAGRAPHS_REFUSED = (
+    "ComfyUI's TorchCompileModel node with backend 'cudagraphs' cannot run a model with this pack's INT8 layers: "
+    "torch's CUDA graph trees fail under ComfyUI's default cudaMallocAsync allocator ('does not yet support "
+    "checkPoolLiveAllocations'), and with --disable-cuda-malloc they reject the scratch buffers the pack's GEMM keeps "
+    "across calls. Choose backend 'inductor' on that node (or remove it).")
+
+
+def refuse_cudagraphs(patcher, where: str) -> None:
+    """Raise when ``patcher`` carries TorchCompileModel's ``cudagraphs`` wrapper (``CUDAGRAPHS_REFUSED`` says why
+    and what to do): at Apply when the node comes first, at the sampling run's start when it comes after Apply."""
+    kw = (getattr(patcher, "model_options", None) or {}).get("torch_compile_kwargs") or {}
+    if kw.get("backend") == "cudagraphs":
+        raise RuntimeError(f"{where}: {CUDAGRAPHS_REFUSED}")
+
+
 def _lora_outer_sample(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper: :func:`install_lora` before ComfyUI loads the model (so it never sees those patches), for
     the guider's model and DualModelGuider's ``model_negative`` (loaded inside this run; its own OUTER_SAMPLE
-    wrappers never run)."""
+    wrappers never run); a model with INT8 layers under TorchCompileModel's ``cudagraphs`` is refused first."""
     guider = executor.class_obj
-    install_lora(guider.model_patcher)
     neg = getattr(guider, "uncond_model_patcher", None)
+    for p in (guider.model_patcher, neg):
+        if p is not None and p.get_attachment(_ATTACHMENT) is not None:
+            refuse_cudagraphs(p, "INT8 sampling")
+    install_lora(guider.model_patcher)
     if neg is not None and neg is not guider.model_patcher:
         install_lora(neg)
     return executor(*args, **kwargs)
@@ -317,6 +335,8 @@ class ApplyFusedInt8GEMM:
             raise ValueError(f"Apply Fused INT8 GEMM: rotation must be one of {ROTATIONS}, got {rotation!r}")
         select.compile_patterns(keep_float)  # a bad regex -> ValueError naming it, even for bf16
         select.compile_patterns(include), select.compile_patterns(exclude)
+        if backend != "bf16":
+            refuse_cudagraphs(model, "Apply Fused INT8 GEMM")
         out = model.clone()
         if backend == "bf16":
             log.info("INT8 Apply: backend bf16 = the unquantized control; model passed through")
