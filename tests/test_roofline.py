@@ -44,6 +44,22 @@ def test_fp8_adds_cast_bytes_and_ampere_falls_back_to_bf16():
     assert a["rows_s"] == pytest.approx(10 * 3.0 * 8192 * 8192 / (1000e9 * rf.EFF["row"]), rel=1e-12)
 
 
+def test_fp8_weight_passes_and_attention_by_head_dim_on_hopper():
+    m = toy()
+    f = dict(NOHOST, w_fp8=14.0)
+    fp8 = rf.predict(CARD, m, "fp8", f)
+    # by hand: 7 bytes an input element + 14 bytes a weight element, per call, 10 calls
+    assert fp8["rows_s"] == pytest.approx(10 * (7.0 + 14.0) * 8192 * 8192 / (1000e9 * rf.EFF["row"]), rel=1e-12)
+    hop = dict(CARD, arch="sm_90")
+    fa = dict(NOHOST, a_cudnn128=0.5, a_flash128=0.25)
+    flops = 4 * 2 * 1000 * 1000 * 3  # heads 2, Lq = Lk = 1000, count 3; times head_dim below
+    for d, backend, eff in ((128, "cudnn", 0.5), (128, "comfy", 0.25), (256, "cudnn", rf.EFF["attn_cudnn"]),
+                            (256, "comfy", rf.EFF["attn_flash_sm90"])):
+        mm = dict(lins=[], attn=[(2, 1000, 1000, d, 3)], blocks=[(1, 1, 1)], quant_params=0, params=0)
+        got = rf.predict(hop, mm, "pack", fa, attention=backend)["attention_s"]
+        assert got == pytest.approx(flops * d / (100e12 * eff), rel=1e-12), (d, backend)
+
+
 def test_offload_term_when_weights_exceed_vram():
     gib = 1024 ** 3
     # 40 GiB of bf16 weights (20 Gi elements, all quantized): bf16 40 GiB, pack 20 GiB, on a 24 GiB card
@@ -85,7 +101,8 @@ def test_check_computes_errors_on_hand_made_rows():
 
 
 def test_h200_rows_read_at_the_commit_and_script_writes_json(tmp_path):
-    rows = rf.h200_rows(ROOT / "bench/results/h200-e2e-models.json", ROOT / "bench/results/h200-e2e-sampler.json")
+    rows = rf.h200_rows(ROOT / "bench/results/h200-e2e-models.json", ROOT / "bench/results/h200-e2e-sampler.json",
+                        commit="822c06c")
     got = {(r["model"], r["path"]): r["s_per_step"] for r in rows}
     assert len(got) == 12
     assert got[("flux", "bf16")] == pytest.approx(0.17417, abs=1e-4)
