@@ -306,8 +306,7 @@ class ModelsBench(SamplerBench):
         except Exception as e:
             row = {"model": name}
             self.row_failed(row, e, "state dict: ")
-            self.rows.append(row)
-            self.write()
+            self.finish_row(row)
             return
         n_params = sum(v.numel() for v in sd.values())
         ctx, extra, latent, noise, spec = self.conds(name)

@@ -160,8 +160,8 @@ def attention_eff(card: dict, backend: str, head_dim: int = 256, fit: dict | Non
     if card["arch"] != "sm_90":
         return EFF["attn_other"]
     if head_dim < 256:
-        f = fit or FIT_DEFAULT
-        return f.get("a_cudnn128" if backend == "cudnn" else "a_flash128", FIT_DEFAULT["a_flash128"])
+        key = "a_cudnn128" if backend == "cudnn" else "a_flash128"
+        return (fit or FIT_DEFAULT).get(key, FIT_DEFAULT[key])
     return EFF["attn_cudnn"] if backend == "cudnn" else EFF["attn_flash_sm90"]
 
 

@@ -224,7 +224,7 @@ def refuse_cudagraphs(patcher, where: str) -> None:
         raise RuntimeError(f"{where}: {CUDAGRAPHS_REFUSED}")
 
 
-def _lora_outer_sample(executor, *args, **kwargs):
+def _run_start(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper: :func:`install_lora` before ComfyUI loads the model (so it never sees those patches), for
     the guider's model and DualModelGuider's ``model_negative`` (loaded inside this run; its own OUTER_SAMPLE
     wrappers never run); a model with INT8 layers under TorchCompileModel's ``cudagraphs`` is refused first."""
@@ -249,7 +249,7 @@ def enable_lora(out, names, float_bytes: int | None = None) -> None:
     out.set_attachments(_ATTACHMENT, _Info(set(names) | (prev.names if prev else set()),
                                            prev.float_bytes if prev else (float_bytes or out.model_size())))
     out.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, _LORA)
-    out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _LORA, _lora_outer_sample)
+    out.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, _LORA, _run_start)
 
 
 class _Info:
