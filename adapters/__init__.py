@@ -64,7 +64,7 @@ def object_patches(diffusion_model: nn.Module, int8_layers: dict, adapter: Adapt
     fused module covers. Keys are relative to the diffusion model (prefix them with ``diffusion_model.``).
     ``adapter``: default ``adapter_for(diffusion_model)``. Without an adapter, with no fuse, with no layer on
     fused_triton, or with ``INT8_FUSED_FUSION=0`` (``kernel.config``): the plain patches only."""
-    if not config.get("INT8_FUSED_FUSION") or not any(blocks.fusable(m) for m in int8_layers.values()):
+    if not config.get("INT8_FUSED_FUSION") or not any(blocks.norm_fusable(m) for m in int8_layers.values()):
         return dict(int8_layers)
     adapter = adapter or adapter_for(diffusion_model)
     if adapter is None or adapter.fuse is None:

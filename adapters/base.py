@@ -75,13 +75,16 @@ def fuse_feed_forwards(root: nn.Module, int8_layers: dict, is_ffn: Callable[[nn.
     return out
 
 
-def fuse_blocks(family: str, candidates, int8_layers: dict, log) -> dict:
+def fuse_blocks(family: str, candidates, int8_layers: dict, log, norm_fed=()) -> dict:
     """{name: build()} for each candidate ``(name, reason, fed, build)`` whose ``reason`` is None (the block's
-    structure is supported) and whose layers named ``fed`` (relative to the block) include one on fused_triton;
-    the others stay per-linear, with one log line grouping them by reason (``family`` names them, e.g. "Flux")."""
+    structure is supported) and whose layers named ``fed`` (relative to the block) include one on fused_triton,
+    or, among those named in ``norm_fed``, a ConvRot layer that the block's norm kernel rotates for
+    (``blocks.norm_fusable``); the others stay per-linear, with one log line grouping them by reason (``family``
+    names them, e.g. "Flux")."""
     out, skipped = {}, {}
     for name, reason, fed, build in candidates:
-        if reason is None and not any(blocks.fusable(int8_layers.get(f"{name}.{n}")) for n in fed):
+        if reason is None and not any(blocks.fusable(int8_layers.get(f"{name}.{n}")) or (
+                n in norm_fed and blocks.norm_fusable(int8_layers.get(f"{name}.{n}"))) for n in fed):
             reason = "no INT8 layer on fused_triton that a fused kernel feeds"
         if reason is None:
             out[name] = build()

@@ -6,6 +6,10 @@ of ``[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]]``, divided by sqrt(G); symmet
 each group of G columns. The quantization of y is ``quant.quantize.quantize_per_token_ref``'s, rounding for
 rounding (the same helpers as ``kernel.quantize``).
 
+``layernorm_modulate_hadamard_quantize`` puts a block's adaLN LayerNorm in front (Flux.1, Qwen-Image, Wan feeding a
+ConvRot layer): ``kernel.norm.layernorm_modulate_quantize``'s values, rounded to their dtype, then rotated and
+quantized as above, in one kernel instead of torch's norm and modulation plus this one.
+
 How. A program takes BLOCK_M rows and walks their K / G groups twice: pass 1 rotates each group and keeps the
 rows' |max|, pass 2 rotates it again (the same operations, the same bits) and stores the codes. The rotation of
 a group is tensor-core matrix products with H's entries (+-2^-k, exact in bf16 / fp16) generated in registers:
@@ -21,8 +25,10 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from .norm import modulation_operands
 from .quantize import INTERPRET, quant_params, store_q
-from .rowtile import FLOAT, row_major
+from .checks import check_2d, check_usable
+from .rowtile import DT_CODE, FLOAT, round_to, row_major, rsqrt_mean
 
 #: ConvRot group sizes this kernel runs (powers of 4 from 16: the regular Hadamard orders tl.dot takes).
 GROUPS = (16, 64, 256, 1024)
@@ -93,6 +99,22 @@ def _rotate(x, h1, h2, h2f, BM: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr
 
 
 @triton.jit
+def _matrices(G1: tl.constexpr, G2: tl.constexpr, HALF: tl.constexpr):
+    """(H_G1, H_G2 in the input's dtype, H_G2 in bf16): stage 1 on the input's dtype (bf16 / fp16: exact) or on
+    bf16 pieces of fp32; stage 2 (G1 > 1) on bf16 pieces of stage 1's fp32 (H_G1 unused where G1 == 1)."""
+    h2f = _h(G2, tl.bfloat16)
+    if HALF:
+        h2 = _h(G2, tl.float16)
+    else:
+        h2 = h2f
+    if G1 > 1:
+        h1 = _h(G1, tl.bfloat16)
+    else:
+        h1 = h2f
+    return h1, h2, h2f
+
+
+@triton.jit
 def _hadamard_quant_kernel(x_ptr, q_ptr, s_ptr, f_ptr, M, K, stride_xm, stride_qm, stride_fm,
                            G1: tl.constexpr, G2: tl.constexpr, BM: tl.constexpr, HALF: tl.constexpr,
                            SCALE_RECIP: tl.constexpr, STORE_FLOAT: tl.constexpr, INTERPRET: tl.constexpr):
@@ -101,15 +123,7 @@ def _hadamard_quant_kernel(x_ptr, q_ptr, s_ptr, f_ptr, M, K, stride_xm, stride_q
     rmask = rows < M
     cols = tl.arange(0, G)
     x_rows = x_ptr + rows[:, None] * stride_xm
-    h2f = _h(G2, tl.bfloat16)        # stage 1 on the input's dtype (bf16 / fp16: exact), or on bf16 pieces
-    if HALF:
-        h2 = _h(G2, tl.float16)
-    else:
-        h2 = h2f
-    if G1 > 1:
-        h1 = _h(G1, tl.bfloat16)
-    else:
-        h1 = h2f                     # unused
+    h1, h2, h2f = _matrices(G1, G2, HALF)
     amax = tl.zeros([BM], dtype=tl.float32)
     bad = tl.zeros([BM], dtype=tl.int32)
     for g0 in range(0, K, G):
@@ -129,7 +143,8 @@ def _hadamard_quant_kernel(x_ptr, q_ptr, s_ptr, f_ptr, M, K, stride_xm, stride_q
                 rmask[:, None], INTERPRET)
 
 
-def _split(group: int) -> tuple[int, int]:
+def group_split(group: int) -> tuple[int, int]:
+    """(G1, G2) of the kernels' two-stage rotation: H_G = H_G1 (x) H_G2 (G1 = 1: one stage)."""
     return (1, group) if group <= 64 else (group // 16, 16)
 
 
@@ -145,7 +160,7 @@ def _run(x: torch.Tensor, group: int, store_float: bool):
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     f = torch.empty((m, k), dtype=torch.float32, device=x.device) if store_float else s
     if m:
-        g1, g2 = _split(group)
+        g1, g2 = group_split(group)
         launch(_hadamard_quant_kernel, (triton.cdiv(m, BLOCK_M),),
                (x, q, s, f, m, k, x.stride(0), q.stride(0), f.stride(0) if store_float else 0),
                dict(G1=g1, G2=g2, BM=BLOCK_M, HALF=x.dtype == torch.float16, SCALE_RECIP=x.is_cuda,
@@ -163,3 +178,89 @@ def hadamard_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
 def hadamard_rotate(x: torch.Tensor, group: int) -> torch.Tensor:
     """The fp32 rotated values the quantizer of :func:`hadamard_quantize` rounds (for tests and benches)."""
     return _run(x, group, True)[2]
+
+
+@triton.jit
+def _ln_mod_hadamard_quant_kernel(x_ptr, s_ptr, sh_ptr, q_ptr, qs_ptr, M, K, tokens_per_batch, eps,
+                                  stride_xm, stride_sb, stride_shb, stride_qm,
+                                  G1: tl.constexpr, G2: tl.constexpr, BM: tl.constexpr, NORM_DT: tl.constexpr,
+                                  SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, SCALE_RECIP: tl.constexpr,
+                                  INTERPRET: tl.constexpr):
+    # BM rows a program. Passes over the row's groups: the mean, the variance (mean of squared deviations, fp32),
+    # then the rotated |max| and, again, the rotated codes. The norm and modulation are kernel.norm's lnmod_tile
+    # per element (rounded to x's, scale's and the product's dtypes); the product is rotated in its own dtype.
+    G: tl.constexpr = G1 * G2
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    cols = tl.arange(0, G)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    bidx = rows // tokens_per_batch
+    s_rows = s_ptr + bidx[:, None] * stride_sb
+    sh_rows = sh_ptr + bidx[:, None] * stride_shb
+    acc = tl.zeros([BM], dtype=tl.float32)
+    for g0 in range(0, K, G):
+        acc += tl.sum(tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32), axis=1)
+    mean = tl.math.div_rn(acc, K * 1.0)
+    acc = tl.zeros([BM], dtype=tl.float32)
+    for g0 in range(0, K, G):
+        d = tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) - mean[:, None]
+        acc += tl.sum(d * d, axis=1)
+    rstd = rsqrt_mean(acc, K, eps, INTERPRET)
+    h1, h2, h2f = _matrices(G1, G2, PROD_DT == 2)
+    amax = tl.zeros([BM], dtype=tl.float32)
+    bad = tl.zeros([BM], dtype=tl.int32)
+    for g0 in range(0, K, G):
+        y = _ln_mod_group(x_rows, s_rows, sh_rows, g0, cols, rmask, mean, rstd, NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+        ay = tl.abs(_rotate(y, h1, h2, h2f, BM, G1, G2, INTERPRET))
+        amax = tl.maximum(amax, tl.max(ay, axis=1))
+        bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0, 1), axis=1))  # NaN fails `< inf` too
+    scale, mult, usable = quant_params(amax, bad > 0, SCALE_RECIP)
+    tl.store(qs_ptr + rows, scale, mask=rmask)
+    for g0 in range(0, K, G):
+        y = _ln_mod_group(x_rows, s_rows, sh_rows, g0, cols, rmask, mean, rstd, NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+        store_q(q_ptr + rows[:, None] * stride_qm + g0 + cols[None, :], _rotate(y, h1, h2, h2f, BM, G1, G2, INTERPRET),
+                mult[:, None], usable[:, None], rmask[:, None], INTERPRET)
+
+
+@triton.jit
+def _ln_mod_group(x_rows, s_rows, sh_rows, g0, cols, rmask, mean, rstd, NORM_DT: tl.constexpr,
+                  SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """One group of the modulated LayerNorm, ``addcmul(shift, dt(norm), st(1 + scale))`` rounded to the product's
+    dtype and returned in it (exact: the rotation's products stay exact for bf16 / fp16)."""
+    m2 = rmask[:, None]
+    x = tl.load(x_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    s = tl.load(s_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    sh = tl.load(sh_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    n = round_to((x - mean[:, None]) * rstd[:, None], NORM_DT, INTERPRET)
+    y = tl.where(m2, round_to(n * round_to(1.0 + s, SCALE_DT, INTERPRET) + sh, PROD_DT, INTERPRET), 0.0)
+    if PROD_DT == 1:
+        return y.to(tl.bfloat16)
+    elif PROD_DT == 2:
+        return y.to(tl.float16)
+    else:
+        return y
+
+
+def layernorm_modulate_hadamard_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                                         tokens_per_batch: int, group: int, eps: float = 1e-6
+                                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [M, K], fp32 [M]) of ``hadamard_quantize(addcmul(shift, layer_norm(x, eps), 1 + scale), group)``:
+    ``kernel.norm.layernorm_modulate_quantize``'s modulated norm (no smoothing: ConvRot layers have none), rotated
+    in the product's dtype and quantized per token, in one kernel. Raises ValueError as both of those do."""
+    check_2d(x, "x", FLOAT, "pass the hidden states as [tokens, K] in bf16, fp16 or fp32")
+    m, k = x.shape
+    check(k, group, "layernorm_modulate_hadamard_quantize")
+    tpb = max(int(tokens_per_batch), 1)
+    s2, sh2, _, q, qs = modulation_operands(scale, shift, None, m, k, tpb, x.device)
+    if m == 0:
+        return q, qs
+    check_usable(x, "layernorm_modulate_hadamard_quantize")
+    x = row_major(x, "x")
+    prod = torch.promote_types(torch.promote_types(x.dtype, s2.dtype), sh2.dtype)
+    g1, g2 = group_split(group)
+    launch(_ln_mod_hadamard_quant_kernel, (triton.cdiv(m, BLOCK_M),),
+           (x, s2, sh2, q, qs, m, k, tpb, float(eps), x.stride(0), 0 if s2.shape[0] == 1 else s2.stride(0),
+            0 if sh2.shape[0] == 1 else sh2.stride(0), q.stride(0)),
+           dict(G1=g1, G2=g2, BM=BLOCK_M, NORM_DT=DT_CODE[x.dtype], SCALE_DT=DT_CODE[s2.dtype],
+                PROD_DT=DT_CODE[prod], SCALE_RECIP=x.is_cuda, INTERPRET=INTERPRET), 4, 1, x.device)
+    return q, qs

@@ -32,7 +32,7 @@ _READY = False
 def row_modules() -> tuple:
     """(kernel.norm, .swiglu, .gelu, .residual, .rope, .rowtile, .quantize, .launch): the fused row kernels' modules,
     imported (with triton) on the first call."""
-    from . import gelu, launch, norm, quantize, residual, rope, rowtile, swiglu
+    from . import gelu, hadamard, launch, norm, quantize, residual, rope, rowtile, swiglu  # noqa: F401 (hadamard)
     return norm, swiglu, gelu, residual, rope, rowtile, quantize, launch
 
 

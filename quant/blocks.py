@@ -185,9 +185,13 @@ def _rms_mod_quant(x2, w, eps, scale, tokens, inv_smooth):
     return call(kernels().norm.rmsnorm_modulate_quantize, x2, w, eps, scale, tokens, inv_smooth)
 
 
-def ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps):
+def ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps, group: int = 0):
     """int8 input of the next GEMM from ``LayerNorm(x2) * (1 + scale) + shift`` (no affine; [M, K], scale / shift
-    one row per sample): one kernel (``layernorm_modulate_quantize``)."""
+    one row per sample): one kernel (``layernorm_modulate_quantize``). ``group``: the ConvRot group of a rotated
+    layer (:func:`rotation`; no smoothing then), whose input the kernel also rotates
+    (``layernorm_modulate_hadamard_quantize``)."""
+    if group:
+        return call(kernels().hadamard.layernorm_modulate_hadamard_quantize, x2, scale, shift, tokens, group, eps)
     if compiling():
         return torch.ops.int8_fused.ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps)
     return call(kernels().norm.layernorm_modulate_quantize, x2, scale, shift, tokens, inv_smooth, eps)
@@ -218,6 +222,18 @@ def fusable(layer) -> bool:
     (``quant.lora``: the branch needs the float input, so the layer runs as a module call)."""
     return (isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND and not getattr(layer, "rotation", 0)
             and layer.derived.lora is None)
+
+
+def rotation(layer) -> int:
+    """The ConvRot group size of ``layer`` (``quant.convrot``), 0 for an unrotated layer."""
+    return getattr(layer, "rotation", 0) or 0
+
+
+def norm_fusable(layer) -> bool:
+    """:func:`fusable`, or a ConvRot layer on fused_triton without LoRA branches this run, outside torch.compile: a
+    block's modulated-LayerNorm kernel then rotates its input too (:func:`ln_mod_quant`'s ``group``)."""
+    return fusable(layer) or (isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND and rotation(layer) > 0
+                              and layer.derived.lora is None and not compiling())
 
 
 _LAYERS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()

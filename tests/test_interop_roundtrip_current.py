@@ -370,6 +370,7 @@ def pack_body(work: str, archs: list) -> dict:
         except Exception:
             res[arch] = {"error": traceback.format_exc()[-4000:]}
         _free()
+        Path(work, f"{arch}_float.safetensors").unlink(missing_ok=True)  # only the core files go on (disk is small)
     return res
 
 
@@ -456,4 +457,6 @@ def plain_body(work: str, archs: list) -> dict:
             res[arch] = r
         except Exception:
             res[arch] = {"error": traceback.format_exc()[-4000:]}
+        for name in ("core", "cal"):
+            Path(work, f"{arch}_{name}.safetensors").unlink(missing_ok=True)
     return res

@@ -18,7 +18,10 @@ Flux.2: ``modulation=False``, SiLU-gated MLPs) are ``external_mod.py``'s; anythi
 ``flipped_img_txt``, other classes) stays per-linear, with one log line saying why. At call time,
 ``modulation_dims`` (current ComfyUI's ``timestep_zero_index``) or ``attn1_patch`` / ``attn1_output_patch`` in
 ``transformer_options`` run ComfyUI's own forward on the block's INT8 twin (the per-linear path). fp16: the fused
-forwards clamp as ComfyUI's do (``nan_to_num`` of txt / x).
+forwards clamp as ComfyUI's do (``nan_to_num`` of txt / x). ConvRot layers (``quant.convrot``) in a fused block get
+their rotated input from the LayerNorm kernel where it feeds them; a block with no unrotated INT8 layer on
+fused_triton stays per-linear (fused, such a block differed from ComfyUI's forward by about 2e-3 on the tiny test
+model, a difference not yet explained).
 
 ComfyUI functions, imported explicitly in :func:`comfy_functions`: ``comfy.ldm.flux.math.attention`` (RoPE, then
 ``optimized_attention`` with ``transformer_options``: the pack's attention routing applies), that

@@ -74,11 +74,11 @@ class _FusedFluxBlock(qb.FetchedBlock):
         """``layer(apply_mod(norm(x), 1 + mod.scale, mod.shift))`` (x [B, L, K]): one kernel feeding the int8 GEMM
         when ``layer`` is INT8 on fused_triton, else torch as ComfyUI runs it. ``rows``: the int8 path's output
         as the GEMM gives it, [B * L, N]."""
-        if not qb.fusable(layer):
+        if not qb.norm_fusable(layer):
             return layer(torch.addcmul(mod.shift, norm(x), 1 + mod.scale))
         b, l, k = x.shape
         a_q, a_s = qb.ln_mod_quant(x.reshape(-1, k), mod.scale, mod.shift, l, qb.inv_smooth_of(layer, x.device),
-                                 float(norm.eps))
+                                 float(norm.eps), qb.rotation(layer))
         y = qb.gemm(a_q, a_s, layer, qb.promote(x, mod.scale, mod.shift))
         return y if rows else y.view(b, l, -1)
 

@@ -41,6 +41,8 @@ log = logging.getLogger("int8_fused")
 BLOCK_ARGS = ("self", "x", "e", "freqs", "context", "context_img_len", "transformer_options")
 # the int8 layers whose input a fused kernel produces: a block without one of them on fused_triton gains nothing
 KERNEL_FED = ("self_attn.q", "self_attn.k", "self_attn.v", "ffn.0", "ffn.2")
+# those whose input the modulated-LayerNorm kernel gives: it rotates it too for a ConvRot layer
+NORM_FED = ("self_attn.q", "self_attn.k", "self_attn.v", "ffn.0")
 
 
 def comfy_functions():
@@ -94,7 +96,7 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
     candidates = [(f"blocks.{i}", why_not(blk, wan), KERNEL_FED,
                    lambda blk=blk, name=f"blocks.{i}": FusedWanBlock(blk, name, int8_layers, fn))
                   for i, blk in enumerate(getattr(diffusion_model, "blocks", None) or ())]
-    return fuse_blocks("Wan", candidates, int8_layers, log)
+    return fuse_blocks("Wan", candidates, int8_layers, log, NORM_FED)
 
 
 ADAPTER = Adapter(

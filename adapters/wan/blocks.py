@@ -76,6 +76,14 @@ def _same_smooth(a: Int8Linear, b: Int8Linear) -> bool:
                                            and torch.equal(sa.detach().cpu(), sb.detach().cpu()))
 
 
+def _same_input(a, b) -> bool:
+    """Whether q/k/v layers ``a`` and ``b`` read the same int8 activation: both fed unrotated with equal smoothing,
+    or both ConvRot layers of one group (no smoothing)."""
+    if qb.fusable(a) and qb.fusable(b):
+        return _same_smooth(a, b)
+    return qb.norm_fusable(a) and qb.norm_fusable(b) and qb.rotation(a) == qb.rotation(b) > 0
+
+
 class FusedWanBlock(qb.FetchedBlock):
     """The twin of ComfyUI's ``WanAttentionBlock`` ``block`` (named ``prefix``) on ``layers`` ({name relative to
     the diffusion model: Int8Linear}); ``covers``: the names of ``layers`` under the block."""
@@ -97,8 +105,7 @@ class FusedWanBlock(qb.FetchedBlock):
         src = []
         for i, n in enumerate(QKV):
             li = getattr(self.self_attn, n)
-            src.append(next((j for j in range(i) if qb.fusable(getattr(self.self_attn, QKV[j]))
-                             and qb.fusable(li) and _same_smooth(getattr(self.self_attn, QKV[j]), li)), i))
+            src.append(next((j for j in range(i) if _same_input(getattr(self.self_attn, QKV[j]), li)), i))
         self._qkv_src = tuple(src)
         qb.kernels().register_ops()
 
@@ -119,7 +126,7 @@ class FusedWanBlock(qb.FetchedBlock):
         dt = qb.promote(x, scale, shift)
         acts, outs, y = {}, [], None
         for i, layer in enumerate(layers):
-            if not qb.fusable(layer):
+            if not qb.norm_fusable(layer):
                 if y is None:
                     y = torch.addcmul(shift, norm(x), 1 + scale)
                 outs.append(layer(y))
@@ -127,7 +134,7 @@ class FusedWanBlock(qb.FetchedBlock):
             j = src[i]
             if j not in acts:
                 acts[j] = qb.ln_mod_quant(x.reshape(-1, k), scale, shift, _tokens_per_row(scale, l),
-                                          qb.inv_smooth_of(layer, x.device), float(norm.eps))
+                                          qb.inv_smooth_of(layer, x.device), float(norm.eps), qb.rotation(layer))
             a_q, a_s = acts[j]
             outs.append(qb.gemm(a_q, a_s, layer, dt).view(b, l, -1))
         return outs
