@@ -9,7 +9,7 @@ channel over its group of G, so per-token activation quantization loses less to 
 ``ConvRotLinear`` is an ``Int8Linear`` holding such a weight (codes and scales as stored). On ``fused_triton`` its
 forward rotates and quantizes the input in one kernel (``kernel.hadamard``) and runs the pack's GEMM unchanged; on
 the other backends it rotates the input in torch and runs the backend as usual. A fused block whose modulated
-LayerNorm feeds it (Wan; Flux.1 beside unrotated INT8 layers) rotates and quantizes in the norm's kernel
+LayerNorm feeds it (Flux family, Wan, Qwen-Image) rotates and quantizes in the norm's kernel
 (``quant.blocks.norm_fusable``, ``kernel.hadamard.layernorm_modulate_hadamard_quantize``); every other site calls it
 with a float input.
 """

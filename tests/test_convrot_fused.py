@@ -7,10 +7,15 @@
    dtype rounding boundary by one dtype ulp. One such move shifts the group's rotated values by at most
    ulp / sqrt(G), far below an int8 step, so a code can flip by 1 only where it sat on a rounding midpoint: codes
    equal except at most 1 % of them by +-1, scales within 2^-12. Also zero rows, NaN / Inf rows, refusals.
-2. Tiny Flux.1 and Wan 2.1 (ComfyUI's classes, pinned 0.3.75 in-process) with ConvRot layers on fused_triton
-   (Wan: every block linear; Flux.1: the LayerNorm-fed ones, beside unrotated INT8 layers): the adapters build fused blocks, the LayerNorm-fed layers get their input from the new kernel
-   (Wan's q / k / v from one call), and the whole model equals the per-linear ConvRot path (ComfyUI's torch norm,
-   then each layer's rotate + quantize kernel) within ``REL_MODEL``, as the unrotated fused blocks do.
+2. Tiny Flux.1 and Wan 2.1 (ComfyUI's classes, pinned 0.3.75 in-process) with ConvRot layers on fused_triton: the
+   adapters build fused blocks, the LayerNorm-fed layers get their input from the new kernel (Wan's q / k / v from
+   one call), and the whole model equals the per-linear ConvRot path (ComfyUI's torch norm, then each layer's
+   rotate + quantize kernel) within ``REL_MODEL``, as the unrotated fused blocks do: Wan with every block linear
+   rotated, Flux.1 with its LayerNorm-fed layers rotated beside unrotated ones. Flux.1 with every layer rotated: the
+   kernel-fed blocks give the same bits as the same fused blocks feeding each ConvRot layer its float input. (Their
+   distance from ComfyUI's forward there is the QK-norm + RoPE kernel's: it rounds a rare value one bf16 ulp away
+   from torch's ops, tests/test_qk_norm_rope.py; on this tiny model that moves the output by ~2e-3 after four blocks,
+   and by 0 with that kernel replaced by ComfyUI's ops.)
 
 Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_convrot_fused.py -q
 """
@@ -128,47 +133,148 @@ def _equivalence(pack, dm, run, only=()) -> dict:
         calls.append(a[0].shape)
         return real(*a, **kw)
 
+    fused = fbh.swapped(dm, patches)
     with torch.no_grad():
         ref = run(fbh.swapped(dm, plain))
         hmod.layernorm_modulate_hadamard_quantize = spy
         try:
             with fbh.unplanned(qb.kernels().plan):
-                got = run(fbh.swapped(dm, patches))
+                got = run(fused)
         finally:
             hmod.layernorm_modulate_hadamard_quantize = real
-        again = run(fbh.swapped(dm, patches))  # prepared calls re-issue the kernel: the same bits
+        again = run(fused)  # prepared calls re-issue the kernel: the same bits
+        norm_fusable, qb.norm_fusable = qb.norm_fusable, qb.fusable  # the same blocks, ConvRot layers fed float
+        try:
+            float_fed = run(fused)
+        finally:
+            qb.norm_fusable = norm_fusable
+    back = A.int8_layers_of(patches)  # what Save and the widget see: every layer, its codes and rotation as built
+    same_layers = back.keys() == layers.keys() and all(
+        torch.equal(back[n].qweight, m.qweight) and torch.equal(back[n].weight_scale, m.weight_scale)
+        and qb.rotation(back[n]) == qb.rotation(m) for n, m in layers.items())
     return {"kinds": sorted({type(m).__name__ for m in patches.values()}), "plain_is_per_linear": plain == layers,
+            "same_layers": same_layers,
             "rotated": sum(getattr(m, "rotation", 0) > 0 for m in layers.values()), "layers": len(layers),
-            "calls": len(calls), "rel": fbh.rel(got, ref), "again_equal": bool(torch.equal(again, got))}
+            "calls": len(calls), "rel": fbh.rel(got, ref), "again_equal": bool(torch.equal(again, got)),
+            "float_fed_equal": bool(torch.equal(float_fed, got))}
 
 
-@needs_interpreter
-def test_tiny_flux_convrot_fused_pinned(pack):
-    """Flux.1 blocks whose LayerNorm-fed layers are ConvRot and the others not (Flux blocks with no unrotated INT8
-    layer stay per-linear: module doc of adapters/flux)."""
+def flux_case(pack, rotated: str) -> dict:
+    """Tiny Flux.1 (two double, two single blocks): ``rotated`` "fed" (the LayerNorm-fed layers) or "all"."""
     from test_flux_fused import _inputs, tiny_flux
     dm = tiny_flux(BF16)
     x, t, ctx, y = _inputs(BF16)
-    fed = ("attn.qkv", "mlp.0", "linear1")
-    res = _equivalence(pack, dm, lambda m: m(x, t, ctx, y=y), fed)
-    print(res)
+    only = ("attn.qkv", "mlp.0", "linear1") if rotated == "fed" else ()
+    res = _equivalence(pack, dm, lambda m: m(x, t, ctx, y=y), only)
+    return dict(res, depth=(dm.params.depth, dm.params.depth_single_blocks))
+
+
+def flux2_case(pack) -> dict:
+    """Flux.2's blocks (modulation passed in, SiLU-gated MLPs: adapters/flux/external_mod.py), every layer rotated."""
+    from test_flux_fused import _inputs, tiny_flux
+    dm = tiny_flux(BF16, depth=1, single=1, global_modulation=True, mlp_silu_act=True, ops_bias=False,
+                   qkv_bias=False, vec_in_dim=None)
+    x, t, ctx, _ = _inputs(BF16)
+    return _equivalence(pack, dm, lambda m: m(x, t, ctx))
+
+
+def wan_case(pack) -> dict:
+    """Tiny Wan 2.1 (two blocks), every layer rotated."""
+    from test_wan_fused import _inputs, tiny_wan
+    dm = tiny_wan(BF16, layers=2)
+    x, t, ctx = _inputs(BF16)
+    return dict(_equivalence(pack, dm, lambda m: m(x, t, ctx)), blocks=len(dm.blocks))
+
+
+def qwen_case(pack) -> dict:
+    """Tiny Qwen-Image (two joint blocks), every layer rotated: q / k / v of a stream stacked as one ConvRot layer."""
+    from test_qwen_image_fused import _inputs, tiny_qwen
+    dm = tiny_qwen(BF16)
+    x, t, ctx = _inputs(BF16)
+    return dict(_equivalence(pack, dm, lambda m: m(x, t, ctx)), blocks=len(dm.transformer_blocks))
+
+
+def check_flux(res, rotated: str):
+    double, single = res["depth"]
+    assert res["same_layers"], res
     assert res["kinds"] == ["FusedFluxDoubleBlock", "FusedFluxSingleBlock"] and res["plain_is_per_linear"], res
-    assert res["rotated"] == 4 * dm.params.depth + dm.params.depth_single_blocks, res
+    assert res["rotated"] == (4 * double + single if rotated == "fed" else res["layers"]) > 0, res
     # per double block: img / txt qkv and img / txt mlp.0 (the residual tail kernel takes no ConvRot layer); per
     # single block: linear1
-    double, single = dm.params.depth, dm.params.depth_single_blocks
     assert res["calls"] == 4 * double + single, res
-    assert res["rel"] <= REL_MODEL and res["again_equal"], res
+    assert res["again_equal"] and res["float_fed_equal"], res
+    if rotated == "fed":
+        assert res["rel"] <= REL_MODEL, res
+
+
+def check_flux2(res):
+    assert res["same_layers"], res
+    assert res["kinds"] == ["ExternalModDoubleBlock", "ExternalModSingleBlock"] and res["plain_is_per_linear"], res
+    assert res["rotated"] == res["layers"] > 0 and res["calls"] == 4 + 1, res
+    assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
+
+
+def check_wan(res):
+    assert res["same_layers"], res
+    assert res["kinds"] == ["FusedWanBlock"] and res["plain_is_per_linear"], res
+    assert res["rotated"] == res["layers"] > 0, res
+    assert res["calls"] == 2 * res["blocks"], res  # q / k / v share one rotated input; ffn.0 its own
+    assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
+
+
+def check_qwen(res):
+    from test_qwen_image_fused import REL_ROPE
+    assert res["same_layers"], res
+    assert res["kinds"] == ["FusedQwenImageBlock"] and res["plain_is_per_linear"], res
+    assert res["rotated"] == res["layers"] > 0, res
+    assert res["calls"] == 4 * res["blocks"], res  # per block: each stream's stacked q/k/v and its MLP's fc1
+    # the fused blocks' RoPE rounding differs from ComfyUI's (tests/test_qwen_image_fused.py): its bound
+    assert res["rel"] <= REL_ROPE and res["again_equal"] and res["float_fed_equal"], res
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rotated", ["fed", "all"])
+def test_tiny_flux_convrot_fused_pinned(pack, rotated):
+    res = flux_case(pack, rotated)
+    print(res)
+    check_flux(res, rotated)
+
+
+@needs_interpreter
+def test_tiny_flux2_convrot_fused_pinned(pack):
+    res = flux2_case(pack)
+    print(res)
+    check_flux2(res)
 
 
 @needs_interpreter
 def test_tiny_wan_convrot_fused_pinned(pack):
-    from test_wan_fused import _inputs, tiny_wan
-    dm = tiny_wan(BF16, layers=2)
-    x, t, ctx = _inputs(BF16)
-    res = _equivalence(pack, dm, lambda m: m(x, t, ctx))
+    res = wan_case(pack)
     print(res)
-    assert res["kinds"] == ["FusedWanBlock"] and res["plain_is_per_linear"], res
-    assert res["rotated"] == res["layers"] > 0, res
-    assert res["calls"] == 2 * len(dm.blocks), res  # q / k / v share one rotated input; ffn.0 its own
-    assert res["rel"] <= REL_MODEL and res["again_equal"], res
+    check_wan(res)
+
+
+@needs_interpreter
+def test_tiny_qwen_image_convrot_fused_pinned(pack):
+    res = qwen_case(pack)
+    print(res)
+    check_qwen(res)
+
+
+# ----------------------------------------------------------------------------------- current ComfyUI (subprocess)
+def body(pack, models) -> dict:
+    """Runs inside the current ComfyUI (subprocess)."""
+    from comfyui_version import __version__
+    return {"comfyui": __version__, "flux_all": flux_case(pack, "all"), "flux2": flux2_case(pack),
+            "wan": wan_case(pack), "qwen": qwen_case(pack)}
+
+
+def test_convrot_fused_on_the_current_comfyui(comfy_current):
+    from comfy_harness import run_body_in_current_comfy
+    res = run_body_in_current_comfy(__file__)
+    print(res)
+    assert res["comfyui"] == "0.33.0"
+    check_flux(res["flux_all"], "all")
+    check_flux2(res["flux2"])
+    check_wan(res["wan"])
+    check_qwen(res["qwen"])

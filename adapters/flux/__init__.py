@@ -18,10 +18,9 @@ Flux.2: ``modulation=False``, SiLU-gated MLPs) are ``external_mod.py``'s; anythi
 ``flipped_img_txt``, other classes) stays per-linear, with one log line saying why. At call time,
 ``modulation_dims`` (current ComfyUI's ``timestep_zero_index``) or ``attn1_patch`` / ``attn1_output_patch`` in
 ``transformer_options`` run ComfyUI's own forward on the block's INT8 twin (the per-linear path). fp16: the fused
-forwards clamp as ComfyUI's do (``nan_to_num`` of txt / x). ConvRot layers (``quant.convrot``) in a fused block get
-their rotated input from the LayerNorm kernel where it feeds them; a block with no unrotated INT8 layer on
-fused_triton stays per-linear (fused, such a block differed from ComfyUI's forward by about 2e-3 on the tiny test
-model, a difference not yet explained).
+forwards clamp as ComfyUI's do (``nan_to_num`` of txt / x). ConvRot layers (``quant.convrot``) get their rotated
+input from the LayerNorm kernel where it feeds them (qkv, mlp.0, linear1; a block of ConvRot layers only is fused
+for that), the others rotate their float input themselves.
 
 ComfyUI functions, imported explicitly in :func:`comfy_functions`: ``comfy.ldm.flux.math.attention`` (RoPE, then
 ``optimized_attention`` with ``transformer_options``: the pack's attention routing applies), that
@@ -123,6 +122,8 @@ def why_not_single(blk: nn.Module, layers) -> str | None:
 # the int8 layers whose input a fused kernel produces: a block without one of them on fused_triton gains nothing
 KERNEL_FED = {"double": ("img_attn.qkv", "txt_attn.qkv", "img_mlp.0", "txt_mlp.0", "img_mlp.2", "txt_mlp.2"),
               "single": ("linear1", "linear2")}
+# those whose input the modulated-LayerNorm kernel gives: it rotates it too for a ConvRot layer
+NORM_FED = ("img_attn.qkv", "txt_attn.qkv", "img_mlp.0", "txt_mlp.0", "linear1")
 
 
 def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
@@ -141,7 +142,7 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
             name = f"{kind}_blocks.{i}"
             candidates.append((name, why(blk, layers), KERNEL_FED[kind],
                                lambda blk=blk, name=name, cls=cls: cls(blk, name, int8_layers, fn)))
-    return fuse_blocks("Flux", candidates, int8_layers, log)
+    return fuse_blocks("Flux", candidates, int8_layers, log, NORM_FED)
 
 
 ADAPTER = Adapter(

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..base import blocks as qb, fuse_blocks
-from . import ADAPTER as FLUX1, DOUBLE_ARGS, KERNEL_FED, SINGLE_ARGS, comfy_functions, why_not_double, why_not_single
+from . import (ADAPTER as FLUX1, DOUBLE_ARGS, KERNEL_FED, NORM_FED, SINGLE_ARGS, comfy_functions, why_not_double,
+               why_not_single)
 from .blocks import FusedFluxDoubleBlock, FusedFluxSingleBlock
 
 log = logging.getLogger("int8_fused")
@@ -159,7 +160,7 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
                 reason, cls = why2(blk, layers), cls2
             candidates.append((name, reason, KERNEL_FED[kind],
                                lambda blk=blk, name=name, cls=cls: cls(blk, name, int8_layers, fn)))
-    return fuse_blocks("Flux", candidates, int8_layers, log)
+    return fuse_blocks("Flux", candidates, int8_layers, log, NORM_FED)
 
 
 ADAPTER = dataclasses.replace(FLUX1, fuse=fuse)

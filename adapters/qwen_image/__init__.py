@@ -5,7 +5,8 @@ INT8 layers: the attention and MLP linears of ``transformer_blocks.N``; the modu
 
 Fused, on fused_triton (``fuse``): each ``transformer_blocks.N`` that is ComfyUI's ``QwenImageTransformerBlock``
 with its structure (LayerNorms without affine, the tanh-GELU FeedForward, per-head RMSNorm QK norms, the ``forward``
-arguments of 0.3.75 or 0.33.0) and whose q/k/v of each stream are INT8 on fused_triton with equal smoothing becomes a
+arguments of 0.3.75 or 0.33.0) and whose q/k/v of each stream are INT8 on fused_triton with equal smoothing (or
+ConvRot layers of one group size: stacked as one ConvRot layer, rotated in the LayerNorm kernel) becomes a
 ``blocks.FusedQwenImageBlock`` (q/k/v stacked into one GEMM per stream, norm · modulation + quantize, QK norm + RoPE,
 GELU + quantize, residual tails: see blocks.py). Other blocks stay per-linear, with one log line saying why.
 
@@ -31,6 +32,8 @@ BLOCK_ARGS = {("self", "hidden_states", "encoder_hidden_states", "encoder_hidden
                "image_rotary_emb", "timestep_zero_index", "transformer_options")}               # 0.33.0
 KERNEL_FED = ("attn.to_q", "attn.add_q_proj", "img_mlp.net.0.proj", "txt_mlp.net.0.proj", "img_mlp.net.2",
               "txt_mlp.net.2")
+# those whose input the modulated-LayerNorm kernel gives: it rotates it too for ConvRot layers
+NORM_FED = ("attn.to_q", "attn.add_q_proj", "img_mlp.net.0.proj", "txt_mlp.net.0.proj")
 
 
 def comfy_functions():
@@ -85,7 +88,7 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, functions=None) -> dict:
             reason = next((r for r in qkv.values() if isinstance(r, str)), None)
         candidates.append((name, reason, KERNEL_FED,
                            lambda blk=blk, name=name, qkv=qkv: FusedQwenImageBlock(blk, name, int8_layers, qkv, fn)))
-    return fuse_blocks("Qwen-Image", candidates, int8_layers, log)
+    return fuse_blocks("Qwen-Image", candidates, int8_layers, log, NORM_FED)
 
 
 ADAPTER = Adapter(

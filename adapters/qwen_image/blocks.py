@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..base import Int8Linear, blocks as qb
+from ..base import Int8Linear, blocks as qb, convrot
 
 STREAMS = {"img": ("to_q", "to_k", "to_v"), "txt": ("add_q_proj", "add_k_proj", "add_v_proj")}
 NORMS = {"img": ("norm_q", "norm_k"), "txt": ("norm_added_q", "norm_added_k")}
@@ -46,15 +46,19 @@ class QwenFunctions:
 
 
 def merge_qkv(layers: dict, prefix: str, stream: str):
-    """The stacked q/k/v Int8Linear of ``stream`` of the block ``prefix``, or a reason string why not."""
+    """The stacked q/k/v Int8Linear of ``stream`` of the block ``prefix`` (a ConvRotLinear where all three are
+    ConvRot layers of one group: the LayerNorm kernel rotates their shared input), or a reason string why not."""
     names = [f"{prefix}.attn.{n}" for n in STREAMS[stream]]
     ls = [layers.get(n) for n in names]
-    if not all(qb.fusable(m) for m in ls):
-        return f"{stream} q/k/v are not all INT8 on fused_triton"
+    groups = {qb.rotation(m) for m in ls}
+    if not (all(qb.fusable(m) for m in ls) or (all(qb.norm_fusable(m) for m in ls) and len(groups) == 1)):
+        return f"{stream} q/k/v are not all INT8 on fused_triton (unrotated, or ConvRot of one group size)"
     try:
-        return qb.merge_int8(qb.merge_int8(ls[0], ls[1], names[0]), ls[2], f"{prefix}.attn.{stream}_qkv")
+        merged = qb.merge_int8(qb.merge_int8(ls[0], ls[1], names[0]), ls[2], f"{prefix}.attn.{stream}_qkv")
     except ValueError as e:
         return f"{stream} q/k/v cannot share one GEMM ({e})"
+    group = groups.pop()
+    return convrot.ConvRotLinear.of(merged, group) if group else merged
 
 
 _PE: dict = {}
@@ -190,11 +194,11 @@ class FusedQwenImageBlock(qb.FetchedBlock):
 
 
 def _mod_linear(layer, norm, x, shift, scale) -> torch.Tensor:
-    """``layer(addcmul(shift, norm(x), 1 + scale))`` (x [B, L, K]; ``layer`` INT8 on fused_triton): one kernel
-    feeding the int8 GEMM."""
+    """``layer(addcmul(shift, norm(x), 1 + scale))`` (x [B, L, K]; ``layer`` INT8 on fused_triton, a ConvRot one
+    rotated in the same kernel): one kernel feeding the int8 GEMM."""
     b, l, k = x.shape
     a_q, a_s = qb.ln_mod_quant(x.reshape(-1, k), scale, shift, l, qb.inv_smooth_of(layer, x.device),
-                               float(norm.eps))
+                               float(norm.eps), qb.rotation(layer))
     return qb.gemm(a_q, a_s, layer, qb.promote(x, scale, shift)).view(b, l, -1)
 
 
@@ -217,8 +221,10 @@ def _mlp_tails(x, proj, mod, norm, mlp, round_product: bool) -> torch.Tensor:
         h = qb.gemm(a_q, a_s, fc1, qb.promote(x, sc2, sh2)).view(b, l, -1)
     else:
         x = x + g1 * proj if round_product else torch.addcmul(x, g1, proj)
-        y = torch.addcmul(sh2, norm(x), 1 + sc2)
-        h = qb.linear(fc1, y)
+        if qb.norm_fusable(fc1) and not qb.fusable(fc1) and getattr(norm, "weight", None) is None:  # ConvRot fc1
+            h = _mod_linear(fc1, norm, x, sh2, sc2)
+        else:
+            h = qb.linear(fc1, torch.addcmul(sh2, norm(x), 1 + sc2))
         if not qb.fusable(fc1):
             h = torch.nn.functional.gelu(h, approximate=mlp.net[0].approximate)
             return torch.addcmul(x, g2, qb.linear(fc2, h))
