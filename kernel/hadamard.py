@@ -6,9 +6,10 @@ of ``[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]]``, divided by sqrt(G); symmet
 each group of G columns. The quantization of y is ``quant.quantize.quantize_per_token_ref``'s, rounding for
 rounding (the same helpers as ``kernel.quantize``).
 
-``layernorm_modulate_hadamard_quantize`` puts a block's adaLN LayerNorm in front (Flux.1, Qwen-Image, Wan feeding a
-ConvRot layer): ``kernel.norm.layernorm_modulate_quantize``'s values, rounded to their dtype, then rotated and
-quantized as above, in one kernel instead of torch's norm and modulation plus this one.
+``layernorm_modulate_hadamard_quantize`` / ``rmsnorm_modulate_hadamard_quantize`` put a block's adaLN norm in front
+(a ConvRot layer fed by Flux's, Qwen-Image's or Wan's LayerNorm, by Lumina 2's or Ideogram 4's RMSNorm):
+``kernel.norm``'s modulated values, rounded to their dtype, then rotated and quantized as above, in one kernel
+instead of torch's norm and modulation plus this one.
 
 How. A program takes BLOCK_M rows and walks their K / G groups twice: pass 1 rotates each group and keeps the
 rows' |max|, pass 2 rotates it again (the same operations, the same bits) and stores the codes. The rotation of
@@ -27,8 +28,8 @@ import triton.language as tl
 from .launch import launch
 from .norm import modulation_operands
 from .quantize import INTERPRET, quant_params, store_q
-from .checks import check_2d, check_usable
-from .rowtile import DT_CODE, FLOAT, round_to, row_major, rsqrt_mean
+from .checks import check_2d, check_usable, vector
+from .rowtile import DT_CODE, FLOAT, batch_rows, round_to, row_major, rsqrt_mean
 
 #: ConvRot group sizes this kernel runs (powers of 4 from 16: the regular Hadamard orders tl.dot takes).
 GROUPS = (16, 64, 256, 1024)
@@ -181,14 +182,15 @@ def hadamard_rotate(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 @triton.jit
-def _ln_mod_hadamard_quant_kernel(x_ptr, s_ptr, sh_ptr, q_ptr, qs_ptr, M, K, tokens_per_batch, eps,
-                                  stride_xm, stride_sb, stride_shb, stride_qm,
-                                  G1: tl.constexpr, G2: tl.constexpr, BM: tl.constexpr, NORM_DT: tl.constexpr,
-                                  SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, SCALE_RECIP: tl.constexpr,
-                                  INTERPRET: tl.constexpr):
-    # BM rows a program. Passes over the row's groups: the mean, the variance (mean of squared deviations, fp32),
-    # then the rotated |max| and, again, the rotated codes. The norm and modulation are kernel.norm's lnmod_tile
-    # per element (rounded to x's, scale's and the product's dtypes); the product is rotated in its own dtype.
+def _norm_mod_hadamard_quant_kernel(x_ptr, w_ptr, s_ptr, sh_ptr, q_ptr, qs_ptr, M, K, tokens_per_batch, eps,
+                                    stride_xm, stride_sb, stride_shb, stride_qm,
+                                    RMS: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, BM: tl.constexpr,
+                                    NORM_DT: tl.constexpr, SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr,
+                                    SCALE_RECIP: tl.constexpr, INTERPRET: tl.constexpr):
+    # BM rows a program. Passes over the row's groups: the row statistics (LayerNorm: the mean, then the variance as
+    # the mean of squared deviations; RMS: the mean square; fp32), then the rotated |max| and, again, the rotated
+    # codes. The norm and modulation are kernel.norm's lnmod_tile / rmsmod_tile per element (rounded as there); the
+    # product is rotated in its own dtype.
     G: tl.constexpr = G1 * G2
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < M
@@ -197,10 +199,12 @@ def _ln_mod_hadamard_quant_kernel(x_ptr, s_ptr, sh_ptr, q_ptr, qs_ptr, M, K, tok
     bidx = rows // tokens_per_batch
     s_rows = s_ptr + bidx[:, None] * stride_sb
     sh_rows = sh_ptr + bidx[:, None] * stride_shb
-    acc = tl.zeros([BM], dtype=tl.float32)
-    for g0 in range(0, K, G):
-        acc += tl.sum(tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32), axis=1)
-    mean = tl.math.div_rn(acc, K * 1.0)
+    mean = tl.zeros([BM], dtype=tl.float32)
+    if not RMS:
+        acc = tl.zeros([BM], dtype=tl.float32)
+        for g0 in range(0, K, G):
+            acc += tl.sum(tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32), axis=1)
+        mean = tl.math.div_rn(acc, K * 1.0)
     acc = tl.zeros([BM], dtype=tl.float32)
     for g0 in range(0, K, G):
         d = tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) - mean[:, None]
@@ -210,29 +214,37 @@ def _ln_mod_hadamard_quant_kernel(x_ptr, s_ptr, sh_ptr, q_ptr, qs_ptr, M, K, tok
     amax = tl.zeros([BM], dtype=tl.float32)
     bad = tl.zeros([BM], dtype=tl.int32)
     for g0 in range(0, K, G):
-        y = _ln_mod_group(x_rows, s_rows, sh_rows, g0, cols, rmask, mean, rstd, NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+        y = _norm_mod_group(x_rows, w_ptr, s_rows, sh_rows, g0, cols, rmask, mean, rstd, RMS, NORM_DT, SCALE_DT,
+                            PROD_DT, INTERPRET)
         ay = tl.abs(_rotate(y, h1, h2, h2f, BM, G1, G2, INTERPRET))
         amax = tl.maximum(amax, tl.max(ay, axis=1))
         bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0, 1), axis=1))  # NaN fails `< inf` too
     scale, mult, usable = quant_params(amax, bad > 0, SCALE_RECIP)
     tl.store(qs_ptr + rows, scale, mask=rmask)
     for g0 in range(0, K, G):
-        y = _ln_mod_group(x_rows, s_rows, sh_rows, g0, cols, rmask, mean, rstd, NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
+        y = _norm_mod_group(x_rows, w_ptr, s_rows, sh_rows, g0, cols, rmask, mean, rstd, RMS, NORM_DT, SCALE_DT,
+                            PROD_DT, INTERPRET)
         store_q(q_ptr + rows[:, None] * stride_qm + g0 + cols[None, :], _rotate(y, h1, h2, h2f, BM, G1, G2, INTERPRET),
                 mult[:, None], usable[:, None], rmask[:, None], INTERPRET)
 
 
 @triton.jit
-def _ln_mod_group(x_rows, s_rows, sh_rows, g0, cols, rmask, mean, rstd, NORM_DT: tl.constexpr,
-                  SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """One group of the modulated LayerNorm, ``addcmul(shift, dt(norm), st(1 + scale))`` rounded to the product's
-    dtype and returned in it (exact: the rotation's products stay exact for bf16 / fp16)."""
+def _norm_mod_group(x_rows, w_ptr, s_rows, sh_rows, g0, cols, rmask, mean, rstd, RMS: tl.constexpr,
+                    NORM_DT: tl.constexpr, SCALE_DT: tl.constexpr, PROD_DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """One group of the modulated norm rounded to the product's dtype and returned in it (exact: the rotation's
+    products stay exact for bf16 / fp16). LayerNorm: ``addcmul(shift, dt(norm), st(1 + scale))``; RMS:
+    ``dt(x * rstd * w) * scale`` (``scale`` the adaLN 1 + s itself)."""
     m2 = rmask[:, None]
     x = tl.load(x_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     s = tl.load(s_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    sh = tl.load(sh_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    n = round_to((x - mean[:, None]) * rstd[:, None], NORM_DT, INTERPRET)
-    y = tl.where(m2, round_to(n * round_to(1.0 + s, SCALE_DT, INTERPRET) + sh, PROD_DT, INTERPRET), 0.0)
+    if RMS:
+        w = tl.load(w_ptr + g0 + cols).to(tl.float32)
+        n = round_to(x * rstd[:, None] * w[None, :], NORM_DT, INTERPRET)
+        y = tl.where(m2, round_to(n * s, PROD_DT, INTERPRET), 0.0)
+    else:
+        sh = tl.load(sh_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        n = round_to((x - mean[:, None]) * rstd[:, None], NORM_DT, INTERPRET)
+        y = tl.where(m2, round_to(n * round_to(1.0 + s, SCALE_DT, INTERPRET) + sh, PROD_DT, INTERPRET), 0.0)
     if PROD_DT == 1:
         return y.to(tl.bfloat16)
     elif PROD_DT == 2:
@@ -257,10 +269,36 @@ def layernorm_modulate_hadamard_quantize(x: torch.Tensor, scale: torch.Tensor, s
     check_usable(x, "layernorm_modulate_hadamard_quantize")
     x = row_major(x, "x")
     prod = torch.promote_types(torch.promote_types(x.dtype, s2.dtype), sh2.dtype)
-    g1, g2 = group_split(group)
-    launch(_ln_mod_hadamard_quant_kernel, (triton.cdiv(m, BLOCK_M),),
-           (x, s2, sh2, q, qs, m, k, tpb, float(eps), x.stride(0), 0 if s2.shape[0] == 1 else s2.stride(0),
-            0 if sh2.shape[0] == 1 else sh2.stride(0), q.stride(0)),
-           dict(G1=g1, G2=g2, BM=BLOCK_M, NORM_DT=DT_CODE[x.dtype], SCALE_DT=DT_CODE[s2.dtype],
-                PROD_DT=DT_CODE[prod], SCALE_RECIP=x.is_cuda, INTERPRET=INTERPRET), 4, 1, x.device)
+    _launch(x, x, s2, sh2, q, qs, tpb, eps, group, False, DT_CODE[s2.dtype], prod)
     return q, qs
+
+
+def rmsnorm_modulate_hadamard_quantize(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, scale: torch.Tensor,
+                                       tokens_per_batch: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [M, K], fp32 [M]) of ``hadamard_quantize(rms_norm(x, norm_weight, eps) * scale, group)``:
+    ``kernel.norm.rmsnorm_modulate_quantize``'s values (``scale`` the adaLN 1 + s, [B | 1, K]; no smoothing),
+    rotated in the product's dtype and quantized per token, in one kernel."""
+    check_2d(x, "x", FLOAT, "pass the hidden states as [tokens, K] in bf16, fp16 or fp32")
+    m, k = x.shape
+    check(k, group, "rmsnorm_modulate_hadamard_quantize")
+    w = vector(norm_weight, k, "norm_weight", x.device, allow_scalar=False)
+    tpb = max(int(tokens_per_batch), 1)
+    s2 = batch_rows(scale, k, m, tpb, "scale", x.device)
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    qs = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, qs
+    check_usable(x, "rmsnorm_modulate_hadamard_quantize")
+    _launch(row_major(x, "x"), row_major(w, "norm_weight"), s2, s2, q, qs, tpb, eps, group, True, 0,
+            torch.promote_types(x.dtype, s2.dtype))
+    return q, qs
+
+
+def _launch(x, w, s2, sh2, q, qs, tpb, eps, group, rms, scale_dt, prod):
+    g1, g2 = group_split(group)
+    m, k = x.shape
+    launch(_norm_mod_hadamard_quant_kernel, (triton.cdiv(m, BLOCK_M),),
+           (x, w, s2, sh2, q, qs, m, k, tpb, float(eps), x.stride(0), 0 if s2.shape[0] == 1 else s2.stride(0),
+            0 if sh2.shape[0] == 1 else sh2.stride(0), q.stride(0)),
+           dict(RMS=rms, G1=g1, G2=g2, BM=BLOCK_M, NORM_DT=DT_CODE[x.dtype], SCALE_DT=scale_dt,
+                PROD_DT=DT_CODE[prod], SCALE_RECIP=x.is_cuda, INTERPRET=INTERPRET), 4, 1, x.device)

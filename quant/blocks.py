@@ -32,6 +32,7 @@ from torch import nn
 
 from .. import kernel as _kernel
 from ..kernel import config, plan as _PLAN  # torch only: importing them loads no Triton
+from .convrot import ConvRotLinear
 from .linear import Int8Linear, block_fetch, derived
 from .quantize import quantize_per_token_ref
 
@@ -154,6 +155,21 @@ def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):
         return call(kernels().swiglu.gemm_swiglu, a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype, clamp_fp16)
 
 
+def rotate_quant(x2, group: int):
+    """ConvRot's rotation of x2 [M, K] (groups of ``group``) with per-token int8 quantization: one kernel
+    (``kernel.hadamard.hadamard_quantize``; its custom op under torch.compile)."""
+    if compiling():
+        return torch.ops.int8_fused.hadamard_quant(x2, group)
+    return call(kernels().hadamard.hadamard_quantize, x2, group)
+
+
+def input_quant(layer, x2):
+    """(int8, fp32) input of ``layer``'s GEMM from its float input x2 [M, K]: rotated first for a ConvRot layer
+    (:func:`rotate_quant`), else divided by its smoothing (:func:`act_quant`)."""
+    group = rotation(layer)
+    return rotate_quant(x2, group) if group else act_quant(x2, inv_smooth_of(layer, x2.device))
+
+
 def act_quant(x2, inv_smooth):
     """Per-token int8 quantization of x2 [M, K] (divided by the smoothing first): (int8 [M, K], fp32 [M])."""
     if compiling():
@@ -191,6 +207,12 @@ def ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps, group: int = 0):
     layer (:func:`rotation`; no smoothing then), whose input the kernel also rotates
     (``layernorm_modulate_hadamard_quantize``)."""
     if group:
+        if compiling():  # torch's norm and modulation, then the rotation's custom op
+            k = x2.shape[-1]
+            nb = max(scale.reshape(-1, k).shape[0], shift.reshape(-1, k).shape[0])
+            y = torch.addcmul(shift.reshape(-1, 1, k), F.layer_norm(x2, (k,), eps=eps).reshape(nb, -1, k),
+                              1 + scale.reshape(-1, 1, k))
+            return rotate_quant(y.reshape(x2.shape), group)
         return call(kernels().hadamard.layernorm_modulate_hadamard_quantize, x2, scale, shift, tokens, group, eps)
     if compiling():
         return torch.ops.int8_fused.ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps)
@@ -362,19 +384,41 @@ def adaln_chunks(mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tensor, tokens: int,
-                           inv_smooth: torch.Tensor | None):
+                           inv_smooth: torch.Tensor | None, group: int = 0):
     """int8 input of the next GEMM from ``norm(x2) * scale`` ([M, K], scale [B, K]): one kernel, or the
-    module + kernel quantizer when the norm carries weight functions."""
+    module + kernel quantizer when the norm carries weight functions. ``group``: the ConvRot group of a rotated
+    next layer (no smoothing then), whose input the kernel also rotates."""
     w = norm_weight(norm, x2)
-    if w is None:
+    if w is None or (group and compiling()):
         y = norm(x2).reshape(-1, tokens, x2.shape[-1]) * scale.reshape(-1, 1, x2.shape[-1])
-        return act_quant(y.reshape(x2.shape), inv_smooth)
+        return rotate_quant(y.reshape(x2.shape), group) if group else act_quant(y.reshape(x2.shape), inv_smooth)
+    if group:
+        return call(kernels().hadamard.rmsnorm_modulate_hadamard_quantize, x2, w, norm_eps(norm, x2), scale, tokens,
+                    group)
     return _rms_mod_quant(x2, w, norm_eps(norm, x2), scale, tokens, inv_smooth)
 
 
 # The residual-tail kernel (gated_residual_rmsnorm) is built without FMA contraction: with it, the compiler fuses
 # gate * norm(o) into the add and y's elements differ from torch's; without, they differ only by torch's own
 # reduction order for mean(o^2).
+
+
+def residual_then_quant(x, o, norm, gate, tokens, nxt, next_scale, layer):
+    """(x + gate * norm(o) [B, L, K], int8, fp32): the residual tail of an RMSNorm block and the int8 input
+    ``nxt(y) * next_scale`` of ``layer``'s GEMM, in one kernel (:func:`gated_residual`), or for a ConvRot ``layer``
+    the tail's kernel then the rotating norm kernel (:func:`norm_modulate_quantize`); torch where a kernel cannot
+    run. ``gate`` / ``next_scale``: [B, K] rows (tanh(g), 1 + s)."""
+    b, l, k = x.shape
+    group, inv = rotation(layer), inv_smooth_of(layer, x.device)
+    tail = gated_residual(x.reshape(-1, k), o.reshape(-1, k), norm, gate, tokens,
+                          *((nxt, next_scale, inv) if not group else ()))
+    if tail is None:
+        y = x + gate.reshape(b, 1, k) * rms(norm, o.reshape(b, l, -1))
+    elif not group:
+        return tail[0].view(b, l, k), tail[1], tail[2]
+    else:
+        y = tail[0].view(b, l, k)
+    return (y, *norm_modulate_quantize(nxt, y.reshape(-1, k), next_scale, tokens, inv, group))
 
 
 def gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_smooth=None):
@@ -467,8 +511,9 @@ class FetchedBlock(nn.Module):
 class FusedFeedForward(nn.Module):
     """``w2(silu(w1 x) * w3 x)`` with w1+w3 as one int8 GEMM and SwiGLU fused with w2's quantization.
 
-    ``w13``: merged Int8Linear [2F, K] (w1 rows first); ``w2``: an Int8Linear on fused_triton (input from
-    ``swiglu_quantize``) or any module (kept float, e.g. a protected w2: then ``silu * b`` runs in torch).
+    ``w13``: merged Int8Linear [2F, K] (w1 rows first; a ConvRotLinear where w1 and w3 are ConvRot layers of one
+    group: their input is rotated); ``w2``: an Int8Linear on fused_triton (input from ``swiglu_quantize``) or any
+    module (kept float, a protected or a ConvRot w2: then ``silu * b`` runs in torch).
     ``clamp_fp16``: ComfyUI's ``clamp_fp16`` on the SwiGLU product (current ComfyUI; fp16 only)."""
 
     def __init__(self, w13: Int8Linear, w2: nn.Module, clamp_fp16: bool = False, covers=()):
@@ -485,13 +530,16 @@ class FusedFeedForward(nn.Module):
         w2 is taken from ``int8_layers`` when there, else ``ff.w2`` (kept float)."""
         p = f"{name}." if name else ""
         w1, w3 = int8_layers.get(p + "w1"), int8_layers.get(p + "w3")
-        if not (fusable(w1) and fusable(w3)):
+        group = rotation(w1)
+        if not ((fusable(w1) and fusable(w3)) or (norm_fusable(w1) and norm_fusable(w3) and rotation(w3) == group)):
             return None
         try:
             w13 = merge_int8(w1, w3, name=f"{p}w1+w3")
         except ValueError as e:
             log.info("INT8 fusion: %s stays unfused: %s", name, e)
             return None
+        if group:
+            w13 = ConvRotLinear.of(w13, group)
         w2 = int8_layers.get(p + "w2", ff.w2)
         covers = [f"{p}w1", f"{p}w3"] + ([f"{p}w2"] if isinstance(w2, Int8Linear) else [])
         return cls(w13, w2, clamp_fp16, covers)
@@ -513,7 +561,7 @@ class FusedFeedForward(nn.Module):
             return self.w2(h)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        a_q, a_s = act_quant(x2, inv_smooth_of(self.w13, x.device))
+        a_q, a_s = input_quant(self.w13, x2)
         return self.forward_quantized(a_q, a_s, x.dtype).reshape(*lead, -1)
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,10 +8,10 @@ channel over its group of G, so per-token activation quantization loses less to 
 
 ``ConvRotLinear`` is an ``Int8Linear`` holding such a weight (codes and scales as stored). On ``fused_triton`` its
 forward rotates and quantizes the input in one kernel (``kernel.hadamard``) and runs the pack's GEMM unchanged; on
-the other backends it rotates the input in torch and runs the backend as usual. A fused block whose modulated
-LayerNorm feeds it (Flux family, Wan, Qwen-Image) rotates and quantizes in the norm's kernel
-(``quant.blocks.norm_fusable``, ``kernel.hadamard.layernorm_modulate_hadamard_quantize``); every other site calls it
-with a float input.
+the other backends it rotates the input in torch and runs the backend as usual. A fused block whose modulated norm
+feeds it (the LayerNorm of Flux, Wan, Qwen-Image; the RMSNorm of Lumina 2, Ideogram 4) rotates and quantizes in the
+norm's kernel (``quant.blocks.norm_fusable``, ``kernel.hadamard``); q / k / v or w1 / w3 of one group stack as one
+ConvRot layer; every other site calls it with a float input.
 """
 from __future__ import annotations
 

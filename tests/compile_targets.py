@@ -15,9 +15,9 @@ What each target gets: every GEMM tile ``autotune.target_candidates`` offers tha
 out, bias), as the SwiGLU-epilogue GEMM (under the ``maxnreg`` its launcher sets) and, for the large-M tiles, with the
 tail split (SPLIT 2, its launcher's ``maxnreg`` at that tile's occupancy on the target); the one-launch small-M W8A8
 kernel at the small tiles; the fused row kernels and the quantizers at the plans their launchers choose for the model
-widths (``MODELS``), and ConvRot's two rotate + quantize kernels at groups 64 and 256; the attention kernel at every
-tile ``attention8.configs`` keeps within the target's shared memory and at ``default_config`` for that limit
-(labelled "(default)"), with its block quantizer. Checks
+widths (``MODELS``), and ConvRot's rotate + quantize kernels (plain, after a LayerNorm, after an RMSNorm) at groups 64
+and 256; the attention kernel at every tile ``attention8.configs`` keeps within the target's shared memory and at
+``default_config`` for that limit (labelled "(default)"), with its block quantizer. Checks
 (tests/test_compile_targets.py): each compiles, fits the target's shared memory (``autotune.SMEM_OPTIN``), a GEMM
 within ``autotune.smem_bytes``, and spills at most ``SPILL_BOUND`` bytes. ``--other-triton DIR``: the sm_90 GEMMs
 (s8 rewrite included) again with the Triton installed in DIR (scripts/setup_runtime.sh puts 3.4.0 and 3.9.0 under
@@ -273,11 +273,13 @@ def quant_jobs(arch: int) -> list[dict]:
         out.append(job("quant", "kernel.hadamard", "_hadamard_quant_kernel", f"hadamard_quantize G{group}", dict(
             x_ptr=P(bf), q_ptr=P(i8), s_ptr=P(f32), f_ptr=P(f32), M=4608, K=3072, stride_xm=3072, stride_qm=3072,
             stride_fm=0), dict(common, HALF=False, STORE_FLOAT=False), 4, 1))
-        out.append(job("quant", "kernel.hadamard", "_ln_mod_hadamard_quant_kernel",
-                       f"layernorm_modulate_hadamard_quantize G{group}", dict(
-                           x_ptr=P(bf), s_ptr=P(bf), sh_ptr=P(bf), q_ptr=P(i8), qs_ptr=P(f32), M=4608, K=3072,
-                           tokens_per_batch=4096, eps=1e-6, stride_xm=3072, stride_sb=3072, stride_shb=3072,
-                           stride_qm=3072), dict(common, NORM_DT=1, SCALE_DT=1, PROD_DT=1), 4, 1))
+        for rms, what in ((False, "layernorm"), (True, "rmsnorm")):
+            out.append(job("quant", "kernel.hadamard", "_norm_mod_hadamard_quant_kernel",
+                           f"{what}_modulate_hadamard_quantize G{group}", dict(
+                               x_ptr=P(bf), w_ptr=P(bf), s_ptr=P(bf), sh_ptr=P(bf), q_ptr=P(i8), qs_ptr=P(f32),
+                               M=4608, K=3072, tokens_per_batch=4096, eps=1e-6, stride_xm=3072, stride_sb=3072,
+                               stride_shb=3072, stride_qm=3072),
+                           dict(common, RMS=rms, NORM_DT=1, SCALE_DT=0 if rms else 1, PROD_DT=1), 4, 1))
     return out
 
 

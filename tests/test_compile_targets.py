@@ -74,7 +74,7 @@ def test_every_kernel_compiles_for_target(arch):
             "_quant_rows_kernel", "_attn_int8_kernel", "_quant_blocks_kernel", "_rmsnorm_modulate_quant_kernel",
             "_layernorm_modulate_quant_kernel", "_swiglu_quant_kernel", "_gated_residual_kernel",
             "_residual_layernorm_kernel", "_concat_gelu_quant_kernel", "_qk_norm_rope_kernel",
-            "_hadamard_quant_kernel", "_ln_mod_hadamard_quant_kernel"} <= kinds
+            "_hadamard_quant_kernel", "_norm_mod_hadamard_quant_kernel"} <= kinds
     s8 = [r for r in rows if r.get("config", {}).get("S8")]
     if arch == 90:  # the pack's Triton (3.6): the s8 wgmma rewrite assembles, no fallback
         assert s8 and all(r["s8_rewrite"] for r in s8), [r.get("s8_error") for r in s8]

@@ -1,21 +1,24 @@
 """ConvRot layers inside fused blocks (issue 39 item 1: the rotation fused with the block's norm).
 
-1. ``kernel.hadamard.layernorm_modulate_hadamard_quantize`` against ComfyUI's unfused sequence: torch's
-   ``F.layer_norm`` and ``addcmul`` in the model dtype, then ``hadamard_quantize`` (checked against a float64
-   Hadamard in tests/test_convrot.py). Tolerance, derived: the kernel computes the same roundings; only its fp32
-   mean / variance sum order differs from torch's, which can move a value lying within a few fp32 ulps of a
-   dtype rounding boundary by one dtype ulp. One such move shifts the group's rotated values by at most
-   ulp / sqrt(G), far below an int8 step, so a code can flip by 1 only where it sat on a rounding midpoint: codes
-   equal except at most 1 % of them by +-1, scales within 2^-12. Also zero rows, NaN / Inf rows, refusals.
-2. Tiny Flux.1 and Wan 2.1 (ComfyUI's classes, pinned 0.3.75 in-process) with ConvRot layers on fused_triton: the
-   adapters build fused blocks, the LayerNorm-fed layers get their input from the new kernel (Wan's q / k / v from
-   one call), and the whole model equals the per-linear ConvRot path (ComfyUI's torch norm, then each layer's
-   rotate + quantize kernel) within ``REL_MODEL``, as the unrotated fused blocks do: Wan with every block linear
-   rotated, Flux.1 with its LayerNorm-fed layers rotated beside unrotated ones. Flux.1 with every layer rotated: the
-   kernel-fed blocks give the same bits as the same fused blocks feeding each ConvRot layer its float input. (Their
-   distance from ComfyUI's forward there is the QK-norm + RoPE kernel's: it rounds a rare value one bf16 ulp away
-   from torch's ops, tests/test_qk_norm_rope.py; on this tiny model that moves the output by ~2e-3 after four blocks,
-   and by 0 with that kernel replaced by ComfyUI's ops.)
+1. ``kernel.hadamard``'s ``layernorm_modulate_hadamard_quantize`` / ``rmsnorm_modulate_hadamard_quantize`` against
+   ComfyUI's unfused sequences: torch's ``F.layer_norm`` + ``addcmul`` (``F.rms_norm`` * (1 + s)) in the model
+   dtype, then ``hadamard_quantize`` (checked against a float64 Hadamard in tests/test_convrot.py). Tolerance,
+   derived: the kernels compute the same roundings; only their fp32 mean / variance sum order differs from torch's,
+   which can move a value lying within a few fp32 ulps of a dtype rounding boundary by one dtype ulp. One such move
+   shifts the group's rotated values by at most ulp / sqrt(G), far below an int8 step, so a code can flip by 1 only
+   where it sat on a rounding midpoint: codes equal except at most 1 % of them by +-1, scales within 2^-12. Also
+   zero rows, NaN / Inf rows, refusals, and the helpers' torch.compile branches (torch's ops + the custom op).
+2. Tiny models from ComfyUI's classes with ConvRot layers on fused_triton (Flux.1, Flux.2, Wan 2.1, Qwen-Image,
+   Lumina 2 pinned 0.3.75 in-process; those and a small Ideogram 4 on 0.33.0): the adapters build fused blocks, the
+   norm-fed layers get their input from the new kernels (calls counted; q / k / v and w1 / w3 stacked as one ConvRot
+   layer where the model stacks them), ``int8_layers`` gives every layer back with its codes and rotation, and the
+   whole model equals the per-linear ConvRot path (ComfyUI's torch norm, then each layer's rotate + quantize kernel)
+   within the bound of the unrotated fused blocks (``REL_MODEL``; Qwen-Image's RoPE rounding: its ``REL_ROPE``).
+   Everywhere the kernel-fed blocks give the same bits as the same blocks feeding each ConvRot layer its float
+   input. Flux.1 with every layer rotated is checked by that alone: its distance from ComfyUI's forward there is
+   the QK-norm + RoPE kernel's, which rounds a rare value one bf16 ulp away from torch's ops
+   (tests/test_qk_norm_rope.py); on this tiny model that moves the output by ~2e-3 after four blocks, and by 0 with
+   that kernel replaced by ComfyUI's ops.
 
 Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_convrot_fused.py -q
 """
@@ -79,6 +82,30 @@ def test_kernel_against_unfused_sequence(hd, dtype, group, m, k, b):
     _close(q, s, *_unfused(hd, x, scale, shift, group))
 
 
+def _unfused_rms(hd, x, w, scale, group, eps=1e-6):
+    """Lumina 2's / Ideogram 4's sequence: F.rms_norm (fp32 inside, one rounding), times the adaLN 1 + s row per
+    sample, then the ConvRot layer's rotate + quantize."""
+    m, k = x.shape
+    b = scale.reshape(-1, k).shape[0]
+    y = F.rms_norm(x, (k,), w.to(x.dtype), eps).reshape(b, -1, k) * scale.reshape(b, 1, k)
+    return hd.hadamard_quantize(y.reshape(m, k), group)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,group,m,k,b", [(BF16, 64, 37, 192, 1), (BF16, 256, 20, 512, 2), (FP16, 16, 9, 48, 3),
+                                               (FP32, 64, 8, 128, 2)])
+def test_rms_kernel_against_unfused_sequence(hd, dtype, group, m, k, b):
+    g = torch.Generator().manual_seed(m * 100 + k + 1)
+    x = (torch.randn(m, k, generator=g) * 2)
+    x[:, 3] *= 25.0
+    x = x.to(dtype)
+    w = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    scale = (1 + 0.3 * torch.randn(b, k, generator=g)).to(dtype)
+    q, s = hd.rmsnorm_modulate_hadamard_quantize(x, w, 1e-6, scale, m // b, group)
+    assert q.dtype == torch.int8 and q.shape == (m, k) and s.shape == (m,)
+    _close(q, s, *_unfused_rms(hd, x, w, scale, group))
+
+
 @needs_interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
 def test_kernel_zero_nan_rows_and_refusals(hd):
@@ -102,6 +129,13 @@ def test_kernel_zero_nan_rows_and_refusals(hd):
         hd.layernorm_modulate_hadamard_quantize(x, zero, zero, 6, 128)
     with pytest.raises(ValueError, match="scale has 4 batch rows"):
         hd.layernorm_modulate_hadamard_quantize(x, torch.zeros(4, 128), torch.zeros(4, 128), 6, 64)
+    # the RMSNorm twin: zero row -> scale 0, NaN / Inf rows -> NaN scale and zeros, the others as the unfused path
+    w, one = torch.ones(128, dtype=BF16), torch.ones(1, 128, dtype=BF16)
+    q, s = hd.rmsnorm_modulate_hadamard_quantize(x, w, 1e-6, one, 6, 64)
+    assert s[1] == 0 and not q[1].any() and all(math.isnan(s[i]) and not q[i].any() for i in (3, 4))
+    _close(q[ok], s[ok], *_unfused_rms(hd, x[ok], w, one, 64))
+    with pytest.raises(ValueError, match="norm_weight"):
+        hd.rmsnorm_modulate_hadamard_quantize(x, torch.ones(64), 1e-6, one, 6, 64)
 
 
 # ------------------------------------------------------------------------------ 2. tiny Flux.1 / Wan, pinned
@@ -127,21 +161,26 @@ def _equivalence(pack, dm, run, only=()) -> dict:
     with cfg.override(INT8_FUSED_FUSION=False):
         plain = A.object_patches(dm, layers)
     hmod = qb.kernels().hadamard
-    real, calls = hmod.layernorm_modulate_hadamard_quantize, []
+    kinds = ("layernorm_modulate_hadamard_quantize", "rmsnorm_modulate_hadamard_quantize")
+    real, calls = {n: getattr(hmod, n) for n in kinds}, []
 
-    def spy(*a, **kw):
-        calls.append(a[0].shape)
-        return real(*a, **kw)
+    def spy(name):
+        def f(*a, **kw):
+            calls.append(name)
+            return real[name](*a, **kw)
+        return f
 
     fused = fbh.swapped(dm, patches)
     with torch.no_grad():
         ref = run(fbh.swapped(dm, plain))
-        hmod.layernorm_modulate_hadamard_quantize = spy
+        for n in kinds:
+            setattr(hmod, n, spy(n))
         try:
             with fbh.unplanned(qb.kernels().plan):
                 got = run(fused)
         finally:
-            hmod.layernorm_modulate_hadamard_quantize = real
+            for n in kinds:
+                setattr(hmod, n, real[n])
         again = run(fused)  # prepared calls re-issue the kernel: the same bits
         norm_fusable, qb.norm_fusable = qb.norm_fusable, qb.fusable  # the same blocks, ConvRot layers fed float
         try:
@@ -155,7 +194,7 @@ def _equivalence(pack, dm, run, only=()) -> dict:
     return {"kinds": sorted({type(m).__name__ for m in patches.values()}), "plain_is_per_linear": plain == layers,
             "same_layers": same_layers,
             "rotated": sum(getattr(m, "rotation", 0) > 0 for m in layers.values()), "layers": len(layers),
-            "calls": len(calls), "rel": fbh.rel(got, ref), "again_equal": bool(torch.equal(again, got)),
+            "calls": len(calls), "rms_calls": calls.count(kinds[1]), "rel": fbh.rel(got, ref), "again_equal": bool(torch.equal(again, got)),
             "float_fed_equal": bool(torch.equal(float_fed, got))}
 
 
@@ -192,6 +231,40 @@ def qwen_case(pack) -> dict:
     dm = tiny_qwen(BF16)
     x, t, ctx = _inputs(BF16)
     return dict(_equivalence(pack, dm, lambda m: m(x, t, ctx)), blocks=len(dm.transformer_blocks))
+
+
+def lumina_case(pack) -> dict:
+    """Tiny Lumina 2 (the miniature's config), every layer rotated: RMSNorm-fed qkv and w1+w3 (stacked as one ConvRot
+    layer), the unmodulated blocks' feed-forwards rotated by the plain rotate + quantize kernel."""
+    from test_lumina2_fused import tiny_lumina
+    dm = tiny_lumina(BF16)
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(1, 16, 8, 8, generator=g).to(BF16), torch.randn(1, 6, 64, generator=g).to(BF16)
+    t = torch.tensor([0.6])
+    res = _equivalence(pack, dm, lambda m: m(x, t, ctx, num_tokens=6))
+    return dict(res, modulated=sum(getattr(b, "modulation", False) for b in (*dm.layers, *dm.noise_refiner)))
+
+
+def ideogram4_case(pack) -> dict:
+    """A small Ideogram 4 (0.33.0's class; hidden 128, two blocks), every block layer rotated. ComfyUI's training
+    flag is set meanwhile: its RMSNorm + RoPE then runs in torch (comfy-kitchen's fused op needs its GPU backend)."""
+    import comfy.ldm.ideogram4.model as im
+    import comfy.model_management as mm
+    import comfy.ops
+    torch.manual_seed(0)
+    dm = im.Ideogram4Transformer2DModel(in_channels=16, num_layers=2, num_attention_heads=2, attention_head_dim=64,
+                                        intermediate_size=256, adaln_dim=32, llm_features_dim=64,
+                                        dtype=BF16, device="cpu", operations=comfy.ops.disable_weight_init)
+    with torch.no_grad():
+        for n, p in dm.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else torch.randn_like(p) * p.shape[-1] ** -0.5)
+    x, ctx = torch.randn(1, 16, 4, 4, dtype=BF16), torch.randn(1, 5, 64, dtype=BF16)
+    t = torch.full((1,), 0.4)
+    training, mm.in_training = getattr(mm, "in_training", False), True
+    try:
+        return dict(_equivalence(pack, dm, lambda m: m(x, t, context=ctx)), blocks=len(dm.layers))
+    finally:
+        mm.in_training = training
 
 
 def check_flux(res, rotated: str):
@@ -232,6 +305,22 @@ def check_qwen(res):
     assert res["rel"] <= REL_ROPE and res["again_equal"] and res["float_fed_equal"], res
 
 
+def check_lumina(res):
+    assert res["same_layers"], res
+    assert "FusedLumina2Block" in res["kinds"] and res["plain_is_per_linear"], res
+    assert res["rotated"] == res["layers"] > 0, res
+    assert res["calls"] == res["rms_calls"] == 2 * res["modulated"] > 0, res  # per modulated block: qkv, w1+w3
+    assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
+
+
+def check_ideogram4(res):
+    assert res["same_layers"], res
+    assert "FusedIdeogram4Block" in res["kinds"] and res["plain_is_per_linear"], res
+    assert res["rotated"] == res["layers"] > 0, res
+    assert res["calls"] == res["rms_calls"] == 2 * res["blocks"], res  # per block: qkv, w1+w3
+    assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
+
+
 @needs_interpreter
 @pytest.mark.parametrize("rotated", ["fed", "all"])
 def test_tiny_flux_convrot_fused_pinned(pack, rotated):
@@ -255,6 +344,13 @@ def test_tiny_wan_convrot_fused_pinned(pack):
 
 
 @needs_interpreter
+def test_tiny_lumina2_convrot_fused_pinned(pack):
+    res = lumina_case(pack)
+    print(res)
+    check_lumina(res)
+
+
+@needs_interpreter
 def test_tiny_qwen_image_convrot_fused_pinned(pack):
     res = qwen_case(pack)
     print(res)
@@ -266,7 +362,8 @@ def body(pack, models) -> dict:
     """Runs inside the current ComfyUI (subprocess)."""
     from comfyui_version import __version__
     return {"comfyui": __version__, "flux_all": flux_case(pack, "all"), "flux2": flux2_case(pack),
-            "wan": wan_case(pack), "qwen": qwen_case(pack)}
+            "wan": wan_case(pack), "qwen": qwen_case(pack), "lumina2": lumina_case(pack),
+            "ideogram4": ideogram4_case(pack)}
 
 
 def test_convrot_fused_on_the_current_comfyui(comfy_current):
@@ -278,3 +375,27 @@ def test_convrot_fused_on_the_current_comfyui(comfy_current):
     check_flux2(res["flux2"])
     check_wan(res["wan"])
     check_qwen(res["qwen"])
+    check_lumina(res["lumina2"])
+    check_ideogram4(res["ideogram4"])
+
+
+@needs_interpreter
+def test_rotating_norm_helpers_under_torch_compile(pack):
+    """Under torch.compile (fullgraph, aot_eager) the helpers feeding a ConvRot layer trace without a graph break: torch's
+    norm and modulation, then the rotation's custom op; their codes match the eager kernels' (ties aside, ``_close``)."""
+    qb = pack.quant.blocks
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 128, generator=g).to(BF16)
+    scale, shift = (0.3 * torch.randn(2, 1, 128, generator=g)).to(BF16), (0.3 * torch.randn(2, 1, 128, generator=g)).to(BF16)
+    norm = torch.nn.RMSNorm(128, eps=1e-6, dtype=BF16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(128, generator=g))
+    layer = pack.quant.convrot.ConvRotLinear.rotate_float(torch.randn(32, 128, generator=g), 64, backend="fused_triton")
+    calls = {"ln": lambda: qb.ln_mod_quant(x, scale, shift, 6, None, 1e-6, 64),
+             "rms": lambda: qb.norm_modulate_quantize(norm, x, 1 + scale, 6, None, 64),
+             "input": lambda: qb.input_quant(layer, x)}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for name, fn in calls.items():
+            got = torch.compile(fn, backend="aot_eager", fullgraph=True)()
+            _close(*got, *fn())

@@ -3,8 +3,8 @@
 
 Fused, on fused_triton (``fuse``): each ``layers.N`` block becomes a ``blocks.FusedIdeogram4Block`` (modulated
 RMSNorm + quantization into qkv and w1+w3, SwiGLU + quantization into w2, residual tails with the next norm, QK norm +
-RoPE in one kernel). A block whose qkv is not INT8 on fused_triton keeps its own forward (its FeedForward alone may
-still be fused). ``llm_cond_proj`` (input constant within a run) gets a per-run ``quant.cached_linear.CachedLinear``.
+RoPE in one kernel; ConvRot qkv and w1 / w3 rotated in the norm kernel, as Lumina 2's). A block whose qkv is not INT8
+on fused_triton keeps its own forward (its FeedForward alone may still be fused). ``llm_cond_proj`` (input constant within a run) gets a per-run ``quant.cached_linear.CachedLinear``.
 Checkpoint key layout: ``layout.py`` (the Ideogram 4 loader's). Padded text: the conditional pass drops trailing
 padded text tokens (``diffusion_model_wrapper``, ``pad_elision.py``).
 
@@ -53,7 +53,7 @@ def _block(name: str, blk: nn.Module, layers: dict, fn: ComfyFunctions) -> Fused
     p = f"{name}."
     qkv = layers.get(p + "attention.qkv")
     ff = qb.FusedFeedForward.build(p + "feed_forward", blk.feed_forward, layers, fn.clamp_fp16)
-    if not qb.fusable(qkv) or ff is None:
+    if not qb.norm_fusable(qkv) or ff is None:
         return None
     o = layers.get(p + "attention.o", blk.attention.o)
     ada = layers.get(p + "adaln_modulation", blk.adaln_modulation)

@@ -49,9 +49,9 @@ class FusedIdeogram4Attention(nn.Module):
         """Drop-in for Ideogram4Attention.forward (normalised x [B, L, dim]). A qkv with LoRA branches this run
         (``quant.lora``) runs as its module call, so that the branch sees the float input."""
         b, l, k = x.shape
-        if not qb.fusable(self.qkv):
+        if not qb.norm_fusable(self.qkv):
             return self._attend(self.qkv(x), b, l, attn_mask, freqs_cis, transformer_options)
-        a_q, a_s = qb.act_quant(x.reshape(-1, k), qb.inv_smooth_of(self.qkv, x.device))
+        a_q, a_s = qb.input_quant(self.qkv, x.reshape(-1, k))
         return self.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
 
     def forward_quantized(self, a_q, a_s, b, l, dtype, attn_mask, freqs_cis, transformer_options={}):
@@ -130,26 +130,19 @@ class FusedIdeogram4Block(qb.FetchedBlock):
         attn, ff = self.attention, self.feed_forward
         # a GEMM whose layer carries LoRA branches this run (quant.lora; fusable() False) takes the float input
         # through its module call: that part runs as ComfyUI's ops, the rest stays fused
-        if not qb.fusable(attn.qkv):
+        if not qb.norm_fusable(attn.qkv):
             attn_out = attn(qb.rms(self.attention_norm1, x) * scale_msa, attn_mask, freqs_cis, transformer_options)
-        else:
+        else:  # a ConvRot qkv: the norm kernel rotates too
             a_q, a_s = qb.norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), scale_msa, l,
-                                                 qb.inv_smooth_of(attn.qkv, x.device))
+                                                 qb.inv_smooth_of(attn.qkv, x.device), qb.rotation(attn.qkv))
             attn_out = attn.forward_quantized(a_q, a_s, b, l, x.dtype, attn_mask, freqs_cis, transformer_options)
-        if not qb.fusable(ff.w13):
+        if not qb.norm_fusable(ff.w13):
             x = x + gate_msa * qb.rms(self.attention_norm2, attn_out)
             ff_out = ff(qb.rms(self.ffn_norm1, x) * scale_mlp).reshape(-1, k)
             return self._ffn_tail(x, ff_out, gate_mlp)
-        inv13 = qb.inv_smooth_of(ff.w13, x.device)
         # residual tail + ffn_norm1 * (1 + s) + quantize in one kernel (torch when it cannot run)
-        tail = qb.gated_residual(x.reshape(-1, k), attn_out.reshape(-1, k), self.attention_norm2, gate_msa, l,
-                                 self.ffn_norm1, scale_mlp, inv13)
-        if tail is not None:
-            x2, a_q, a_s = tail
-            x = x2.view(b, l, k)
-        else:
-            x = x + gate_msa * qb.rms(self.attention_norm2, attn_out)
-            a_q, a_s = qb.norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), scale_mlp, l, inv13)
+        x, a_q, a_s = qb.residual_then_quant(x, attn_out, self.attention_norm2, gate_msa, l, self.ffn_norm1, scale_mlp,
+                                             ff.w13)
         return self._ffn_tail(x, ff.forward_quantized(a_q, a_s, x.dtype), gate_mlp)
 
     def _ffn_tail(self, x, ff_out, gate_mlp):

@@ -9,7 +9,9 @@ next norm + quantization) one kernel each (``gated_residual_rmsnorm``); SwiGLU +
 attention (``optimized_attention_masked`` with ``transformer_options``: the pack's routing applies), tanh gates,
 post-norms and fp16 clamps as ComfyUI runs them. Blocks without modulation (``context_refiner.N``, 0.33.0's
 ``siglip_refiner.N``) and blocks the fused module does not implement keep the FeedForward-only fusion: w1+w3 as one
-int8 GEMM, SwiGLU + quantization feeding w2 (the latter with one log line saying why).
+int8 GEMM, SwiGLU + quantization feeding w2 (the latter with one log line saying why). ConvRot qkv and w1 / w3
+(``quant.convrot``; w1 / w3 of one group stacked as one ConvRot layer) get their input rotated in the norm kernel
+(``kernel.hadamard.rmsnorm_modulate_hadamard_quantize``), the residual tail then without the next norm.
 
 ComfyUI functions, imported explicitly in :func:`comfy_functions`: ``comfy.ldm.lumina.model.JointTransformerBlock.
 forward`` (fallback), ``comfy.ldm.flux.math.apply_rope``, ``comfy.ldm.modules.attention.optimized_attention_masked``.
@@ -118,7 +120,7 @@ def fuse(diffusion_model: nn.Module, int8_layers: dict, clamp_fp16: bool | None 
         if why is None:
             qkv = int8_layers.get(f"{name}.attention.qkv")
             ff = qb.FusedFeedForward.build(f"{name}.feed_forward", m.feed_forward, int8_layers, clamp)
-            if qb.fusable(qkv) and ff is not None:
+            if qb.norm_fusable(qkv) and ff is not None:
                 out[name] = FusedLumina2Block(m, name, int8_layers, ff, fn)
                 continue
             why = "qkv, w1 and w3 not all on fused_triton with equal w1/w3 smoothing"

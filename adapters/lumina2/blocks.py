@@ -129,22 +129,14 @@ class FusedLumina2Block(qb.FetchedBlock):
         b, l, k = x.shape
         attn = self.attention
         a_q, a_s = qb.norm_modulate_quantize(self.attention_norm1, x.reshape(-1, k), s_msa, l,
-                                             qb.inv_smooth_of(attn.qkv, x.device))
+                                             qb.inv_smooth_of(attn.qkv, x.device), qb.rotation(attn.qkv))
         o = self._attention(a_q, a_s, b, l, torch.promote_types(x.dtype, s_msa.dtype), x_mask, freqs_cis,
                             transformer_options)
         if fn.clamp_fp16 is not None:
             o = fn.clamp_fp16(o)
         ff = self.feed_forward
-        inv13 = qb.inv_smooth_of(ff.w13, x.device)
         # x + tanh(gate) * attention_norm2(o), then ffn_norm1 * (1 + s) + quantize: one kernel (torch otherwise)
-        tail = qb.gated_residual(x.reshape(-1, k), o.reshape(-1, k), self.attention_norm2, tanh_msa, l,
-                                 self.ffn_norm1, s_mlp, inv13)
-        if tail is not None:
-            x2, a_q, a_s = tail
-            x = x2.view(b, l, k)
-        else:
-            x = x + tanh_msa.unsqueeze(1) * qb.rms(self.attention_norm2, o)
-            a_q, a_s = qb.norm_modulate_quantize(self.ffn_norm1, x.reshape(-1, k), s_mlp, l, inv13)
+        x, a_q, a_s = qb.residual_then_quant(x, o, self.attention_norm2, tanh_msa, l, self.ffn_norm1, s_mlp, ff.w13)
         del o
         h = ff.forward_quantized(a_q, a_s, torch.promote_types(x.dtype, s_mlp.dtype)).view(b, l, -1)
         if fn.clamp_fp16 is not None:

@@ -8,7 +8,8 @@ Fused, on fused_triton (``fuse``): each ``blocks.N`` that is exactly ComfyUI's `
 becomes a ``blocks.FusedWanBlock``: norm1 LayerNorm * (1 + scale) + shift + quantization gives one int8 activation
 for ``self_attn.q``, ``.k`` and ``.v``; the residual sum before norm2 and norm2's the same for ``ffn.0`` in one
 kernel; GELU(tanh) + quantization feeds ``ffn.2``; the other residual tails (with norm3) and QK norm + RoPE one
-kernel each.
+kernel each. ConvRot q / k / v (one group: one activation) and ``ffn.0`` get their input rotated in the LayerNorm
+kernel (``kernel.hadamard``).
 Cross-attention stays per-linear (called as ComfyUI's module on the INT8 layers). A block is fused only with Wan
 2.x's structure: ``WanSelfAttention``, norm1 / norm2 LayerNorms without affine over the width, the FFN
 ``[Linear, GELU(tanh), Linear]`` (0.3.75: ``nn.Sequential``; 0.33.0: ``WanFeedForward``, whose forward is
