@@ -21,7 +21,7 @@ from typing import Callable
 from torch import nn
 
 from ..kernel import config
-from ..quant import blocks, convrot, select  # noqa: F401 (convrot: for the adapters)
+from ..quant import blocks, select
 from ..quant.linear import Int8Linear
 
 # fuse(diffusion_model, int8_layers) -> {module name relative to the diffusion model: fused module}

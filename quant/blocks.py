@@ -32,7 +32,7 @@ from torch import nn
 
 from .. import kernel as _kernel
 from ..kernel import config, plan as _PLAN  # torch only: importing them loads no Triton
-from .convrot import ConvRotLinear
+from .convrot import ConvRotLinear, rotate_quantize
 from .linear import Int8Linear, block_fetch, derived
 from .quantize import quantize_per_token_ref
 
@@ -155,19 +155,11 @@ def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):
         return call(kernels().swiglu.gemm_swiglu, a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype, clamp_fp16)
 
 
-def rotate_quant(x2, group: int):
-    """ConvRot's rotation of x2 [M, K] (groups of ``group``) with per-token int8 quantization: one kernel
-    (``kernel.hadamard.hadamard_quantize``; its custom op under torch.compile)."""
-    if compiling():
-        return torch.ops.int8_fused.hadamard_quant(x2, group)
-    return call(kernels().hadamard.hadamard_quantize, x2, group)
-
-
 def input_quant(layer, x2):
     """(int8, fp32) input of ``layer``'s GEMM from its float input x2 [M, K]: rotated first for a ConvRot layer
-    (:func:`rotate_quant`), else divided by its smoothing (:func:`act_quant`)."""
+    (``quant.convrot.rotate_quantize``), else divided by its smoothing (:func:`act_quant`)."""
     group = rotation(layer)
-    return rotate_quant(x2, group) if group else act_quant(x2, inv_smooth_of(layer, x2.device))
+    return rotate_quantize(x2, group) if group else act_quant(x2, inv_smooth_of(layer, x2.device))
 
 
 def act_quant(x2, inv_smooth):
@@ -212,7 +204,7 @@ def ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps, group: int = 0):
             nb = max(scale.reshape(-1, k).shape[0], shift.reshape(-1, k).shape[0])
             y = torch.addcmul(shift.reshape(-1, 1, k), F.layer_norm(x2, (k,), eps=eps).reshape(nb, -1, k),
                               1 + scale.reshape(-1, 1, k))
-            return rotate_quant(y.reshape(x2.shape), group)
+            return rotate_quantize(y.reshape(x2.shape), group)
         return call(kernels().hadamard.layernorm_modulate_hadamard_quantize, x2, scale, shift, tokens, group, eps)
     if compiling():
         return torch.ops.int8_fused.ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps)
@@ -253,9 +245,19 @@ def rotation(layer) -> int:
 
 def norm_fusable(layer) -> bool:
     """:func:`fusable`, or a ConvRot layer on fused_triton without LoRA branches this run, outside torch.compile: a
-    block's modulated-LayerNorm kernel then rotates its input too (:func:`ln_mod_quant`'s ``group``)."""
+    block's modulated-norm kernel then rotates its input too (``group`` of :func:`ln_mod_quant` /
+    :func:`norm_modulate_quantize`)."""
     return fusable(layer) or (isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND and rotation(layer) > 0
                               and layer.derived.lora is None and not compiling())
+
+
+def stackable(layers) -> bool:
+    """Whether ``layers`` can take one int8 activation from one kernel (one stacked GEMM, or a shared input): all
+    :func:`fusable` (unrotated; equal smoothing is the caller's check), or all ConvRot layers of one group size
+    (:func:`norm_fusable`)."""
+    if all(fusable(m) for m in layers):
+        return True
+    return all(norm_fusable(m) for m in layers) and len({rotation(m) for m in layers}) == 1
 
 
 _LAYERS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -391,7 +393,7 @@ def norm_modulate_quantize(norm: nn.Module, x2: torch.Tensor, scale: torch.Tenso
     w = norm_weight(norm, x2)
     if w is None or (group and compiling()):
         y = norm(x2).reshape(-1, tokens, x2.shape[-1]) * scale.reshape(-1, 1, x2.shape[-1])
-        return rotate_quant(y.reshape(x2.shape), group) if group else act_quant(y.reshape(x2.shape), inv_smooth)
+        return rotate_quantize(y.reshape(x2.shape), group) if group else act_quant(y.reshape(x2.shape), inv_smooth)
     if group:
         return call(kernels().hadamard.rmsnorm_modulate_hadamard_quantize, x2, w, norm_eps(norm, x2), scale, tokens,
                     group)
@@ -439,10 +441,15 @@ def gated_residual(x2, o2, norm, gate, tokens, nxt=None, next_scale=None, inv_sm
 
 
 def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Linear:
-    """One Int8Linear computing [first(x), second(x)] (weights stacked along N). Both must read the same
-    activation: equal K and identical smoothing (checked once here, at patch time)."""
+    """One Int8Linear computing [first(x), second(x)] (weights stacked along N; a ConvRotLinear for two ConvRot
+    layers of one group size). Both must read the same activation: equal K, identical smoothing and rotation
+    (checked once here, at patch time)."""
     if first.in_features != second.in_features:
         raise ValueError(f"{name}: cannot merge layers with K={first.in_features} and K={second.in_features}")
+    group = rotation(first)
+    if rotation(second) != group:
+        raise ValueError(f"{name}: the layers are ConvRot-rotated differently (group sizes {group or 'none'} and "
+                         f"{rotation(second) or 'none'}), so their activations differ; they stay separate")
     s1, s2 = first.smooth, second.smooth
     if (s1 is None) != (s2 is None) or (s1 is not None and not torch.equal(s1.cpu(), s2.cpu())):
         raise ValueError(f"{name}: w1 and w3 have different SmoothQuant vectors, so their activations differ; "
@@ -450,11 +457,12 @@ def merge_int8(first: Int8Linear, second: Int8Linear, name: str = "") -> Int8Lin
     if (first.bias is None) != (second.bias is None):
         raise ValueError(f"{name}: one of the two layers has a bias and the other not")
     dev = first.qweight.device
-    return Int8Linear.from_quantized(
+    merged = Int8Linear.from_quantized(
         torch.cat([first.qweight, second.qweight.to(dev)]),
         torch.cat([first.weight_scale, second.weight_scale.to(dev)]),
         None if first.bias is None else torch.cat([first.bias, second.bias.to(dev)]),
         None if s1 is None else s1.clone(), backend=first.backend, name=name)
+    return ConvRotLinear.of(merged, group) if group else merged
 
 
 # ------------------------------------------------------------------------------------ structural twins
@@ -530,16 +538,13 @@ class FusedFeedForward(nn.Module):
         w2 is taken from ``int8_layers`` when there, else ``ff.w2`` (kept float)."""
         p = f"{name}." if name else ""
         w1, w3 = int8_layers.get(p + "w1"), int8_layers.get(p + "w3")
-        group = rotation(w1)
-        if not ((fusable(w1) and fusable(w3)) or (norm_fusable(w1) and norm_fusable(w3) and rotation(w3) == group)):
+        if not stackable((w1, w3)):
             return None
         try:
             w13 = merge_int8(w1, w3, name=f"{p}w1+w3")
         except ValueError as e:
             log.info("INT8 fusion: %s stays unfused: %s", name, e)
             return None
-        if group:
-            w13 = ConvRotLinear.of(w13, group)
         w2 = int8_layers.get(p + "w2", ff.w2)
         covers = [f"{p}w1", f"{p}w3"] + ([f"{p}w2"] if isinstance(w2, Int8Linear) else [])
         return cls(w13, w2, clamp_fp16, covers)

@@ -73,6 +73,15 @@ def stored_convrot(weight) -> int | None:
     return int(getattr(p, "convrot_groupsize", DEFAULT_GROUP)) if getattr(p, "convrot", False) else None
 
 
+def rotate_quantize(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [M, K], fp32 [M]) of ``x2 @ B`` (block Hadamard of order ``group``) quantized per token, in one kernel
+    (``kernel.hadamard.hadamard_quantize``; its custom op under torch.compile)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.int8_fused.hadamard_quant(x2, group)
+    from ..kernel import hadamard  # imports triton
+    return hadamard.hadamard_quantize(x2, group)
+
+
 class ConvRotLinear(Int8Linear):
     """An ``Int8Linear`` whose int8 weight is ConvRot-rotated with group size ``rotation`` (module doc)."""
 
@@ -111,11 +120,8 @@ class ConvRotLinear(Int8Linear):
         return rotate(super().dequantized_weight(), self.rotation)
 
     def rotate_quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int8 [M, K], fp32 [M]) of the rotated input, in one kernel (``kernel.hadamard``)."""
-        if torch.compiler.is_compiling():
-            return torch.ops.int8_fused.hadamard_quant(x2, self.rotation)
-        from ..kernel import hadamard  # imports triton
-        return hadamard.hadamard_quantize(x2, self.rotation)
+        """(int8 [M, K], fp32 [M]) of the rotated input, in one kernel (:func:`rotate_quantize`)."""
+        return rotate_quantize(x2, self.rotation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self)

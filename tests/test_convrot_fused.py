@@ -305,20 +305,21 @@ def check_qwen(res):
     assert res["rel"] <= REL_ROPE and res["again_equal"] and res["float_fed_equal"], res
 
 
-def check_lumina(res):
+def check_rms(res, kind: str, modulated: int):
+    """Lumina 2 / Ideogram 4: per modulated block, the RMSNorm kernel feeds qkv and the stacked w1+w3."""
     assert res["same_layers"], res
-    assert "FusedLumina2Block" in res["kinds"] and res["plain_is_per_linear"], res
+    assert kind in res["kinds"] and res["plain_is_per_linear"], res
     assert res["rotated"] == res["layers"] > 0, res
-    assert res["calls"] == res["rms_calls"] == 2 * res["modulated"] > 0, res  # per modulated block: qkv, w1+w3
+    assert res["calls"] == res["rms_calls"] == 2 * modulated > 0, res
     assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
+
+
+def check_lumina(res):
+    check_rms(res, "FusedLumina2Block", res["modulated"])
 
 
 def check_ideogram4(res):
-    assert res["same_layers"], res
-    assert "FusedIdeogram4Block" in res["kinds"] and res["plain_is_per_linear"], res
-    assert res["rotated"] == res["layers"] > 0, res
-    assert res["calls"] == res["rms_calls"] == 2 * res["blocks"], res  # per block: qkv, w1+w3
-    assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
+    check_rms(res, "FusedIdeogram4Block", res["blocks"])
 
 
 @needs_interpreter

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..base import Int8Linear, blocks as qb, convrot
+from ..base import Int8Linear, blocks as qb
 
 STREAMS = {"img": ("to_q", "to_k", "to_v"), "txt": ("add_q_proj", "add_k_proj", "add_v_proj")}
 NORMS = {"img": ("norm_q", "norm_k"), "txt": ("norm_added_q", "norm_added_k")}
@@ -50,15 +50,12 @@ def merge_qkv(layers: dict, prefix: str, stream: str):
     ConvRot layers of one group: the LayerNorm kernel rotates their shared input), or a reason string why not."""
     names = [f"{prefix}.attn.{n}" for n in STREAMS[stream]]
     ls = [layers.get(n) for n in names]
-    groups = {qb.rotation(m) for m in ls}
-    if not (all(qb.fusable(m) for m in ls) or (all(qb.norm_fusable(m) for m in ls) and len(groups) == 1)):
+    if not qb.stackable(ls):
         return f"{stream} q/k/v are not all INT8 on fused_triton (unrotated, or ConvRot of one group size)"
     try:
-        merged = qb.merge_int8(qb.merge_int8(ls[0], ls[1], names[0]), ls[2], f"{prefix}.attn.{stream}_qkv")
+        return qb.merge_int8(qb.merge_int8(ls[0], ls[1], names[0]), ls[2], f"{prefix}.attn.{stream}_qkv")
     except ValueError as e:
         return f"{stream} q/k/v cannot share one GEMM ({e})"
-    group = groups.pop()
-    return convrot.ConvRotLinear.of(merged, group) if group else merged
 
 
 _PE: dict = {}

@@ -77,11 +77,9 @@ def _same_smooth(a: Int8Linear, b: Int8Linear) -> bool:
 
 
 def _same_input(a, b) -> bool:
-    """Whether q/k/v layers ``a`` and ``b`` read the same int8 activation: both fed unrotated with equal smoothing,
-    or both ConvRot layers of one group (no smoothing)."""
-    if qb.fusable(a) and qb.fusable(b):
-        return _same_smooth(a, b)
-    return qb.norm_fusable(a) and qb.norm_fusable(b) and qb.rotation(a) == qb.rotation(b) > 0
+    """Whether q/k/v layers ``a`` and ``b`` read the same int8 activation (``qb.stackable``; unrotated: with equal
+    smoothing)."""
+    return qb.stackable((a, b)) and (qb.rotation(a) > 0 or _same_smooth(a, b))
 
 
 class FusedWanBlock(qb.FetchedBlock):
