@@ -65,6 +65,20 @@ def kernel_rows(pack, dev, tiny: bool) -> list[dict]:
                 row["hadamard_quant_us"] = at.cuda_time(lambda: hd.hadamard_quantize(x, 256), 50) * 1e3
                 row["plain_quant_us"] = at.cuda_time(lambda: kq.quantize_per_token(x, None), 50) * 1e3
                 row["x_plain"] = row["hadamard_quant_us"] / row["plain_quant_us"]
+            if k >= 12288 or tiny:  # the GELU-fed inputs: mlp.2 (the GELU alone), linear2 (attention | GELU)
+                a2 = None if k == 12288 or tiny else x[:, :3072].contiguous()
+                h = x if a2 is None else x[:, 3072:].contiguous()
+                qa, sa = hd.concat_gelu_hadamard_quantize(a2, h, 256)
+                g = torch.nn.functional.gelu(h, approximate="tanh")
+                qr, sr = hd.hadamard_quantize(g if a2 is None else torch.cat((a2, g), 1), 256)
+                row["gelu_codes_max_diff"] = int((qa.int() - qr.int()).abs().max())
+                row["gelu_codes_diff_frac"] = float((qa != qr).float().mean())
+                if dev.type == "cuda":
+                    row["gelu_hadamard_quant_us"] = at.cuda_time(
+                        lambda: hd.concat_gelu_hadamard_quantize(a2, h, 256), 50) * 1e3
+                    plain = (lambda: kq.gelu.gelu_tanh_quantize(h)) if a2 is None else (
+                        lambda: kq.gelu.concat_gelu_quantize(a2, h))
+                    row["gelu_plain_quant_us"] = at.cuda_time(plain, 50) * 1e3
             row["status"] = "ok"
         except Exception as e:  # non-fatal: the sampler part still runs
             import traceback

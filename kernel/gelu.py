@@ -181,16 +181,21 @@ def _concat_gelu_quant_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
                         INTERPRET, FAST)
 
 
-def _concat_gelu(a: torch.Tensor | None, h: torch.Tensor, inv_smooth, what: str):
+def concat_operands(a: torch.Tensor | None, h: torch.Tensor) -> int:
+    """Checks the parts of ``cat(a, gelu(h))`` (a may be None) and returns a's width (0 without a)."""
     check_2d(h, "h (the GELU input)", FLOAT, "pass the pre-activation as [tokens, F]")
+    if a is None:
+        return 0
+    check_2d(a, "a (the part before the GELU part)", FLOAT, "pass it as [tokens, K]")
+    if a.shape[0] != h.shape[0] or a.dtype != h.dtype or a.device != h.device:
+        raise ValueError(f"a {tuple(a.shape)} {a.dtype} on {a.device} must match h {tuple(h.shape)} {h.dtype} "
+                         f"on {h.device} in rows, dtype and device (torch.cat would promote)")
+    return a.shape[1]
+
+
+def _concat_gelu(a: torch.Tensor | None, h: torch.Tensor, inv_smooth, what: str):
+    ka = concat_operands(a, h)
     m, f = h.shape
-    ka = 0
-    if a is not None:
-        check_2d(a, "a (the part before the GELU part)", FLOAT, "pass it as [tokens, K]")
-        if a.shape[0] != m or a.dtype != h.dtype or a.device != h.device:
-            raise ValueError(f"a {tuple(a.shape)} {a.dtype} on {a.device} must match h {tuple(h.shape)} {h.dtype} "
-                             f"on {h.device} in rows, dtype and device (torch.cat would promote)")
-        ka = a.shape[1]
     inv = smooth_vector(inv_smooth, ka + f, h.device)
     q = torch.empty((m, ka + f), dtype=torch.int8, device=h.device)
     qs = torch.empty((m,), dtype=torch.float32, device=h.device)

@@ -9,7 +9,10 @@ rounding (the same helpers as ``kernel.quantize``).
 ``layernorm_modulate_hadamard_quantize`` / ``rmsnorm_modulate_hadamard_quantize`` put a block's adaLN norm in front
 (a ConvRot layer fed by Flux's, Qwen-Image's or Wan's LayerNorm, by Lumina 2's or Ideogram 4's RMSNorm):
 ``kernel.norm``'s modulated values, rounded to their dtype, then rotated and quantized as above, in one kernel
-instead of torch's norm and modulation plus this one.
+instead of torch's norm and modulation plus this one. ``swiglu_hadamard_quantize`` / ``concat_gelu_hadamard_quantize``
+put an MLP's activation in front (a ConvRot layer fed by a SwiGLU or tanh GELU: Lumina 2's / Ideogram 4's w2, Flux's
+mlp.2 and linear2, Wan's ffn.2, Qwen-Image's fc2): ``kernel.swiglu``'s / ``kernel.gelu``'s values, rounded to the
+input's dtype, rotated and quantized in the same kernel.
 
 How. A program takes BLOCK_M rows and walks their K / G groups twice: pass 1 rotates each group and keeps the
 rows' |max|, pass 2 rotates it again (the same operations, the same bits) and stores the codes. The rotation of
@@ -26,10 +29,13 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from . import gelu as _gelu_mod
+from .gelu import _gelu_tanh, concat_operands
 from .norm import modulation_operands
 from .quantize import INTERPRET, quant_params, store_q
 from .checks import check_2d, check_usable, vector
 from .rowtile import DT_CODE, FLOAT, batch_rows, round_to, row_major, rsqrt_mean
+from .swiglu import _swiglu_math, swiglu_operands
 
 #: ConvRot group sizes this kernel runs (powers of 4 from 16: the regular Hadamard orders tl.dot takes).
 GROUPS = (16, 64, 256, 1024)
@@ -116,19 +122,21 @@ def _matrices(G1: tl.constexpr, G2: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _hadamard_quant_kernel(x_ptr, q_ptr, s_ptr, f_ptr, M, K, stride_xm, stride_qm, stride_fm,
+def _hadamard_quant_kernel(x_ptr, b_ptr, q_ptr, s_ptr, f_ptr, M, K, KA, stride_xm, stride_bm, stride_qm, stride_fm,
                            G1: tl.constexpr, G2: tl.constexpr, BM: tl.constexpr, HALF: tl.constexpr,
+                           ACT: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, FAST: tl.constexpr,
                            SCALE_RECIP: tl.constexpr, STORE_FLOAT: tl.constexpr, INTERPRET: tl.constexpr):
     G: tl.constexpr = G1 * G2
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < M
     cols = tl.arange(0, G)
     x_rows = x_ptr + rows[:, None] * stride_xm
+    b_rows = b_ptr + rows[:, None] * stride_bm
     h1, h2, h2f = _matrices(G1, G2, HALF)
     amax = tl.zeros([BM], dtype=tl.float32)
     bad = tl.zeros([BM], dtype=tl.int32)
     for g0 in range(0, K, G):
-        x = tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0)
+        x = _act_group(x_rows, b_rows, g0, KA, cols, rmask, ACT, DT, CLAMP_FP16, FAST, INTERPRET)
         y = _rotate(x, h1, h2, h2f, BM, G1, G2, INTERPRET)
         ay = tl.abs(y)
         amax = tl.maximum(amax, tl.max(ay, axis=1))
@@ -138,10 +146,39 @@ def _hadamard_quant_kernel(x_ptr, q_ptr, s_ptr, f_ptr, M, K, stride_xm, stride_q
     scale, mult, usable = quant_params(amax, bad > 0, SCALE_RECIP)
     tl.store(s_ptr + rows, scale, mask=rmask)
     for g0 in range(0, K, G):
-        x = tl.load(x_rows + g0 + cols[None, :], mask=rmask[:, None], other=0.0)
+        x = _act_group(x_rows, b_rows, g0, KA, cols, rmask, ACT, DT, CLAMP_FP16, FAST, INTERPRET)
         y = _rotate(x, h1, h2, h2f, BM, G1, G2, INTERPRET)
         store_q(q_ptr + rows[:, None] * stride_qm + g0 + cols[None, :], y, mult[:, None], usable[:, None],
                 rmask[:, None], INTERPRET)
+
+
+@triton.jit
+def _act_group(x_rows, b_rows, g0, KA, cols, rmask, ACT: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
+               FAST: tl.constexpr, INTERPRET: tl.constexpr):
+    """One group of G columns of the rotation's input, in the input's dtype. ACT 0: x as stored; 1 (SwiGLU):
+    ``dt(dt(silu(a)) * b)`` with a at x, b at b (``kernel.swiglu``'s math); 2 (GELU): ``cat(x[:, :KA],
+    dt(gelu_tanh(h)))`` with h at b (``kernel.gelu``'s math; G divides KA, so a group lies in one part)."""
+    m2 = rmask[:, None]
+    if ACT == 0:
+        y = tl.load(x_rows + g0 + cols[None, :], mask=m2, other=0.0)
+    else:
+        if ACT == 1:
+            a = tl.load(x_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            b = tl.load(b_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            v = _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
+        else:
+            if g0 < KA:
+                v = tl.load(x_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            else:
+                h = tl.load(b_rows + (g0 - KA) + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+                v = round_to(_gelu_tanh(h, INTERPRET, FAST), DT, INTERPRET)
+        if DT == 1:
+            y = v.to(tl.bfloat16)
+        elif DT == 2:
+            y = v.to(tl.float16)
+        else:
+            y = v
+    return y
 
 
 def group_split(group: int) -> tuple[int, int]:
@@ -154,18 +191,23 @@ def _run(x: torch.Tensor, group: int, store_float: bool):
         raise ValueError(f"hadamard_quantize: x must be a float32 / bfloat16 / float16 tensor [M, K], got "
                          f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__} "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
-    m, k = x.shape
-    check(k, group, "hadamard_quantize")
-    x = row_major(x, "x")
+    check(x.shape[1], group, "hadamard_quantize")
+    return _launch_act(row_major(x, "x"), x, x.shape[1], x.shape[1], group, 0, store_float=store_float)
+
+
+def _launch_act(x, b, k, ka, group, act, clamp_fp16=False, store_float=False):
+    """Codes [M, K], scales [M] (and the fp32 rotated values when ``store_float``) of ``_act_group``'s values."""
+    m = x.shape[0]
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     f = torch.empty((m, k), dtype=torch.float32, device=x.device) if store_float else s
     if m:
         g1, g2 = group_split(group)
         launch(_hadamard_quant_kernel, (triton.cdiv(m, BLOCK_M),),
-               (x, q, s, f, m, k, x.stride(0), q.stride(0), f.stride(0) if store_float else 0),
-               dict(G1=g1, G2=g2, BM=BLOCK_M, HALF=x.dtype == torch.float16, SCALE_RECIP=x.is_cuda,
-                    STORE_FLOAT=store_float, INTERPRET=INTERPRET), 4, 1, x.device)
+               (x, b, q, s, f, m, k, ka, x.stride(0), b.stride(0), q.stride(0), f.stride(0) if store_float else 0),
+               dict(G1=g1, G2=g2, BM=BLOCK_M, HALF=x.dtype == torch.float16, ACT=act, DT=DT_CODE[x.dtype],
+                    CLAMP_FP16=bool(clamp_fp16) and x.dtype == torch.float16, FAST=_gelu_mod.GELU_FAST if act == 2 else False,
+                    SCALE_RECIP=x.is_cuda, STORE_FLOAT=store_float, INTERPRET=INTERPRET), 4, 1, x.device)
     return q, s, (f if store_float else None)
 
 
@@ -179,6 +221,39 @@ def hadamard_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
 def hadamard_rotate(x: torch.Tensor, group: int) -> torch.Tensor:
     """The fp32 rotated values the quantizer of :func:`hadamard_quantize` rounds (for tests and benches)."""
     return _run(x, group, True)[2]
+
+
+def swiglu_hadamard_quantize(h13, group: int, clamp_fp16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [M, F], fp32 [M]) of ``hadamard_quantize(silu(a) * b, group)`` in one kernel, the SwiGLU rounded as
+    ``kernel.swiglu.swiglu_quantize`` rounds it (no smoothing: ConvRot layers have none). ``h13``: [M, 2F] (the w1
+    half first) or a pair (a, b) of [M, F]. What a ConvRot w2 takes from a SwiGLU FeedForward."""
+    a, b = swiglu_operands(h13)
+    f = a.shape[1]
+    check(f, group, "swiglu_hadamard_quantize")
+    if a.shape[0]:
+        check_usable(a, "swiglu_hadamard_quantize")
+    a, b = row_major(a, "a"), row_major(b, "b")
+    q, s, _ = _launch_act(a, b, f, f, group, 1, clamp_fp16)
+    return q, s
+
+
+def concat_gelu_hadamard_quantize(a: torch.Tensor | None, h: torch.Tensor, group: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [M, KA + F], fp32 [M]) of ``hadamard_quantize(cat(a, gelu_tanh(h)), group)`` in one kernel, never
+    building the concatenation (``a`` None: ``gelu_tanh(h)`` alone); the GELU rounded as ``kernel.gelu`` rounds it.
+    ``group`` must divide both widths. What a ConvRot layer takes from a GELU MLP (Flux's mlp.2, Wan's ffn.2,
+    Qwen-Image's fc2) or from Flux's single block (linear2: attention and MLP side by side)."""
+    ka = concat_operands(a, h)
+    m, f = h.shape
+    if a is not None:
+        check(ka, group, "concat_gelu_hadamard_quantize (the first part)")
+    check(f, group, "concat_gelu_hadamard_quantize")
+    if m:
+        check_usable(h, "concat_gelu_hadamard_quantize")
+    h = row_major(h, "h")
+    a = row_major(a, "a") if a is not None else h
+    q, s, _ = _launch_act(a, h, ka + f, ka, group, 2)
+    return q, s
 
 
 @triton.jit

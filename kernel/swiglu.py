@@ -325,12 +325,8 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
     return hit
 
 
-def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h13`` = [M, 2F] (the w1 half first, as the merged w1+w3 GEMM writes it) or a pair (a [M, F],
-    b [M, F]) -> (int8 [M, F], fp32 scale [M]) of ``silu(a) * b * inv_smooth`` with the roundings of the
-    module docstring. ``clamp_fp16``: apply ComfyUI's ``clamp_fp16`` (fp16 inputs only; current ComfyUI's
-    FeedForward does, 0.3.75 does not)."""
+def swiglu_operands(h13) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b) [M, F] of ``h13``: [M, 2F] (the w1 half first) or a pair; checked."""
     if isinstance(h13, (tuple, list)):
         a, b = h13
         check_2d(a, "a (the w1 output)", FLOAT, "pass silu's input as [tokens, F]")
@@ -338,11 +334,20 @@ def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: boo
         if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
             raise ValueError(f"a and b must match: a {tuple(a.shape)} {a.dtype} on {a.device}, "
                              f"b {tuple(b.shape)} {b.dtype} on {b.device}")
-    else:
-        check_2d(h13, "h13", FLOAT, "pass the merged w1+w3 output as [tokens, 2F]")
-        if h13.shape[1] % 2:
-            raise ValueError(f"h13 has {h13.shape[1]} columns; it must be [M, 2F] (w1 half, then w3 half)")
-        a, b = h13.chunk(2, dim=1)
+        return a, b
+    check_2d(h13, "h13", FLOAT, "pass the merged w1+w3 output as [tokens, 2F]")
+    if h13.shape[1] % 2:
+        raise ValueError(f"h13 has {h13.shape[1]} columns; it must be [M, 2F] (w1 half, then w3 half)")
+    return h13.chunk(2, dim=1)
+
+
+def swiglu_quantize(h13, inv_smooth: torch.Tensor | None = None, clamp_fp16: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h13`` = [M, 2F] (the w1 half first, as the merged w1+w3 GEMM writes it) or a pair (a [M, F],
+    b [M, F]) -> (int8 [M, F], fp32 scale [M]) of ``silu(a) * b * inv_smooth`` with the roundings of the
+    module docstring. ``clamp_fp16``: apply ComfyUI's ``clamp_fp16`` (fp16 inputs only; current ComfyUI's
+    FeedForward does, 0.3.75 does not)."""
+    a, b = swiglu_operands(h13)
     m, f = a.shape
     inv = smooth_vector(inv_smooth, f, a.device)
     q = torch.empty((m, f), dtype=torch.int8, device=a.device)

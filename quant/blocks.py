@@ -181,7 +181,22 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return gemm(a_q, a_s, layer, x.dtype).reshape(*lead, -1)
 
 
-def _swiglu_quant(h13, inv_smooth, clamp_fp16):
+def silu_mul(a: torch.Tensor, b: torch.Tensor, clamp_fp16: bool = False) -> torch.Tensor:
+    """``silu(a) * b`` in torch (ComfyUI's ``clamp_fp16`` on an fp16 product when asked)."""
+    h = F.silu(a) * b
+    if clamp_fp16 and h.dtype == torch.float16:
+        h = torch.nan_to_num(h, nan=0.0, posinf=65504.0, neginf=-65504.0)
+    return h
+
+
+def swiglu_quant(h13, inv_smooth, clamp_fp16: bool = False, group: int = 0):
+    """(int8, fp32) of ``silu(a) * b`` (h13 = [a | b], [M, 2F]) quantized per token: one kernel
+    (``swiglu_quantize``). ``group``: the ConvRot group of a rotated layer (:func:`rotation`; no smoothing then),
+    whose input the kernel also rotates (``swiglu_hadamard_quantize``)."""
+    if group:
+        if compiling():  # torch's SwiGLU, then the rotation's custom op
+            return rotate_quantize(silu_mul(*h13.chunk(2, dim=-1), clamp_fp16), group)
+        return call(kernels().hadamard.swiglu_hadamard_quantize, h13, group, clamp_fp16)
     if compiling():
         return torch.ops.int8_fused.swiglu_quant(h13, inv_smooth, clamp_fp16)
     return call(kernels().swiglu.swiglu_quantize, h13, inv_smooth, clamp_fp16)
@@ -211,8 +226,15 @@ def ln_mod_quant(x2, scale, shift, tokens, inv_smooth, eps, group: int = 0):
     return call(kernels().norm.layernorm_modulate_quantize, x2, scale, shift, tokens, inv_smooth, eps)
 
 
-def cat_gelu_quant(a2, h2, inv_smooth):
-    """(int8, fp32) of ``cat(a2, gelu_tanh(h2))`` (``a2`` None: ``gelu_tanh(h2)`` alone)."""
+def cat_gelu_quant(a2, h2, inv_smooth, group: int = 0):
+    """(int8, fp32) of ``cat(a2, gelu_tanh(h2))`` (``a2`` None: ``gelu_tanh(h2)`` alone). ``group``: the ConvRot
+    group of a rotated layer (:func:`act_fusable`; no smoothing then), whose input the kernel also rotates
+    (``concat_gelu_hadamard_quantize``)."""
+    if group:
+        if compiling():  # torch's GELU (and concatenation), then the rotation's custom op
+            g = F.gelu(h2, approximate="tanh")
+            return rotate_quantize(g if a2 is None else torch.cat((a2, g), dim=-1), group)
+        return call(kernels().hadamard.concat_gelu_hadamard_quantize, a2, h2, group)
     if compiling():
         return torch.ops.int8_fused.cat_gelu_quant(a2, h2, inv_smooth)
     if a2 is None:
@@ -249,6 +271,13 @@ def norm_fusable(layer) -> bool:
     :func:`norm_modulate_quantize`)."""
     return fusable(layer) or (isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND and rotation(layer) > 0
                               and layer.derived.lora is None and not compiling())
+
+
+def act_fusable(layer, ka: int = 0) -> bool:
+    """Whether an activation kernel (GELU, SwiGLU) can feed ``layer``: :func:`norm_fusable`, and for a ConvRot layer
+    fed by a concatenation whose first part is ``ka`` wide, a group that divides ``ka`` (a group then lies in one
+    part)."""
+    return norm_fusable(layer) and ka % (rotation(layer) or 1) == 0
 
 
 def stackable(layers) -> bool:
@@ -521,7 +550,8 @@ class FusedFeedForward(nn.Module):
 
     ``w13``: merged Int8Linear [2F, K] (w1 rows first; a ConvRotLinear where w1 and w3 are ConvRot layers of one
     group: their input is rotated); ``w2``: an Int8Linear on fused_triton (input from ``swiglu_quantize``) or any
-    module (kept float, a protected or a ConvRot w2: then ``silu * b`` runs in torch).
+    module (kept float or protected: then ``silu * b`` runs in torch). A ConvRot w2 takes its input from the
+    SwiGLU GEMM's epilogue and the rotate + quantize kernel.
     ``clamp_fp16``: ComfyUI's ``clamp_fp16`` on the SwiGLU product (current ComfyUI; fp16 only)."""
 
     def __init__(self, w13: Int8Linear, w2: nn.Module, clamp_fp16: bool = False, covers=()):
@@ -559,11 +589,7 @@ class FusedFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if lora_active(self):  # per linear, each layer's module call adding its LoRA branch (quant.lora)
-            a, b = self.w13(x).chunk(2, dim=-1)
-            h = F.silu(a) * b
-            if self.clamp_fp16 and h.dtype == torch.float16:
-                h = torch.nan_to_num(h, nan=0.0, posinf=65504.0, neginf=-65504.0)
-            return self.w2(h)
+            return self.w2(silu_mul(*self.w13(x).chunk(2, dim=-1), self.clamp_fp16))
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         a_q, a_s = input_quant(self.w13, x2)
@@ -571,18 +597,15 @@ class FusedFeedForward(nn.Module):
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """From the already-quantized input (int8 [M, K], fp32 [M]) -> [M, dim] in ``dtype``."""
-        if fusable(self.w2) and not compiling():
-            h = gemm_swiglu(a_q, a_s, self.w13, dtype, self.clamp_fp16)  # [M, F], then quantized for w2
-            return gemm(*act_quant(h, inv_smooth_of(self.w2, a_q.device)), self.w2, dtype)
+        if act_fusable(self.w2) and not compiling():
+            # [M, F] from the GEMM's epilogue, then quantized for w2 (rotated first for a ConvRot w2)
+            h = gemm_swiglu(a_q, a_s, self.w13, dtype, self.clamp_fp16)
+            return gemm(*input_quant(self.w2, h), self.w2, dtype)
         h13 = gemm(a_q, a_s, self.w13, dtype)
         if fusable(self.w2):
-            q, s = _swiglu_quant(h13, inv_smooth_of(self.w2, a_q.device), self.clamp_fp16)
+            q, s = swiglu_quant(h13, inv_smooth_of(self.w2, a_q.device), self.clamp_fp16)
             return gemm(q, s, self.w2, dtype)
-        a, b = h13.chunk(2, dim=-1)
-        h = F.silu(a) * b
-        if self.clamp_fp16 and h.dtype == torch.float16:
-            h = torch.nan_to_num(h, nan=0.0, posinf=65504.0, neginf=-65504.0)
-        return linear(self.w2, h)
+        return linear(self.w2, silu_mul(*h13.chunk(2, dim=-1), self.clamp_fp16))
 
     def extra_repr(self) -> str:
         return f"clamp_fp16={self.clamp_fp16}, covers={list(self.covers)}"

@@ -270,9 +270,15 @@ def quant_jobs(arch: int) -> list[dict]:
     for group in (64, 256):
         g1, g2 = hd.group_split(group)
         common = dict(G1=g1, G2=g2, BM=hd.BLOCK_M, SCALE_RECIP=True, INTERPRET=False)
-        out.append(job("quant", "kernel.hadamard", "_hadamard_quant_kernel", f"hadamard_quantize G{group}", dict(
-            x_ptr=P(bf), q_ptr=P(i8), s_ptr=P(f32), f_ptr=P(f32), M=4608, K=3072, stride_xm=3072, stride_qm=3072,
-            stride_fm=0), dict(common, HALF=False, STORE_FLOAT=False), 4, 1))
+        # ACT 0: the plain rotation; 1: SwiGLU in front (w2 of Flux.2's MLP); 2: GELU after a first part (Flux's
+        # linear2: attention 3072 | MLP 12288)
+        for act, what, k, ka in ((0, "hadamard_quantize", 3072, 3072), (1, "swiglu_hadamard_quantize", 12288, 12288),
+                                 (2, "concat_gelu_hadamard_quantize", 15360, 3072)):
+            out.append(job("quant", "kernel.hadamard", "_hadamard_quant_kernel", f"{what} G{group}", dict(
+                x_ptr=P(bf), b_ptr=P(bf), q_ptr=P(i8), s_ptr=P(f32), f_ptr=P(f32), M=4608, K=k, KA=ka,
+                stride_xm=2 * k if act == 1 else ka, stride_bm={0: k, 1: 2 * k, 2: k - ka}[act], stride_qm=k,
+                stride_fm=0), dict(common, HALF=False, ACT=act, DT=1, CLAMP_FP16=False, FAST=act == 2,
+                                   STORE_FLOAT=False), 4, 1))
         for rms, what in ((False, "layernorm"), (True, "rmsnorm")):
             out.append(job("quant", "kernel.hadamard", "_norm_mod_hadamard_quant_kernel",
                            f"{what}_modulate_hadamard_quantize G{group}", dict(

@@ -75,6 +75,9 @@ def test_every_kernel_compiles_for_target(arch):
             "_layernorm_modulate_quant_kernel", "_swiglu_quant_kernel", "_gated_residual_kernel",
             "_residual_layernorm_kernel", "_concat_gelu_quant_kernel", "_qk_norm_rope_kernel",
             "_hadamard_quant_kernel", "_norm_mod_hadamard_quant_kernel"} <= kinds
+    labels = {r["label"] for r in rows}  # ConvRot's rotation alone, after a SwiGLU, after a GELU (+ concatenation)
+    assert {f"{w} G{g}" for w in ("hadamard_quantize", "swiglu_hadamard_quantize", "concat_gelu_hadamard_quantize")
+            for g in (64, 256)} <= labels
     s8 = [r for r in rows if r.get("config", {}).get("S8")]
     if arch == 90:  # the pack's Triton (3.6): the s8 wgmma rewrite assembles, no fallback
         assert s8 and all(r["s8_rewrite"] for r in s8), [r.get("s8_error") for r in s8]

@@ -7,11 +7,15 @@
    which can move a value lying within a few fp32 ulps of a dtype rounding boundary by one dtype ulp. One such move
    shifts the group's rotated values by at most ulp / sqrt(G), far below an int8 step, so a code can flip by 1 only
    where it sat on a rounding midpoint: codes equal except at most 1 % of them by +-1, scales within 2^-12. Also
-   zero rows, NaN / Inf rows, refusals, and the helpers' torch.compile branches (torch's ops + the custom op).
+   zero rows, NaN / Inf rows, refusals, and the helpers' torch.compile branches (torch's ops + the custom op). The
+   same for the activation kernels (``swiglu_hadamard_quantize``, ``concat_gelu_hadamard_quantize``) against
+   torch's SwiGLU / tanh GELU (and concatenation) in the model dtype, then ``hadamard_quantize``.
 2. Tiny models from ComfyUI's classes with ConvRot layers on fused_triton (Flux.1, Flux.2, Wan 2.1, Qwen-Image,
    Lumina 2 pinned 0.3.75 in-process; those and a small Ideogram 4 on 0.33.0): the adapters build fused blocks, the
-   norm-fed layers get their input from the new kernels (calls counted; q / k / v and w1 / w3 stacked as one ConvRot
-   layer where the model stacks them), ``int8_layers`` gives every layer back with its codes and rotation, and the
+   norm-fed layers get their input from the new kernels, the activation-fed ones (GELU: Flux's mlp.2 and linear2,
+   Wan's ffn.2, Qwen-Image's fc2; SwiGLU: Flux.2's mlp.2) from the activation kernels, a FeedForward's w2 from the
+   SwiGLU GEMM's epilogue (calls counted; q / k / v and w1 / w3 stacked as one ConvRot layer where the model
+   stacks them), ``int8_layers`` gives every layer back with its codes and rotation, and the
    whole model equals the per-linear ConvRot path (ComfyUI's torch norm, then each layer's rotate + quantize kernel)
    within the bound of the unrotated fused blocks (``REL_MODEL``; Qwen-Image's RoPE rounding: its ``REL_ROPE``).
    Everywhere the kernel-fed blocks give the same bits as the same blocks feeding each ConvRot layer its float
@@ -138,6 +142,71 @@ def test_kernel_zero_nan_rows_and_refusals(hd):
         hd.rmsnorm_modulate_hadamard_quantize(x, torch.ones(64), 1e-6, one, 6, 64)
 
 
+def _unfused_act(hd, group, a=None, h=None, gate=None, clamp_fp16=False):
+    """ComfyUI's MLP sequences in the model dtype, then the ConvRot layer's rotate + quantize: ``silu(a) * gate``
+    (FeedForward; ``clamp_fp16`` its fp16 clamp) or ``cat(a, gelu_tanh(h))`` (Flux's single block; a None: the
+    GELU alone)."""
+    if gate is not None:
+        y = F.silu(a) * gate
+        if clamp_fp16:
+            y = torch.nan_to_num(y, nan=0.0, posinf=65504.0, neginf=-65504.0)
+    else:
+        y = F.gelu(h, approximate="tanh")
+        y = y if a is None else torch.cat((a, y), dim=-1)
+    return hd.hadamard_quantize(y, group)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,group,m,f", [(BF16, 64, 37, 192), (BF16, 256, 9, 512), (FP16, 16, 12, 48),
+                                             (FP32, 64, 8, 128)])
+def test_activation_kernels_against_unfused_sequence(hd, dtype, group, m, f):
+    """SwiGLU (merged [a | b] and the pair) and GELU (alone and after the attention output) fused with the rotation:
+    the unfused sequence's codes and scales (``_close``: the same roundings; exp / the GELU's fast form may move a
+    value by an fp32 ulp, as for the unrotated kernels)."""
+    g = torch.Generator().manual_seed(m * 10 + f)
+    a, b = (torch.randn(m, f, generator=g) * 3).to(dtype), (torch.randn(m, f, generator=g) * 2).to(dtype)
+    a[:, 5] *= 8                                      # an outlier channel
+    attn = torch.randn(m, 2 * group, generator=g).to(dtype)
+    for got in (hd.swiglu_hadamard_quantize(torch.cat((a, b), 1), group), hd.swiglu_hadamard_quantize((a, b), group)):
+        assert got[0].shape == (m, f) and got[0].dtype == torch.int8 and got[1].shape == (m,)
+        _close(*got, *_unfused_act(hd, group, a, gate=b))
+    q, s = hd.concat_gelu_hadamard_quantize(attn, a, group)
+    assert q.shape == (m, 2 * group + f)
+    _close(q, s, *_unfused_act(hd, group, attn, h=a))
+    _close(*hd.concat_gelu_hadamard_quantize(None, a, group), *_unfused_act(hd, group, h=a))
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
+def test_activation_kernels_edge_rows_and_refusals(hd):
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(5, 128, generator=g).to(FP16), torch.randn(5, 128, generator=g).to(FP16)
+    a[1], b[1] = 300.0, 300.0                        # silu(300) * 300 overflows fp16: inf, or 65504 clamped
+    a[2, 3] = float("nan")
+    for clamp in (False, True):
+        q, s = hd.swiglu_hadamard_quantize((a, b), 64, clamp)
+        rq, rs = _unfused_act(hd, 64, a, gate=b, clamp_fp16=clamp)
+        if clamp:  # ComfyUI's clamp: NaN -> 0, inf -> 65504, so both rows quantize
+            assert math.isfinite(s[1]) and math.isfinite(s[2]) and q[1].any()
+        else:      # inf / NaN: scale NaN, codes 0
+            assert all(math.isnan(s[i]) and not q[i].any() for i in (1, 2))
+        _close(q, s, rq, rs)
+    h = torch.randn(3, 64, generator=g).to(BF16)
+    h[0] = 0
+    q, s = hd.concat_gelu_hadamard_quantize(None, h, 64)
+    assert s[0] == 0 and not q[0].any()                               # gelu(0) = 0
+    q, s = hd.concat_gelu_hadamard_quantize(h[:0], h[:0], 64)
+    assert q.shape == (0, 128) and s.shape == (0,)
+    with pytest.raises(ValueError, match=r"first part\): group size 64 does not divide the input width K = 48"):
+        hd.concat_gelu_hadamard_quantize(torch.randn(3, 48), torch.randn(3, 64), 64)
+    with pytest.raises(ValueError, match="h13 has 129 columns"):
+        hd.swiglu_hadamard_quantize(torch.randn(2, 129), 64)
+    with pytest.raises(ValueError, match="group size 256 does not divide the input width K = 128"):
+        hd.swiglu_hadamard_quantize(torch.randn(2, 256), 256)
+    with pytest.raises(ValueError, match="in rows, dtype and device"):
+        hd.concat_gelu_hadamard_quantize(torch.randn(2, 64), torch.randn(3, 64), 64)
+
+
 # ------------------------------------------------------------------------------ 2. tiny Flux.1 / Wan, pinned
 def _rotated_layers(pack, dm, only=()) -> dict:
     """{name: layer} of ``dm``'s block linears on fused_triton: ConvRotLinear as Apply's ``rotation: convrot`` builds
@@ -160,9 +229,11 @@ def _equivalence(pack, dm, run, only=()) -> dict:
     patches = A.object_patches(dm, layers)
     with cfg.override(INT8_FUSED_FUSION=False):
         plain = A.object_patches(dm, layers)
-    hmod = qb.kernels().hadamard
+    hmod, smod = qb.kernels().hadamard, qb.kernels().swiglu
     kinds = ("layernorm_modulate_hadamard_quantize", "rmsnorm_modulate_hadamard_quantize")
-    real, calls = {n: getattr(hmod, n) for n in kinds}, []
+    acts = ("swiglu_hadamard_quantize", "concat_gelu_hadamard_quantize")
+    spied = [(hmod, n) for n in kinds + acts] + [(smod, "gemm_swiglu")]
+    real, calls = {n: getattr(mod, n) for mod, n in spied}, []
 
     def spy(name):
         def f(*a, **kw):
@@ -173,20 +244,23 @@ def _equivalence(pack, dm, run, only=()) -> dict:
     fused = fbh.swapped(dm, patches)
     with torch.no_grad():
         ref = run(fbh.swapped(dm, plain))
-        for n in kinds:
-            setattr(hmod, n, spy(n))
+        for mod, n in spied:
+            setattr(mod, n, spy(n))
         try:
             with fbh.unplanned(qb.kernels().plan):
                 got = run(fused)
         finally:
-            for n in kinds:
-                setattr(hmod, n, real[n])
+            for mod, n in spied:
+                setattr(mod, n, real[n])
         again = run(fused)  # prepared calls re-issue the kernel: the same bits
-        norm_fusable, qb.norm_fusable = qb.norm_fusable, qb.fusable  # the same blocks, ConvRot layers fed float
+        # the same blocks, ConvRot layers fed float (their module calls: torch's norm / activation, then each layer's
+        # rotate + quantize kernel)
+        norm_fusable, qb.norm_fusable = qb.norm_fusable, qb.fusable
         try:
             float_fed = run(fused)
         finally:
             qb.norm_fusable = norm_fusable
+    ffns = sum(all(hasattr(m, w) for w in ("w1", "w2", "w3")) for m in dm.modules())  # SwiGLU FeedForwards
     back = A.int8_layers_of(patches)  # what Save and the widget see: every layer, its codes and rotation as built
     same_layers = back.keys() == layers.keys() and all(
         torch.equal(back[n].qweight, m.qweight) and torch.equal(back[n].weight_scale, m.weight_scale)
@@ -194,7 +268,9 @@ def _equivalence(pack, dm, run, only=()) -> dict:
     return {"kinds": sorted({type(m).__name__ for m in patches.values()}), "plain_is_per_linear": plain == layers,
             "same_layers": same_layers,
             "rotated": sum(getattr(m, "rotation", 0) > 0 for m in layers.values()), "layers": len(layers),
-            "calls": len(calls), "rms_calls": calls.count(kinds[1]), "rel": fbh.rel(got, ref), "again_equal": bool(torch.equal(again, got)),
+            "calls": sum(c in kinds for c in calls), "rms_calls": calls.count(kinds[1]),
+            "swiglu_calls": calls.count(acts[0]), "gelu_calls": calls.count(acts[1]),
+            "epilogue_calls": calls.count("gemm_swiglu"), "ffns": ffns, "rel": fbh.rel(got, ref), "again_equal": bool(torch.equal(again, got)),
             "float_fed_equal": bool(torch.equal(float_fed, got))}
 
 
@@ -275,6 +351,8 @@ def check_flux(res, rotated: str):
     # per double block: img / txt qkv and img / txt mlp.0 (the residual tail kernel takes no ConvRot layer); per
     # single block: linear1
     assert res["calls"] == 4 * double + single, res
+    # all rotated: mlp.2 of each stream from the GELU kernel, linear2 from the concatenation's (attention | GELU)
+    assert res["gelu_calls"] == (0 if rotated == "fed" else 2 * double + single), res
     assert res["again_equal"] and res["float_fed_equal"], res
     if rotated == "fed":
         assert res["rel"] <= REL_MODEL, res
@@ -284,6 +362,7 @@ def check_flux2(res):
     assert res["same_layers"], res
     assert res["kinds"] == ["ExternalModDoubleBlock", "ExternalModSingleBlock"] and res["plain_is_per_linear"], res
     assert res["rotated"] == res["layers"] > 0 and res["calls"] == 4 + 1, res
+    assert res["swiglu_calls"] == 2, res  # each stream's SiLU-gated mlp.2 (the single block's cat is torch's)
     assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
 
 
@@ -292,6 +371,7 @@ def check_wan(res):
     assert res["kinds"] == ["FusedWanBlock"] and res["plain_is_per_linear"], res
     assert res["rotated"] == res["layers"] > 0, res
     assert res["calls"] == 2 * res["blocks"], res  # q / k / v share one rotated input; ffn.0 its own
+    assert res["gelu_calls"] == res["blocks"], res  # ffn.2 from the GELU kernel
     assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
 
 
@@ -301,6 +381,7 @@ def check_qwen(res):
     assert res["kinds"] == ["FusedQwenImageBlock"] and res["plain_is_per_linear"], res
     assert res["rotated"] == res["layers"] > 0, res
     assert res["calls"] == 4 * res["blocks"], res  # per block: each stream's stacked q/k/v and its MLP's fc1
+    assert res["gelu_calls"] == 2 * res["blocks"], res  # each stream's fc2 from the GELU kernel
     # the fused blocks' RoPE rounding differs from ComfyUI's (tests/test_qwen_image_fused.py): its bound
     assert res["rel"] <= REL_ROPE and res["again_equal"] and res["float_fed_equal"], res
 
@@ -311,6 +392,7 @@ def check_rms(res, kind: str, modulated: int):
     assert kind in res["kinds"] and res["plain_is_per_linear"], res
     assert res["rotated"] == res["layers"] > 0, res
     assert res["calls"] == res["rms_calls"] == 2 * modulated > 0, res
+    assert res["epilogue_calls"] == res["ffns"] > 0, res  # every w2: the SwiGLU GEMM's epilogue, then rotated
     assert res["rel"] <= REL_MODEL and res["again_equal"] and res["float_fed_equal"], res
 
 
@@ -383,7 +465,7 @@ def test_convrot_fused_on_the_current_comfyui(comfy_current):
 @needs_interpreter
 def test_rotating_norm_helpers_under_torch_compile(pack):
     """Under torch.compile (fullgraph, aot_eager) the helpers feeding a ConvRot layer trace without a graph break: torch's
-    norm and modulation, then the rotation's custom op; their codes match the eager kernels' (ties aside, ``_close``)."""
+    norm and modulation (SwiGLU, GELU), then the rotation's custom op; their codes match the eager kernels' (ties aside, ``_close``)."""
     qb = pack.quant.blocks
     g = torch.Generator().manual_seed(9)
     x = torch.randn(12, 128, generator=g).to(BF16)
@@ -394,7 +476,9 @@ def test_rotating_norm_helpers_under_torch_compile(pack):
     layer = pack.quant.convrot.ConvRotLinear.rotate_float(torch.randn(32, 128, generator=g), 64, backend="fused_triton")
     calls = {"ln": lambda: qb.ln_mod_quant(x, scale, shift, 6, None, 1e-6, 64),
              "rms": lambda: qb.norm_modulate_quantize(norm, x, 1 + scale, 6, None, 64),
-             "input": lambda: qb.input_quant(layer, x)}
+             "input": lambda: qb.input_quant(layer, x),
+             "swiglu": lambda: qb.swiglu_quant(x, None, False, 64),
+             "gelu": lambda: qb.cat_gelu_quant(x[:, :64], x, None, 64)}
     torch._dynamo.reset()
     with torch.no_grad():
         for name, fn in calls.items():

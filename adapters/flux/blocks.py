@@ -142,10 +142,11 @@ class _FusedFluxBlock(qb.FetchedBlock):
     def _gelu_linear(layer: nn.Module, act: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """``layer(act(h))`` with act the tanh GELU: one kernel feeding the int8 GEMM, or torch. An [M, F] ``h``
         gives [M, N] (no reshapes)."""
-        if not qb.fusable(layer):
+        if not qb.act_fusable(layer):
             return layer(act(h))
         flat = h.dim() == 2
-        a_q, a_s = qb.cat_gelu_quant(None, h if flat else h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(layer, h.device))
+        a_q, a_s = qb.cat_gelu_quant(None, h if flat else h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(layer, h.device),
+                                     qb.rotation(layer))
         y = qb.gemm(a_q, a_s, layer, h.dtype)
         return y if flat else y.view(*h.shape[:-1], -1)
 
@@ -255,10 +256,11 @@ class FusedFluxSingleBlock(_FusedFluxBlock):
         attn = self._attention([(self.norm, qkv.view(*x.shape[:2], -1) if qkv.dim() == 2 else qkv)], pe, attn_mask,
                                transformer_options)
         del qkv
-        if type(self.mlp_act) is nn.GELU and qb.fusable(self.linear2) and attn.dtype == mlp.dtype:
+        if (type(self.mlp_act) is nn.GELU and qb.act_fusable(self.linear2, attn.shape[-1])
+                and attn.dtype == mlp.dtype):
             a_q, a_s = qb.cat_gelu_quant(attn.reshape(-1, attn.shape[-1]),
                                          mlp if mlp.dim() == 2 else mlp.reshape(-1, mlp.shape[-1]),
-                                         qb.inv_smooth_of(self.linear2, x.device))
+                                         qb.inv_smooth_of(self.linear2, x.device), qb.rotation(self.linear2))
             output = qb.gemm(a_q, a_s, self.linear2, attn.dtype)  # [B * L, K]: residual_add takes the rows
         else:  # Flux.2's SiLU-gated MLP: ``cat(attn, silu(a) * b)`` by torch, quantized by linear2
             mlp = mlp.view(*attn.shape[:2], -1) if mlp.dim() == 2 else mlp

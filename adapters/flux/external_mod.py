@@ -109,12 +109,6 @@ def _double_mods(vec):
     return ((a, b), (c, d)) if _is_mod(a) and _is_mod(b) and _is_mod(c) and _is_mod(d) else None
 
 
-def _swiglu_quant(h2, inv_smooth):
-    if qb.compiling():
-        return torch.ops.int8_fused.swiglu_quant(h2, inv_smooth, False)
-    return qb.call(qb.kernels().swiglu.swiglu_quantize, h2, inv_smooth, False)
-
-
 class ExternalModDoubleBlock(FusedFluxDoubleBlock):
     """A Flux ``DoubleStreamBlock`` with ``modulation=False`` (Chroma, Flux.2): Flux.1's fused block, mods from vec."""
 
@@ -126,10 +120,11 @@ class ExternalModDoubleBlock(FusedFluxDoubleBlock):
         """``layer(act(h))``: Flux.1's GELU kernel, or for the SiLU-gated MLP ``silu(a) * b`` + quantization."""
         if type(act) is nn.GELU:
             return FusedFluxDoubleBlock._gelu_linear(layer, act, h)
-        if not qb.fusable(layer):
+        if not qb.act_fusable(layer):
             return layer(act(h))
         flat = h.dim() == 2
-        a_q, a_s = _swiglu_quant(h if flat else h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(layer, h.device))
+        a_q, a_s = qb.swiglu_quant(h if flat else h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(layer, h.device),
+                                   False, qb.rotation(layer))
         y = qb.gemm(a_q, a_s, layer, h.dtype)
         return y if flat else y.view(*h.shape[:-1], -1)
 

@@ -222,11 +222,12 @@ def _mlp_tails(x, proj, mod, norm, mlp, round_product: bool) -> torch.Tensor:
             h = _mod_linear(fc1, norm, x, sh2, sc2)
         else:
             h = qb.linear(fc1, torch.addcmul(sh2, norm(x), 1 + sc2))
-        if not qb.fusable(fc1):
+        if not qb.norm_fusable(fc1):
             h = torch.nn.functional.gelu(h, approximate=mlp.net[0].approximate)
             return torch.addcmul(x, g2, qb.linear(fc2, h))
-    if qb.fusable(fc2):
-        a_q, a_s = qb.cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(fc2, h.device))
+    if qb.act_fusable(fc2):
+        a_q, a_s = qb.cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(fc2, h.device),
+                                     qb.rotation(fc2))
         y = qb.gemm(a_q, a_s, fc2, h.dtype).view(b, l, -1)
     else:
         y = fc2(torch.nn.functional.gelu(h, approximate=mlp.net[0].approximate))

@@ -228,9 +228,10 @@ class FusedWanBlock(qb.FetchedBlock):
     def _ffn_hidden(self, h):
         """``ffn[2](gelu_tanh(h))``: the GELU + quantization kernel feeding ffn.2's int8 GEMM, or torch."""
         ffn = self.ffn
-        if not qb.fusable(ffn[2]):
+        if not qb.act_fusable(ffn[2]):
             return ffn[2](ffn[1](h))
-        a_q, a_s = qb.cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(ffn[2], h.device))
+        a_q, a_s = qb.cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(ffn[2], h.device),
+                                     qb.rotation(ffn[2]))
         return qb.gemm(a_q, a_s, ffn[2], h.dtype).view(*h.shape[:-1], -1)
 
     # -------------------------------------------------------------------------------- forward
