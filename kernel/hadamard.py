@@ -192,7 +192,8 @@ def _run(x: torch.Tensor, group: int, store_float: bool):
                          f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__} "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
     check(x.shape[1], group, "hadamard_quantize")
-    return _launch_act(row_major(x, "x"), x, x.shape[1], x.shape[1], group, 0, store_float=store_float)
+    x = row_major(x, "x")
+    return _launch_act(x, x, x.shape[1], x.shape[1], group, 0, store_float=store_float)
 
 
 def _launch_act(x, b, k, ka, group, act, clamp_fp16=False, store_float=False):
@@ -206,8 +207,9 @@ def _launch_act(x, b, k, ka, group, act, clamp_fp16=False, store_float=False):
         launch(_hadamard_quant_kernel, (triton.cdiv(m, BLOCK_M),),
                (x, b, q, s, f, m, k, ka, x.stride(0), b.stride(0), q.stride(0), f.stride(0) if store_float else 0),
                dict(G1=g1, G2=g2, BM=BLOCK_M, HALF=x.dtype == torch.float16, ACT=act, DT=DT_CODE[x.dtype],
-                    CLAMP_FP16=bool(clamp_fp16) and x.dtype == torch.float16, FAST=_gelu_mod.GELU_FAST if act == 2 else False,
-                    SCALE_RECIP=x.is_cuda, STORE_FLOAT=store_float, INTERPRET=INTERPRET), 4, 1, x.device)
+                    CLAMP_FP16=bool(clamp_fp16) and x.dtype == torch.float16,
+                    FAST=act == 2 and _gelu_mod.GELU_FAST, SCALE_RECIP=x.is_cuda, STORE_FLOAT=store_float,
+                    INTERPRET=INTERPRET), 4, 1, x.device)
     return q, s, (f if store_float else None)
 
 

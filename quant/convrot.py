@@ -75,11 +75,12 @@ def stored_convrot(weight) -> int | None:
 
 def rotate_quantize(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [M, K], fp32 [M]) of ``x2 @ B`` (block Hadamard of order ``group``) quantized per token, in one kernel
-    (``kernel.hadamard.hadamard_quantize``; its custom op under torch.compile)."""
+    (``kernel.hadamard.hadamard_quantize``, its launches prepared per argument key by ``kernel.plan.call`` as the
+    other row kernels'; its custom op under torch.compile)."""
     if torch.compiler.is_compiling():
         return torch.ops.int8_fused.hadamard_quant(x2, group)
-    from ..kernel import hadamard  # imports triton
-    return hadamard.hadamard_quantize(x2, group)
+    from ..kernel import hadamard, ops, plan  # imports triton
+    return plan.call(hadamard.hadamard_quantize, x2, group, salt=ops.tunables())
 
 
 class ConvRotLinear(Int8Linear):
