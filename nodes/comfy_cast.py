@@ -38,6 +38,9 @@ from ..quant import linear
 stats = {"blocks": 0, "modules": 0}
 _MANAGED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _COMFY: tuple | None = None  # (comfy.model_management, cast_modules_with_vbar, cleanup_prefetched_modules) or ()
+# comfy.utils, bound by injection() (at Apply): its eject, restore_patched_backups, runs from ModelPatcher.__del__
+# (detach -> eject_model), also at interpreter shutdown, where an import raises ImportError (sys.meta_path is None).
+_UTILS = None
 
 
 def cast(layer, device: torch.device):
@@ -113,7 +116,10 @@ def restore_patched_backups(patcher) -> int:
     Only ``ModelPatcherDynamic`` backs such tensors up: a legacy patcher's backups (LoRA patches) are left alone."""
     if not getattr(patcher, "is_dynamic", lambda: False)() or not patcher.object_patches_backup:
         return 0
-    import comfy.utils
+    utils = _UTILS  # no import here (see _UTILS)
+    if utils is None:
+        raise RuntimeError("restore_patched_backups runs as the eject of comfy_cast.injection(), which binds "
+                           "comfy.utils")
     model, swaps = patcher.model, patcher.object_patches_backup
 
     def moved(key):
@@ -121,15 +127,15 @@ def restore_patched_backups(patcher) -> int:
         return _owner(model, path, {}) is not _owner(model, path, swaps)
     freed = 0
     for key in [k for k in patcher.backup if moved(k)]:
-        freed += comfy.utils.get_attr(model, key).nbytes
+        freed += utils.get_attr(model, key).nbytes
         bk = patcher.backup.pop(key)
         if bk.inplace_update:
-            comfy.utils.copy_to_param(model, key, bk.weight)
+            utils.copy_to_param(model, key, bk.weight)
         else:
-            comfy.utils.set_attr_param(model, key, bk.weight)
+            utils.set_attr_param(model, key, bk.weight)
     for key in [k for k in patcher.backup_buffers if moved(k)]:
-        freed += comfy.utils.get_attr(model, key).nbytes
-        comfy.utils.set_attr_buffer(model, key, patcher.backup_buffers.pop(key))
+        freed += utils.get_attr(model, key).nbytes
+        utils.set_attr_buffer(model, key, patcher.backup_buffers.pop(key))
     if freed:
         model.model_loaded_weight_memory = max(0, model.model_loaded_weight_memory - freed)
     return freed
@@ -137,7 +143,10 @@ def restore_patched_backups(patcher) -> int:
 
 def injection():
     """The ``PatcherInjection`` whose eject runs :func:`restore_patched_backups` (its inject does nothing)."""
+    global _UTILS
+    import comfy.utils
     from comfy.patcher_extension import PatcherInjection
+    _UTILS = comfy.utils
     return PatcherInjection(inject=lambda patcher: None, eject=restore_patched_backups)
 
 
