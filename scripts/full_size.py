@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import e2e_models  # noqa: E402  (no torch / ComfyUI at import)
-from bench.lib import e2e_runs  # noqa: E402
+from bench.lib import e2e_runs, provenance  # noqa: E402
 
 GIB = 2 ** 30
 EXIT_USAGE, EXIT_MACHINE, EXIT_BENCH = 2, 3, 4
@@ -213,8 +213,9 @@ def driver() -> str | None:
         return None
 
 
-def report(doc: dict, arch: str, steps: int, wall_s: float, machine: dict) -> tuple[str, str]:
-    """(the side-by-side table, the block to paste into an issue) of a bench document."""
+def report(doc: dict, arch: str, steps: int, wall_s: float, machine: dict, root: Path = ROOT) -> tuple[str, str]:
+    """(the side-by-side table, the block to paste into an issue) of a bench document. The pack is named by the
+    commit the bench recorded, else by ``root``'s (the pack's folder) pyproject.toml version, which says so."""
     rows = {r["path"]: r for r in doc.get("rows", []) if "path" in r and "check" not in r}
     s = {p: e2e_runs.headline(rows.get(p)) if rows.get(p, {}).get("status") == "ok" else None for p in PATHS}
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
@@ -238,12 +239,13 @@ def report(doc: dict, arch: str, steps: int, wall_s: float, machine: dict) -> tu
     v = lambda k: doc.get(k) or machine.get(k)  # noqa: E731  (the bench's provenance, else the probe's)
     total = machine.get("vram_total_gib")
     ratios = " | ".join(f"{s[p] / pack:.2f}x {LABELS[p]}" for p in PATHS[:-1] if s[p] and pack) or "-"
+    version = doc.get("commit") if doc.get("commit") not in (None, "", "?") else provenance.pack_version(root)
     block = "\n".join([
         "```text",
         f"comfyui-int8-fused full-size demo: --arch {arch} ({title}, {ARCHS[arch][2] / 1e9:.2f} B params, random "
         f"weights), {steps} steps",
         f"GPU: {v('gpu')}" + (f" ({total:.1f} GiB)" if total else "") + f", driver {v('driver')}, torch {v('torch')}, "
-        f"Triton {v('triton')}, ComfyUI {v('comfyui')}, pack {doc.get('commit', '?')}",
+        f"Triton {v('triton')}, ComfyUI {v('comfyui')}, pack {version}",
         "s/step (whole sample): " + " | ".join(f"{LABELS[p]} {f(s[p], 4)}" for p in PATHS),
         f"pack speed-up: {ratios}",
         "peak VRAM GiB: " + " | ".join(f"{LABELS[p]} {f(rows.get(p, {}).get('peak_gib'), 1)}" for p in PATHS),

@@ -1,10 +1,12 @@
 """What a bench run records about itself: the commit it measured (``$BENCH_COMMIT`` when set: the device machine's
 copy of the working tree keeps a stale git HEAD, so bench/h200.sh's callers pass the commit they sent; else this
-checkout's git HEAD), the NVIDIA driver, the date and the command line."""
+checkout's git HEAD), the NVIDIA driver, the date and the command line. Where the pack is no git checkout of its own
+(an unpacked copy), :func:`pack_version` names it by the version in its pyproject.toml, and says so."""
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +32,40 @@ def commit(short: bool = False) -> str:
     env = os.environ.get("BENCH_COMMIT", "").strip()
     if env:
         return env
-    return _git("rev-parse", *(["--short"] if short else []), "HEAD") or "?"
+    return head(ROOT, short) or "?"
+
+
+def head(root: Path, short: bool = False) -> str | None:
+    """git's HEAD of the checkout whose top folder is ``root``; None where ``root`` is no checkout of its own (a
+    copy of the pack, also one inside another repository's tree, such as a ComfyUI clone's custom_nodes) or git
+    cannot tell."""
+    out = _run("git", "-C", str(root), "rev-parse", "--show-toplevel", *(["--short"] if short else []), "HEAD")
+    lines = (out or "").splitlines()
+    if len(lines) != 2 or Path(lines[0]).resolve() != Path(root).resolve():
+        return None
+    return lines[1]
+
+
+def pack_version(root: Path = ROOT) -> str:
+    """What names the pack in ``root``: its git HEAD, else the version in its pyproject.toml and where that came
+    from ("0.1.0 (pyproject.toml; not a git checkout)"), else "?"."""
+    sha = head(root)
+    if sha:
+        return sha
+    try:
+        text = (Path(root) / "pyproject.toml").read_text()
+    except OSError:
+        return "?"
+    section, version = None, None
+    for line in text.splitlines():
+        if re.match(r"\s*\[", line):
+            section = line.strip()
+        elif section == "[project]" and (m := re.match(r'\s*version\s*=\s*["\']([^"\']+)["\']', line)):
+            version = m.group(1)
+    if version is None:
+        return "?"
+    why = "git could not name the commit" if (Path(root) / ".git").exists() else "not a git checkout"
+    return f"{version} (pyproject.toml; {why})"
 
 
 def dirty() -> bool | None:
