@@ -4,10 +4,10 @@
 #   .carry/comfy  ComfyUI 0.33.0 from ../shared/comfyui (minus openapi.yaml and comfy_api_nodes)
 #   .carry/whl    cp312 wheels: comfy-aimdo 0.4.13 (0.33.0's pin), simpleeval, blake3, torchsde, trampoline
 #   .carry/ck     comfy-kitchen 0.2.31 unpacked, its HIP library dropped (64 MiB transfer limit)
-#   .carry/stub   a stand-in for PyAV (35 MB wheel, too big to carry): comfy_api imports its video types at
-#                 import time; nothing in the benches touches video.
+# PyAV (35 MB wheel, too big to carry) is not carried: comfy_api imports its video types at import time, and the
+# benches serve a stand-in `av` where it does not import (bench/lib/av_standin.py); nothing in them touches video.
 # On the device: python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/whl/*.whl
-#                export PYTHONPATH=/tmp/site:$PWD/.carry/ck:$PWD/.carry/stub
+#                export PYTHONPATH=/tmp/site:$PWD/.carry/ck
 set -euo pipefail
 cd "$(dirname "$0")/.."
 c=.carry; mkdir -p $c/whl
@@ -21,16 +21,4 @@ if [ ! -d $c/ck/comfy_kitchen ]; then
   mkdir -p $c/ck && (cd $c/ck && python3 -m zipfile -e "$tmp"/comfy_kitchen-*.whl .) && rm -rf "$tmp"
   rm -f $c/ck/comfy_kitchen/backends/hip/_C.abi3.so
 fi
-mkdir -p $c/stub/av/subtitles $c/stub/av/video
-stub='class _Placeholder(type):  # stand-in: any name is a class whose attributes are placeholders too
-    def __getattr__(cls, name):
-        return name
-
-
-def __getattr__(name):
-    return _Placeholder(name, (), {})
-'
-for f in __init__ container subtitles/__init__ subtitles/stream video/__init__ video/reformatter; do
-  printf '%s' "$stub" > $c/stub/av/$f.py
-done
 echo "[carry] $(du -sh $c | cut -f1) in $c"

@@ -55,6 +55,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench.lib; appended, so the pack's root (its nodes/) never shadows ComfyUI's modules
+from bench.lib import av_standin  # noqa: E402
 from bench.lib.e2e_runs import logger  # noqa: E402  (no torch / ComfyUI at import)
 
 
@@ -90,6 +91,7 @@ def comfy_setup(comfy_dir: str, cpu: bool, comfy_flags: list[str]) -> bool:
             comfy.memory_management.aimdo_enabled = True
             dynamic = True
     import utils.extra_config  # noqa: F401  (main.py order, before nodes.py)
+    av_standin.install_if_missing(log)  # comfy_api (TorchCompileModel, the guiders) imports PyAV: the device has none
     return dynamic
 
 

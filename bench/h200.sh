@@ -7,7 +7,7 @@
 #   Results land in $OUT (default /tmp/h200-out): one JSON per bench plus its log, gpu.txt (GPU, driver, torch,
 #   Triton, CUDA, commit), cache/ (the tuning caches the run wrote). BENCH_COMMIT names the tree sent (the device copy's git HEAD is stale); a fresh
 #   INT8_FUSED_CACHE_DIR makes the run tune every kernel again (the first call of each shape then includes tuning).
-#   Needs what bench/device_carry.sh builds here: .carry/comfy .carry/whl .carry/stub .carry/ck.zip (or .carry/ck).
+#   Needs what bench/device_carry.sh builds here: .carry/comfy .carry/whl .carry/ck.zip (or .carry/ck).
 #
 # Suites:
 #   kernels  bench/kernels.py: the quantizer and GEMM checked bit for bit on the GPU (against the torch reference
@@ -43,7 +43,7 @@ if [ -f .carry/ck.zip ]; then
   [ -d /tmp/ck/comfy_kitchen ] || { mkdir -p /tmp/ck && python3 -m zipfile -e .carry/ck.zip /tmp/ck; }
   ck=/tmp/ck
 fi
-export PYTHONPATH=/tmp/site:$ck:$PWD/.carry/stub
+export PYTHONPATH=/tmp/site:$ck
 { nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
   echo "commit: ${BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
