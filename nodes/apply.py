@@ -40,6 +40,7 @@ from .common import CALIBRATION_TYPE, CATEGORY
 from .weights import PREFIX, float_tensor, original_modules, original_tree
 from .. import adapters
 from ..quant import backends, cached_linear, convrot, dispatch, lora, select
+from ..quant.formats import CheckpointError, check_scale_shape, check_scale_values
 from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
@@ -131,27 +132,51 @@ def core_int8_weight(model, name: str, module):
     if (group is not None and group not in convrot.GROUPS) or getattr(p, "transposed", False) \
             or q.dtype != torch.int8 or tuple(q.shape) != tuple(w.shape) or p.scale.numel() not in (1, q.shape[0]):
         return None
-    scale = p.scale.float().reshape(-1)
-    if not scale.any():
-        init = getattr(model, "cached_patcher_init", None)  # core's loaders keep (loader, (path, ...))
-        path = init[1][0] if init and init[1] and isinstance(init[1][0], str) else "the loaded checkpoint"
-        log.warning("%s: layer %r: every int8_tensorwise weight scale is zero, so the layer outputs only its "
-                    "bias: almost surely a damaged file. Download or save it again", os.path.basename(path), name)
-    return q, scale
+    return q, p.scale.float().reshape(-1)  # its values checked by check_core_int8
+
+
+def _source_file(model) -> str:
+    """The file name of a model core's loaders loaded (they keep ``(loader, (path, ...))``), else a description."""
+    init = getattr(model, "cached_patcher_init", None)
+    path = init[1][0] if init and len(init) > 1 and init[1] and isinstance(init[1][0], str) else None
+    return os.path.basename(path) if path else "the loaded checkpoint"
+
+
+def check_core_int8(model, name: str, module) -> int | None:
+    """Check a layer holding ComfyUI core ``int8_tensorwise`` weights before anything adopts or decodes it: its
+    ``weight_scale`` as this pack's readers check theirs (``quant.formats.check_scale_shape`` /
+    ``check_scale_values``: NaN/Inf, negative values, a shape other than scalar / [N] / [N, 1] refused; all zero
+    warns) and a ConvRot group size that comfy-kitchen cannot decode either (not a power of 4, or not dividing K).
+    Raises CheckpointError naming the file and the layer. Returns the stored ConvRot group size, or None."""
+    w = getattr(module, "weight", None)
+    if type(w).__name__ != "QuantizedTensor" or getattr(w, "_layout_cls", None) != "TensorWiseINT8Layout":
+        return None
+    p = w._params
+    where = f"{_source_file(model)}: layer {name!r} (ComfyUI int8_tensorwise)"
+    if not getattr(p, "transposed", False):
+        check_scale_shape(tuple(p.scale.shape), w.shape[0], where)
+    check_scale_values(p.scale.detach().float().reshape(-1), where)
+    g = convrot.stored_convrot(w)
+    if g is not None:
+        try:
+            convrot.check_group(w.shape[-1], g, name, runs=False)
+        except ValueError as e:
+            raise CheckpointError(f"{_source_file(model)}: {e}. Neither ComfyUI nor this pack can decode this "
+                                  "layer: the file is damaged. Download it again or quantize the float model "
+                                  "again") from None
+    return g
 
 
 def stored_rotations(model, pairs) -> dict:
     """{name: group size} of the selected layers stored as ConvRot ``int8_tensorwise`` that Apply adopts as stored.
-    A stored group size that does not divide the layer's K is a damaged file (ValueError naming the layer); one the
-    pack does not run is decoded to float instead (a warning)."""
+    Every selected core INT8 layer is checked first (``check_core_int8``: a damaged one raises CheckpointError
+    naming the file and the layer, before anything is decoded); a valid group size the pack does not run (a power
+    of 4 dividing K: 4, 4096, ...) is decoded to float and quantized again (a warning)."""
     out = {}
     for name, m in pairs:
-        g = convrot.stored_convrot(getattr(m, "weight", None))
+        g = check_core_int8(model, name, m)
         if g is None:
             continue
-        k = m.weight.shape[-1]
-        if g in convrot.GROUPS and k % g:
-            convrot.check_group(k, g, name)
         if g not in convrot.GROUPS:
             log.warning("INT8 Apply: layer %r is ConvRot-rotated with group size %d, which the pack does not run "
                         "(it runs %s): decoded to float and quantized again", name, g, convrot.GROUPS)

@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import adapters
 from ..adapters.ideogram4 import layout as i4
-from ..quant import backends
+from ..quant import backends, convrot
 from ..quant.formats import CheckpointError, open_checkpoint, read_header
 from ..quant.linear import Int8Linear
 from . import attention as attention_routing, pad_elision
@@ -78,11 +78,15 @@ def slot_ops():
     return Int8SlotOps
 
 
-def _int8_module(name: str, t: dict, backend: str, device: torch.device) -> tuple[Int8Linear, str | None]:
-    """(the layer on the backend that runs it here, why ``backend`` was passed over or None)."""
+def _int8_module(name: str, t: dict, backend: str, device: torch.device,
+                 rotation: int | None = None) -> tuple[Int8Linear, str | None]:
+    """(the layer on the backend that runs it here, why ``backend`` was passed over or None); ``rotation``: the
+    ConvRot group size of a rotated core ``int8_tensorwise`` layer (a ``ConvRotLinear``, as Apply adopts it)."""
     q, s = t["qweight"], t["weight_scale"].float().reshape(-1)
     N, K = q.shape
     chosen, note = backends.resolve(backend, device, N, K)
+    if rotation is not None:
+        return convrot.ConvRotLinear.from_stored(q, s, rotation, t.get("bias"), backend=chosen, name=name), note
     return Int8Linear.from_quantized(q, s, t.get("bias"), t.get("smooth"), backend=chosen, name=name), note
 
 
@@ -152,7 +156,8 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
         if tuple(q.shape) != (mod.out_features, mod.in_features):
             bad.append(f"{name}: file [{q.shape[0]}, {q.shape[1]}], model [{mod.out_features}, {mod.in_features}]")
             continue
-        new, note = _int8_module(name, mod.int8_tensors, backend, device)
+        entry = ck.branches[branch].quant.get(name)
+        new, note = _int8_module(name, mod.int8_tensors, backend, device, entry.rotation if entry else None)
         ran[new.backend] += 1
         if note:
             notes.setdefault(new.backend, note)
@@ -174,9 +179,11 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
     install_patches(patcher, fused_modules)
     enable_lora(patcher, layers)  # a LoRA after the loader runs as side branches, as after Apply
     patcher.int8_fused_modules = len(fused_modules)
-    log.info("[int8_fused] %s %s: %d INT8 linears on %s (asked %s)%s%s", ck.name, branch or "model", n_q,
+    n_rot = sum(isinstance(m, convrot.ConvRotLinear) for m in layers.values())
+    log.info("[int8_fused] %s %s: %d INT8 linears on %s (asked %s)%s%s%s", ck.name, branch or "model", n_q,
              ", ".join(f"{b}: {n}" for b, n in ran.most_common()) or "none", backend,
              "".join(f"; {b} because {why}" for b, why in notes.items()),
+             f"; {n_rot} ConvRot-rotated (their input rotated in the quantization kernel)" if n_rot else "",
              f"; {len(fused_modules)} modules fused" if fused_modules else "")
     return patcher
 

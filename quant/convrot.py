@@ -26,12 +26,20 @@ GROUPS = (16, 64, 256, 1024)
 FUSED_BACKEND = "fused_triton"
 
 
-def check_group(k: int, group: int, name: str = "") -> None:
-    """Raises ValueError (naming the layer) unless ``group`` is a supported ConvRot group size dividing K."""
+def hadamard_order(group) -> bool:
+    """Whether ``group`` is the order of a regular Hadamard matrix (a power of 4): what ComfyUI's ConvRot decode
+    takes."""
+    return isinstance(group, int) and group >= 4 and not group & (group - 1) and (group.bit_length() - 1) % 2 == 0
+
+
+def check_group(k: int, group: int, name: str = "", runs: bool = True) -> None:
+    """Raises ValueError (naming the layer, the group and K) unless ``group`` is a supported ConvRot group size
+    dividing K; ``runs=False``: any regular Hadamard order dividing K (what a decode to float takes)."""
     what = f"ConvRot layer {name!r}" if name else "ConvRot"
-    if group not in GROUPS:
+    if not hadamard_order(group) or (runs and group not in GROUPS):
         raise ValueError(f"{what}: group size {group} is not supported: ConvRot's rotation is a regular Hadamard "
-                         f"matrix, which exists for powers of 4 only; the pack runs {', '.join(map(str, GROUPS))}")
+                         f"matrix, which exists for powers of 4 only; the pack runs {', '.join(map(str, GROUPS))} "
+                         f"(input width K = {k})")
     if k <= 0 or k % group:
         raise ValueError(f"{what}: group size {group} does not divide the input width K = {k} (ragged K: it must "
                          f"be a multiple of {group})")

@@ -18,7 +18,8 @@ Three layouts are read (writers live in ``fmt_write``):
 ``comfy_int8``  ComfyUI core ``int8_tensorwise``: ``<p>.weight`` int8 [N, K], ``<p>.weight_scale`` fp32
     scalar / [N] / [N, 1], format given by ``<p>.comfy_quant`` (uint8 JSON) or the header's
     ``_quantization_metadata`` ``{"layers": {p: {"format": ...}}}``. ConvRot-rotated layers
-    (``"convrot": true``) and other formats (fp8, nvfp4, ...) are rejected with a message.
+    (``"convrot": true``) carry their group size (``QuantEntry.rotation``, one ``quant.convrot`` runs); other
+    formats (fp8, nvfp4, ...) are rejected with a message.
 ``int8_fused``  this pack's own format (self-describing, see ``fmt_write.write_pack``): metadata
     ``format=int8_fused``, ``format_version``, ``branches``, per-layer ``layers`` (smoothing), ``protected``,
     ``calibration``; tensors ``<p>.qweight``, ``<p>.weight_scale`` [N], ``<p>.smooth`` [K], ``<p>.bias``,
@@ -39,6 +40,8 @@ import os
 import struct
 
 import torch
+
+from . import convrot
 
 log = logging.getLogger("int8_fused")
 
@@ -95,6 +98,34 @@ def json_metadata(name: str, meta: dict, key: str, kind: type, default=None, req
     return value
 
 
+# --------------------------------------------------------------------------- stored weight scales
+def check_scale_shape(shape, n: int, where: str) -> None:
+    """A stored weight scale must be [N] or [N, 1] (per output channel) or a scalar (per tensor); else
+    CheckpointError, ``where`` naming the file and the layer. This pack's readers and Apply's adoption of ComfyUI
+    core ``int8_tensorwise`` layers (``nodes/apply.check_core_int8``) share it."""
+    if tuple(shape) not in ((), (1,), (n,), (n, 1), (1, 1)):
+        raise CheckpointError(f"{where}: scale has shape {list(shape)}; expected [{n}] or [{n}, 1] (per output "
+                              "channel) or a scalar (per tensor). The file is damaged: download or save it again")
+
+
+def check_scale_values(s: torch.Tensor, where: str, what: str = "weight scale") -> None:
+    """The values of a stored weight scale (fp32, flattened): NaN/Inf or a negative value raises CheckpointError
+    (``where`` names the file and the layer, ``what`` the tensor); every value zero warns (one zero is legal: an
+    all-zero weight row quantizes to scale 0). Shared as ``check_scale_shape``."""
+    if not torch.isfinite(s).all():
+        bad = (~torch.isfinite(s)).nonzero().flatten()
+        raise CheckpointError(f"{where}: {what} holds NaN/Inf ({bad.numel()} of {s.numel()} values, e.g. channel "
+                              f"{int(bad[0])}: {float(s[bad[0]])}); the file is damaged. Download or save it again")
+    if (s < 0).any():
+        neg = (s < 0).nonzero().flatten()
+        raise CheckpointError(f"{where}: {what} holds {neg.numel()} negative values (e.g. channel {int(neg[0])}: "
+                              f"{float(s[neg[0]]):.4g}); scales are max|row| / 127 >= 0, so the file is damaged. "
+                              "Download or save it again")
+    if not s.any():  # one zero row is legal; a whole layer of them is not a model anyone trained
+        log.warning("%s: every %s (%d channels) is zero, so the layer outputs only its bias: almost surely a "
+                    "damaged file. Download or save it again", where, what, s.numel())
+
+
 @dataclasses.dataclass
 class QuantEntry:
     """One quantized linear of a branch: file keys of its tensors and its shape [N, K]."""
@@ -105,6 +136,7 @@ class QuantEntry:
     scale: str
     bias: str | None = None
     smooth: str | None = None
+    rotation: int | None = None                 # ConvRot group size (core int8_tensorwise "convrot"), else None
 
 
 @dataclasses.dataclass
@@ -323,16 +355,14 @@ class Int8Checkpoint:
             if fmt != "int8_tensorwise":
                 raise CheckpointError(f"{self.name}: layer {p!r} is in ComfyUI format {fmt!r}; this loader reads "
                                       "int8_tensorwise only. Load the file with 'Load Diffusion Model'")
-            if conf.get("convrot", params.get("convrot", False)):
-                raise CheckpointError(f"{self.name}: layer {p!r} is ConvRot-rotated int8_tensorwise (Hadamard-"
-                                      "rotated weights); this pack's kernels do not rotate activations. Load "
-                                      "the file with 'Load Diffusion Model' (core runs ConvRot), or use an "
-                                      "unrotated INT8 file")
             wk, sk = rel2key.get(f"{p}.weight"), rel2key.get(f"{p}.weight_scale")
             if wk is None or sk is None:
                 raise CheckpointError(f"{self.name}: layer {p!r} is marked int8_tensorwise but "
                                       f"'{p}.{'weight' if wk is None else 'weight_scale'}' is missing")
             quant[p] = self._entry(p, wk, sk, rel2key.get(f"{p}.bias"), None)
+            if conf.get("convrot", params.get("convrot", False)):  # read as ComfyUI reads it (comfy/ops.py)
+                quant[p].rotation = self._convrot_group(
+                    p, conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)), quant[p].in_features)
             used.update(x for x in (wk, sk, rel2key.get(f"{p}.bias"), rel2key.get(f"{p}.comfy_quant")) if x)
         for r, k in rel2key.items():
             if k in used:
@@ -376,15 +406,30 @@ class Int8Checkpoint:
             floats[r] = k
         return Branch(br, quant, floats)
 
+    def _convrot_group(self, p, raw, k: int) -> int:
+        """The ConvRot group size of core layer ``p`` (input width ``k``), one the pack's kernels rotate with; else
+        CheckpointError naming the file, the layer, the group and K."""
+        try:
+            group = int(raw)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{self.name}: layer {p!r}: ConvRot group size {raw!r} is not an integer; the "
+                                  "file is damaged. Download or save it again") from None
+        for runs, fix in ((False, "Neither ComfyUI nor this pack can decode it: the file is damaged. Download it "
+                                  "again or quantize the float model again"),
+                          (True, "Load it with 'Load Diffusion Model' and run it through 'Apply Fused INT8 GEMM', "
+                                 "which decodes such layers to float and quantizes them again")):
+            try:
+                convrot.check_group(k, group, p, runs=runs)
+            except ValueError as e:
+                raise CheckpointError(f"{self.name}: {e}. {fix}") from None
+        return group
+
     def _entry(self, p, wk, sk, bk, smk, br="") -> QuantEntry:
         h, where = self.header, f"{self.name}: {_bn(br)}layer {p!r}"
         if _dtype(h, wk) != "I8" or len(_shape(h, wk)) != 2:
             raise CheckpointError(f"{where}: weight must be int8 [N, K], found {_dtype(h, wk)} {list(_shape(h, wk))}")
         N, K = _shape(h, wk)
-        ss = _shape(h, sk)
-        if ss not in ((), (1,), (N,), (N, 1), (1, 1)):
-            raise CheckpointError(f"{where}: scale has shape {list(ss)}; expected [{N}] or [{N}, 1] (per output "
-                                  "channel) or a scalar (per tensor)")
+        check_scale_shape(_shape(h, sk), N, where)
         if _dtype(h, sk) not in ("F32", "F16", "BF16"):
             raise CheckpointError(f"{where}: scale dtype {_dtype(h, sk)} is not a float type")
         if bk is not None and _shape(h, bk) != (N,):
@@ -413,19 +458,7 @@ class Int8Checkpoint:
                                       "non-finite values; the file is damaged")
             if self.smooth_inverted:
                 sm = 1.0 / sm
-        if not torch.isfinite(s).all():
-            raise CheckpointError(f"{self.name}: {_bn(branch)}layer {name!r}: weight scale {e.scale!r} holds "
-                                  "NaN/Inf; the file is damaged")
-        if (s < 0).any():  # zero is legal: an all-zero weight row quantizes to scale 0
-            neg = (s < 0).nonzero().flatten()
-            raise CheckpointError(f"{self.name}: {_bn(branch)}layer {name!r}: weight scale {e.scale!r} holds "
-                                  f"{neg.numel()} negative values (e.g. channel {int(neg[0])}: "
-                                  f"{float(s[neg[0]]):.4g}); scales are max|row| / 127 >= 0, so the file is "
-                                  "damaged. Download or save it again")
-        if not s.any():  # one zero row is legal; a whole layer of them is not a model anyone trained
-            log.warning("%s: %slayer %r: every weight scale (%r, %d channels) is zero, so the layer outputs only "
-                        "its bias: almost surely a damaged file. Download or save it again", self.name,
-                        _bn(branch), name, e.scale, s.numel())
+        check_scale_values(s, f"{self.name}: {_bn(branch)}layer {name!r}", f"weight scale {e.scale!r}")
         return q, s, b, sm
 
     def branch_state_dict(self, branch: str) -> dict[str, torch.Tensor]:

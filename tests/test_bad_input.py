@@ -303,3 +303,140 @@ def test_unknown_backend_switch_and_zero_scales_on_current_comfyui(comfy_current
     assert res["adopted"] == 1
     assert len(res["core_zero"]) == 1 and "core_zero.safetensors" in res["core_zero"][0]
     assert "'layers.0.attention.o'" in res["core_zero"][0]
+
+
+# ---------------------------------------------------------------------------------------------- issue 47 (0.33.0)
+# Damaged ComfyUI core int8_tensorwise files (tiny Flux, bench/e2e_models.py's config, which ComfyUI 0.33.0
+# detects): one plain layer P and one ConvRot layer R (comfy-kitchen's own ConvRot quantizer), loaded by core,
+# then Apply. And the Ideogram 4 loader's branch builder (nodes/loader.build_branch) on the same undamaged file.
+ISSUE47 = """
+import json, logging, os, shutil, sys, tempfile
+import torch
+from safetensors.torch import save_file
+seen = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append([record.levelname, record.getMessage()])
+logging.getLogger("int8_fused").addHandler(Keep())
+pack = import_pack()
+import comfy.sd
+from comfy_kitchen.backends.eager import quantization as ck
+from bench import e2e_models
+F = sys.modules["comfyui_int8_fused.quant.formats"]
+ConvRotLinear = sys.modules["comfyui_int8_fused.quant.convrot"].ConvRotLinear
+sd, _ = e2e_models.random_state_dict("flux", e2e_models.unet_config("flux", True), torch.device("cpu"))
+P, R = "double_blocks.0.img_attn.proj", "double_blocks.0.img_mlp.0"  # [256, 256], [1024, 256]
+d = tempfile.mkdtemp(prefix="int8_i47_")
+
+def conf(**c):
+    return torch.tensor(list(json.dumps({"format": "int8_tensorwise", **c}).encode()), dtype=torch.uint8)
+
+def write(name, p_scale=None, r_scale=None, group=256, quant_group=256):
+    out = dict(sd)
+    w = sd[P + ".weight"].float()
+    s = w.abs().amax(1, keepdim=True) / 127  # [N, 1], as ComfyUI's own per-channel quantizers write it
+    out[P + ".weight"] = torch.round(w / s).clamp(-127, 127).to(torch.int8)
+    out[P + ".weight_scale"], out[P + ".comfy_quant"] = s if p_scale is None else p_scale(s), conf()
+    q, rs = ck.quantize_int8_convrot_weight(sd[R + ".weight"].float(), quant_group)
+    out[R + ".weight"], out[R + ".weight_scale"] = q, rs.float() if r_scale is None else r_scale(rs.float())
+    out[R + ".comfy_quant"] = conf(convrot=True, convrot_groupsize=group)
+    save_file(out, os.path.join(d, name))
+    return os.path.join(d, name)
+
+def put(s, i, v):
+    s = s.clone()
+    s.view(-1)[i] = v
+    return s
+
+cases = {"nan": dict(p_scale=lambda s: put(s, 3, float("nan"))),
+         "inf_convrot": dict(r_scale=lambda s: put(s, 5, float("inf"))),
+         "negative": dict(p_scale=lambda s: -s),
+         "shape": dict(p_scale=lambda s: s[1:]),  # [255, 1] for N = 256
+         "group_48": dict(group=48), "group_0": dict(group=0), "group_-256": dict(group=-256),
+         "group_4096": dict(group=4096),  # a power of 4 past K = 256
+         "group_4": dict(group=4, quant_group=4)}  # decodes (comfy-kitchen runs it): quantized again, no error
+res = {}
+apply = pack.nodes.apply.ApplyFusedInt8GEMM()
+for case, kw in cases.items():
+    core = comfy.sd.load_diffusion_model(write(case + ".safetensors", **kw))
+    n0 = len(seen)
+    try:
+        (out,) = apply.apply(core, "torch_int_mm")
+        res[case] = {"ok": True, "adopted": out.int8_report.adopted,
+                     "warnings": [m for l, m in seen[n0:] if l == "WARNING"]}
+    except Exception as e:
+        res[case] = {"ok": False, "error": f"{type(e).__module__}.{type(e).__name__}: {e}",
+                     "input_untouched": not core.object_patches}
+    del core
+
+# item C: the loader's branch builder on an undamaged file with a ConvRot layer, against core's decode of it
+path = write("good.safetensors")
+core = comfy.sd.load_diffusion_model(path)
+wr = core.model.diffusion_model.double_blocks[0].img_mlp[0].weight.dequantize().double()  # comfy-kitchen's decode
+try:
+    with F.open_checkpoint(path) as f:
+        m = pack.nodes.loader.build_branch(f, "", "torch_int_mm")
+    L = m.model.diffusion_model.double_blocks[0].img_mlp[0]
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y = L(x).double() - L.bias.double()
+    ref = x.double() @ wr.T
+    res["loader"] = {"convrot": isinstance(L, ConvRotLinear) and L.rotation, "err": float(
+        (y - ref).norm() / ref.norm()), "plain": type(m.model.diffusion_model.double_blocks[0].img_attn.proj).__name__}
+except Exception as e:
+    res["loader"] = {"error": f"{type(e).__name__}: {e}"}
+shutil.rmtree(d, True)
+print("RESULT " + json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def issue47(comfy_current):
+    from comfy_harness import run_in_current_comfy
+    cp = run_in_current_comfy(ISSUE47, timeout=900)
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-6000:]
+    res = json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def _refused(res, case, *words):
+    r = res[case]
+    assert not r["ok"], (case, r)
+    assert r["error"].startswith(f"int8_fused.CheckpointError: {case}.safetensors: "), (case, r["error"])
+    assert r["input_untouched"], case
+    for w in words:
+        assert w in r["error"], (case, w, r["error"])
+
+
+def test_core_int8_damaged_scales_refused_by_apply(issue47):
+    """Item A: NaN / +Inf (plain and ConvRot) and negative weight_scale values: Apply used to adopt them (an
+    all-NaN or a wrong latent); now refused naming the file and the layer, what is wrong and what to do."""
+    P, R = "'double_blocks.0.img_attn.proj'", "'double_blocks.0.img_mlp.0'"
+    _refused(issue47, "nan", P, "holds NaN/Inf", "channel 3", "Download or save it again")
+    _refused(issue47, "inf_convrot", R, "holds NaN/Inf", "channel 5: inf")
+    _refused(issue47, "negative", P, "256 negative values", "Download or save it again")
+
+
+def test_core_int8_bad_scale_shape_and_group_refused_before_decoding(issue47):
+    """Item B: a scale of the wrong shape, and ConvRot group sizes nothing can decode, used to reach comfy-kitchen's
+    decode (a bare broadcast error, "in_features 256 not divisible by group_size 4096") after a log line promising a
+    decode; now refused first, naming the file, the layer, the group and K. A group ComfyUI decodes (4) still runs."""
+    _refused(issue47, "shape", "'double_blocks.0.img_attn.proj'", "scale has shape [255, 1]", "expected [256]")
+    for g in (48, 0, -256):
+        _refused(issue47, f"group_{g}", "'double_blocks.0.img_mlp.0'", f"group size {g} is not supported",
+                 "powers of 4", "K = 256", "the file is damaged")
+    _refused(issue47, "group_4096", "'double_blocks.0.img_mlp.0'", "group size 4096 does not divide the input width "
+             "K = 256", "the file is damaged")
+    ok = issue47["group_4"]
+    assert ok["ok"] and ok["adopted"] == 1, ok  # P adopted, R decoded to float and quantized again
+    assert any("group size 4" in w and "decoded to float and quantized again" in w for w in ok["warnings"]), ok
+
+
+def test_ideogram4_loader_builds_convrot_layers(issue47):
+    """Item C: the Ideogram 4 loader refused ConvRot core files ("this pack's kernels do not rotate activations");
+    its branch builder now makes them ConvRot layers (as Apply adopts them): W8A8 of the stored weights, within
+    per-token rounding of core's own decode (an unrotated layer would be off by ~100 %)."""
+    lo = issue47["loader"]
+    assert "error" not in lo, lo["error"] if "error" in lo else lo
+    assert lo["convrot"] == 256 and lo["plain"] == "Int8Linear"
+    assert lo["err"] < 0.02, lo

@@ -164,6 +164,31 @@ def test_core_header_metadata_convrot_and_other_formats(tmp_path, branches):
             F.open_checkpoint(str(tmp_path / "x.safetensors"))
 
 
+def test_core_convrot_group_read_or_refused(tmp_path, branches):
+    """Issue 47 C: a ConvRot core layer is read with its group size (the Ideogram 4 loader builds a ConvRotLinear
+    from it); a group size the kernels do not rotate with is refused naming the file, the layer, the group and K."""
+    q, _ = branches["conditional"]
+    L = q["layers.0.attention.o"]  # K = 64
+    t = {"layers.0.attention.o.weight": L["qweight"], "layers.0.attention.o.weight_scale": L["weight_scale"]}
+    for group, want in ((64, 64), (16, 16), (48, "group size 48 is not supported.*K = 64.*damaged"),
+                        (4096, "group size 4096 does not divide the input width K = 64.*damaged"),
+                        (4, "group size 4 is not supported.*K = 64.*'Apply Fused INT8 GEMM'.*decodes"),
+                        ("x", "group size 'x' is not an integer")):
+        conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}
+        meta = {"_quantization_metadata": json.dumps({"layers": {"layers.0.attention.o": conf}})}
+        W.atomic_save(t, str(tmp_path / "r.safetensors"), meta, overwrite=True)
+        if isinstance(want, int):
+            with F.open_checkpoint(str(tmp_path / "r.safetensors")) as ck:
+                assert ck.branches[""].quant["layers.0.attention.o"].rotation == want
+        else:
+            with pytest.raises(F.CheckpointError, match=r"r\.safetensors: .*'layers\.0\.attention\.o'.*" + want):
+                F.open_checkpoint(str(tmp_path / "r.safetensors"))
+    meta = {"_quantization_metadata": json.dumps({"layers": {"layers.0.attention.o": {"format": "int8_tensorwise"}}})}
+    W.atomic_save(t, str(tmp_path / "r.safetensors"), meta, overwrite=True)
+    with F.open_checkpoint(str(tmp_path / "r.safetensors")) as ck:
+        assert ck.branches[""].quant["layers.0.attention.o"].rotation is None  # unrotated: a plain layer
+
+
 def test_pickle_and_non_safetensors_rejected(tmp_path):
     for name in ("m.ckpt", "m.pt", "m.pth"):
         (tmp_path / name).write_bytes(b"x" * 64)
