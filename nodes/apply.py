@@ -394,12 +394,14 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     stored = stored_rotations(model, pairs)
     rotated = dict(stored)  # name -> ConvRot group size: stored ones, then the float layers this node rotates
 
+    merged = {}  # weight patch key -> how many of its patches ComfyUI merged (it skips malformed ones)
+
     def weight_fn(n, m):
-        w = float_tensor(model, n, m, "weight", compute_dev)
+        w = float_tensor(model, n, m, "weight", compute_dev, merged)
         g = convrot.group_for(w.shape[-1]) if rotation == "convrot" else None
         if g is not None:
             rotated[n] = g
-            return convrot.rotate(w, g, torch.float64)
+            return convrot.rotate_weight(w, g, out=w)  # w: float_tensor's own copy, rotated in place by chunks
         return w
 
     cal = calibration
@@ -408,7 +410,7 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
             rotation == "convrot" and convrot.group_for(k) is not None))
     layers, report = build_int8_layers(
         pairs, backend, calibration=cal, keep_float=keep_float, weight_fn=weight_fn,
-        bias_fn=lambda n, m: float_tensor(model, n, m, "bias", compute_dev),
+        bias_fn=lambda n, m: float_tensor(model, n, m, "bias", compute_dev, merged),
         quantized_fn=lambda n, m: core_int8_weight(model, n, m),
         device=load_dev, compute_device=compute_dev, store_device=store_dev)
     layers = {n: convrot.ConvRotLinear.of(m, rotated[n]) if n in rotated else m for n, m in layers.items()}
@@ -416,10 +418,14 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     _log_rotation(report.rotated, stored, rotation, len(layers), getattr(cal, "dropped", ()))
     patches = _fuse(model, layers, adapter) if adapter is not None else dict(layers)
     install_patches(out, patches)
-    dropped = 0
+    dropped = skipped = 0
     for name in layers:
         for attr in ("weight", "bias"):
-            dropped += out.patches.pop(f"{PREFIX}{name}.{attr}", None) is not None
+            key = f"{PREFIX}{name}.{attr}"
+            plist = out.patches.pop(key, None)
+            if plist is not None:
+                dropped += merged.get(key, 0)
+                skipped += len(plist) - merged.get(key, 0)
     out.patches_uuid = uuid.uuid4()  # forces ComfyUI to reload (not reuse) the tree when switching models
     out.size = before_size - report.float_bytes + report.int8_bytes
     enable_lora(out, layers, before_size)  # an earlier Apply upstream: its layers stay guarded (clone's attachment)
@@ -434,6 +440,10 @@ def _patch(out, model, backend, preset, include, exclude, keep_float, calibratio
     out.int8_report = report  # for tests and the bench; not carried by later clones
     log.info("INT8 Apply [%s, preset %s]: %s; %s%s", backend, preset, report.summary(), mem,
              f"; {dropped} LoRA patches merged" if dropped else "")
+    if skipped:
+        log.warning("INT8 Apply: %d LoRA patches on the INT8 layers were not merged: ComfyUI skipped them (its "
+                    "warning above says why, e.g. a LoRA of the wrong shape for its layer), so they have no effect",
+                    skipped)
     # fused_triton layers outside fused modules (those always run INT8): int8 vs float per shape (issue 14)
     report.dispatch = dispatch.report_line([m for m in patches.values() if isinstance(m, Int8Linear)])
     if report.dispatch:

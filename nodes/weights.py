@@ -4,6 +4,8 @@ Calibrate and Save."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 
 import torch
 
@@ -48,10 +50,11 @@ def original_modules(model):
     yield from walk("", backup.get(PREFIX.rstrip("."), model.model.diffusion_model))
 
 
-def float_tensor(model, name: str, module, attr: str, device: torch.device) -> torch.Tensor | None:
-    """The layer's weight/bias in fp32 on ``device``, decoded the way ComfyUI decodes it, with the
-    MODEL's weight patches (LoRA) merged by ``comfy.lora.calculate_weight``."""
-    import comfy.lora
+def float_tensor(model, name: str, module, attr: str, device: torch.device,
+                 merged: dict | None = None) -> torch.Tensor | None:
+    """The layer's weight/bias in fp32 on ``device`` (a copy of its own), decoded the way ComfyUI decodes it, with
+    the MODEL's weight patches (LoRA) merged by ``comfy.lora.calculate_weight``. ``merged``: gets {patch key: how
+    many of its patches ComfyUI merged} (:func:`merge_patches`)."""
     import comfy.model_management as mm
     t = getattr(module, attr, None)
     if t is None:
@@ -68,8 +71,39 @@ def float_tensor(model, name: str, module, attr: str, device: torch.device) -> t
         if convert is not None:  # scaled fp8 / mixed precision layers decode here
             out = convert(out, inplace=True).float()
     if key in model.patches:
-        out = comfy.lora.calculate_weight(model.patches[key], out, key, intermediate_dtype=torch.float32)
+        out, n = merge_patches(model.patches[key], out, key)
+        if merged is not None:
+            merged[key] = n
     return out.float()
+
+
+class _Skips(logging.Handler):
+    """Counts the warnings and errors ComfyUI logs (root logger) from this thread while it is attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.thread, self.count = threading.get_ident(), 0
+
+    def emit(self, record):
+        self.count += record.thread == self.thread and record.name == "root"
+
+
+def merge_patches(patches, weight: torch.Tensor, key: str) -> tuple[torch.Tensor, int]:
+    """(``weight`` with ``patches`` merged by ``comfy.lora.calculate_weight``, how many of them it merged).
+    ComfyUI skips a patch it cannot merge (a LoRA of the wrong shape, an unknown patch type) with a warning or an
+    error in its log and goes on with the weight unchanged: one patch at a time (what it does with the list), a
+    patch during whose merge it logged one counts as skipped."""
+    import comfy.lora
+    skips, root, n = _Skips(), logging.getLogger(), 0
+    root.addHandler(skips)
+    try:
+        for p in patches:
+            before = skips.count
+            weight = comfy.lora.calculate_weight([p], weight, key, intermediate_dtype=torch.float32)
+            n += skips.count == before
+    finally:
+        root.removeHandler(skips)
+    return weight, n
 
 
 def int8_layers(model) -> dict:

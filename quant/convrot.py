@@ -72,6 +72,49 @@ def rotate(t: torch.Tensor, group: int, dtype=torch.float32) -> torch.Tensor:
     return (t.to(dtype).reshape(-1, k // group, group) @ h).reshape(t.shape)
 
 
+#: The float64 temporaries of one chunk of :func:`rotate_weight` at most, in bytes (and at most half the layer's
+#: fp32 size): a weight is rotated a chunk of its output rows at a time.
+CHUNK_BYTES = 64 << 20
+
+
+def chunk_rows(n: int, k: int, chunk_bytes: int | None = None) -> int:
+    """Rows of a [n, k] weight :func:`rotate_weight` rotates at once: their float64 temporaries (a copy and the
+    product, 16 bytes an element) within ``chunk_bytes`` (default: :data:`CHUNK_BYTES` and half the layer's fp32
+    size, 2 n k bytes); at least one row."""
+    budget = min(CHUNK_BYTES, 2 * n * k) if chunk_bytes is None else chunk_bytes
+    return max(1, min(n, budget // (16 * max(k, 1))))
+
+
+def rotate_weight(weight: torch.Tensor, group: int, out: torch.Tensor | None = None,
+                  chunk_bytes: int | None = None) -> torch.Tensor:
+    """``weight @ B`` [N, K] in fp32: every element the float64 product rounded once to fp32, as ``rotate(weight,
+    group, torch.float64).float()`` computes it, but a chunk of output rows at a time (:func:`chunk_rows`), so the
+    float64 temporaries stay within half the layer's fp32 size instead of four times it. ``out``: the fp32 [N, K]
+    to write (``weight`` itself when it is fp32 and may be overwritten: no other copy then).
+
+    Equal to the one-piece result bit for bit: each row's product is the same GEMM over the same length-G dot
+    products (the rows of [N K / G, G] @ H, entries +-2^-m), and their float64 sums are exact, so no summation
+    order of a BLAS can change them, wherever the nonzero inputs of a group span less than 2^(53 - log2 G - p) in
+    magnitude (p: the input's significand bits; at G = 256: 2^37 for bf16, 2^21 for fp32). Elsewhere two orders
+    differ by at most (G - 1) 2^-53 times the sum of the group's magnitudes, which moves the fp32 rounding (by one
+    ulp, a code by at most one) only for a value that close to an fp32 rounding midpoint."""
+    n, k = weight.shape
+    check_group(k, group)
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.float32, device=weight.device)
+    h = hadamard(group, torch.float64, weight.device)
+    c = chunk_rows(n, k, chunk_bytes)
+    for a in range(0, n, c):
+        out[a:a + c] = _product64(weight[a:a + c], h)  # rounded to fp32 as .float() rounds
+    return out
+
+
+def _product64(rows: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """float64 ``rows @ B`` (B: block Hadamard of ``h``'s order): the GEMM ``rotate`` runs in float64."""
+    k, group = rows.shape[-1], h.shape[0]
+    return (rows.detach().to(torch.float64).reshape(-1, k // group, group) @ h).reshape(rows.shape)
+
+
 def stored_convrot(weight) -> int | None:
     """The ConvRot group size of a ComfyUI ``QuantizedTensor`` weight stored as rotated ``int8_tensorwise``,
     else None."""
@@ -111,9 +154,21 @@ class ConvRotLinear(Int8Linear):
     @classmethod
     def rotate_float(cls, weight: torch.Tensor, group: int = DEFAULT_GROUP, bias: torch.Tensor | None = None,
                      backend: str = "dequant_bf16", name: str = "") -> "ConvRotLinear":
-        """Rotate a float weight [N, K] (in float64) and quantize it per output channel."""
+        """Rotate a float weight [N, K] (in float64, rounded to fp32: :func:`rotate_weight`) and quantize it per
+        output channel, a chunk of rows at a time: besides the int8 codes, temporaries of at most the layer's fp32
+        size."""
         check_group(weight.shape[-1], group, name)
-        qw, ws = quantize_weight_per_channel(rotate(weight.detach(), group, torch.float64))
+        n, k = weight.shape
+        qw = torch.empty(n, k, dtype=torch.int8, device=weight.device)
+        ws = torch.empty(n, dtype=torch.float32, device=weight.device)
+        h = hadamard(group, torch.float64, weight.device)
+        c = chunk_rows(n, k, min(CHUNK_BYTES, n * k))  # float64 product, its fp32 rounding, the quantizer's
+        for a in range(0, n, c):
+            try:
+                qw[a:a + c], ws[a:a + c] = quantize_weight_per_channel(_product64(weight[a:a + c], h))
+            except ValueError:  # NaN / Inf: the message names the rows of the whole weight
+                quantize_weight_per_channel(weight.detach())
+                raise
         return cls.from_stored(qw, ws, group, bias, backend=backend, name=name)
 
     @classmethod

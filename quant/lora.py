@@ -14,12 +14,14 @@ w1+w3 GEMM) fills its rows / columns of D and U, zeros elsewhere. A bias ``diff`
 Supported: ComfyUI's plain LoRA (``LoRAAdapter`` without ``lora_mid`` / ``dora_scale`` / reshape) on weights, and
 ``diff`` on biases. Anything else on an INT8 layer (LoCon, DoRA, LoHa, LoKr, full diffs, ``set``, a weight function,
 ``strength_model`` != 1) raises :class:`LoraError` naming the layer: such a LoRA has to be merged (loaded before
-Apply). :func:`install` sets the branches of every INT8 layer of a model at its run start (``Int8Linear.set_lora``); the
-device copies of the LoRA tensors are made once per source tensor, device and dtype (:func:`on_device`), so a new
-strength only rescales U on the device.
+Apply). A LoRA that would break the output however it runs (rank 0; NaN / Inf in its tensors, alpha or strength,
+its tensors read once each) raises :class:`LoraError` naming the layer too. :func:`install` sets the branches of
+every INT8 layer of a model at its run start (``Int8Linear.set_lora``); the device copies of the LoRA tensors are
+made once per source tensor, device and dtype (:func:`on_device`), so a new strength only rescales U on the device.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -34,9 +36,36 @@ class LoraError(RuntimeError):
     """A weight patch on an INT8 layer that cannot run as a low-rank branch."""
 
 
-def _refuse(what: str, name: str):
-    raise LoraError(f"LoRA after Apply: {what} on INT8 layer '{name}' cannot run as a low-rank side branch. "
-                    + MERGE_HINT)
+def _refuse(what: str, name: str, v=None):
+    raise LoraError(f"LoRA after Apply: {what} on INT8 layer '{name}'{_source(v)} cannot run as a low-rank side "
+                    "branch. " + MERGE_HINT)
+
+
+def _source(v) -> str:
+    """Where a patch's tensors come from in its LoRA file (ComfyUI keeps their keys, ``loaded_keys``, not the
+    file's name), for an error message; empty when unknown."""
+    keys = sorted(getattr(v, "loaded_keys", None) or ())
+    return f" (the LoRA file's {', '.join(repr(k) for k in keys[:3])}{', ...' if len(keys) > 3 else ''})" \
+        if keys else ""
+
+
+def _damaged(what: str, name: str, v=None):
+    """A LoRA that has no usable low-rank term (rank 0, NaN / Inf values or strength): LoraError naming the layer
+    (no merge hint: merged before Apply it breaks the float weights as well)."""
+    raise LoraError(f"LoRA after Apply: the LoRA on INT8 layer '{name}'{_source(v)} {what}.")
+
+
+_FINITE: dict = {}  # id(source tensor) -> whether every value is finite, dropped when the tensor is freed
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds only finite values: read once per source tensor while it lives (a run start reads no
+    LoRA tensor again)."""
+    ok = _FINITE.get(id(t))
+    if ok is None:
+        ok = _FINITE[id(t)] = bool(torch.isfinite(t.detach()).all())
+        weakref.finalize(t, _FINITE.pop, id(t), None)
+    return ok
 
 
 _COPIES: dict = {}  # (id(source), device, dtype) -> copy, dropped when the source tensor is freed
@@ -176,27 +205,51 @@ def terms_of(name: str, param: str, patches, n: int, k: int, row0: int = 0):
             if not (isinstance(diff, tuple) and len(diff) >= 1 and isinstance(diff[0], torch.Tensor)
                     and diff[0].numel() == rows[1]):
                 _refuse(f"{_describe(v)} on the bias", name)
+            _check_strength(strength, name, v)
             if strength != 0.0:
+                if not _finite(diff[0]):
+                    _damaged("holds NaN / Inf in its bias diff: the LoRA file is damaged (every output of the layer "
+                             "would be NaN). Remove that LoRA or load the file again", name, v)
                 bias.append((diff[0].detach().reshape(-1).float() * float(strength), row0 + rows[0]))
             continue
         if type(v).__name__ != "LoRAAdapter" or len(getattr(v, "weights", ())) < 6:
-            _refuse(_describe(v), name)
+            _refuse(_describe(v), name, v)
         up, down, alpha, mid, dora_scale, reshape = v.weights[:6]
         if mid is not None:
-            _refuse("a LoCon patch (lora_mid: a convolution LoRA)", name)
+            _refuse("a LoCon patch (lora_mid: a convolution LoRA)", name, v)
         if dora_scale is not None:
-            _refuse("a DoRA patch (dora_scale: it rescales the merged weight, not a low-rank add)", name)
+            _refuse("a DoRA patch (dora_scale: it rescales the merged weight, not a low-rank add)", name, v)
         if reshape is not None:
-            _refuse("a reshaping LoRA patch", name)
+            _refuse("a reshaping LoRA patch", name, v)
         up, down = up.flatten(1), down.flatten(1)
         if up.shape[1] != down.shape[0] or up.shape[0] != rows[1] or down.shape[1] != cols[1]:
             _refuse(f"a LoRA of shape up {tuple(up.shape)} / down {tuple(down.shape)} for a weight part "
-                    f"[{rows[1]}, {cols[1]}]", name)
+                    f"[{rows[1]}, {cols[1]}]", name, v)
+        _check_strength(strength, name, v)
         if strength == 0.0:
             continue
+        if down.shape[0] == 0:
+            _damaged(f"has rank 0 (lora_up {tuple(up.shape)} / lora_down {tuple(down.shape)}): it holds no "
+                     "low-rank term, and its alpha / rank has no value. The LoRA file is damaged or empty: remove "
+                     "that LoRA or use another file", name, v)
         a = 1.0 if alpha is None else float(alpha) / down.shape[0]
+        if not math.isfinite(float(strength) * a):
+            _damaged(f"has a non-finite scale: strength {float(strength)} x alpha {float(alpha)} / rank "
+                     f"{down.shape[0]} (every output of the layer would be NaN). The LoRA file's alpha is damaged",
+                     name, v)
+        for what, t in (("lora_up", v.weights[0]), ("lora_down", v.weights[1])):
+            if not _finite(t):
+                _damaged(f"holds NaN / Inf in its {what}: the LoRA file is damaged (every output of the layer "
+                         "would be NaN). Remove that LoRA or load the file again", name, v)
         terms.append(Term(down, up, float(strength) * a, row0 + rows[0], cols[0]))
     return terms, bias
+
+
+def _check_strength(strength, name: str, v) -> None:
+    """A NaN / Inf strength (reachable through the API, not the UI's widgets) makes every output NaN: refused."""
+    if not math.isfinite(float(strength)):
+        _damaged(f"has a non-finite strength ({float(strength)}): every output of the layer would be NaN. Give "
+                 "its LoRA loader a finite strength_model", name, v)
 
 
 def owners(object_patches: dict) -> dict:

@@ -182,3 +182,98 @@ def test_branch_matches_float64_low_rank_term(pack):
     with pytest.raises(lora.LoraError, match="DoRA.*'blk.0.qkv'.*BEFORE"):
         dora = LoRAAdapter(set(), (b, a, 3.0, None, torch.ones(16), None))
         lora.install({"blk.0.qkv.weight": [(1.0, dora, 1.0, (0, 16, 16), None)]}, layers)
+
+
+def _one_layer(pack):
+    Int8Linear = pack.quant.linear.Int8Linear
+    g = torch.Generator().manual_seed(5)
+    layer = Int8Linear.from_float(torch.randn(48, 64, generator=g), torch.randn(48, generator=g), name="blk.0.qkv")
+    return layer, pack.quant.lora.owners({"blk.0.qkv": layer}), torch.randn(2, 3, 64, generator=g)
+
+
+def test_rank0_lora_refused_naming_layer_and_file(pack):
+    """Issue 47 D1: a rank-0 LoRA (lora_up [N, 0], lora_down [0, K]) was a bare ZeroDivisionError (alpha / rank):
+    a LoraError naming the layer and the LoRA file's tensors, before any layer changes."""
+    from comfy.weight_adapter.lora import LoRAAdapter
+    lora = pack.quant.lora
+    layer, layers, x = _one_layer(pack)
+    base = layer(x)
+    keys = {f"{PREFIX}blk.0.qkv.lora_up.weight", f"{PREFIX}blk.0.qkv.lora_down.weight", f"{PREFIX}blk.0.qkv.alpha"}
+    rank0 = LoRAAdapter(keys, (torch.zeros(48, 0), torch.zeros(0, 64), torch.tensor(4.0), None, None, None))
+    with pytest.raises(lora.LoraError, match=r"INT8 layer 'blk\.0\.qkv' \(the LoRA file's .*blk\.0\.qkv\.alpha'.*"
+                                             r"lora_down\.weight'.*\) has rank 0"):
+        lora.install({"blk.0.qkv.weight": [(1.0, rank0, 1.0, None, None)]}, layers)
+    assert layer.derived.lora is None and layer(x).equal(base)
+
+
+def test_non_finite_lora_strength_or_weights_refused(pack):
+    """Issue 47 D2: a NaN strength (the API takes one) or NaN / Inf inside lora_up / lora_down / alpha / a bias diff
+    made every output NaN without a word: refused when the branches are built (``install``), naming the layer; the
+    layer keeps the branches it had."""
+    from comfy.weight_adapter.lora import LoRAAdapter
+    lora = pack.quant.lora
+    layer, layers, x = _one_layer(pack)
+    g = torch.Generator().manual_seed(6)
+    up, down = torch.randn(48, 4, generator=g), torch.randn(4, 64, generator=g)
+    good = LoRAAdapter(set(), (up, down, 2.0, None, None, None))
+    lora.install({"blk.0.qkv.weight": [(0.5, good, 1.0, None, None)]}, layers)
+    branch, y = layer.derived.lora, layer(x)
+    assert branch is not None and torch.isfinite(y).all()
+    nan_up = up.clone()
+    nan_up[3, 1] = float("nan")
+    inf_down = down.clone()
+    inf_down[0, 0] = float("inf")
+    cases = [
+        ({"blk.0.qkv.weight": [(float("nan"), good, 1.0, None, None)]}, r"non-finite strength \(nan\)"),
+        ({"blk.0.qkv.weight": [(float("inf"), good, 1.0, None, None)]}, r"non-finite strength \(inf\)"),
+        ({"blk.0.qkv.weight": [(1.0, LoRAAdapter(set(), (nan_up, down, 2.0, None, None, None)), 1.0, None, None)]},
+         r"NaN / Inf in its lora_up"),
+        ({"blk.0.qkv.weight": [(1.0, LoRAAdapter(set(), (up, inf_down, None, None, None, None)), 1.0, None, None)]},
+         r"NaN / Inf in its lora_down"),
+        ({"blk.0.qkv.weight": [(1.0, LoRAAdapter(set(), (up, down, torch.tensor(float("nan")), None, None, None)),
+                                1.0, None, None)]}, r"non-finite scale"),
+        ({"blk.0.qkv.bias": [(1.0, (torch.full((48,), float("nan")),), 1.0, None, None)]},
+         r"NaN / Inf in its bias diff"),
+        ({"blk.0.qkv.bias": [(float("nan"), (torch.ones(48),), 1.0, None, None)]}, r"non-finite strength"),
+    ]
+    for patches, what in cases:
+        with pytest.raises(lora.LoraError, match=r"INT8 layer 'blk\.0\.qkv'.* " + what):
+            lora.install(patches, layers)
+        assert layer.derived.lora is branch and layer(x).equal(y)  # nothing changed
+    # strength 0 switches a LoRA off, whatever it holds
+    lora.install({"blk.0.qkv.weight": [(0.0, LoRAAdapter(set(), (nan_up, down, 2.0, None, None, None)), 1.0, None,
+                                        None)]}, layers)
+    assert layer.derived.lora is None
+
+
+def test_apply_counts_only_the_lora_patches_comfy_merged(pack, tiny_model, caplog):
+    """Issue 47 D3: a LoRA loaded BEFORE Apply is merged by ComfyUI's ``calculate_weight``, which skips a malformed
+    one (here one row too many for its layer) with an error in its log and leaves the weight as it was; Apply's log
+    said "2 LoRA patches merged" all the same. It counts what ComfyUI merged and says what it skipped."""
+    import logging
+    from comfy.weight_adapter.lora import LoRAAdapter
+    quantize = pack.quant.quantize.quantize_weight_per_channel
+    mp = tiny_model("flux")
+    good, bad = "double_blocks.0.img_attn.qkv", "single_blocks.0.linear2"
+    w_good, w_bad = (mp.get_model_object(PREFIX + t).weight.detach().float() for t in (good, bad))
+    g = torch.Generator().manual_seed(8)
+    up, down = torch.randn(w_good.shape[0], 4, generator=g) * 0.1, torch.randn(4, w_good.shape[1], generator=g) * 0.1
+    ml = mp.clone()
+    assert len(ml.add_patches({
+        PREFIX + good + ".weight": LoRAAdapter(set(), (up, down, None, None, None, None)),
+        PREFIX + bad + ".weight": LoRAAdapter(set(), (torch.randn(w_bad.shape[0] + 1, 4, generator=g),
+                                                     torch.randn(4, w_bad.shape[1], generator=g),
+                                                     None, None, None, None))}, 1.0)) == 2
+    with caplog.at_level(logging.INFO):
+        q = pack.nodes.apply.ApplyFusedInt8GEMM().apply(ml, "torch_int_mm")[0]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("ERROR") and bad in m for m in msgs)  # ComfyUI's own word on the skipped one
+    assert q.int8_report.lora_patches_merged == 1
+    line = next(m for m in msgs if m.startswith("INT8 Apply [torch_int_mm"))
+    assert "; 1 LoRA patches merged" in line, line
+    assert any("1 LoRA patches on the INT8 layers were not merged" in m for m in msgs), msgs
+    # what the layers hold: the good LoRA merged, the bad layer's own weight
+    for name, w in ((good, w_good + up @ down), (bad, w_bad)):
+        qw, ws = quantize(w)
+        layer = q.object_patches[PREFIX + name]
+        assert torch.equal(layer.weight, qw) and torch.equal(layer.weight_scale, ws), name
