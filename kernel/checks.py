@@ -15,6 +15,22 @@ FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
 
 INTERPRET_AT_IMPORT = config.get("TRITON_INTERPRET")  # Triton takes it when the kernels are defined
 
+#: ConvRot group sizes the pack runs: powers of 4 from 16, the regular Hadamard orders tl.dot takes
+#: (``kernel.hadamard``'s rotation, ``quant.convrot``'s layers).
+CONVROT_GROUPS = (16, 64, 256, 1024)
+
+
+def convrot_group(k: int, group: int, what: str = "ConvRot", supported: bool | None = None) -> None:
+    """Raises ValueError (naming ``what``, the group and K) unless ``group`` is a supported ConvRot group size
+    (``supported``; default: one of ``CONVROT_GROUPS``) that divides K."""
+    if not (group in CONVROT_GROUPS if supported is None else supported):
+        raise ValueError(f"{what}: group size {group} is not supported: ConvRot's rotation is a regular Hadamard "
+                         f"matrix, which exists for powers of 4 only; the pack runs "
+                         f"{', '.join(map(str, CONVROT_GROUPS))} (input width K = {k})")
+    if k <= 0 or k % group:
+        raise ValueError(f"{what}: group size {group} does not divide the input width K = {k} (ragged K: it must "
+                         f"be a multiple of {group})")
+
 
 def triton_status(device: torch.device | None = None) -> tuple[bool, str]:
     """Whether the Triton kernels can run on ``device`` (default: the current CUDA device), and why not."""

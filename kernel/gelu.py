@@ -6,8 +6,9 @@
   ``cat(a, gelu(h))`` quantized with one absmax per row over both parts (Flux.1's single block feeding linear2).
 
 ``GELU_FAST`` (default) computes ``dt(h / (1 + exp(-2 b (h + k h^3))))``, the same function as torch's
-``0.5 h (1 + tanh(b (h + k h^3)))`` with other fp32 roundings (``_gelu_tanh``); ``quant.blocks.gelu_tanh_quantize_ref``
-/ ``concat_gelu_quantize_ref`` are the definition in torch (tests/test_flux_fused.py bounds the code flips).
+``0.5 h (1 + tanh(b (h + k h^3)))`` with other fp32 roundings (``kernel.rowtile.gelu_tanh``);
+``quant.blocks.gelu_tanh_quantize_ref`` / ``concat_gelu_quantize_ref`` are the definition in torch
+(tests/test_flux_fused.py bounds the code flips).
 Importing this module imports triton.
 """
 from __future__ import annotations
@@ -15,12 +16,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .launch import launch  # the compiled kernel re-launched directly (kernel/launch.py)
-from .quantize import INTERPRET, SegmentPlan, quant_params, seg_warps, segments, store_q
+from .quantize import INTERPRET, SegmentPlan, amax_bad, finish_tile, quant_params, seg_warps, segments, store_q
 from .checks import check_2d, check_usable, smooth_vector
-from .rowtile import DT_CODE, FLOAT, TilePlan, round_to, row_major, row_ptrs, row_tiles, seg_keep, seg_store, smooth
+from .rowtile import (DT_CODE, FLOAT, TilePlan, gelu_tanh, round_to, row_major, row_ptrs, row_tiles, seg_keep,
+                      seg_store, smooth)
 
 # Module data, read at each call (the tests set them).
 # GELU_FAST: tanh GELU as h * sigmoid(2u) with the hardware exp2 instead of libdevice tanhf (much faster on the H200;
@@ -32,28 +33,6 @@ GELU_PLAN = TilePlan(max_single=2048, chunk=1024, chunk_warps=4)
 GELU_FAST = True
 GELU_ONE_PASS: SegmentPlan | None = SegmentPlan(max_row=16384, min_seg=256, warps=8)
 
-# fp32(sqrt(2 / pi)) and fp32(0.044715): the constants of torch's tanh GELU (ATen's kBeta / kKappa in opmath)
-_GELU_BETA = tl.constexpr(0.7978845608028654)
-_GELU_KAPPA = tl.constexpr(0.044715)
-
-
-@triton.jit
-def _gelu_tanh(h, INTERPRET: tl.constexpr, FAST: tl.constexpr):
-    """torch's ``gelu(h, approximate="tanh")`` in fp32, op for op: ``0.5 * h * (1 + tanh(beta * (h + kappa *
-    h^3)))``. tanh: libdevice tanhf compiled (torch's CUDA kernel calls tanhf); ``1 - 2 / (exp(2u) + 1)`` in the
-    interpreter (no libdevice there; within a few fp32 ulps). FAST: the same function as ``h / (1 + exp(-2u))``
-    (= h * sigmoid(2u)), one exp2 and one division instead of tanhf: within a few fp32 ulps of torch's where
-    the value matters (torch's ``1 + tanh`` cancels for u < -4, where both are < 1e-3 |h|)."""
-    inner = _GELU_BETA * (h + _GELU_KAPPA * (h * h * h))
-    if FAST:  # exp(88) is finite: no overflow for u < -44 (the value there is < 1e-38 |h| either way)
-        return h / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 88.0)))
-    if INTERPRET:  # |u| <= 15 keeps exp finite (tanh(15) is 1 in fp32); NaN passes through
-        u = tl.minimum(tl.maximum(inner, -15.0), 15.0)
-        t = 1.0 - tl.math.div_rn(2.0, tl.exp(2.0 * u) + 1.0)
-    else:
-        t = libdevice.tanh(inner)
-    return (0.5 * h) * (1.0 + t)
-
 
 @triton.jit
 def _part_vals(p_row, ks, mask, GELU: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr,
@@ -62,7 +41,7 @@ def _part_vals(p_row, ks, mask, GELU: tl.constexpr, DT: tl.constexpr, INTERPRET:
     False) or gelu(h) rounded to DT (gelu(0) = 0: masked lanes stay 0)."""
     y = tl.load(p_row + ks, mask=mask, other=0.0).to(tl.float32)
     if GELU:
-        y = round_to(_gelu_tanh(y, INTERPRET, FAST), DT, INTERPRET)
+        y = round_to(gelu_tanh(y, INTERPRET, FAST), DT, INTERPRET)
     return y
 
 
@@ -149,21 +128,17 @@ def _concat_gelu_quant_kernel(a_ptr, h_ptr, inv_ptr, q_ptr, qs_ptr,
         a_row, h_row, q_row = row_ptrs(a_ptr, h_ptr, q_ptr, stride_am, stride_hm, stride_qm)
         cols = tl.arange(0, BLOCK)
         if SINGLE:
-            mh = cols < F
-            yh = _part_tile(h_row, inv_ptr + KA, cols, mh, True, HAS_SMOOTH, DT, INTERPRET, FAST)
-            ay = tl.abs(yh)
-            bad = tl.where(ay < float("inf"), 0, 1)
+            amax = tl.zeros([], dtype=tl.float32)
+            bad = tl.zeros([], dtype=tl.int32)
             if HAS_A:
                 ma = cols < KA
                 ya = _part_tile(a_row, inv_ptr, cols, ma, False, HAS_SMOOTH, DT, INTERPRET, FAST)
-                aa = tl.abs(ya)
-                bad = tl.maximum(bad, tl.where(aa < float("inf"), 0, 1))
-                ay = tl.maximum(ay, aa)
-            scale, mult, usable = quant_params(tl.max(ay, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
-            tl.store(qs_ptr + row, scale)
+                amax, bad = amax_bad(ya, amax, bad)
+            mh = cols < F
+            yh = _part_tile(h_row, inv_ptr + KA, cols, mh, True, HAS_SMOOTH, DT, INTERPRET, FAST)
+            mult, usable = finish_tile(q_row + KA + cols, qs_ptr, row, yh, mh, amax, bad, SCALE_RECIP, INTERPRET)
             if HAS_A:
                 store_q(q_row + cols, ya, mult, usable, ma, INTERPRET)
-            store_q(q_row + KA + cols, yh, mult, usable, mh, INTERPRET)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             bad = tl.zeros([BLOCK], dtype=tl.int32)

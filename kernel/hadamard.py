@@ -28,28 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gelu
 from .launch import launch
-from . import gelu as _gelu_mod
-from .gelu import _gelu_tanh, concat_operands
+from .gelu import concat_operands
 from .norm import modulation_operands
 from .quantize import INTERPRET, quant_params, store_q
-from .checks import check_2d, check_usable, vector
-from .rowtile import DT_CODE, FLOAT, batch_rows, round_to, row_major, rsqrt_mean
-from .swiglu import _swiglu_math, swiglu_operands
+from .checks import check_2d, check_usable, convrot_group, vector
+from .rowtile import DT_CODE, FLOAT, batch_rows, gelu_tanh, round_to, row_major, rsqrt_mean, swiglu_math
+from .swiglu import swiglu_operands
 
-#: ConvRot group sizes this kernel runs (powers of 4 from 16: the regular Hadamard orders tl.dot takes).
-GROUPS = (16, 64, 256, 1024)
 BLOCK_M = 16
-
-
-def check(k: int, group: int, what: str = "ConvRot") -> None:
-    """Raises ValueError unless ``group`` is a supported ConvRot group size that divides K."""
-    if group not in GROUPS:
-        raise ValueError(f"{what}: group size {group} is not supported: the ConvRot rotation is a regular Hadamard "
-                         f"matrix, which exists for powers of 4 only; this kernel runs {', '.join(map(str, GROUPS))}")
-    if k <= 0 or k % group:
-        raise ValueError(f"{what}: group size {group} does not divide the input width K = {k} (K must be a "
-                         f"multiple of {group}); rotate such a layer with another group size or leave it unrotated")
 
 
 @triton.jit
@@ -156,8 +144,9 @@ def _hadamard_quant_kernel(x_ptr, b_ptr, q_ptr, s_ptr, f_ptr, M, K, KA, stride_x
 def _act_group(x_rows, b_rows, g0, KA, cols, rmask, ACT: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr,
                FAST: tl.constexpr, INTERPRET: tl.constexpr):
     """One group of G columns of the rotation's input, in the input's dtype. ACT 0: x as stored; 1 (SwiGLU):
-    ``dt(dt(silu(a)) * b)`` with a at x, b at b (``kernel.swiglu``'s math); 2 (GELU): ``cat(x[:, :KA],
-    dt(gelu_tanh(h)))`` with h at b (``kernel.gelu``'s math; G divides KA, so a group lies in one part)."""
+    ``dt(dt(silu(a)) * b)`` with a at x, b at b (``rowtile.swiglu_math``, as ``kernel.swiglu``); 2 (GELU):
+    ``cat(x[:, :KA], dt(gelu_tanh(h)))`` with h at b (``rowtile.gelu_tanh``, as ``kernel.gelu``, its ``GELU_FAST``
+    form; G divides KA, so a group lies in one part)."""
     m2 = rmask[:, None]
     if ACT == 0:
         y = tl.load(x_rows + g0 + cols[None, :], mask=m2, other=0.0)
@@ -165,13 +154,13 @@ def _act_group(x_rows, b_rows, g0, KA, cols, rmask, ACT: tl.constexpr, DT: tl.co
         if ACT == 1:
             a = tl.load(x_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             b = tl.load(b_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            v = _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
+            v = swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
         else:
             if g0 < KA:
                 v = tl.load(x_rows + g0 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             else:
                 h = tl.load(b_rows + (g0 - KA) + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-                v = round_to(_gelu_tanh(h, INTERPRET, FAST), DT, INTERPRET)
+                v = round_to(gelu_tanh(h, INTERPRET, FAST), DT, INTERPRET)
         if DT == 1:
             y = v.to(tl.bfloat16)
         elif DT == 2:
@@ -191,7 +180,7 @@ def _run(x: torch.Tensor, group: int, store_float: bool):
         raise ValueError(f"hadamard_quantize: x must be a float32 / bfloat16 / float16 tensor [M, K], got "
                          f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__} "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
-    check(x.shape[1], group, "hadamard_quantize")
+    convrot_group(x.shape[1], group, "hadamard_quantize")
     x = row_major(x, "x")
     return _launch_act(x, x, x.shape[1], x.shape[1], group, 0, store_float=store_float)
 
@@ -208,14 +197,15 @@ def _launch_act(x, b, k, ka, group, act, clamp_fp16=False, store_float=False):
                (x, b, q, s, f, m, k, ka, x.stride(0), b.stride(0), q.stride(0), f.stride(0) if store_float else 0),
                dict(G1=g1, G2=g2, BM=BLOCK_M, HALF=x.dtype == torch.float16, ACT=act, DT=DT_CODE[x.dtype],
                     CLAMP_FP16=bool(clamp_fp16) and x.dtype == torch.float16,
-                    FAST=act == 2 and _gelu_mod.GELU_FAST, SCALE_RECIP=x.is_cuda, STORE_FLOAT=store_float,
+                    FAST=act == 2 and gelu.GELU_FAST, SCALE_RECIP=x.is_cuda, STORE_FLOAT=store_float,
                     INTERPRET=INTERPRET), 4, 1, x.device)
     return q, s, (f if store_float else None)
 
 
 def hadamard_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [M, K], fp32 scale [M]) of ``x [M, K]`` rotated by ConvRot's block Hadamard of order ``group``
-    (module doc). Raises ValueError for a group size outside ``GROUPS`` or one that does not divide K."""
+    (module doc). Raises ValueError for a group size outside ``checks.CONVROT_GROUPS`` or one that does not divide
+    K."""
     q, s, _ = _run(x, group, False)
     return q, s
 
@@ -231,7 +221,7 @@ def swiglu_hadamard_quantize(h13, group: int, clamp_fp16: bool = False) -> tuple
     half first) or a pair (a, b) of [M, F]. What a ConvRot w2 takes from a SwiGLU FeedForward."""
     a, b = swiglu_operands(h13)
     f = a.shape[1]
-    check(f, group, "swiglu_hadamard_quantize")
+    convrot_group(f, group, "swiglu_hadamard_quantize")
     if a.shape[0]:
         check_usable(a, "swiglu_hadamard_quantize")
     a, b = row_major(a, "a"), row_major(b, "b")
@@ -248,8 +238,8 @@ def concat_gelu_hadamard_quantize(a: torch.Tensor | None, h: torch.Tensor, group
     ka = concat_operands(a, h)
     m, f = h.shape
     if a is not None:
-        check(ka, group, "concat_gelu_hadamard_quantize (the first part)")
-    check(f, group, "concat_gelu_hadamard_quantize")
+        convrot_group(ka, group, "concat_gelu_hadamard_quantize (the first part)")
+    convrot_group(f, group, "concat_gelu_hadamard_quantize")
     if m:
         check_usable(h, "concat_gelu_hadamard_quantize")
     h = row_major(h, "h")
@@ -338,7 +328,7 @@ def layernorm_modulate_hadamard_quantize(x: torch.Tensor, scale: torch.Tensor, s
     in the product's dtype and quantized per token, in one kernel. Raises ValueError as both of those do."""
     check_2d(x, "x", FLOAT, "pass the hidden states as [tokens, K] in bf16, fp16 or fp32")
     m, k = x.shape
-    check(k, group, "layernorm_modulate_hadamard_quantize")
+    convrot_group(k, group, "layernorm_modulate_hadamard_quantize")
     tpb = max(int(tokens_per_batch), 1)
     s2, sh2, _, q, qs = modulation_operands(scale, shift, None, m, k, tpb, x.device)
     if m == 0:
@@ -357,7 +347,7 @@ def rmsnorm_modulate_hadamard_quantize(x: torch.Tensor, norm_weight: torch.Tenso
     rotated in the product's dtype and quantized per token, in one kernel."""
     check_2d(x, "x", FLOAT, "pass the hidden states as [tokens, K] in bf16, fp16 or fp32")
     m, k = x.shape
-    check(k, group, "rmsnorm_modulate_hadamard_quantize")
+    convrot_group(k, group, "rmsnorm_modulate_hadamard_quantize")
     w = vector(norm_weight, k, "norm_weight", x.device, allow_scalar=False)
     tpb = max(int(tokens_per_batch), 1)
     s2 = batch_rows(scale, k, m, tpb, "scale", x.device)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch  # the compiled kernel re-launched directly (kernel/launch.py)
-from .quantize import INTERPRET, SegmentPlan, amax_bad, finish_segments, quant_params, store_q
+from .quantize import INTERPRET, SegmentPlan, amax_bad, finish_segments, finish_tile, quant_params, store_q
 from .checks import check_2d, check_usable, smooth_vector, vector
 from .rowtile import DT_CODE, FLOAT, TilePlan, batch_rows, round_to, row_major, row_tiles, rsqrt_mean
 
@@ -123,11 +123,7 @@ def _rmsnorm_modulate_quant_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_ptr,
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = rsqrt_mean(tl.sum(x * x, axis=0), K, eps, INTERPRET)
             y = rmsmod_tile(x, w_ptr, s_row, inv_ptr, cols, mask, rstd, HAS_SMOOTH, NORM_DT, PROD_DT, INTERPRET)
-            ay = tl.abs(y)
-            bad = tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0  # NaN fails `< inf` as Inf does
-            scale, mult, usable = quant_params(tl.max(ay, axis=0), bad, SCALE_RECIP)
-            tl.store(qs_ptr + row, scale)
-            store_q(q_row + cols, y, mult, usable, mask, INTERPRET)
+            finish_tile(q_row + cols, qs_ptr, row, y, mask, 0.0, 0, SCALE_RECIP, INTERPRET)
         else:
             ssq = tl.zeros([BLOCK], dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
@@ -275,11 +271,7 @@ def _layernorm_modulate_quant_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, qs_pt
             rstd = rsqrt_mean(tl.sum(d * d, axis=0), K, eps, INTERPRET)
             y = lnmod_tile(x, s_row, sh_row, inv_ptr, cols, mask, mean, rstd,
                             HAS_SMOOTH, NORM_DT, SCALE_DT, PROD_DT, INTERPRET)
-            ay = tl.abs(y)
-            bad = tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0  # NaN fails `< inf` as Inf does
-            scale, mult, usable = quant_params(tl.max(ay, axis=0), bad, SCALE_RECIP)
-            tl.store(qs_ptr + row, scale)
-            store_q(q_row + cols, y, mult, usable, mask, INTERPRET)
+            finish_tile(q_row + cols, qs_ptr, row, y, mask, 0.0, 0, SCALE_RECIP, INTERPRET)
         else:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for k0 in range(0, K, BLOCK):

@@ -183,6 +183,19 @@ def finish_segments(q_row, s_ptr, row, z0, z1, z2, K, S0: tl.constexpr, S1: tl.c
 
 
 @triton.jit
+def finish_tile(q_ptrs, s_ptr, row, y, mask, amax, bad, SCALE_RECIP: tl.constexpr, INTERPRET: tl.constexpr):
+    """The end of a row held in one tile ``y`` (fp32, masked lanes 0; of a row in more parts, its last): the row's
+    |max| and non-finite flag (``amax`` / ``bad``: those of its other parts as ``amax_bad`` keeps them, ``0.0`` /
+    ``0`` where it has none) updated with y's, the scale stored at ``s_ptr + row``, y's codes at ``q_ptrs``
+    (``mask``). Returns (mult, usable) for the codes of the row's other parts."""
+    amax, bad = amax_bad(y, amax, bad)
+    scale, mult, usable = quant_params(amax, bad > 0, SCALE_RECIP)
+    tl.store(s_ptr + row, scale)
+    store_q(q_ptrs, y, mult, usable, mask, INTERPRET)
+    return mult, usable
+
+
+@triton.jit
 def _q_seg(x_row, inv_ptr, K, OFF: tl.constexpr, SEG: tl.constexpr, amax, bad, HAS_SMOOTH: tl.constexpr):
     x, _ = _row_chunk(x_row, inv_ptr, OFF + tl.arange(0, SEG), K, 1, HAS_SMOOTH)
     amax, bad = amax_bad(x, amax, bad)
@@ -289,12 +302,11 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
     q_row = q_ptr + row.to(tl.int64) * stride_qm
     cols = tl.arange(0, BLOCK_K)
 
-    # pass 1: absmax and a non-finite flag (NaN fails `< inf` as well as Inf does)
     if ONE_CHUNK:  # the whole row stays in registers: one read of x
         x, mask = _row_chunk(x_row, inv_ptr, cols, K, stride_xk, HAS_SMOOTH)
-        amax = tl.abs(x)
-        bad = tl.where(amax < float("inf"), 0, 1)
+        finish_tile(q_row + cols, s_ptr, row, x, mask, 0.0, 0, SCALE_RECIP, INTERPRET)
     else:
+        # pass 1: absmax and a non-finite flag (NaN fails `< inf` as well as Inf does)
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         bad = tl.zeros([BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
@@ -302,13 +314,9 @@ def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
             ax = tl.abs(xc)
             bad = tl.maximum(bad, tl.where(ax < float("inf"), 0, 1))
             amax = tl.maximum(amax, ax)
-    scale, mult, usable = quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
-    tl.store(s_ptr + row, scale)
-
-    # pass 2: quantize (re-reading x from L2 when the row did not fit one chunk)
-    if ONE_CHUNK:
-        store_q(q_row + cols, x, mult, usable, mask, INTERPRET)
-    else:
+        scale, mult, usable = quant_params(tl.max(amax, axis=0), tl.max(bad, axis=0) > 0, SCALE_RECIP)
+        tl.store(s_ptr + row, scale)
+        # pass 2: quantize, re-reading x (mostly from L2)
         for k0 in range(0, K, BLOCK_K):
             xc, mc = _row_chunk(x_row, inv_ptr, k0 + cols, K, stride_xk, HAS_SMOOTH)
             store_q(q_row + k0 + cols, xc, mult, usable, mc, INTERPRET)

@@ -21,7 +21,7 @@ import triton.language as tl
 from .launch import launch  # the compiled kernel re-launched directly (kernel/launch.py)
 from .norm import lnmod_tile, ln_seg_quant, ln_seg_stats, modulation_operands, rmsmod_seg, rmsmod_tile, seg_rows_sq
 from .checks import check_2d, check_usable, smooth_vector, vector
-from .quantize import INTERPRET, SegmentPlan, finish_segments, quant_params, store_q
+from .quantize import INTERPRET, SegmentPlan, finish_segments, finish_tile
 from .rowtile import DT_CODE, FLOAT, MAX_SINGLE, batch_rows, fits, round_to, row_major, row_tiles, rsqrt_mean
 
 # Module data, read at each call (the tests set them).
@@ -107,11 +107,8 @@ def _gated_residual_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, i
             rstd2 = rsqrt_mean(tl.sum(y * y, axis=0), K, eps2, INTERPRET)
             z = rmsmod_tile(y, w2_ptr, s2_ptr + bidx * stride_sb, inv_ptr, cols, mask, rstd2,
                              HAS_SMOOTH, OUT_DT, NEXT_PROD_DT, INTERPRET)
-            az = tl.abs(z)
-            bad = tl.max(tl.where(az < float("inf"), 0, 1), axis=0) > 0
-            scale, mult, usable = quant_params(tl.max(az, axis=0), bad, SCALE_RECIP)
-            tl.store(qs_ptr + row, scale)
-            store_q(q_ptr + row.to(tl.int64) * stride_qm + cols, z, mult, usable, mask, INTERPRET)
+            finish_tile(q_ptr + row.to(tl.int64) * stride_qm + cols, qs_ptr, row, z, mask, 0.0, 0, SCALE_RECIP,
+                        INTERPRET)
 
 
 @triton.jit
@@ -221,11 +218,8 @@ def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, 
             else:
                 yq = lnmod_tile(r, s_ptr + bidx * stride_sb, sh_ptr + bidx * stride_shb, inv_ptr, cols, mask, mean,
                                  rstd, HAS_SMOOTH, DT, SCALE_DT, PROD_DT, INTERPRET)
-                ay = tl.abs(yq)
-                bad = tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0  # NaN fails `< inf` as Inf does
-                scale, mult, usable = quant_params(tl.max(ay, axis=0), bad, SCALE_RECIP)
-                tl.store(qs_ptr + row, scale)
-                store_q(q_ptr + row.to(tl.int64) * stride_nm + cols, yq, mult, usable, mask, INTERPRET)
+                finish_tile(q_ptr + row.to(tl.int64) * stride_nm + cols, qs_ptr, row, yq, mask, 0.0, 0, SCALE_RECIP,
+                            INTERPRET)
 
 
 def gated_residual_rmsnorm(x: torch.Tensor, o: torch.Tensor, norm_weight: torch.Tensor, eps: float,

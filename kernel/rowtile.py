@@ -1,5 +1,6 @@
-"""Shared helpers of the fused row kernels (``kernel.norm``, ``.swiglu``, ``.gelu``, ``.residual``, ``.rope``): how a
-row is tiled, the roundings to the model dtype, and the operand checks their wrappers share.
+"""Shared helpers of the fused row kernels (``kernel.norm``, ``.swiglu``, ``.gelu``, ``.residual``, ``.rope``,
+``.hadamard``): how a row is tiled, the roundings to the model dtype, the activations more than one kernel computes
+(``swiglu_math``, ``gelu_tanh``), and the operand checks their wrappers share.
 
 Tiling. A kernel reads a row of up to ``max_single`` elements (``TilePlan``) into registers in one BLOCK-wide tile;
 a longer row runs in ``chunk``-wide tiles whose later passes re-read the row from L2. Most kernels also have a
@@ -110,6 +111,45 @@ def round_to(y, DT: tl.constexpr, INTERPRET: tl.constexpr):
         return y.to(tl.float16).to(tl.float32)       # RNE compiled and in the interpreter (numpy astype)
     else:
         return y
+
+
+@triton.jit
+def swiglu_math(a, b, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``dt(dt(silu(a)) * b)`` of fp32 values of dtype DT (clamped for fp16 when asked), as fp32: ``kernel.swiglu``'s
+    SwiGLU (its epilogue and its quantizer) and ``kernel.hadamard``'s SwiGLU-fed rotation."""
+    if INTERPRET:
+        e = tl.exp(-a)
+    else:
+        e = libdevice.exp(-a)  # expf, as torch's CUDA silu
+    s = round_to(tl.math.div_rn(a, 1.0 + e), DT, INTERPRET)
+    y = round_to(s * b, DT, INTERPRET)
+    if CLAMP_FP16:  # comfy.ldm.lumina.model.clamp_fp16: nan_to_num(nan=0, posinf=65504, neginf=-65504)
+        y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -65504.0), 65504.0))
+    return y
+
+
+# fp32(sqrt(2 / pi)) and fp32(0.044715): the constants of torch's tanh GELU (ATen's kBeta / kKappa in opmath)
+_GELU_BETA = tl.constexpr(0.7978845608028654)
+_GELU_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def gelu_tanh(h, INTERPRET: tl.constexpr, FAST: tl.constexpr):
+    """torch's ``gelu(h, approximate="tanh")`` in fp32, op for op: ``0.5 * h * (1 + tanh(beta * (h + kappa *
+    h^3)))``. tanh: libdevice tanhf compiled (torch's CUDA kernel calls tanhf); ``1 - 2 / (exp(2u) + 1)`` in the
+    interpreter (no libdevice there; within a few fp32 ulps). FAST: the same function as ``h / (1 + exp(-2u))``
+    (= h * sigmoid(2u)), one exp2 and one division instead of tanhf: within a few fp32 ulps of torch's where
+    the value matters (torch's ``1 + tanh`` cancels for u < -4, where both are < 1e-3 |h|). ``kernel.gelu``'s
+    quantizer and ``kernel.hadamard``'s GELU-fed rotation."""
+    inner = _GELU_BETA * (h + _GELU_KAPPA * (h * h * h))
+    if FAST:  # exp(88) is finite: no overflow for u < -44 (the value there is < 1e-38 |h| either way)
+        return h / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 88.0)))
+    if INTERPRET:  # |u| <= 15 keeps exp finite (tanh(15) is 1 in fp32); NaN passes through
+        u = tl.minimum(tl.maximum(inner, -15.0), 15.0)
+        t = 1.0 - tl.math.div_rn(2.0, tl.exp(2.0 * u) + 1.0)
+    else:
+        t = libdevice.tanh(inner)
+    return (0.5 * h) * (1.0 + t)
 
 
 @triton.jit

@@ -19,15 +19,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from . import gemm
 from .checks import check_2d, check_usable, gemm_operands, smooth_vector
 from .gemm import acc_tile, acc_tile_tma, dequant, select_config, tile_ids
 from .launch import launch, not_recorded  # launch: the compiled kernel re-launched directly (kernel/launch.py)
-from .quantize import INTERPRET, SegmentPlan, quant_params, sm_count, store_q
+from .quantize import INTERPRET, SegmentPlan, finish_tile, quant_params, sm_count, store_q
 from .tailsplit import program_slots
-from .rowtile import DT_CODE, FLOAT, TilePlan, round_to, row_major, row_ptrs, row_tiles, seg_keep, seg_store, smooth
+from .rowtile import (DT_CODE, FLOAT, TilePlan, round_to, row_major, row_ptrs, row_tiles, seg_keep, seg_store, smooth,
+                      swiglu_math)
 
 # Module data, read at each call (the tests set them). One pass (silu(a) * b
 # computed once and kept in registers in the model dtype) for rows up to 16384 with up to 16 warps; None, or a longer
@@ -42,21 +42,7 @@ def _swiglu_vals(a_row, b_row, ks, mask, DT: tl.constexpr, CLAMP_FP16: tl.conste
     """``dt(silu(a) * b)`` (clamped for fp16 when asked) as fp32, before the smoothing."""
     a = tl.load(a_row + ks, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_row + ks, mask=mask, other=0.0).to(tl.float32)
-    return _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
-
-
-@triton.jit
-def _swiglu_math(a, b, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, INTERPRET: tl.constexpr):
-    """``dt(dt(silu(a)) * b)`` of fp32 values of dtype DT (clamped for fp16 when asked), as fp32."""
-    if INTERPRET:
-        e = tl.exp(-a)
-    else:
-        e = libdevice.exp(-a)  # expf, as torch's CUDA silu
-    s = round_to(tl.math.div_rn(a, 1.0 + e), DT, INTERPRET)
-    y = round_to(s * b, DT, INTERPRET)
-    if CLAMP_FP16:  # comfy.ldm.lumina.model.clamp_fp16: nan_to_num(nan=0, posinf=65504, neginf=-65504)
-        y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -65504.0), 65504.0))
-    return y
+    return swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
 
 
 @triton.jit
@@ -88,7 +74,7 @@ def _swiglu_values(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as
     v = round_to(dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                         HAS_BIAS), DT, INTERPRET)
     a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-    return _swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
+    return swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
 
 
 @triton.jit
@@ -186,11 +172,7 @@ def _swiglu_quant_kernel(a_ptr, b_ptr, inv_ptr, q_ptr, qs_ptr,
         if SINGLE:
             mask = cols < F
             y = _swiglu_tile(a_row, b_row, inv_ptr, cols, mask, HAS_SMOOTH, DT, CLAMP_FP16, INTERPRET)
-            ay = tl.abs(y)
-            bad = tl.max(tl.where(ay < float("inf"), 0, 1), axis=0) > 0  # NaN fails `< inf` as Inf does
-            scale, mult, usable = quant_params(tl.max(ay, axis=0), bad, SCALE_RECIP)
-            tl.store(qs_ptr + row, scale)
-            store_q(q_row + cols, y, mult, usable, mask, INTERPRET)
+            finish_tile(q_row + cols, qs_ptr, row, y, mask, 0.0, 0, SCALE_RECIP, INTERPRET)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             bad = tl.zeros([BLOCK], dtype=tl.int32)

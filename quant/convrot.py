@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from ..kernel.checks import CONVROT_GROUPS as GROUPS, convrot_group
 from .linear import Int8Linear, check_input
 from .quantize import quantize_weight_per_channel
 
-#: ComfyUI's default group size (``convrot_groupsize``) and the ones the pack runs (powers of 4, tl.dot-sized).
+#: ComfyUI's default group size (``convrot_groupsize``); the ones the pack runs: ``GROUPS`` (``kernel.checks``).
 DEFAULT_GROUP = 256
-GROUPS = (16, 64, 256, 1024)
 FUSED_BACKEND = "fused_triton"
 
 
@@ -35,14 +35,8 @@ def hadamard_order(group) -> bool:
 def check_group(k: int, group: int, name: str = "", runs: bool = True) -> None:
     """Raises ValueError (naming the layer, the group and K) unless ``group`` is a supported ConvRot group size
     dividing K; ``runs=False``: any regular Hadamard order dividing K (what a decode to float takes)."""
-    what = f"ConvRot layer {name!r}" if name else "ConvRot"
-    if not hadamard_order(group) or (runs and group not in GROUPS):
-        raise ValueError(f"{what}: group size {group} is not supported: ConvRot's rotation is a regular Hadamard "
-                         f"matrix, which exists for powers of 4 only; the pack runs {', '.join(map(str, GROUPS))} "
-                         f"(input width K = {k})")
-    if k <= 0 or k % group:
-        raise ValueError(f"{what}: group size {group} does not divide the input width K = {k} (ragged K: it must "
-                         f"be a multiple of {group})")
+    convrot_group(k, group, f"ConvRot layer {name!r}" if name else "ConvRot",
+                  hadamard_order(group) and (not runs or group in GROUPS))
 
 
 def group_for(k: int) -> int | None:

@@ -6,7 +6,11 @@
   modules, so that order is fixed whatever the package's ``__init__`` imports later, inside functions;
 * the pack's code reaches its own modules by plain relative imports: no ``importlib.import_module``, no
   ``kernel_module`` / ``pack_module`` helper, no absolute ``import kernel`` / ``quant`` / ``adapters``;
-* ``kernel/`` imports nothing else of the pack (it runs with torch and Triton alone).
+* ``kernel/`` imports nothing else of the pack (it runs with torch and Triton alone);
+* no module takes another pack module's private (underscore-prefixed) name, by ``from .x import _name`` or by
+  reading ``x._name`` of a module it imported: what several modules share is public where it lives (the row
+  kernels' shared ``@triton.jit`` helpers in ``kernel/rowtile.py``, the input checks in ``kernel/checks.py``).
+  The cycle and layering checks above see only which modules import which, never the names taken: this one does.
 """
 from __future__ import annotations
 
@@ -134,6 +138,37 @@ def indirect_imports(root: Path = ROOT) -> list[str]:
     return found
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(root: Path = ROOT) -> list[str]:
+    """Every private name a pack module takes from another (``file:line what``): ``from .x import _name`` (a name,
+    not a submodule) and ``m._name`` where ``m`` is a pack module bound by a relative import (under any alias)."""
+    mods = _modules(root)
+    found = []
+    for name, path in mods.items():
+        rel = path.relative_to(root).as_posix()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), str(path))
+        bound = set()  # names bound to a pack module
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = package.split(".") if package else []
+            target = _join(".".join(base[:len(base) - (node.level - 1)]), node.module or "")
+            for alias in node.names:
+                if _join(target, alias.name) in mods:
+                    bound.add(alias.asname or alias.name)
+                elif _private(alias.name):
+                    found.append(f"{rel}:{node.lineno} from {'.' * node.level}{node.module or ''} import {alias.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                    and _private(node.attr):
+                found.append(f"{rel}:{node.lineno} {node.value.id}.{node.attr}")
+    return sorted(found)
+
+
 def test_cycle_finder_sees_a_hidden_cycle(tmp_path):
     """The checker itself, on a made-up pack: a cycle closed by a function-level import is found, with its lines."""
     for pkg in PACKAGES:
@@ -168,6 +203,27 @@ def test_kernel_imports_nothing_else_of_the_pack():
     outside = {f"{m} -> {d}" for m, deps in g.items() if m.split(".")[0] == "kernel"
                for d in deps if d.split(".")[0] != "kernel"}
     assert not outside, sorted(outside)
+
+
+def test_private_name_finder(tmp_path):
+    """The checker itself, on a made-up pack: a private name imported, or read through a module (aliased or not), is
+    found; public names, a private alias of a module and a module's own private names are not."""
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "kernel" / "a.py").write_text("X = 1\n\n\ndef _f():\n    return X\n")
+    (tmp_path / "kernel" / "b.py").write_text("from . import a as _a\nfrom .a import X, _f\n\n\n"
+                                              "def g():\n    return _a._f(), _a.X, _g()\n\n\ndef _g():\n    pass\n")
+    (tmp_path / "quant" / "c.py").write_text("def h():\n    from ..kernel import a\n    return a._f()\n")
+    assert private_imports(tmp_path) == ["kernel/b.py:2 from .a import _f", "kernel/b.py:6 _a._f",
+                                         "quant/c.py:3 a._f"]
+
+
+def test_no_private_names_across_modules():
+    found = private_imports()
+    assert not found, ("a private name taken from another pack module: make it public where it lives (shared "
+                       "@triton.jit helpers: kernel/rowtile.py):\n" + "\n".join(found))
 
 
 def test_tests_import_the_pack_one_way():
