@@ -21,7 +21,7 @@ from typing import Callable
 from torch import nn
 
 from ..kernel import config
-from ..quant import blocks, select
+from ..quant import backends, blocks, select
 from ..quant.linear import Int8Linear
 
 # fuse(diffusion_model, int8_layers) -> {module name relative to the diffusion model: fused module}
@@ -106,5 +106,5 @@ def pad_elision_enabled(backend: str, value: str | None = None) -> bool:
     comparisons). ``kernel/config.py`` validates the value (an unknown one warns and means unset)."""
     v = config.get(PAD_ELISION_ENV) if value is None else config.parse(PAD_ELISION_ENV, value)
     if v in (None, "auto"):
-        return backend == "fused_triton"
+        return backends.capabilities(backend).pad_elision_by_default
     return v == "1"

@@ -14,160 +14,22 @@ first kernel call, so ComfyUI imports the pack instantly):
 
 Numerics follow ``quant/quantize.py`` bit for bit (quantizer, int32 accumulator); the epilogue is fp32.
 
+This package only re-exports: the linear / GEMM entry points live in ``kernel/linear.py``, the custom ops in
+``kernel/ops.py``, the checks in ``kernel/checks.py``; no module of the package imports a name from here.
+
 Also the pack's base layer, since this package imports nothing else of the pack: ``kernel.config`` (every
 environment switch) and ``kernel.atomic`` (atomic file writes).
 """
 from __future__ import annotations
 
-import torch
-
-from . import config
+from . import config  # noqa: F401  (kernel.config)
+from .checks import (FLOAT_IN, check_2d, check_usable, gemm_operands, small_m_operands,  # noqa: F401
+                     smooth_vector, triton_status)
 from .config import force_generation, gemm_switches  # noqa: F401  (kernel.gemm_switches)
-from .checks import (FLOAT_IN, check_2d, check_usable, gemm_operands, small_m_operands, smooth_vector,
-                     triton_status)
+from .linear import (SMALL_M_MAX_K, SMALL_M_ROWS, int8_gemm, int8_gemm_planned, int8_linear,  # noqa: F401
+                     int8_linear_planned, quantize_per_token)
+from .ops import linear_op as int8_linear_op, register_ops  # noqa: F401  (torch only: registers nothing at import)
 
 __all__ = ["triton_status", "quantize_per_token", "int8_gemm", "int8_linear", "int8_linear_planned",
            "int8_gemm_planned", "int8_linear_op",
            "register_ops"]
-
-_MODS: dict[str, object] = {}  # kernel modules, imported (with triton) on the first launch
-
-
-def _mod(name: str):
-    mod = _MODS.get(name)
-    if mod is None:
-        if name == "gemm":
-            from . import gemm as mod
-        else:
-            from . import quantize as mod
-        _MODS[name] = mod
-    return mod
-
-
-def quantize_per_token(x: torch.Tensor, inv_smooth: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] bf16/fp16/fp32 (any strides) -> (int8 [M, K] contiguous, fp32 scale [M]).
-
-    scale = max|x * inv_smooth| / 127 per row; q = clamp(rint(x * inv_smooth * 127 / absmax), +-127), half to
-    even; all-zero rows -> scale 0, zeros; rows with NaN/Inf -> scale NaN, zeros. Bit-exact with
-    ``quant.quantize.quantize_per_token_ref``."""
-    check_2d(x, "x", FLOAT_IN, "pass activations as [tokens, K] in bf16, fp16 or fp32")
-    m, k = x.shape
-    inv_smooth = smooth_vector(inv_smooth, k, x.device)
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-    if m == 0:
-        return q, scale
-    check_usable(x, "quantize_per_token")
-    _mod("quantize").launch_quantize_per_token(x, inv_smooth, q, scale)
-    return q, scale
-
-
-def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-              out_int32: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A_q int8 [M, K] x W_q int8 [N, K] (nn.Linear layout) -> [M, N].
-
-    ``out_int32``: the exact int32 accumulator ``A_q @ W_q.T``. Otherwise
-    ``acc * a_scale[m] * w_scale[n] + bias[n]`` in fp32, stored as ``out_dtype`` (bf16, fp16, fp32).
-    Any M, N, K (tails masked) and any strides. Scales are fp32 [M] / [N] (other float dtypes are upcast
-    exactly; a 1-entry w_scale is a per-tensor scale); bias is [N] in any float dtype. ``out`` (optional):
-    a preallocated [M, N] result of the output dtype, e.g. to check that every element is written."""
-    a_scale, w_scale, bias = gemm_operands(a_q, a_scale, w_q, w_scale, bias, out_dtype, out_int32)
-    m, k = a_q.shape
-    n = w_q.shape[0]
-    dtype = torch.int32 if out_int32 else out_dtype
-    if out is None:
-        out = torch.empty((m, n), dtype=dtype, device=a_q.device)
-    elif out.shape != (m, n) or out.dtype != dtype or out.device != a_q.device:
-        raise ValueError(f"out must be [{m}, {n}] {dtype} on {a_q.device}, got {tuple(out.shape)} "
-                         f"{out.dtype} on {out.device}")
-    if m == 0 or n == 0:
-        return out
-    if k == 0:  # empty sum: acc = 0 (scales still propagate NaN rows)
-        acc = torch.zeros((m, n), dtype=torch.float32, device=a_q.device)
-        res = acc if out_int32 else acc * a_scale[:, None] * w_scale[None, :]
-        if bias is not None and not out_int32:
-            res = res + bias.float()[None, :]
-        return out.copy_(res)
-    check_usable(a_q, "int8_gemm")
-    gemm = _mod("gemm")
-    cfg = gemm.select_config(a_q, a_scale, w_q, w_scale, bias, out)
-    return gemm.launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, cfg)
-
-
-SMALL_M_ROWS = 16             # rows up to here run the one-launch kernel (adaLN / time-embedding GEMVs)
-SMALL_M_MAX_K = 16384         # ... when K is at most this: every program re-reads its rows' K (from L2)
-
-
-def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                inv_smooth: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """W8A8 linear: x [..., K] float -> quantize_per_token -> int8_gemm -> [..., N] in ``out_dtype``
-    (default x.dtype). Two launches; the activation is read once and written once as int8. With at most
-    ``SMALL_M_ROWS`` rows (and K <= ``SMALL_M_MAX_K``) one launch that quantizes inside the GEMM, bit-identical."""
-    return _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype)[0]
-
-
-def _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype):
-    """``int8_linear``: (y, x as the kernels saw it, the tensors it allocated, y before the reshape)."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise ValueError("x must be a tensor [..., K]")
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    m, k = x2.shape
-    if 0 < m <= SMALL_M_ROWS and 0 < k <= SMALL_M_MAX_K:
-        y = _linear_small_m(x2, w_q, w_scale, bias, inv_smooth, out_dtype or x.dtype)
-        temps = ()
-    else:
-        a_q, a_scale = quantize_per_token(x2, inv_smooth)
-        y = int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype or x.dtype)
-        temps = (a_q, a_scale)
-    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])), x2, temps, y
-
-
-def int8_linear_planned(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                        bias: torch.Tensor | None = None, inv_smooth: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None):
-    """``int8_linear(...)`` and a ``kernel.plan.Plan`` that repeats it for operands of the same signature:
-    ``plan(x, w_q, w_scale, bias, inv_smooth)`` (same order; None when the call cannot be repeated that way)."""
-    from . import launch, plan
-    with launch.record() as rec:
-        y, x2, temps, y2 = _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype)
-    p = plan.build(rec, ((x, x2), w_q, w_scale, bias, inv_smooth), (*temps, (y2, y.shape)), y2, y.device)
-    return y, p
-
-
-def int8_gemm_planned(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16):
-    """``int8_gemm(...)`` and a ``kernel.plan.Plan`` that repeats it: ``plan(a_q, a_scale, w_q, w_scale, bias)``."""
-    from . import launch, plan
-    with launch.record() as rec:
-        out = int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype)
-    return out, plan.build(rec, (a_q, a_scale, w_q, w_scale, bias), (out,), out, out.device)
-
-
-def _linear_small_m(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                    inv_smooth: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``int8_linear`` for 1..SMALL_M_ROWS rows in one launch (kernel/gemm.py ``_w8a8_small_m_kernel``), with the
-    checks of quantize_per_token and int8_gemm."""
-    inv_smooth, w_scale, bias = small_m_operands(x, w_q, w_scale, bias, inv_smooth, out_dtype)
-    m, n = x.shape[0], w_q.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if n == 0:
-        return out
-    check_usable(x, "int8_linear")
-    gemm = _mod("gemm")
-    cfg = gemm.select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out)
-    return gemm.launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, cfg)
-
-
-def register_ops() -> None:
-    """Registers every ``torch.ops.int8_fused`` custom op (idempotent; no triton import); see kernel/ops.py."""
-    from .ops import register_ops as _register
-    _register()
-
-
-def int8_linear_op(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                   inv_smooth: torch.Tensor | None = None) -> torch.Tensor:
-    """``int8_linear`` through the custom op (output in x.dtype), traceable by ``torch.compile``."""
-    from .ops import linear_op
-    return linear_op(x, w_q, w_scale, bias, inv_smooth)

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from . import linear as _linear  # torch only: the Triton kernels load on their first launch
 from .config import gemm_switches
 
 _LOCK = threading.Lock()
@@ -51,8 +52,7 @@ def tunables() -> tuple:
 
 def _linear_impl(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                  inv_smooth: torch.Tensor | None) -> torch.Tensor:
-    from . import int8_linear
-    return int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype=x.dtype)
+    return _linear.int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype=x.dtype)
 
 
 def _linear_fake(x, w_q, w_scale, bias, inv_smooth):
@@ -99,8 +99,7 @@ def _cat_gelu_quant(a, h, inv_smooth):
 
 
 def _act_quant(x, inv_smooth):
-    from . import quantize_per_token
-    return quantize_per_token(x, inv_smooth)
+    return _linear.quantize_per_token(x, inv_smooth)
 
 
 def _hadamard_quant(x, group):
@@ -109,8 +108,7 @@ def _hadamard_quant(x, group):
 
 
 def _gemm_dequant(a_q, a_scale, w_q, w_scale, bias, out_dtype):
-    from . import int8_gemm
-    return int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype)
+    return _linear.int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype)
 
 
 # (name, schema, implementation, fake) of every op; an implementation imports the row kernels (and triton) when it

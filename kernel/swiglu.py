@@ -24,6 +24,7 @@ from . import gemm
 from .checks import check_2d, check_usable, gemm_operands, smooth_vector
 from .gemm import acc_tile, acc_tile_tma, dequant, select_config, tile_ids
 from .launch import launch, not_recorded  # launch: the compiled kernel re-launched directly (kernel/launch.py)
+from .linear import int8_gemm
 from .quantize import INTERPRET, SegmentPlan, finish_tile, quant_params, sm_count, store_q
 from .tailsplit import program_slots
 from .rowtile import (DT_CODE, FLOAT, TilePlan, round_to, row_major, row_ptrs, row_tiles, seg_keep, seg_store, smooth,
@@ -208,7 +209,6 @@ def gemm_swiglu(a_q: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w_s
     if m == 0 or f == 0:
         return h
     if k == 0:  # an empty sum (int8_gemm's own K = 0 path), then torch's ops
-        from . import int8_gemm
         a, b = int8_gemm(a_q, a_scale, w13, w_scale, bias, out_dtype=out_dtype).chunk(2, dim=1)
         y = torch.nn.functional.silu(a) * b
         if clamp_fp16 and out_dtype == torch.float16:

@@ -87,7 +87,7 @@ def backend_choices() -> list[str]:
     forced = forced_backend()
     if forced in names:
         names = [forced] + [n for n in names if n != forced]
-    return names if "bf16" in names else names + ["bf16"]
+    return names + [n for n, b in backends.BACKENDS.items() if not b.quantizes and n not in names]
 
 
 def _fuse(model, layers: dict, adapter) -> dict:
@@ -360,10 +360,11 @@ class ApplyFusedInt8GEMM:
             raise ValueError(f"Apply Fused INT8 GEMM: rotation must be one of {ROTATIONS}, got {rotation!r}")
         select.compile_patterns(keep_float)  # a bad regex -> ValueError naming it, even for bf16
         select.compile_patterns(include), select.compile_patterns(exclude)
-        if backend != "bf16":
+        quantizes = backends.get(backend).quantizes
+        if quantizes:
             refuse_cudagraphs(model, "Apply Fused INT8 GEMM")
         out = model.clone()
-        if backend == "bf16":
+        if not quantizes:
             log.info("INT8 Apply: backend bf16 = the unquantized control; model passed through")
         else:
             _patch(out, model, backend, preset, include, exclude, keep_float, calibration, rotation)

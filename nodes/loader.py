@@ -284,7 +284,7 @@ class LoadIdeogram4Int8:
         return {"required": {
             "unet_name": (files, {"tooltip": "INT8 file in models/diffusion_models: transformerlab W8A8 (both "
                                              "branches), ComfyUI int8_tensorwise or this pack's int8_fused"}),
-            "backend": (["auto"] + [b for b in backend_choices() if b != "bf16"],
+            "backend": (["auto"] + [b for b in backend_choices() if backends.get(b).quantizes],
                         {"tooltip": "INT8 GEMM backend; only those this machine can run are listed; auto = "
                                     "the fastest of them. The log names the backend each layer runs on"}),
             "base_checkpoint": (bases, {"tooltip": "float/FP8 Ideogram 4 (conditional) supplying norms and "

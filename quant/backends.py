@@ -5,6 +5,11 @@ Each backend has one signature, ``linear(x2d, layer) -> y2d``: ``x2d`` is [M, K]
 run is decided once per layer at patch time (``resolve``), never on every call; a layer a backend
 cannot take goes to the backend's stated fallback with one log line for the whole model.
 
+What a backend can do besides ``linear`` its record declares (:class:`Backend`: ``per_shape_dispatch`` with its
+``dispatch_int8`` path, ``feeds_fused``, ``pad_elision_by_default``, ``quantizes``), as comfy-kitchen's backends
+declare their constraints: the layer, dispatch, the fused blocks, ConvRot and the nodes ask the record
+(:func:`capabilities`), never compare a backend's name (``tests/test_structure.py`` scans for such comparisons).
+
 Backends:
   fused_triton   this pack's Triton kernels: per-token quantization, int8 x int8 -> int32 tensor-core
                  GEMM, dequantization and bias in the epilogue (CUDA, compute capability >= 8.0).
@@ -36,7 +41,22 @@ log = logging.getLogger("int8_fused")
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """A way to run an INT8 linear. ``device_reason``/``shape_reason`` return None when it can run."""
+    """A way to run an INT8 linear. ``device_reason``/``shape_reason`` return None when it can run.
+
+    What it can do, which callers ask instead of its name:
+
+    ``quantizes``             False for the unquantized control (``bf16``): Apply passes the model through.
+    ``dispatch_int8``         per-shape dispatch (``quant.dispatch``): each call shape of a layer runs the INT8 path
+                              or a float ``F.linear`` on the dequantized weight, whichever is faster. This is the
+                              INT8 side, ``(x2d, layer) -> y2d``; eager calls go through the layer's prepared
+                              launches (``run_int8`` of an ``Int8Linear`` or of its fetched operands). None: every
+                              call runs ``linear`` (``per_shape_dispatch`` is False).
+    ``feeds_fused``           the pack's kernels may hand its layers an already-quantized input
+                              (``Int8Linear.gemm_call``): the fused blocks' norm / activation kernels, ConvRot's
+                              rotate + quantize (``quant.blocks.fusable``, ``quant.convrot``).
+    ``pad_elision_by_default`` ``INT8_FUSED_PAD_ELISION`` unset / ``auto`` drops padded text tokens on this backend
+                              (``adapters.pad_elision_enabled``).
+    """
     name: str
     description: str
     device_reason: Callable[[torch.device], str | None]
@@ -44,6 +64,14 @@ class Backend:
     linear: Callable | None  # (x2d, layer) -> y2d; None for the bf16 control (no quantization)
     fallback: str | None = "dequant_bf16"
     quantizes: bool = True
+    dispatch_int8: Callable | None = None
+    feeds_fused: bool = False
+    pad_elision_by_default: bool = False
+
+    @property
+    def per_shape_dispatch(self) -> bool:
+        """Whether its layers' calls are dispatched per shape between INT8 and float (``dispatch_int8``)."""
+        return self.dispatch_int8 is not None
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
@@ -89,6 +117,14 @@ def _fused_triton_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
         return k.int8_linear_op(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth)
     return k.int8_linear(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth,
                          out_dtype=x2d.dtype)
+
+
+def _fused_triton_dispatch_int8(x2d: torch.Tensor, layer) -> torch.Tensor:
+    """fused_triton's INT8 side of per-shape dispatch: its kernels through the layer's prepared launches
+    (``run_int8`` of an Int8Linear or of its fetched operands); while torch.compile traces, the custom op."""
+    if torch.compiler.is_compiling():
+        return _fused_triton_linear(x2d, layer)
+    return layer.run_int8(x2d)
 
 
 def _comfy_kitchen_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
@@ -204,9 +240,13 @@ def _fp8_shape(N: int, K: int) -> str | None:
     return None
 
 
+#: The backend of this pack's own Triton kernels (the default where it runs).
+FUSED_BACKEND = "fused_triton"
+
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
-    Backend("fused_triton", "fused Triton INT8 GEMM (this pack)", _fused_triton_device,
-            _fused_triton_shape, _fused_triton_linear, fallback="torch_int_mm"),
+    Backend(FUSED_BACKEND, "fused Triton INT8 GEMM (this pack)", _fused_triton_device,
+            _fused_triton_shape, _fused_triton_linear, fallback="torch_int_mm",
+            dispatch_int8=_fused_triton_dispatch_int8, feeds_fused=True, pad_elision_by_default=True),
     Backend("torch_int_mm", "torch._int_mm (cuBLASLt INT8) + torch quantize/dequantize",
             _any_device, _int_mm_shape, _torch_int_mm_linear, fallback="dequant_bf16"),
     Backend("dequant_bf16", "quantize, dequantize to the compute dtype, float matmul (baseline)",
@@ -219,7 +259,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
             fallback=None, quantizes=False),
 ]}
 
-PREFERENCE = ["fused_triton", "comfy_kitchen", "torch_int_mm", "fp8_rowwise", "dequant_bf16", "bf16"]
+PREFERENCE = [FUSED_BACKEND, "comfy_kitchen", "torch_int_mm", "fp8_rowwise", "dequant_bf16", "bf16"]
 
 
 def get(name: str) -> Backend:
@@ -227,6 +267,17 @@ def get(name: str) -> Backend:
         return BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown INT8 backend {name!r}; known: {', '.join(BACKENDS)}") from None
+
+
+# what a name that is no backend can do: nothing (a capability query never raises; ``get`` does)
+_NOTHING = Backend("", "no backend of this pack", lambda device: "no backend", lambda N, K: "no backend", None,
+                   fallback=None, quantizes=False)
+
+
+def capabilities(name: str | None) -> Backend:
+    """The record of backend ``name``, to ask what it can do (``.per_shape_dispatch``, ``.feeds_fused``, ...); for
+    None or a name that is no backend, a record that declares nothing."""
+    return BACKENDS.get(name, _NOTHING)
 
 
 def device_reasons(device: torch.device) -> dict[str, str | None]:

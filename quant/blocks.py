@@ -32,12 +32,12 @@ from torch import nn
 
 from .. import kernel as _kernel
 from ..kernel import config, plan as _PLAN  # torch only: importing them loads no Triton
+from . import backends
 from .convrot import ConvRotLinear, rotate_quantize
 from .linear import Int8Linear, block_fetch, derived
 from .quantize import quantize_per_token_ref
 
 log = logging.getLogger("int8_fused")
-FUSED_BACKEND = "fused_triton"
 
 
 _KF = None
@@ -253,11 +253,16 @@ def promote(*ts: torch.Tensor) -> torch.dtype:
 
 
 def fusable(layer) -> bool:
-    """Whether ``layer`` is an Int8Linear on the Triton backend (the only one whose input the kernels feed); not a
-    ConvRot layer (``quant.convrot``: it rotates its float input itself); not a layer with LoRA branches this run
-    (``quant.lora``: the branch needs the float input, so the layer runs as a module call)."""
-    return (isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND and not getattr(layer, "rotation", 0)
-            and layer.derived.lora is None)
+    """Whether ``layer`` is an Int8Linear on a backend whose input the kernels feed (its record declares
+    ``feeds_fused``: fused_triton); not a ConvRot layer (``quant.convrot``: it rotates its float input itself); not a
+    layer with LoRA branches this run (``quant.lora``: the branch needs the float input, so the layer runs as a module
+    call)."""
+    return (_fed(layer) and not getattr(layer, "rotation", 0) and layer.derived.lora is None)
+
+
+def _fed(layer) -> bool:
+    """An Int8Linear whose backend takes an already-quantized input (``backends.Backend.feeds_fused``)."""
+    return isinstance(layer, Int8Linear) and backends.capabilities(layer.backend).feeds_fused
 
 
 def rotation(layer) -> int:
@@ -269,8 +274,7 @@ def norm_fusable(layer) -> bool:
     """:func:`fusable`, or a ConvRot layer on fused_triton without LoRA branches this run, outside torch.compile: a
     block's modulated-norm kernel then rotates its input too (``group`` of :func:`ln_mod_quant` /
     :func:`norm_modulate_quantize`)."""
-    return fusable(layer) or (isinstance(layer, Int8Linear) and layer.backend == FUSED_BACKEND and rotation(layer) > 0
-                              and layer.derived.lora is None and not compiling())
+    return fusable(layer) or (_fed(layer) and rotation(layer) > 0 and layer.derived.lora is None and not compiling())
 
 
 def act_fusable(layer, ka: int = 0) -> bool:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 
 from ..kernel.checks import CONVROT_GROUPS as GROUPS, convrot_group
+from . import backends
 from .linear import Int8Linear, check_input
 from .quantize import quantize_weight_per_channel
 
 #: ComfyUI's default group size (``convrot_groupsize``); the ones the pack runs: ``GROUPS`` (``kernel.checks``).
 DEFAULT_GROUP = 256
-FUSED_BACKEND = "fused_triton"
 
 
 def hadamard_order(group) -> bool:
@@ -183,7 +183,7 @@ class ConvRotLinear(Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self)
-        if self.backend != FUSED_BACKEND:
+        if not backends.capabilities(self.backend).feeds_fused:  # the pack's kernels cannot take a rotated int8 input
             return super().forward(rotate(x, self.rotation, x.dtype))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)

@@ -1,4 +1,5 @@
-"""Per-shape dispatch of ``fused_triton`` layers: the INT8 kernel where it beats the float path, else float.
+"""Per-shape dispatch of ``fused_triton`` layers (a backend whose record declares ``per_shape_dispatch``,
+``quant.backends``): the INT8 kernel where it beats the float path, else float.
 
 Small or ragged linears (M 77 x 4608 x 4608, 1000 x 3000 x 1000, adaLN GEMVs) can run slower as W8A8 than as a
 plain bf16 ``F.linear``: per-call host work (two Triton launches, quantization) and tiles that leave SMs idle
@@ -207,18 +208,10 @@ def float_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
 
 
 def int8_linear(x2d: torch.Tensor, layer) -> torch.Tensor:
-    """The INT8 path: the ``fused_triton`` backend's math (quantize kernel + fused GEMM), reading an
-    Int8Linear's tensors without nn.Module's ``__getattr__``."""
-    if torch.compiler.is_compiling():
-        return backends.BACKENDS["fused_triton"].linear(x2d, layer)
-    d = getattr(layer, "__dict__", None)
-    p = None if d is None else d.get("_parameters")
-    if p is not None:  # the layer itself (resident)
-        w, ws, b = p["weight"], p["weight_scale"], p.get("bias")  # a None bias/smooth may live in __dict__
-        inv = None if p.get("smooth") is None else layer.inv_smooth
-        return layer._int8_run(x2d, w, ws, b, inv)
-    # its fetched operands (quant.linear._Operands)
-    return layer.owner._int8_run(x2d, layer.qweight, layer.weight_scale, layer.bias, layer.inv_smooth)
+    """The INT8 path: the INT8 side of per-shape dispatch that the layer's backend declares
+    (``backends.Backend.dispatch_int8``; ``fused_triton``: quantize kernel + fused GEMM through the layer's prepared
+    launches, ``run_int8`` of the Int8Linear or of its fetched operands)."""
+    return backends.get(layer.backend).dispatch_int8(x2d, layer)
 
 
 def run(layer, x2d: torch.Tensor, owner) -> tuple[torch.Tensor, str]:
@@ -376,7 +369,7 @@ def record(layer, path: str, m: int, forced: bool = False) -> None:
 def _dispatch_layers(model) -> list:
     mods = model.modules() if hasattr(model, "modules") else model
     return [m for m in mods if isinstance(getattr(m, "dispatch_calls", None), collections.Counter)
-            and getattr(m, "backend", None) == "fused_triton"]
+            and backends.capabilities(getattr(m, "backend", None)).per_shape_dispatch]
 
 
 def counts(model) -> dict:

@@ -351,15 +351,22 @@ class Int8Linear(nn.Module):
         tensors (fetched through ComfyUI when it manages them), whatever the dispatch says: the fused blocks'
         linears. Repeated call signatures re-issue the first call's launches (``kernel.plan``)."""
         if self._resident(x.device):
-            p = self._parameters
-            return self._int8_run(x, p["weight"], p["weight_scale"], p.get("bias"),
-                                  None if p.get("smooth") is None else self.inv_smooth)
+            return self.run_int8(x)
         t, release = self._fetch(x.device)
         try:
-            return self._int8_run(x, t.qweight, t.weight_scale, t.bias, t.inv_smooth)
+            return t.run_int8(x)
         finally:
             if release is not None:
                 release()
+
+    def run_int8(self, x: torch.Tensor) -> torch.Tensor:
+        """The W8A8 kernels on x with the layer's own tensors, through its prepared launches, for a caller that has
+        found them on x's device (:meth:`operands` yielded the layer itself): :meth:`int8_call`, and the INT8 side of
+        per-shape dispatch (``backends.Backend.dispatch_int8``; ``_Operands.run_int8`` is a fetched layer's). Reads
+        ``_parameters`` directly: nn.Module's ``__getattr__`` costs about half a microsecond a lookup."""
+        p = self._parameters  # a None bias / smooth may live in __dict__: .get
+        return self._int8_run(x, p["weight"], p["weight_scale"], p.get("bias"),
+                              None if p.get("smooth") is None else self.inv_smooth)
 
     def gemm_call(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``kernel.int8_gemm`` of an already-quantized input (int8 [M, K], fp32 [M]) with this layer's weight ->
@@ -432,7 +439,8 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        if self.backend == "fused_triton" and not torch.compiler.is_compiling():
+        backend = backends.get(self.backend)
+        if backend.per_shape_dispatch and not torch.compiler.is_compiling():
             # per shape: the INT8 kernel where it is faster, else the float path (quant/dispatch.py)
             if self._resident(x.device):  # the common case, without the context manager's cost
                 y, path = dispatch.run(self, x2, self)
@@ -449,7 +457,7 @@ class Int8Linear(nn.Module):
                     y, _ = dispatch.run(layer, x2, self)
         else:
             with self.operands(x.device) as layer:
-                y = backends.get(self.backend).linear(x2, layer)
+                y = backend.linear(x2, layer)
         return y if x.dim() == 2 else y.reshape(*lead, self.out_features)
 
     def nbytes(self) -> int:
@@ -470,6 +478,10 @@ class _Operands:
         self.owner, self.name, self.backend = layer, layer.name, layer.backend
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.qweight, self.weight_scale, self.bias, self.inv_smooth = w, scale, b, inv_smooth
+
+    def run_int8(self, x: torch.Tensor) -> torch.Tensor:
+        """``Int8Linear.run_int8`` with these fetched tensors (the owner's prepared launches)."""
+        return self.owner._int8_run(x, self.qweight, self.weight_scale, self.bias, self.inv_smooth)
 
 
 def derived(cache: dict, key, src: torch.Tensor, make: Callable):

@@ -286,3 +286,52 @@ def test_fused_triton_compiles_as_one_custom_op_without_graph_breaks():
     torch.testing.assert_close(compiled(x), layer(x))
     calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert any("int8_fused.linear" in c for c in calls), calls
+
+
+# ---------------------------------------------------------------- what a backend can do: declared on its record
+def test_backends_declare_what_their_callers_need():
+    """The capabilities the layer, dispatch, the fused blocks, ConvRot, pad elision and Apply ask of a record
+    (``quant.backends.Backend``): only this pack's Triton backend dispatches per shape, takes a pre-quantized input
+    and elides padding by default; only the bf16 control does not quantize. A name that is no backend declares
+    nothing, and asking never raises."""
+    b = backends.BACKENDS
+    fused = b[backends.FUSED_BACKEND]
+    assert backends.FUSED_BACKEND == "fused_triton" == backends.PREFERENCE[0]
+    assert fused.per_shape_dispatch and callable(fused.dispatch_int8) and fused.feeds_fused
+    assert fused.pad_elision_by_default and fused.quantizes
+    others = [r for n, r in b.items() if n != backends.FUSED_BACKEND]
+    assert not any(r.per_shape_dispatch or r.feeds_fused or r.pad_elision_by_default for r in others)
+    assert [n for n, r in b.items() if not r.quantizes] == ["bf16"] and b["bf16"].linear is None
+    for name in (None, "int4", ""):
+        r = backends.capabilities(name)
+        assert not (r.per_shape_dispatch or r.feeds_fused or r.pad_elision_by_default or r.quantizes)
+    assert backends.capabilities("torch_int_mm") is b["torch_int_mm"]
+
+
+@needs_triton
+def test_callers_follow_the_record_not_the_name(monkeypatch):
+    """The fused_triton record under another name behaves as fused_triton (per-shape dispatch counted, fed by the
+    fused blocks, padding elided); fused_triton's record without those capabilities behaves as a plain backend."""
+    import dataclasses
+
+    from adapters.base import pad_elision_enabled
+    from kernel import config
+    from quant import blocks, dispatch
+
+    fused = backends.BACKENDS["fused_triton"]
+    monkeypatch.setitem(backends.BACKENDS, "renamed", dataclasses.replace(fused, name="renamed"))
+    layer = _layer(24, 40, bias=True, smooth=True)
+    x = torch.randn(5, 40)
+    ref = _run(layer, "torch_int_mm", x)
+    with config.override(INT8_FUSED_DISPATCH="int8", INT8_FUSED_PAD_ELISION=None):
+        y = _run(layer, "renamed", x)
+        assert dict(layer.dispatch_calls) == {"int8": 1} and dispatch.counts([layer])["layers"] == 1
+        assert blocks.fusable(layer) and pad_elision_enabled("renamed")
+        monkeypatch.setitem(backends.BACKENDS, "fused_triton", dataclasses.replace(
+            fused, dispatch_int8=None, feeds_fused=False, pad_elision_by_default=False))
+        plain = _layer(24, 40, bias=True, smooth=True)  # a new layer: forward's hot path keeps what a layer ran
+        z = _run(plain, "fused_triton", x)
+        assert not plain.dispatch_calls and dispatch.counts([plain])["layers"] == 0
+        assert not blocks.fusable(plain) and not pad_elision_enabled("fused_triton")
+    torch.testing.assert_close(y, ref, rtol=4 * 2.0 ** -24, atol=1e-6)
+    torch.testing.assert_close(z, y, rtol=4 * 2.0 ** -24, atol=1e-6)

@@ -462,7 +462,7 @@ def test_two_launches_above_16_rows_or_for_long_k(monkeypatch):
     quantizer = "_quant_rows_loop_kernel" if 0 < kernel.quantize.QUANT_ROW_LOOP * 4 < 17 else "_quant_rows_seg_kernel"
     assert seen == [quantizer, "_int8_gemm_kernel"]
     seen.clear()
-    monkeypatch.setattr(kernel, "SMALL_M_MAX_K", 32)
+    monkeypatch.setattr(kernel.linear, "SMALL_M_MAX_K", 32)  # kernel.linear: the module whose int8_linear reads it
     kernel.int8_linear(torch.randn(2, 64), w, ws)
     assert seen == ["_quant_rows_seg_kernel", "_int8_gemm_kernel"]
 

@@ -1,12 +1,17 @@
 """The pack's import structure, read from the source with ``ast`` (nothing is imported):
 
 * no import cycle among the pack's modules, counting module-level and function-level imports alike (a cycle
-  hidden by an import inside a function is still a cycle). A module's import of its own package (``from . import
-  name`` of a name the package's ``__init__`` defines) is no edge: Python imports a package before any of its
-  modules, so that order is fixed whatever the package's ``__init__`` imports later, inside functions;
+  hidden by an import inside a function is still a cycle). A module's import of a name its own package's
+  ``__init__`` defines (``from . import name`` in ``kernel/ops.py``, ``from .. import name``) is an edge to that
+  ``__init__`` like any other: a package whose ``__init__`` reaches a module that takes names back from it is a
+  cycle, whichever side imports inside a function. ``from . import sub`` of a submodule is an edge to ``sub`` only
+  (Python runs the package's ``__init__`` before any of its modules: that order is no import of the module's);
 * the pack's code reaches its own modules by plain relative imports: no ``importlib.import_module``, no
   ``kernel_module`` / ``pack_module`` helper, no absolute ``import kernel`` / ``quant`` / ``adapters``;
 * ``kernel/`` imports nothing else of the pack (it runs with torch and Triton alone);
+* outside ``quant/backends.py`` no code decides by a backend's name: no comparison (``==``, ``in``, ...), subscript
+  or ``get`` with a backend's name or a constant bound to one (``FUSED_BACKEND``, defined once, in
+  ``quant/backends.py``); callers ask the backend's record what it can do (``backends.capabilities``);
 * no module takes another pack module's private (underscore-prefixed) name, by ``from .x import _name`` or by
   reading ``x._name`` of a module it imported: what several modules share is public where it lives (the row
   kernels' shared ``@triton.jit`` helpers in ``kernel/rowtile.py``, the input checks in ``kernel/checks.py``).
@@ -55,13 +60,14 @@ def _imports(name: str, path: Path, mods: dict) -> list[tuple[str, int]]:
 
 
 def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
-    """{module: {module it imports: line}} over the pack's modules (a module's own packages left out: module doc)."""
+    """{module: {module it imports: line}} over the pack's modules, imports of names from a module's own packages'
+    ``__init__`` included (module doc)."""
     mods = _modules(root)
     graph = {}
     for name, path in mods.items():
         edges = graph[name] = {}
         for dep, line in _imports(name, path, mods):
-            if dep in mods and not (dep == "" or name == dep or name.startswith(dep + ".")):
+            if dep in mods and dep != name:
                 edges.setdefault(dep, line)
     return graph
 
@@ -138,6 +144,115 @@ def indirect_imports(root: Path = ROOT) -> list[str]:
     return found
 
 
+BACKENDS_FILE = "quant/backends.py"
+# comparisons with a backend's name allowed outside quant/backends.py: (file, what is compared) -> why
+NAME_COMPARISONS_ALLOWED = {
+    ("nodes/timing.py", "FLOAT"): "the run report's label of the float model (web/int8_format.js writes the same)",
+}
+
+
+def backend_names() -> set[str]:
+    """The registry's backend names, read from ``quant/backends.py`` (the first argument of each ``Backend(...)``,
+    a string or a module constant bound to one)."""
+    tree = ast.parse((ROOT / BACKENDS_FILE).read_text())
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+              and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+              for t in n.targets if isinstance(t, ast.Name)}
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Backend" and n.args:
+            a = n.args[0]
+            names.add(a.value if isinstance(a, ast.Constant) else consts.get(getattr(a, "id", None)))
+    return names - {None, ""}
+
+
+def name_decisions(root: Path = ROOT, names: set | None = None) -> list[str]:
+    """``file:line what`` for every comparison (``==``, ``!=``, ``in``, ``not in``, ``is``, a ``case``), subscript
+    and ``.get(...)`` in the pack's packages, outside ``quant/backends.py``, that involves a backend's name: the string
+    itself, in a literal tuple / list / set, or a module constant bound to one (``X = "fused_triton"``, used as ``X``
+    or ``mod.X``), bar ``NAME_COMPARISONS_ALLOWED``."""
+    names = backend_names() if names is None else names
+    files = [f for pkg in PACKAGES for f in sorted((root / pkg).rglob("*.py"))]
+    trees = {f.relative_to(root).as_posix(): ast.parse(f.read_text(), str(f)) for f in files}
+
+    def stem(rel: str) -> str:  # how other modules name a module: quant/backends.py -> backends
+        p = Path(rel)
+        return p.parent.name if p.stem == "__init__" else p.stem
+    defined: dict[str, set] = {}  # module stem -> its constants bound to a backend's name
+    for rel, tree in trees.items():
+        defined.setdefault(stem(rel), set()).update(
+            t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+            and isinstance(n.value, ast.Constant) and n.value.value in names
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name))
+
+    found = []
+    for rel, tree in trees.items():
+        if rel == BACKENDS_FILE:
+            continue
+        local = set(defined.get(stem(rel), ())) | {  # and those imported by name (from .backends import X)
+            a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+            for a in n.names if a.name in defined.get((n.module or "").rpartition(".")[2], ())}
+
+        def named(node) -> str | None:
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                return repr(node.value)
+            if isinstance(node, ast.Name) and node.id in local:
+                return node.id
+            if isinstance(node, ast.Attribute) and node.attr in defined.get(getattr(node.value, "id", None), ()):
+                return node.attr  # backends.FUSED_BACKEND
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                return next((w for w in map(named, node.elts) if w), None)
+            return None
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                parts = [node.left, *node.comparators]
+            elif isinstance(node, ast.Subscript):
+                parts = [node.slice]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get":
+                parts = node.args[:1]
+            elif isinstance(node, ast.MatchValue):
+                parts = [node.value]
+            else:
+                continue
+            what = next((w for w in map(named, parts) if w), None)
+            if what and (rel, what) not in NAME_COMPARISONS_ALLOWED:
+                found.append(f"{rel}:{node.lineno} {type(node).__name__.lower()} with {what}")
+    return found
+
+
+def test_no_backend_name_decides_outside_the_registry():
+    names = backend_names()
+    assert {"fused_triton", "torch_int_mm", "dequant_bf16", "bf16"} <= names, names
+    found = name_decisions(names=names)
+    assert not found, ("ask the backend's record what it can do (quant.backends.capabilities) instead of comparing "
+                       "its name:\n" + "\n".join(found))
+
+
+def test_name_check_sees_every_form(tmp_path):
+    """The checker itself, on a made-up pack: a literal, a literal tuple, a constant bound to a name (also through a
+    module), a subscript and a ``get`` are found; an assignment, a default argument and a call are not."""
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "quant" / "backends.py").write_text('FUSED = "fast"\nif FUSED == "fast":\n    pass\n')
+    (tmp_path / "quant" / "a.py").write_text(
+        'from . import backends\nMINE = "fast"\n\n\ndef f(b="slow", d=None):\n    run(b, "fast")\n'
+        '    if b == "fast" or b in ("x", "slow") or b != MINE or backends.FUSED is b:\n'
+        '        return d["slow"], d.get("fast")\n')
+    found = name_decisions(tmp_path, {"fast", "slow"})
+    assert found == ["quant/a.py:7 compare with 'fast'", "quant/a.py:7 compare with 'slow'",
+                     "quant/a.py:7 compare with MINE", "quant/a.py:7 compare with FUSED",
+                     "quant/a.py:8 subscript with 'slow'", "quant/a.py:8 call with 'fast'"], found
+
+
+def test_fused_backend_is_defined_once():
+    """One ``FUSED_BACKEND``: the registry's (``quant/backends.py``)."""
+    where = [f"{f.relative_to(ROOT).as_posix()}:{n.lineno}" for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))
+             for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Assign)
+             and any(getattr(t, "id", None) == "FUSED_BACKEND" for t in n.targets)]
+    assert len(where) == 1 and where[0].startswith(BACKENDS_FILE + ":"), where
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -184,6 +299,33 @@ def test_cycle_finder_sees_a_hidden_cycle(tmp_path):
     assert cycles(g) == [["quant.a", "quant.b"]]
     (tmp_path / "quant" / "b.py").write_text("from ..kernel import config\n")
     assert cycles(import_graph(tmp_path)) == []
+
+
+def test_cycle_finder_counts_imports_of_a_modules_own_package(tmp_path):
+    """The shape kernel/__init__.py and kernel/ops.py once had: the package's ``__init__`` imports a module inside a
+    function, which takes a name back from the ``__init__`` (``from . import name``) inside a function. A cycle; and
+    ``from . import sub`` of a submodule is an edge to that submodule, not to the ``__init__``."""
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "kernel" / "__init__.py").write_text("def impl():\n    pass\n\n\ndef op():\n"
+                                                     "    from .ops import run\n    return run()\n")
+    (tmp_path / "kernel" / "ops.py").write_text("from . import config\n\n\ndef run():\n"
+                                                "    from . import impl\n    return impl()\n")
+    (tmp_path / "kernel" / "config.py").write_text("import os\n")
+    (tmp_path / "quant" / "a.py").write_text("from .. import kernel\n")
+    g = import_graph(tmp_path)
+    assert g["kernel.ops"] == {"kernel.config": 1, "kernel": 5} and g["kernel"] == {"kernel.ops": 6}
+    assert g["quant.a"] == {"kernel": 1}
+    assert cycles(g) == [["kernel", "kernel.ops"]]
+    # the implementation in a module of its own, the package's __init__ re-exporting it: no cycle
+    (tmp_path / "kernel" / "impl.py").write_text("def impl():\n    pass\n")
+    (tmp_path / "kernel" / "__init__.py").write_text("from .impl import impl\nfrom .ops import run\n")
+    (tmp_path / "kernel" / "ops.py").write_text("from . import config, impl as _impl\n\n\ndef run():\n"
+                                                "    return _impl.impl()\n")
+    g = import_graph(tmp_path)
+    assert g["kernel.ops"] == {"kernel.config": 1, "kernel.impl": 1} and cycles(g) == []
 
 
 def test_no_import_cycle():
