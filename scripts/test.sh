@@ -15,10 +15,25 @@ if [ -z "${COMFYUI_CURRENT:-}" ] && [ -f "$rt/ComfyUI-current/main.py" ]; then
   export COMFYUI_CURRENT="$rt/ComfyUI-current" COMFYUI_CURRENT_PYTHON="$rt/venv-current/bin/python"
 fi
 echo "[test] current ComfyUI: ${COMFYUI_CURRENT:-none (tests needing it skip)}"
+# Parallel: one pytest-xdist worker a core (INT8_TEST_WORKERS overrides; 0 runs in this process). Tests marked
+# `serial` share one worker (--dist loadgroup); `-p no:xdist` among the arguments runs without xdist.
+workers="${INT8_TEST_WORKERS:-$(nproc)}"
+par=()
+case " $* " in *" -p no:xdist "*) ;; *) [ "$workers" -gt 0 ] && par=(-n "$workers" --dist loadgroup) ;; esac
+# Peak disk use during the run (every file system the suite writes to: the runtime's and the temporary folder's),
+# sampled every 2 s, printed at the end.
+used_kb() { df -Pk "$rt" "${TMPDIR:-/tmp}" | awk 'NR > 1 && !seen[$1]++ {s += $3} END {print s}'; }
+disk0=$(used_kb); peakf="$(mktemp)"; echo "$disk0" > "$peakf"
+( peak=$disk0; while sleep 2; do u=$(used_kb); [ "$u" -gt "$peak" ] && { peak=$u; echo "$peak" > "$peakf"; }; done ) &
+sampler=$!
+echo "[test] set-up done in $SECONDS s; running pytest (${par[*]:-one process})"
 t0=$SECONDS
 rc=0
-"$rt/venv/bin/python" -m pytest -q -rfEs --timeout=1200 --durations=15 "$@" || rc=$?
+"$rt/venv/bin/python" -m pytest -q -rfEs --timeout=1200 --durations=15 "${par[@]}" "$@" || rc=$?
+kill "$sampler" 2>/dev/null || true
 echo "[test] pytest finished in $((SECONDS - t0)) s (exit $rc)"
+echo "[test] peak disk use during the tests: $(( ($(cat "$peakf") - disk0) / 1024 )) MiB above the $((disk0 / 1048576)) GiB used at the start"
+rm -f "$peakf"
 if [ "$rc" -eq 5 ]; then
   echo "[test] ERROR: pytest collected no tests"; exit 1
 fi

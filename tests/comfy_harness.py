@@ -137,8 +137,11 @@ class ComfyServer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ if self.env is None else self.env)  # tests: TRITON_INTERPRET=1 from conftest
         env["PYTHONUNBUFFERED"] = "1"
+        # a temp folder of its own: main.py empties its temp folder at start, and test workers run servers of one tree
+        # side by side
         cmd = [self.python, "main.py", *(["--cpu"] if self.cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
-               "--output-directory", str(self.output_dir), *self.extra_args]
+               "--output-directory", str(self.output_dir), "--temp-directory", str(self.output_dir.parent),
+               *self.extra_args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env)

@@ -56,6 +56,58 @@ import pytest  # noqa: E402
 import comfy_harness as H  # noqa: E402
 from comfy_harness import run_in_current_comfy  # noqa: E402,F401  (re-exported for tests)
 
+# ----------------------------------------------------------------------------------- markers
+# Registered here (pytest --strict-markers knows them; `pytest --markers` lists them). A test file marks its tests
+# with these instead of defining its own skip marks.
+MARKERS = {
+    "interpreter": "runs the pack's Triton kernels: on a machine without a GPU only under TRITON_INTERPRET=1 "
+                   "(scripts/test.sh sets it); skipped there otherwise",
+    "current_comfy": "needs ComfyUI 0.33.0 (COMFYUI_CURRENT, set up by scripts/setup_runtime.sh from "
+                     "../shared/comfyui); skipped, naming the variable, without it. Set on every test that uses a "
+                     "current-ComfyUI fixture or helper",
+    "browser": "drives the frontend in a real browser (Debian's chromium through playwright)",
+    "slow": "takes more than ~20 s on the 2-core CI machine (docs/DEVELOPING.md lists the slowest); "
+            "`-m quick` leaves these, current_comfy and browser tests out",
+    "quick": "set on every test that is none of slow, current_comfy, browser: `bash scripts/test.sh -m quick`",
+    "serial": "shares state that parallel workers would race on: pytest-xdist runs every serial test in one "
+              "worker (group 'serial', scripts/test.sh uses --dist loadgroup)",
+}
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels_run() -> bool:
+    """The pack's Triton kernels can run here: in the interpreter, or compiled on a CUDA GPU."""
+    if INTERPRET:
+        return True
+    import torch
+    return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    for name, doc in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+# Fixtures and helpers that need ComfyUI 0.33.0: a test using one is a current_comfy test.
+_CURRENT_FIXTURES = {"comfy_current", "comfy_server_current"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    kernels = None
+    for item in items:
+        if _CURRENT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.current_comfy)
+        if item.get_closest_marker("interpreter"):
+            kernels = _kernels_run() if kernels is None else kernels
+            if not kernels:
+                item.add_marker(pytest.mark.skip(reason="runs the Triton kernels: needs TRITON_INTERPRET=1 on a "
+                                                        "machine without a GPU (scripts/test.sh sets it)"))
+        if not any(item.get_closest_marker(m) for m in ("slow", "current_comfy", "browser")):
+            item.add_marker(pytest.mark.quick)
+        if item.get_closest_marker("serial"):
+            item.add_marker(pytest.mark.xdist_group("serial"))
+
 
 @pytest.fixture(autouse=True)
 def _no_shipped_tuned_tables(monkeypatch):

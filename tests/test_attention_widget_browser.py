@@ -7,6 +7,7 @@ import pytest
 
 from test_widget_browser import APPLY, ARTIFACTS, _set_nodes2, assert_rows_fit, open_page
 
+pytestmark = pytest.mark.browser
 MID = "\u00b7"
 
 

@@ -1,11 +1,9 @@
 """bench/lib/provenance.py: the commit a bench run records (``$BENCH_COMMIT`` on the device machine, whose copy of the
 tree keeps a stale git HEAD; else this checkout's HEAD, checked against git itself)."""
 import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench.lib import provenance  # noqa: E402
 

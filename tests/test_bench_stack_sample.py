@@ -1,15 +1,10 @@
 """bench/lib/stack_sample.py: a thread's wall time by sampled stacks. The work below splits its time 3 : 1 between two
 functions by construction (busy loops on the clock), so the sampled shares must split the same way; a recursive
 function is counted once a sample."""
-import sys
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.lib.stack_sample import StackSampler  # noqa: E402
+from bench.lib.stack_sample import StackSampler
 
 
 def _spin(seconds):

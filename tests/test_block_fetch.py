@@ -12,20 +12,13 @@ step.
 Run: .runtime/venv/bin/python -m pytest tests/test_block_fetch.py -q
 """
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from quant import blocks as qf  # noqa: E402
-from quant import linear as L  # noqa: E402
+from quant import blocks as qf
+from quant import linear as L
 
 
 class _Block(qf.FetchedBlock):

@@ -7,20 +7,17 @@ Run: bash scripts/test.sh tests/test_caches.py
 """
 import json
 import logging
-import os
 import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kernel import autotune, config  # noqa: E402
-from quant import attention, dispatch  # noqa: E402
+from kernel import autotune, config
+from quant import attention, dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMM_KEY = autotune.ConfigCache.key(4608, 4608, 4096)

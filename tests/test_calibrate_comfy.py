@@ -274,6 +274,7 @@ def test_server_calibrate_save_apply_workflow(comfy_server, miniature_models):
         path.unlink(missing_ok=True)
 
 
+@pytest.mark.browser
 def test_browser_shows_summary_on_the_node(comfy_server):
     """web/int8_calibrate.js in the real frontend (Debian chromium): the summary the node returns in
     ui.text appears in a read-only box on the node and is not saved into the workflow or the prompt."""

@@ -25,24 +25,14 @@ Apply node and ComfyUI's ModelPatcher:
 Run: bash scripts/test.sh tests/test_chroma_fused.py
 """
 import dataclasses
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+import fused_block_helpers as fbh
 
 REL_MODEL = 2e-3
 BF16 = torch.bfloat16
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
 
 # unet_config keys as comfy/model_detection.py sets them for Chroma (widths reduced); the Approximator's input is
 # 16 + 16 + 32 = 64 wide and its output the hidden size. Keys a ComfyUI's params class lacks are dropped.
@@ -136,7 +126,7 @@ def _check(res, model):
 
 
 # ----------------------------------------------------------------------------------- pinned ComfyUI (in-process)
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("radiance", [False, True], ids=["chroma", "chroma_radiance"])
 def test_tiny_chroma_fused_vs_per_linear_pinned(pack, radiance):
     res = chroma_apply(pack, radiance)

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import compile_targets as ct  # noqa: E402
 from kernel import autotune  # noqa: E402

@@ -6,19 +6,14 @@ s8 wgmma path is off, the tile set is that generation's at its shared-memory lim
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import kernel
+from kernel import autotune, config
 
-import kernel  # noqa: E402
-from kernel import autotune, config  # noqa: E402
-
-pytestmark = pytest.mark.skipif(not config.get("TRITON_INTERPRET"), reason="needs TRITON_INTERPRET=1 (scripts/test.sh)")
+pytestmark = pytest.mark.interpreter
 
 
 def test_forced_generation_hook():

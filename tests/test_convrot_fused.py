@@ -27,25 +27,15 @@
 Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_convrot_fused.py -q
 """
 import math
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402
+import fused_block_helpers as fbh
 
 REL_MODEL = 2e-3
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +61,7 @@ def _close(q, s, rq, rs):
     assert ((s[ok] - rs[ok]).abs() <= 2.0 ** -12 * rs[ok].abs()).all()
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,group,m,k,b", [(BF16, 64, 37, 192, 1), (BF16, 256, 20, 512, 2), (BF16, 16, 12, 48, 3),
                                                (FP16, 64, 9, 128, 3), (FP32, 256, 8, 256, 2)])
 def test_kernel_against_unfused_sequence(hd, dtype, group, m, k, b):
@@ -95,7 +85,7 @@ def _unfused_rms(hd, x, w, scale, group, eps=1e-6):
     return hd.hadamard_quantize(y.reshape(m, k), group)
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,group,m,k,b", [(BF16, 64, 37, 192, 1), (BF16, 256, 20, 512, 2), (FP16, 16, 9, 48, 3),
                                                (FP32, 64, 8, 128, 2)])
 def test_rms_kernel_against_unfused_sequence(hd, dtype, group, m, k, b):
@@ -110,7 +100,7 @@ def test_rms_kernel_against_unfused_sequence(hd, dtype, group, m, k, b):
     _close(q, s, *_unfused_rms(hd, x, w, scale, group))
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
 def test_kernel_zero_nan_rows_and_refusals(hd):
     g = torch.Generator().manual_seed(5)
@@ -156,7 +146,7 @@ def _unfused_act(hd, group, a=None, h=None, gate=None, clamp_fp16=False):
     return hd.hadamard_quantize(y, group)
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,group,m,f", [(BF16, 64, 37, 192), (BF16, 256, 9, 512), (FP16, 16, 12, 48),
                                              (FP32, 64, 8, 128)])
 def test_activation_kernels_against_unfused_sequence(hd, dtype, group, m, f):
@@ -176,7 +166,7 @@ def test_activation_kernels_against_unfused_sequence(hd, dtype, group, m, f):
     _close(*hd.concat_gelu_hadamard_quantize(None, a, group), *_unfused_act(hd, group, h=a))
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
 def test_activation_kernels_edge_rows_and_refusals(hd):
     g = torch.Generator().manual_seed(11)
@@ -404,7 +394,7 @@ def check_ideogram4(res):
     check_rms(res, "FusedIdeogram4Block", res["blocks"])
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rotated", ["fed", "all"])
 def test_tiny_flux_convrot_fused_pinned(pack, rotated):
     res = flux_case(pack, rotated)
@@ -412,28 +402,28 @@ def test_tiny_flux_convrot_fused_pinned(pack, rotated):
     check_flux(res, rotated)
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_tiny_flux2_convrot_fused_pinned(pack):
     res = flux2_case(pack)
     print(res)
     check_flux2(res)
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_tiny_wan_convrot_fused_pinned(pack):
     res = wan_case(pack)
     print(res)
     check_wan(res)
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_tiny_lumina2_convrot_fused_pinned(pack):
     res = lumina_case(pack)
     print(res)
     check_lumina(res)
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_tiny_qwen_image_convrot_fused_pinned(pack):
     res = qwen_case(pack)
     print(res)
@@ -462,7 +452,7 @@ def test_convrot_fused_on_the_current_comfyui(comfy_current):
     check_ideogram4(res["ideogram4"])
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_rotating_norm_helpers_under_torch_compile(pack):
     """Under torch.compile (fullgraph, aot_eager) the helpers feeding a ConvRot layer trace without a graph break: torch's
     norm and modulation (SwiGLU, GELU), then the rotation's custom op; their codes match the eager kernels' (ties aside, ``_close``)."""

@@ -11,20 +11,17 @@ Run: TRITON_INTERPRET=1 python -m pytest tests/test_dispatch.py -q
 import json
 import logging
 import math
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import pytest
+import torch
+from torch import nn
 
 pytest.importorskip("triton")
 from kernel import autotune, config  # noqa: E402
 from quant import dispatch  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
-from launch_standins import int8_layer  # noqa: E402  (tests/ is on sys.path now)
+from launch_standins import int8_layer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

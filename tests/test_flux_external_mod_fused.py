@@ -8,23 +8,13 @@ A ``modulation_dims`` call runs ComfyUI's own forward on the twin.
 
 Run: bash scripts/test.sh tests/test_flux_external_mod_fused.py
 """
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402
+import fused_block_helpers as fbh
 
 REL_MODEL = 2e-3
 BF16 = torch.bfloat16
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def flux2_equivalence(pack) -> dict:
@@ -52,7 +42,7 @@ def _check(res):
     assert res["rel"] <= REL_MODEL and res["rel_float"] < 5e-2, res
 
 
-@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
+@pytest.mark.interpreter
 def test_flux2_fused_vs_per_linear_pinned(pack):
     res = flux2_equivalence(pack)
     print(res)

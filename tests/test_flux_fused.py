@@ -41,25 +41,15 @@ Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_flux_fused
 """
 import dataclasses
 import math
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+import fused_block_helpers as fbh
 
 REL_MODEL = 2e-3
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-kernel_tests = pytest.mark.skipif(not INTERPRET, reason="the CPU tests of the Triton kernels need TRITON_INTERPRET=1")
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +155,7 @@ def _ln_form(kf, monkeypatch, form):
         monkeypatch.setattr(kf.norm, "LN_PLAN", kf.rowtile.TilePlan(max_single=64, chunk=64, chunk_warps=4))
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,m,k,b,smooth,form", [
     (BF16, 16, 384, 2, False, "seg"), (BF16, 16, 384, 2, False, "single"), (BF16, 12, 300, 3, True, "chunked"),
     (BF16, 12, 300, 3, True, "seg"), (BF16, 1, 48, 1, True, "single"), (BF16, 1, 48, 1, True, "seg"),
@@ -191,7 +181,7 @@ def test_layernorm_modulate_quantize(kf, qf, monkeypatch, dtype, m, k, b, smooth
     print(got)
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("form", ["seg", "single"])
 def test_layernorm_modulate_quantize_flux_width(kf, monkeypatch, form):
     """Flux.1's width (K = 3072: segments 2048 + 1024 by default, or the one 4096 tile) in bf16, broadcast
@@ -218,7 +208,7 @@ def test_layernorm_modulate_quantize_flux_width(kf, monkeypatch, form):
     check_within_ties(q, s, y_ideal, marked, BF16, None, "K=3072")
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
 @pytest.mark.parametrize("form", ["seg", "single"])
 def test_layernorm_modulate_quantize_zero_nan_and_errors(kf, qf, monkeypatch, form):
@@ -260,7 +250,7 @@ def _gelu_form(kf, monkeypatch, form):
         monkeypatch.setattr(kf.gelu, "GELU_PLAN", kf.rowtile.TilePlan(max_single=64, chunk=64, chunk_warps=4))
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
 @pytest.mark.parametrize("dtype,m,f,smooth,form", [
     (BF16, 12, 512, False, "single"), (BF16, 7, 300, True, "chunked"), (FP16, 8, 256, True, "single"),
@@ -279,7 +269,7 @@ def test_gelu_tanh_quantize(kf, qf, monkeypatch, dtype, m, f, smooth, form, fast
     check_within_ties(*_qref(F.gelu(h, approximate="tanh"), inv), y_ideal, marked, dtype, inv, "unfused torch")
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
 @pytest.mark.parametrize("dtype,m,ka,f,smooth,form", [
     (BF16, 10, 128, 512, True, "single"), (BF16, 6, 96, 200, False, "chunked"), (BF16, 4, 300, 100, True, "chunked"),
@@ -305,7 +295,7 @@ def test_concat_gelu_quantize(kf, qf, monkeypatch, dtype, m, ka, f, smooth, form
     check_within_ties(*_qref(unfused, inv), y_ideal, marked, dtype, inv, "unfused torch")
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on NaN / Inf rows
 @pytest.mark.parametrize("form", ["seg", "single"])
 @pytest.mark.parametrize("fast", [False, True], ids=["tanhf", "fast"])
@@ -335,7 +325,7 @@ def test_gelu_kernels_zero_nan_and_errors(kf, qf, monkeypatch, fast, form):
         kf.gelu.concat_gelu_quantize(a, h, torch.ones(80))
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_gelu_one_pass_equals_chunked(kf, monkeypatch, dtype):
     """The one-pass kernel computes the same values as the two-pass chunked one (gelu once instead of twice, an
@@ -510,10 +500,9 @@ def _check_equivalence(res):
         assert b["patched_equal"], (name, b)          # the patched call ran ComfyUI's own forward on the twin
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_tiny_flux_fused_vs_per_linear_pinned(pack, dtype):
-    if not INTERPRET:
-        pytest.skip("runs the pinned CPU runtime (TRITON_INTERPRET=1)")
     res = flux_equivalence(pack, dtype)
     print(res)
     _check_equivalence(res)

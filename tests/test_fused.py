@@ -20,9 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
 import adapters  # noqa: E402
 from adapters import ideogram4, lumina2  # noqa: E402
@@ -31,15 +28,14 @@ from quant import cached_linear  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
 
-import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+import fused_block_helpers as fbh  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # CPU under the interpreter (CI); on a CUDA machine without TRITON_INTERPRET the same tests check the compiled
 # kernels against torch's CUDA ops (exact equalities then become flip-rate bounds: sum order, rsqrt).
 DEV = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 EXACT = DEV == "cpu"
-pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRET,
-                                reason="CPU tests of the Triton kernels need TRITON_INTERPRET=1")
+pytestmark = pytest.mark.interpreter  # conftest: skipped only where neither the interpreter nor a CUDA GPU runs them
 
 
 @pytest.fixture(scope="module")

@@ -21,23 +21,13 @@ Run: bash scripts/test.sh tests/test_host_ops.py
 import collections
 import contextlib
 import dataclasses
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402
+import fused_block_helpers as fbh
 
 BF16 = torch.bfloat16
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
 
 
 # ----------------------------------------------------------------------------------------------- op counter
@@ -168,7 +158,7 @@ def _bound(kind: str, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- 1 + 2
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("model", ["chroma", "flux"])
 def test_fused_blocks_equal_per_linear_and_bounded_ops(pack, ops, model):
     dm = (_chroma if model == "chroma" else _flux)()
@@ -194,7 +184,7 @@ def test_fused_blocks_equal_per_linear_and_bounded_ops(pack, ops, model):
             assert sum(counted.values()) <= _bound(kind, b), (name, b, dict(counted))
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_tiny_chroma_model_equals_per_linear(pack):
     """The whole tiny Chroma through the Apply node and ComfyUI's ModelPatcher, batch 2 (a CFG batch), fused vs
     ``INT8_FUSED_FUSION=0``: ``apply_model`` outputs equal bit for bit (the modulation as the model slices it)."""

@@ -56,6 +56,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
 ARCHS = ("flux", "wan", "sd3", "lumina2", "qwen_image", "ideogram4", "chroma", "flux2", "wan22")
 BOUND_SAME = 0.02
 BOUND_FLOAT = 0.05
@@ -119,18 +120,17 @@ SAMPLE_BACKEND = {"flux": "fused_triton", "wan": "fused_triton", "sd3": "fused_t
 
 
 # ----------------------------------------------------------------------------------- the test
-@pytest.fixture(scope="module")
-def results(request, comfy_current):
-    """Both subprocesses once for the selected architectures: {arch: {"pack": {...}, "plain": {...}}}."""
-    archs = sorted({it.callspec.params["arch"] for it in request.session.items
-                    if it.module is request.module and hasattr(it, "callspec")}, key=ARCHS.index)
-    work = Path(tempfile.mkdtemp(prefix="int8_interop_"))
+@pytest.fixture
+def results(comfy_current, arch):
+    """Both subprocesses for one architecture: {"pack": {...}, "plain": {...}}. One test per architecture, so each
+    runs within one test's timeout and the architectures spread over the test workers."""
+    work = Path(tempfile.mkdtemp(prefix=f"int8_interop_{arch}_"))
     try:
-        pack = _run("pack_body", work, archs)
-        plain = _run("plain_body", work, archs)
+        pack = _run("pack_body", work, [arch])
+        plain = _run("plain_body", work, [arch])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {a: {"pack": pack[a], "plain": plain.get(a, {"error": "not run"})} for a in archs}
+    return {"pack": pack[arch], "plain": plain.get(arch, {"error": "not run"})}
 
 
 _SCRIPT = """\
@@ -151,8 +151,7 @@ def _run(fn: str, work: Path, archs: list) -> dict:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_core_file_round_trip(results, arch):
-    r = results[arch]
-    pack, plain = r["pack"], r["plain"]
+    pack, plain = results["pack"], results["plain"]
     assert "error" not in pack, pack.get("error")
     assert "error" not in plain, plain.get("error")
     assert pack["adapter"] == ADAPTER.get(arch, arch) and pack["loaded_as_file"], _brief(pack)

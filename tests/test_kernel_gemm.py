@@ -8,20 +8,16 @@ relative; fp16 subnormals: 2**-25 absolute) plus that.
 Run: TRITON_INTERPRET=1 python -m pytest tests/test_kernel_gemm.py -q
 """
 import json
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 import kernel  # noqa: E402
 from kernel import autotune  # noqa: E402
 from quant.quantize import dequant_epilogue_ref, int8_matmul_ref  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU tests need TRITON_INTERPRET=1 before triton kernels are defined")
+pytestmark = pytest.mark.interpreter
 
 HALF_ULP = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -8 + 1e-6, torch.float16: 2.0 ** -11 + 1e-6}
 

@@ -6,16 +6,12 @@ which arguments), not the GPU launch. bench/kernels.py checks the direct launch'
 
 Run: TRITON_INTERPRET=1 python -m pytest tests/test_kernel_launch.py -q
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 from kernel import launch as kl  # noqa: E402
-from launch_standins import Jit as _Jit  # noqa: E402  (tests/ is on sys.path now)
+from launch_standins import Jit as _Jit  # noqa: E402
 
 CUDA0 = torch.device("cuda", 0)
 

@@ -4,25 +4,20 @@ autotune cache (with a fake clock: a second process must not re-time).
 Run: TRITON_INTERPRET=1 python -m pytest tests/test_kernel_op.py -q
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kernel  # noqa: E402
-from kernel import autotune  # noqa: E402
+import kernel
+from kernel import autotune
 from quant.quantize import (dequant_epilogue_ref, int8_matmul_ref, quantize_per_token_ref,  # noqa: E402
                             quantize_weight_per_channel)
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or
-                                  __import__("importlib").util.find_spec("triton") is None,
-                                  reason="needs triton and TRITON_INTERPRET=1")
+needs_triton = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs triton")
 
 
 # ---------------------------------------------------------------- import cost / laziness
@@ -130,7 +125,8 @@ def _reference_linear(x, w_q, w_scale, bias, inv):
     return dequant_epilogue_ref(int8_matmul_ref(a_q, w_q), a_s, w_scale, bias)
 
 
-@needs_interp
+@pytest.mark.interpreter
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("smooth", [False, True])
 def test_int8_linear_matches_reference(dtype, smooth):
@@ -146,7 +142,8 @@ def test_int8_linear_matches_reference(dtype, smooth):
     assert ((y.double() - ref).abs() <= tol * ref.abs() + 1e-5).all()
 
 
-@needs_interp
+@pytest.mark.interpreter
+@needs_triton
 def test_int8_linear_3d_input_and_out_dtype():
     w_q, w_s = quantize_weight_per_channel(torch.randn(24, 40))
     x = torch.randn(2, 5, 40, dtype=torch.bfloat16)
@@ -157,7 +154,8 @@ def test_int8_linear_3d_input_and_out_dtype():
 
 
 # ---------------------------------------------------------------- custom op
-@needs_interp
+@pytest.mark.interpreter
+@needs_triton
 def test_custom_op_eager_fake_compile_and_opcheck():
     kernel.register_ops()
     kernel.register_ops()  # idempotent

@@ -2,19 +2,14 @@
 
 Run: TRITON_INTERPRET=1 python -m pytest tests/test_kernel_quantize.py -q
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 import kernel  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU tests need TRITON_INTERPRET=1 before triton kernels are defined")
+pytestmark = pytest.mark.interpreter
 
 
 def _assert_same(x, inv=None):

@@ -31,23 +31,15 @@ subprocess (``body``):
 Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_lumina2_fused.py -q
 """
 import logging
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+import fused_block_helpers as fbh
 
 REL_MODEL = 2e-3
 BF16, FP32 = torch.bfloat16, torch.float32
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CONFIGS = {"lumina2": {}, "z_image": {"z_image_modulation": True, "dim": 256, "n_heads": 8, "n_kv_heads": 8,
                                          "ffn_dim_multiplier": 8 / 3}}
 # z_image: width 256 (adaLN reads min(dim, 256) features of a 256-wide timestep embedding, so 128 cannot run);
@@ -268,10 +260,9 @@ def _check_unknown(res):
     assert len(res["log"]) == 1 and "not the supported ones" in res["log"][0], res
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,config", [(BF16, "lumina2"), (FP32, "lumina2"), (BF16, "z_image")])
 def test_tiny_lumina2_fused_vs_per_linear_pinned(pack, dtype, config):
-    if not INTERPRET:
-        pytest.skip("runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
     res = lumina_equivalence(pack, dtype, config)
     print(res)
     _check(res)

@@ -10,12 +10,8 @@ times them.
 
 Run: TRITON_INTERPRET=1 python -m pytest tests/test_plan.py -q
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 import kernel  # noqa: E402
@@ -23,7 +19,7 @@ from kernel import config, launch, plan  # noqa: E402
 from quant import blocks as qf  # noqa: E402
 from quant.linear import Int8Linear  # noqa: E402
 from quant.quantize import quantize_per_token_ref  # noqa: E402
-from launch_standins import Jit, int8_layer  # noqa: E402  (tests/ is on sys.path now)
+from launch_standins import Jit, int8_layer  # noqa: E402
 
 
 def _layer(n=40, k=72, bias=True, smooth=True, seed=0) -> Int8Linear:

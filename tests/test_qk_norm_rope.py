@@ -15,23 +15,13 @@
 """
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import fused_block_helpers as fbh
 
-import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
-
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the CPU tests of the Triton kernels need TRITON_INTERPRET=1")
+pytestmark = pytest.mark.interpreter
 
 
 @pytest.fixture(scope="module")

@@ -23,25 +23,15 @@ the twin and equal the per-linear block bit for bit.
 Run: bash scripts/test.sh tests/test_qwen_image_fused.py
 """
 import inspect
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402
+import fused_block_helpers as fbh
 
 REL_MODEL = 2e-3
 REL_ROPE, REL_FLOAT_RATIO = 2e-2, 1.25
 BF16, FP32 = torch.bfloat16, torch.float32
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
 CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32, num_attention_heads=4,
               joint_attention_dim=48, axes_dims_rope=(8, 12, 12))
 _layers, _swap, _rel = fbh.int8_layers, fbh.swapped, fbh.rel
@@ -166,14 +156,14 @@ def _check(res):
     assert all(v for k, v in b.items() if k.startswith("fallback_")), b
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_tiny_qwen_image_fused_vs_per_linear_pinned(pack):
     res = qwen_equivalence(pack, BF16)
     print(res)
     _check(res)
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_qwen_image_partial_and_other_backends_pinned(pack):
     """Other backends stay per-linear; a kept-float MLP output layer still fuses (its input from torch); q/k/v with
     different smoothing cannot share one GEMM: that block stays per-linear."""
@@ -199,7 +189,7 @@ def test_qwen_image_partial_and_other_backends_pinned(pack):
                   and k.count(".") == 1) == ["transformer_blocks.0"]
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_apply_node_fuses_qwen_image_pinned(pack, comfy_inprocess):
     """Through the Apply node and ComfyUI's ModelPatcher: the blocks are fused, Save's view of the INT8 layers is
     the per-linear one, apply_model's output matches the per-linear model's, unpatching gives the float model."""

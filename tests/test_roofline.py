@@ -1,12 +1,10 @@
 """bench/roofline.py: hand-derived checks of the roofline model (no GPU, no torch)."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import roofline as rf  # noqa: E402
 

@@ -11,10 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the @triton.jit kernels
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 import kernel  # noqa: E402

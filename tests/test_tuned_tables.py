@@ -9,19 +9,16 @@ Run: bash scripts/test.sh tests/test_tuned_tables.py
 import json
 import logging
 import math
-import os
 import types
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kernel.tuned  # noqa: E402
-from kernel import autotune, config  # noqa: E402
-from kernel.tuned import progress  # noqa: E402
-from quant import attention, dispatch  # noqa: E402
-from launch_standins import int8_layer  # noqa: E402
+import kernel.tuned
+from kernel import autotune, config
+from kernel.tuned import progress
+from quant import attention, dispatch
+from launch_standins import int8_layer
 
 H200 = "NVIDIA H200"
 CANDS = autotune.hopper_configs()[:4]

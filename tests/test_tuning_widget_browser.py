@@ -21,6 +21,7 @@ import pytest
 import comfy_harness as H
 import test_widget_browser as W
 
+pytestmark = pytest.mark.browser
 PROBE = "Int8FusedTuningProbe"
 LOADER = "LoadIdeogram4Int8"
 HEAD = "Tuning INT8 kernels for this GPU (first run only): "

@@ -10,6 +10,8 @@ import test_tuning_widget_browser as T
 import test_widget_browser as W
 from test_tuning_widget_browser import test_widget_shows_tuning_with_progress_then_the_summary  # noqa: F401
 
+pytestmark = pytest.mark.browser
+
 
 @pytest.fixture(scope="module")
 def probe_server(tmp_path_factory):

@@ -24,24 +24,14 @@ layers, and the model output stays within ``REL_MODEL`` of the per-linear path.
 
 Run: bash scripts/test.sh tests/test_wan22_fused.py
 """
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+import fused_block_helpers as fbh
 
 REL_MODEL = 2e-3
 BF16, FP32 = torch.bfloat16, torch.float32
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
 FRAMES = 3   # latent frames; 4 x 4 latents -> 2 x 2 patches a frame, L = 12 tokens
 
 
@@ -269,7 +259,7 @@ def _check_14b(res):
 
 
 # ----------------------------------------------------------------------------------- pinned ComfyUI (in-process)
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_tiny_wan22_5b_fused_vs_per_linear_pinned(pack, dtype):
     res = wan22_equivalence(pack, dtype)
@@ -277,7 +267,7 @@ def test_tiny_wan22_5b_fused_vs_per_linear_pinned(pack, dtype):
     _check(res)
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_wan_14b_layout_is_fused_pinned(pack):
     _check_14b(wan14b_layout(pack))
 

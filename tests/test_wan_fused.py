@@ -27,24 +27,14 @@ in-process and the current ComfyUI (COMFYUI_CURRENT, 0.33.0: ``WanFeedForward``,
 Run: TRITON_INTERPRET=1 .runtime/venv/bin/python -m pytest tests/test_wan_fused.py -q
 """
 import logging
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+import fused_block_helpers as fbh
 
 REL_MODEL = 2e-3
 BF16, FP32 = torch.bfloat16, torch.float32
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
 
 
 def tiny_wan(dtype, layers=2, cross_attn_norm=True, block_class=None, seed=0):
@@ -270,7 +260,7 @@ def _check_unsupported(res):
 
 
 # ----------------------------------------------------------------------------------- pinned ComfyUI (in-process)
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,cross_attn_norm", [(BF16, False), (FP32, True)])
 def test_tiny_wan_fused_vs_per_linear_pinned(pack, dtype, cross_attn_norm):
     res = wan_equivalence(pack, dtype, cross_attn_norm)
@@ -283,7 +273,7 @@ def test_unsupported_block_class_stays_per_linear_pinned(pack):
     _check_unsupported(unsupported_blocks(pack))
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_fusion_switch_other_backends_and_partial_pinned(pack):
     A, qf = pack.adapters, pack.quant.blocks
     dm = tiny_wan(BF16, layers=1)

@@ -18,24 +18,14 @@ residual tails, issue 13) on the CPU (TRITON_INTERPRET=1), against torch and flo
 """
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import fused_block_helpers as fbh  # noqa: E402  (tests/ is on sys.path now)
+import fused_block_helpers as fbh
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-kernel_tests = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="the CPU tests of the Triton kernels need TRITON_INTERPRET=1")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +73,7 @@ def _operands(dtype, m, k, b, seed):
     return x, y, gate, g
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
 @pytest.mark.parametrize("m,k,b", [(12, 96, 2), (5, 200, 1)])
 def test_residual_add(kf, dtype, m, k, b):
@@ -102,7 +92,7 @@ def test_residual_add(kf, dtype, m, k, b):
     assert torch.equal(kf.residual.residual_add(x, y), x + y)  # no gate: one fp32 add, one rounding: bit for bit
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
 @pytest.mark.parametrize("affine", [True, False])
 def test_residual_add_layernorm(kf, dtype, affine):
@@ -127,7 +117,7 @@ def test_residual_add_layernorm(kf, dtype, affine):
     assert bool(((n.double() - n64).abs() <= tol).all())
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,smooth", [(BF16, False), (FP16, True), (FP32, False)])
 def test_residual_add_layernorm_modulate_quantize(kf, dtype, smooth):
     import test_flux_fused as tf
@@ -145,7 +135,7 @@ def test_residual_add_layernorm_modulate_quantize(kf, dtype, smooth):
     assert int((q.int() - q2.int()).abs().max()) <= 1
 
 
-@kernel_tests
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
 def test_round_product_in_place(kf, dtype):
     """Flux's ``x += y * gate`` (two torch ops: the product rounds to the dtype, then the sum): bit for bit, written
@@ -168,7 +158,7 @@ def test_round_product_in_place(kf, dtype):
         kf.residual.residual_add(x, y, gate, m // b, out=x.t())
 
 
-@kernel_tests
+@pytest.mark.interpreter
 def test_bad_input_and_empty_rows(kf):
     x = torch.randn(4, 32).to(BF16)
     with pytest.raises(ValueError, match="promote"):

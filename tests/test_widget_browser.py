@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import requests
 
+pytestmark = pytest.mark.browser
+
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
 CHROMIUM = Path("/usr/bin/chromium")

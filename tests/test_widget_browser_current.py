@@ -12,6 +12,8 @@ from test_widget_browser import (test_comparison_rows_fit_the_node_in_both_desig
                                  test_widget_shows_backend_and_the_servers_per_step_times,
                                  test_widget_shows_known_runs_as_hand_written_text)
 
+pytestmark = pytest.mark.browser
+
 
 @pytest.fixture(scope="module")
 def comfy_server(comfy_server_current):
