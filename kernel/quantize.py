@@ -100,29 +100,25 @@ class _NoPatch:
 def _reuse_launch_patch(interp) -> None:
     """The interpreter re-patches triton.language (``_patch_lang``: ``inspect.getmembers`` of four modules) at every
     call of a ``@triton.jit`` device function, in every program: over a third of a row kernel's interpreted time.
-    Inside a launch the launch's own patch is in force for the same language modules, with the same builder (and a
-    device function's patch is never restored), so a device function whose language modules were already patched in
-    this launch skips it; any other patches as before.
+    What it patches depends only on the function's module (the language modules it imports), always with the same
+    builder, and a device function's patch is never restored before the launch ends; so inside a launch, a function
+    of a module already patched in that launch (the kernel's own, or an earlier device function's) skips it.
     Only under TRITON_INTERPRET=1 (the CPU tests and the CPU demo); the results are the same bits."""
-    import inspect
     orig_patch, orig_call = interp._patch_lang, interp.GridExecutor.__call__
     if getattr(orig_patch, "_int8_fused_compat", False):
         return
-    patched: list = []  # per launch in progress: the ids of the language modules patched in it (None: none yet)
-    langs_of = (interp.tl, interp.tl.core)
+    patched: list[set] = []  # per launch in progress: the modules whose functions' language patch is in force
 
     def patch_lang(fn):
-        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs_of)
-        if patched and patched[-1] is not None and langs <= patched[-1]:
+        if patched and fn.__module__ in patched[-1]:
             return _NoPatch()
         scope = orig_patch(fn)
-        if patched:  # the launch's own patch (GridExecutor.__call__ patches first), or a device function's, which
-            # the interpreter never restores: in force for the rest of the launch either way
-            patched[-1] = langs | (patched[-1] or frozenset())
+        if patched:
+            patched[-1].add(fn.__module__)
         return scope
 
     def grid_call(self, *args, **kwargs):
-        patched.append(None)
+        patched.append(set())
         try:
             return orig_call(self, *args, **kwargs)
         finally:

@@ -20,14 +20,27 @@ import torch
 QMAX = 127.0
 
 
-def _absmax_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise symmetric quantization of a 2-D fp32 tensor: returns (int8 [R, C], fp32 scale [R])."""
-    absmax = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+def _row_absmax(x: torch.Tensor) -> torch.Tensor:
+    """max_k |x[r, k]| of a 2-D tensor (NaN where a row holds NaN, 0 for no columns): the larger of the row's max and
+    minus its min, which is the same value as ``x.abs().amax(1)`` without a second copy of ``x``."""
+    if not x.shape[1]:
+        return x.new_zeros(x.shape[0])
+    return torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
+
+
+def _absmax_quantize(x: torch.Tensor, absmax: torch.Tensor | None = None, all_finite: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise symmetric quantization of a 2-D fp32 tensor: returns (int8 [R, C], fp32 scale [R]). ``absmax``: the
+    rows' |max| where the caller has it; ``all_finite``: the caller checked that every row is finite (then no row
+    needs zeroing: an all-zero row's codes are 0 anyway)."""
+    if absmax is None:
+        absmax = _row_absmax(x)
     finite = torch.isfinite(absmax)
     safe = torch.where(finite & (absmax > 0), absmax, torch.ones_like(absmax))
-    mult = QMAX / safe
-    q = torch.clamp(torch.round(x * mult[:, None]), -QMAX, QMAX)
-    q = torch.where((finite & (absmax > 0))[:, None], q, torch.zeros_like(q))
+    q = x * (QMAX / safe)[:, None]
+    q.round_().clamp_(-QMAX, QMAX)
+    if not all_finite:  # a non-finite row: zeros (its scale NaN); no host sync, so the same on every device
+        q = torch.where(finite[:, None], q, torch.zeros_like(q))
     scale = torch.where(finite, absmax / QMAX, torch.full_like(absmax, float("nan")))
     return q.to(torch.int8), scale
 
@@ -37,10 +50,12 @@ def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     if w.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(w.shape)}")
     wf = w.detach().float()
-    if not torch.isfinite(wf).all():
-        bad = (~torch.isfinite(wf)).any(dim=1).nonzero().flatten()[:5].tolist()
-        raise ValueError(f"weight holds NaN/Inf in output rows {bad}: the checkpoint is damaged")
-    return _absmax_quantize(wf)
+    absmax = _row_absmax(wf)  # NaN or Inf in a row makes its |max| non-finite
+    bad = ~torch.isfinite(absmax)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten()[:5].tolist()
+        raise ValueError(f"weight holds NaN/Inf in output rows {rows}: the checkpoint is damaged")
+    return _absmax_quantize(wf, absmax, all_finite=True)
 
 
 def quantize_per_token_ref(x: torch.Tensor, inv_smooth: torch.Tensor | None = None

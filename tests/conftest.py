@@ -88,16 +88,21 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {doc}")
 
 
-# Fixtures and helpers that need ComfyUI 0.33.0: a test using one is a current_comfy test.
+# Fixtures and helpers that need ComfyUI 0.33.0: a test using one is a current_comfy test. A test using the pinned
+# server or the detectable miniatures (0.4-0.5 B parameters, ~2 GB written once) is a slow one.
 _CURRENT_FIXTURES = {"comfy_current", "comfy_server_current"}
+_SLOW_FIXTURES = {"comfy_server", "miniature_models"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     kernels = None
     for item in items:
-        if _CURRENT_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if _CURRENT_FIXTURES & fixtures:
             item.add_marker(pytest.mark.current_comfy)
+        if _SLOW_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("interpreter"):
             kernels = _kernels_run() if kernels is None else kernels
             if not kernels:

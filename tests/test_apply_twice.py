@@ -78,6 +78,7 @@ def _tree_types(patcher):
     return {type(m).__name__ for m in patcher.model.diffusion_model.modules()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,name", CASES)
 def test_second_apply_after_sampling_the_first_matches_each_alone(env, arch, name):
     pack, cs, mm = env

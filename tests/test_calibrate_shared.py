@@ -74,6 +74,7 @@ def test_w1_w3_share_the_formula_vector(calibrated):
     assert len(cal.meta["shared_smoothing"]) == len(blocks)
 
 
+@pytest.mark.slow
 def test_calibrated_apply_stays_fused_and_matches_per_linear(calibrated, pack, comfy_inprocess):
     import comfy.sample
     model, blocks, _, cal = calibrated

@@ -126,6 +126,7 @@ def _check(res, model):
 
 
 # ----------------------------------------------------------------------------------- pinned ComfyUI (in-process)
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("radiance", [False, True], ids=["chroma", "chroma_radiance"])
 def test_tiny_chroma_fused_vs_per_linear_pinned(pack, radiance):

@@ -21,6 +21,9 @@ import compile_targets as ct  # noqa: E402
 from kernel import autotune  # noqa: E402
 
 
+pytestmark = pytest.mark.slow  # compiles every kernel for five GPU targets: ~6 min of CPU with an empty Triton cache
+
+
 def _compile(args: list[str], pythonpath: str | None = None, timeout: int = 1500) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, str(ROOT)) if p)

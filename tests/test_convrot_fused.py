@@ -394,6 +394,7 @@ def check_ideogram4(res):
     check_rms(res, "FusedIdeogram4Block", res["blocks"])
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("rotated", ["fed", "all"])
 def test_tiny_flux_convrot_fused_pinned(pack, rotated):
@@ -409,6 +410,7 @@ def test_tiny_flux2_convrot_fused_pinned(pack):
     check_flux2(res)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_tiny_wan_convrot_fused_pinned(pack):
     res = wan_case(pack)
@@ -423,6 +425,7 @@ def test_tiny_lumina2_convrot_fused_pinned(pack):
     check_lumina(res)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_tiny_qwen_image_convrot_fused_pinned(pack):
     res = qwen_case(pack)

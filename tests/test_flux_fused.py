@@ -500,6 +500,7 @@ def _check_equivalence(res):
         assert b["patched_equal"], (name, b)          # the patched call ran ComfyUI's own forward on the twin
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_tiny_flux_fused_vs_per_linear_pinned(pack, dtype):
@@ -547,6 +548,7 @@ def test_fusion_switch_and_other_backends_pinned(pack):
     assert _rel(got, ref) <= REL_MODEL
 
 
+@pytest.mark.slow
 def test_apply_node_fuses_flux_blocks_pinned(pack, tiny_model):
     """Through the Apply node and ComfyUI's ModelPatcher (object patches, load, apply_model, unpatch): the fused
     blocks replace the four blocks, Save's view of the INT8 layers is the per-linear one, the sampled output equals

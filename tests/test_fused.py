@@ -851,6 +851,7 @@ print("OK", dev, err)
 '''
 
 
+@pytest.mark.slow
 def test_real_ideogram4_model_fused_vs_plain(tmp_path):
     """The real Ideogram 4 classes of a current ComfyUI (COMFYUI_CURRENT), in a subprocess (the pinned
     runtime's ``comfy`` package may already be imported here): a 2-layer model, fused patches vs the

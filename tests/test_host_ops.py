@@ -158,6 +158,7 @@ def _bound(kind: str, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- 1 + 2
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("model", ["chroma", "flux"])
 def test_fused_blocks_equal_per_linear_and_bounded_ops(pack, ops, model):
@@ -184,6 +185,7 @@ def test_fused_blocks_equal_per_linear_and_bounded_ops(pack, ops, model):
             assert sum(counted.values()) <= _bound(kind, b), (name, b, dict(counted))
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_tiny_chroma_model_equals_per_linear(pack):
     """The whole tiny Chroma through the Apply node and ComfyUI's ModelPatcher, batch 2 (a CFG batch), fused vs

@@ -81,6 +81,7 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch_int_mm", "fused_triton"])
 def test_lora_after_apply_runs_as_side_branch(env, tiny_model, backend, monkeypatch):
     pack, cs, nodes, folder = env

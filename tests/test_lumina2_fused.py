@@ -260,6 +260,7 @@ def _check_unknown(res):
     assert len(res["log"]) == 1 and "not the supported ones" in res["log"][0], res
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,config", [(BF16, "lumina2"), (FP32, "lumina2"), (BF16, "z_image")])
 def test_tiny_lumina2_fused_vs_per_linear_pinned(pack, dtype, config):

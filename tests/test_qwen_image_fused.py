@@ -156,6 +156,7 @@ def _check(res):
     assert all(v for k, v in b.items() if k.startswith("fallback_")), b
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_tiny_qwen_image_fused_vs_per_linear_pinned(pack):
     res = qwen_equivalence(pack, BF16)
@@ -189,6 +190,7 @@ def test_qwen_image_partial_and_other_backends_pinned(pack):
                   and k.count(".") == 1) == ["transformer_blocks.0"]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_apply_node_fuses_qwen_image_pinned(pack, comfy_inprocess):
     """Through the Apply node and ComfyUI's ModelPatcher: the blocks are fused, Save's view of the INT8 layers is

@@ -321,6 +321,7 @@ for name, fn, consts, types in CASES:
 '''
 
 
+@pytest.mark.slow
 def test_pack_gemm_kernels_build_for_sm90_as_s8_wgmma_n256(tmp_path):
     """The plain GEMM (bias, int32 out, K tail, tail split), the SwiGLU-epilogue GEMM and the persistent TMA forms
     of both (bf16 with a bias, fp16, tail split; SwiGLU) at 128 x 256 tiles, built

@@ -259,6 +259,7 @@ def _check_14b(res):
 
 
 # ----------------------------------------------------------------------------------- pinned ComfyUI (in-process)
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_tiny_wan22_5b_fused_vs_per_linear_pinned(pack, dtype):

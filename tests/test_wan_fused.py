@@ -260,6 +260,7 @@ def _check_unsupported(res):
 
 
 # ----------------------------------------------------------------------------------- pinned ComfyUI (in-process)
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,cross_attn_norm", [(BF16, False), (FP32, True)])
 def test_tiny_wan_fused_vs_per_linear_pinned(pack, dtype, cross_attn_norm):
