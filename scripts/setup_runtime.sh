@@ -21,14 +21,16 @@
 #                      (pip install --no-deps --target; 0.5 and 1.0 GB): tests/test_compile_targets.py compiles the
 #                      sm_90 GEMMs with each in a subprocess (PYTHONPATH). Each has its own stamp (.ready) and is
 #                      added by a reused runtime too, so adding them rebuilds nothing else.
-# Size (CPU torch): 2.5 GB for .runtime/venv, 0.7 GB for .runtime/venv-current, 1.9 GB of miniature models once the
-#   tests have run (one models/diffusion_models folder: ComfyUI-current's links to ComfyUI's), 1.5 GB for the two extra
+# Size (CPU torch): 2.5 GB for .runtime/venv, 0.7 GB for .runtime/venv-current, 1.9 GB of miniature models (written
+#   here once with --miniatures, kept; one models/diffusion_models folder: ComfyUI-current's links to ComfyUI's), 1.5 GB for the two extra
 #   Tritons (left out, with a warning, where less than 4 GB is free). With PyPI's CUDA torch: 6 GB more.
 #   pip's cache is off (PIP_NO_CACHE_DIR): every wheel comes from this machine's disk or PyPI once.
 #   /usr/bin/chromium  Debian's chromium for the frontend test (apt-get, only when missing and root).
 # Everything comes from package registries (PyPI, Debian); nothing else is downloaded.
 # Bump RECIPE when what this script installs changes: an older runtime is then rebuilt.
 set -euo pipefail
+# --miniatures (scripts/test.sh): also write the detectable miniature models the server tests load.
+MINIATURES=""; [ "${1:-}" = "--miniatures" ] && MINIATURES=1
 RECIPE=5
 here="$(cd "$(dirname "$0")/.." && pwd)"
 rt="${INT8_RUNTIME_DIR:-$here/.runtime}"
@@ -130,6 +132,20 @@ ensure_tritons() {
 }
 EXTRA_TRITONS="3.4.0 3.9.0"
 
+ensure_miniatures() {
+  # The detectable miniatures (scripts/miniature.py, ~1.9 GB, written once and kept): the server tests load them
+  # through UNETLoader (tests/conftest.py miniature_models). A file with another miniature VERSION is written again.
+  local d="$rt/ComfyUI/models/diffusion_models"
+  say "miniature models in $d"
+  "$vpy" - "$d" "$here/scripts" <<'PYEOF'
+import sys
+sys.path.insert(0, sys.argv[2])
+import miniature
+for arch in miniature.ARCHS:
+    miniature.write_miniature(arch, f"{sys.argv[1]}/{miniature.default_filename(arch)}")
+PYEOF
+}
+
 ensure_test_tools() {
   # Test tools added after a runtime was built (a reused runtime gets them too, nothing else is rebuilt):
   # pytest-xdist runs the suite on every core (scripts/test.sh).
@@ -139,7 +155,7 @@ ensure_test_tools() {
 }
 
 if [ -f "$stamp" ] && [ -x "$vpy" ] && [ -f "$rt/ComfyUI/main.py" ] && current_ready; then
-  link_pack; ensure_chromium; ensure_tritons; ensure_test_tools
+  link_pack; ensure_chromium; ensure_tritons; ensure_test_tools; [ -z "$MINIATURES" ] || ensure_miniatures
   say "runtime ready in $rt (reused)"; exit 0
 fi
 
@@ -207,6 +223,7 @@ link_pack
 ensure_chromium
 ensure_tritons
 ensure_test_tools
+[ -z "$MINIATURES" ] || ensure_miniatures
 rm -f "$rt"/.ready-v*
 touch "$stamp"
 say "runtime ready in $rt ($((SECONDS - t0)) s)"

@@ -4,10 +4,11 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
-bash scripts/setup_runtime.sh
+bash scripts/setup_runtime.sh --miniatures
 rt="${INT8_RUNTIME_DIR:-$here/.runtime}"
 export TRITON_INTERPRET=1          # Triton kernels run in the interpreter (no GPU here)
-export PYTHONDONTWRITEBYTECODE=1
+# bytecode is written (into .runtime's ComfyUI copies and this clone's ignored __pycache__ folders): the ~60 Python
+# processes a run starts (workers, servers, ComfyUI 0.33.0 subprocesses) then compile ComfyUI's sources once
 export INT8_RUNTIME_DIR="$rt"
 # ComfyUI 0.33.0 (from ../shared/comfyui, set up by setup_runtime.sh): the tests that need a current
 # ComfyUI run there; without it they skip, naming COMFYUI_CURRENT.
