@@ -48,7 +48,7 @@ def group_for(k: int) -> int | None:
 def hadamard(group: int, dtype=torch.float64, device=None) -> torch.Tensor:
     """The normalized regular Hadamard matrix of order ``group`` (a power of 4): entry (i, j) is
     (-1)^(number of base-4 digits d with i_d + j_d = 3) / sqrt(group)."""
-    if group < 4 or group & (group - 1) or (group.bit_length() - 1) % 2:
+    if not hadamard_order(group):
         raise ValueError(f"a regular Hadamard matrix needs a power of 4, got {group}")
     i = torch.arange(group, device=device)
     neg = torch.zeros(group, group, dtype=torch.int64, device=device)
@@ -60,10 +60,8 @@ def hadamard(group: int, dtype=torch.float64, device=None) -> torch.Tensor:
 def rotate(t: torch.Tensor, group: int, dtype=torch.float32) -> torch.Tensor:
     """``t @ B`` (B: the block Hadamard of order ``group`` along the last dimension) computed in ``dtype``; the
     rotation of activations and (B symmetric) of weights [N, K]. Its own inverse."""
-    k = t.shape[-1]
-    check_group(k, group)
-    h = hadamard(group, dtype, t.device)
-    return (t.to(dtype).reshape(-1, k // group, group) @ h).reshape(t.shape)
+    check_group(t.shape[-1], group)
+    return _product(t, hadamard(group, dtype, t.device))
 
 
 #: The float64 temporaries of one chunk of :func:`rotate_weight` at most, in bytes (and at most half the layer's
@@ -99,14 +97,14 @@ def rotate_weight(weight: torch.Tensor, group: int, out: torch.Tensor | None = N
     h = hadamard(group, torch.float64, weight.device)
     c = chunk_rows(n, k, chunk_bytes)
     for a in range(0, n, c):
-        out[a:a + c] = _product64(weight[a:a + c], h)  # rounded to fp32 as .float() rounds
+        out[a:a + c] = _product(weight[a:a + c].detach(), h)  # rounded to fp32 as .float() rounds
     return out
 
 
-def _product64(rows: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """float64 ``rows @ B`` (B: block Hadamard of ``h``'s order): the GEMM ``rotate`` runs in float64."""
+def _product(rows: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``rows @ B`` in ``h``'s dtype (B: the block Hadamard of ``h``'s order along the last dimension)."""
     k, group = rows.shape[-1], h.shape[0]
-    return (rows.detach().to(torch.float64).reshape(-1, k // group, group) @ h).reshape(rows.shape)
+    return (rows.to(h.dtype).reshape(-1, k // group, group) @ h).reshape(rows.shape)
 
 
 def stored_convrot(weight) -> int | None:
@@ -159,7 +157,7 @@ class ConvRotLinear(Int8Linear):
         c = chunk_rows(n, k, min(CHUNK_BYTES, n * k))  # float64 product, its fp32 rounding, the quantizer's
         for a in range(0, n, c):
             try:
-                qw[a:a + c], ws[a:a + c] = quantize_weight_per_channel(_product64(weight[a:a + c], h))
+                qw[a:a + c], ws[a:a + c] = quantize_weight_per_channel(_product(weight[a:a + c].detach(), h))
             except ValueError:  # NaN / Inf: the message names the rows of the whole weight
                 quantize_weight_per_channel(weight.detach())
                 raise

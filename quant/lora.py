@@ -55,17 +55,23 @@ def _damaged(what: str, name: str, v=None):
     raise LoraError(f"LoRA after Apply: the LoRA on INT8 layer '{name}'{_source(v)} {what}.")
 
 
-_FINITE: dict = {}  # id(source tensor) -> whether every value is finite, dropped when the tensor is freed
+def _per_source(cache: dict, t: torch.Tensor, key, make):
+    """``cache[key]``, made by ``make()`` the first time, dropped from ``cache`` when the source tensor ``t`` is
+    freed: what this module derives from a LoRA tensor is derived once while the tensor lives."""
+    v = cache.get(key)
+    if v is None:
+        v = cache[key] = make()
+        weakref.finalize(t, cache.pop, key, None)
+    return v
+
+
+_FINITE: dict = {}  # id(source tensor) -> whether every value is finite
 
 
 def _finite(t: torch.Tensor) -> bool:
     """Whether ``t`` holds only finite values: read once per source tensor while it lives (a run start reads no
     LoRA tensor again)."""
-    ok = _FINITE.get(id(t))
-    if ok is None:
-        ok = _FINITE[id(t)] = bool(torch.isfinite(t.detach()).all())
-        weakref.finalize(t, _FINITE.pop, id(t), None)
-    return ok
+    return _per_source(_FINITE, t, id(t), lambda: bool(torch.isfinite(t.detach()).all()))
 
 
 _COPIES: dict = {}  # (id(source), device, dtype) -> copy, dropped when the source tensor is freed
@@ -75,12 +81,7 @@ def on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torc
     """``t`` on ``device`` in ``dtype``: one copy per source tensor, device and dtype while ``t`` lives."""
     if t.device == device and t.dtype == dtype:
         return t
-    key = (id(t), device, dtype)
-    c = _COPIES.get(key)
-    if c is None:
-        c = _COPIES[key] = t.detach().to(device, dtype)
-        weakref.finalize(t, _COPIES.pop, key, None)
-    return c
+    return _per_source(_COPIES, t, (id(t), device, dtype), lambda: t.detach().to(device, dtype))
 
 
 class Term:
