@@ -33,6 +33,8 @@ state dict must detect the same model class and config (asserted). Ideogram 4 us
              tokens; text 256 tokens of 3584
   ideogram4  Ideogram 4: 34 layers, hidden 4608 (bench/lib/e2e.py). 1024x1024: latent [1,128,64,64]; text 512
              tokens of 53248
+  ideogram4_dual  Ideogram 4 as its workflow runs it (bench/e2e_sampler.py's): DualModelGuider with a conditional
+             and an unconditional backbone (seeds 0 and 1), cfg 4, negative unconnected: two forwards a step
 
 Dtypes are ComfyUI's UNETLoader defaults (rows say ``compute_dtype``): bf16 for Flux, Z-Image and Ideogram 4;
 Wan 2.x lists fp16 first, so on an H200 its "bf16" file computes in fp16 (``--comfy-flag=--bf16-unet`` makes
@@ -45,9 +47,21 @@ as a user with the int8 file.
 
 Measurement: as bench/e2e_sampler.py's (first sample, a timed run, two whole samples: ``s_per_step_whole`` is the
 headline of the summary, its x bf16 / x fp8_fast and the issue-13 checks), with CFGGuider cfg 1.0 (ComfyUI then skips
-the unconditional pass: one model forward a step). Each (model, path) is built, measured and unloaded before the next;
-a failing path records ``status`` "oom" or "error" and the run goes on. ``--cold`` / ``--vram-gib`` / ``--isolate``
-as there (bench/lib/e2e_runs.py); rows at a ``--vram-gib`` size get issue 36's checks.
+the unconditional pass: one model forward a step; ``ideogram4_dual``: DualModelGuider, two). Each (model, path) is
+built, measured and unloaded before the next; a failing path records ``status`` "oom" or "error" and the run goes on.
+``--cold`` / ``--vram-gib`` / ``--isolate`` as there (bench/lib/e2e_runs.py); rows at a ``--vram-gib`` size get issue
+36's checks.
+
+The cold suite (issue 48), ``--cold``: each (model, path) in its own process with new, empty INT8_FUSED_CACHE_DIR and
+TRITON_CACHE_DIR. Each row records ``first_sample_s`` (the first whole sample() call of that fresh process), then,
+after the warm samples at the main resolution, ``second_res_first_s`` (the first sample at ``--second-res``, the
+process warm) and ``second_res_warm_s`` (that resolution's best warm whole sample, in seconds), then
+``second_process_first_s``: the first sample of a second fresh process given the first's cache folders (now warm),
+which runs nothing else (its pid, and what its cache folders held when it started, under ``second_process``; the
+first process leaves a marker with its pid there). ``--second-res``: ``image=768,video=384x672`` with ``--cold``
+(768x768 for image models; 384x672, 33 frames, for Wan), ``none`` to skip; on a --tiny run the latent's sides scale
+by the same ratio (rounded to even). ``--no-second-process`` skips the second processes. Pack rows get issue 48's
+checks (bench/lib/e2e_runs.py ``cold_targets``) on a GPU.
 
 ``--device cpu --tiny`` smoke-runs the whole code path on the CPU (legacy patcher, shrunken models that
 ComfyUI's detection still recognises: fewer blocks everywhere, narrower Flux and Wan; Z-Image and Ideogram 4
@@ -58,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -164,10 +179,24 @@ MODELS = {
                   lambda tiny: {"latent": (1, 128, 4, 4) if tiny else (1, 128, 64, 64),
                                 "text": (1, 8, 53248) if tiny else (1, 512, 53248),
                                 "what": "1024x1024, text 512 tokens of 53248"}),
+    "ideogram4_dual": ("Ideogram4", None, {"layers": 1},
+                       lambda tiny: {"latent": (1, 128, 4, 4) if tiny else (1, 128, 64, 64),
+                                     "text": (1, 8, 53248) if tiny else (1, 512, 53248),
+                                     "what": "1024x1024, text 512 tokens of 53248; DualModelGuider cfg 4 (two "
+                                             "backbones, seeds 0 and 1; negative unconnected)"}),
 }
+# models sampled with DualModelGuider (two backbones: "cond", "uncond"), as bench/e2e_sampler.py does Ideogram 4
+DUAL = {"ideogram4_dual"}
+BRANCHES = ("cond", "uncond")
+# the cold suite's second resolution (issue 48): pixels (height x width) per kind of model; the main resolution
+# is 1024x1024 for image models, 480x832 (33 frames) for video models
+VIDEO = {"wan13", "wan14", "wan22"}
+MAIN_PIXELS = {"image": (1024, 1024), "video": (480, 832)}
+SECOND_RES_AUTO = "image=768,video=384x672"
 
 # detection selects these models by their width, so --tiny keeps it
-WIDTH_FIXED = {"zimage": 3840, "ideogram4": 4608, "qwen": 3072, "qwen20": 3072, "chroma": 3072}
+WIDTH_FIXED = {"zimage": 3840, "ideogram4": 4608, "ideogram4_dual": 4608, "qwen": 3072, "qwen20": 3072,
+               "chroma": 3072}
 # where the repeated blocks' linears live (core_int8 quantizes their 2-D weights)
 BLOCKS = {"flux": ("double_blocks.", "single_blocks."), "zimage": ("layers.",), "wan13": ("blocks.",),
           "wan14": ("blocks.",), "wan22": ("blocks.",), "qwen": ("transformer_blocks.",),
@@ -184,6 +213,37 @@ def unet_config(name: str, tiny: bool) -> dict:
     if tiny:
         cfg.update(MODELS[name][2])
     return cfg
+
+
+def second_res_of(spec: str, name: str) -> tuple[int, int] | None:
+    """The second resolution (height, width in pixels) ``spec`` gives model ``name``: entries ``key=HxW`` or
+    ``key=N`` (N x N), ``key`` a model name, ``image`` or ``video`` (the kind of model), or none (any model); the
+    model's own entry first. None: no second resolution ("" / "none")."""
+    entries: dict = {}
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item or item == "none":
+            continue
+        key, _, val = item.rpartition("=")
+        h, _, w = val.partition("x")
+        entries[key or "*"] = (int(h), int(w or h))
+    return entries.get(name) or entries.get("video" if name in VIDEO else "image") or entries.get("*")
+
+
+def second_latent(name: str, latent: tuple, hw: tuple[int, int], tiny: bool) -> tuple:
+    """The latent shape of ``name`` at ``hw`` pixels: the main latent's last two sides scaled by ``hw`` over the
+    main resolution (MAIN_PIXELS); exact at full size (a side that does not divide is an error), rounded to even
+    (at least 2) on a --tiny run, whose latents are not tied to the main resolution."""
+    main = MAIN_PIXELS["video" if name in VIDEO else "image"]
+    sides = []
+    for side, want, have in zip(latent[-2:], hw, main):
+        v = side * want / have
+        if tiny:
+            v = max(2, round(v / 2) * 2)
+        elif v != int(v):
+            raise ValueError(f"{name}: {hw[0]}x{hw[1]} is no whole latent (side {side} x {want} / {have})")
+        sides.append(int(v))
+    return (*latent[:-2], *sides)
 
 
 def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[dict, str]:
@@ -227,14 +287,21 @@ class ModelsBench(SamplerBench):
     def __init__(self, a, dynamic: bool, e2e):
         super().__init__(a, dynamic, e2e)
         self.ref = {}  # model -> bf16 final latent
-        self._core_models: dict = {}  # model -> core int8 state dict
-        self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "models": {}}
+        self._core_models: dict = {}  # (model, backbone or None) -> core int8 state dict
+        self.doc_extra = {"note": NOTE, "steps": a.steps, "tiny": a.tiny, "models": {},
+                          "second_res": a.second_res or None, "second_process": a.second_process,
+                          "pid": os.getpid(), "caches_at_start": getattr(a, "caches_at_start", None)}
 
     # ------------------------------------------------------------------ per model
     def make_sd(self, name: str) -> tuple[dict, str, dict | None]:
+        """(state dict, ComfyUI class, unet_config or None); for a DualModelGuider model a dict of both backbones'
+        state dicts ("cond" seed 0, "uncond" seed 1, as bench/e2e_sampler.py builds them)."""
         gen = self.dev if self.dev.type == "cuda" else self.torch.device("cpu")
-        if name == "ideogram4":
+        if name in ("ideogram4", *DUAL):
             layers = MODELS[name][2]["layers"] if self.a.tiny else self.a.ideogram_layers
+            if name in DUAL:
+                return {br: self.e2e.random_state_dict(layers, gen, seed=i) for i, br in enumerate(BRANCHES)}, \
+                    "Ideogram4", None
             return self.e2e.random_state_dict(layers, gen, seed=0), "Ideogram4", None
         cfg = unet_config(name, self.a.tiny)
         sd, cls = random_state_dict(name, cfg, gen)
@@ -266,12 +333,15 @@ class ModelsBench(SamplerBench):
         return {"model_class": got, "dtype": str(m.model.get_dtype()).replace("torch.", ""),
                 "compute_dtype": str(m.model.get_dtype_inference()).replace("torch.", "")}
 
-    def conds(self, name: str):
-        """(text, extra conditioning, latent, noise, spec) of ``name``; sets ``denoise_mask``: None, or for a
-        ``first_frame`` model (Wan 2.2 5B image to video) a random start-image latent in frame 0 and the mask
-        Wan22ImageToVideoLatent makes (0 on that frame, 1 elsewhere)."""
+    def conds(self, name: str, latent_shape: tuple | None = None):
+        """(text, extra conditioning, latent, noise, spec) of ``name`` (its latent ``latent_shape`` where given: the
+        second resolution); sets ``denoise_mask``: None, or for a ``first_frame`` model (Wan 2.2 5B image to video)
+        a random start-image latent in frame 0 and the mask Wan22ImageToVideoLatent makes (0 on that frame, 1
+        elsewhere)."""
         torch = self.torch
-        spec = MODELS[name][3](self.a.tiny)
+        spec = dict(MODELS[name][3](self.a.tiny))
+        if latent_shape is not None:
+            spec["latent"] = tuple(latent_shape)
         g = torch.Generator().manual_seed(7)
         ctx = torch.randn(spec["text"], generator=g).to(torch.bfloat16)
         extra = {}
@@ -288,16 +358,18 @@ class ModelsBench(SamplerBench):
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(3))
         return ctx, extra, latent, noise, spec
 
-    def core_sd_for(self, name: str, sd: dict) -> dict:
-        """ComfyUI core's ``int8_tensorwise`` state dict of ``name`` (per-channel scales, made on the device, kept
-        on the CPU): Ideogram 4's block linears (bench/lib/e2e.py), elsewhere every 2-D weight of the blocks."""
-        if name not in self._core_models:
-            if name == "ideogram4":
-                self._core_models[name] = self.e2e.core_int8_state_dict(sd, self.dev)
+    def core_sd_for(self, name: str, sd: dict, branch: str | None = None) -> dict:
+        """ComfyUI core's ``int8_tensorwise`` state dict of ``name`` (of its ``branch`` backbone for a DualModelGuider
+        model; per-channel scales, made on the device, kept on the CPU): Ideogram 4's block linears
+        (bench/lib/e2e.py), elsewhere every 2-D weight of the blocks."""
+        key = (name, branch)
+        if key not in self._core_models:
+            if name in ("ideogram4", *DUAL):
+                self._core_models[key] = self.e2e.core_int8_state_dict(sd, self.dev)
             else:
-                self._core_models[name] = self.e2e.core_int8_state_dict(
+                self._core_models[key] = self.e2e.core_int8_state_dict(
                     sd, self.dev, lambda p, w, blocks=BLOCKS[name]: w.dim() == 2 and p.startswith(blocks))
-        return self._core_models[name]
+        return self._core_models[key]
 
     def run_model(self, name: str):
         t0 = time.perf_counter()
@@ -308,7 +380,7 @@ class ModelsBench(SamplerBench):
             self.row_failed(row, e, "state dict: ")
             self.finish_row(row)
             return
-        n_params = sum(v.numel() for v in sd.values())
+        n_params = sum(v.numel() for d in (sd.values() if name in DUAL else [sd]) for v in d.values())
         ctx, extra, latent, noise, spec = self.conds(name)
         self.doc_extra["models"][name] = {"comfy_class": cls, "unet_config": cfg, "params": n_params,
                                           "inputs": spec["what"] if not self.a.tiny else "tiny",
@@ -319,12 +391,18 @@ class ModelsBench(SamplerBench):
             f"latent {list(latent.shape)}, text {list(ctx.shape)}")
         paths = self.a.paths.split(",")
         if self.a.child and all(p.split("~")[0] == "core_int8" for p in paths):
-            self.core_sd_for(name, sd)  # a core INT8 user loads the int8 file alone: no bf16 copy in RAM
-            sd = None
+            # a core INT8 user loads the int8 file alone: no bf16 copy in RAM
+            if name in DUAL:
+                for br in BRANCHES:
+                    self.core_sd_for(name, sd[br], br)
+                sd = dict.fromkeys(BRANCHES)
+            else:
+                self.core_sd_for(name, sd)
+                sd = None
         for req in paths:
             self.run_row(name, req, sd, cls, cfg, ctx, extra, latent, noise, drop_sd=self.a.child and len(paths) == 1)
         del sd
-        self._core_models.pop(name, None)
+        self._core_models = {k: v for k, v in self._core_models.items() if k[0] != name}
         self.ref.pop(name, None)
         self.cleanup()
 
@@ -340,40 +418,90 @@ class ModelsBench(SamplerBench):
             log(why)
             self.rows.append({"model": name, "path": req, "status": "skipped", "skipped": why})
             return
-        row = {"model": name, "path": path, "params": self.doc_extra["models"][name]["params"]}
+        row = {"model": name, "path": path, "params": self.doc_extra["models"][name]["params"], "pid": os.getpid(),
+               "guider": "DualModelGuider cfg 4" if name in DUAL else "CFGGuider cfg 1.0"}
+        if self.a.second_process:
+            row["second_process_row"] = True
         if path != req:
             row["requested_path"] = req
             log(f"{name}: CPU smoke run: {req} -> {path} (the Triton interpreter is too slow at width "
                 f"{WIDTH_FIXED[name]}, which ComfyUI's detection fixes; the fused path is exercised on flux/wan13)")
         self.rss_mark()
         t1 = time.perf_counter()
-        m = g = None
+        m = g = ms = None
+        first_steps = self.a.steps if self.dev.type == "cuda" else 1
         try:
             log(f"{name}: building {path}")
-            m = self.load_path(path, sd, core_sd=lambda: self.core_sd_for(name, sd), label=f"{name} {path}")
+            if name in DUAL:
+                ms = [self.load_path(path, sd[br], core_sd=lambda br=br: self.core_sd_for(name, sd[br], br),
+                                     label=f"{name} {path} {br}") for br in BRANCHES]
+            else:
+                ms = [self.load_path(path, sd, core_sd=lambda: self.core_sd_for(name, sd), label=f"{name} {path}")]
+            m = ms[0]
             if drop_sd:
-                for d in (sd, self._core_models.get(name)):
+                for d in (*(sd.values() if name in DUAL else [sd]), *self._core_models.values()):
                     if d is not None:
                         d.clear()
-            row.update(self.check_detection(name, m, cls, cfg))
+            for x in ms:
+                row.update(self.check_detection(name, x, cls, cfg))
             row["patcher"] = type(m).__name__
             row["build_s"] = time.perf_counter() - t1
-            import comfy.samplers
-            g = comfy.samplers.CFGGuider(m)
-            g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
-            g.set_cfg(1.0)
-            # first sample: autotune, compiles, DynamicVRAM faults (a CPU smoke run: one step runs the code path);
-            # the bf16 output (with any attention) is the model's reference
-            self.sample_row(row, (name, path), g, m, latent, noise, self.a.steps if self.dev.type == "cuda" else 1,
-                            name, sets_ref=path.split("~")[0] == "bf16")
+            g = self.guider_for(name, ms, ctx, extra)
+            if self.a.second_process:
+                # the cold suite's second process: its first sample on the first process's caches, nothing else
+                self.first_sample(row, (name, path), g, m, latent, noise, first_steps)
+                row["status"] = "ok"
+            else:
+                # first sample: autotune, compiles, DynamicVRAM faults (a CPU smoke run: one step runs the code
+                # path); the bf16 output (with any attention) is the model's reference
+                self.sample_row(row, (name, path), g, m, latent, noise, first_steps, name,
+                                sets_ref=path.split("~")[0] == "bf16")
+                self.second_res_row(row, name, g, m, latent, first_steps)
         except Exception as e:
             self.row_failed(row, e)
         if "first_sample_s" in row:
             row["warmup_s"] = row["first_sample_s"]
         row["total_s"] = time.perf_counter() - t1
         self.finish_row(row)
-        m = g = None  # the guider holds the patcher too: drop both before unloading
+        m = g = ms = None  # the guider holds the patchers too: drop them all before unloading
         self.cleanup()
+
+    def guider_for(self, name: str, ms: list, ctx, extra: dict):
+        """The sampling guider: CFGGuider cfg 1.0 (ComfyUI skips the unconditional pass), or for a DualModelGuider
+        model Ideogram 4's workflow (bench/e2e_sampler.py's ``guider``: both backbones, cfg 4, negative
+        unconnected)."""
+        torch = self.torch
+        if name in DUAL:
+            import comfy_extras.nodes_custom_sampler as ncs
+            g = ncs.Guider_DualModel(ms[0], ms[1])
+            g.set_conds([[ctx, dict(extra)]], [[None, {}]])
+            g.set_cfg(4.0)
+            return g
+        import comfy.samplers
+        g = comfy.samplers.CFGGuider(ms[0])
+        g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
+        g.set_cfg(1.0)
+        return g
+
+    def second_res_row(self, row: dict, name: str, g, m, latent, first_steps: int) -> None:
+        """The cold suite's new resolution, the process warm (after the row's warm samples): the first sample at
+        ``--second-res`` (synced: ``second_res_first_s``), then two whole samples there (the best one's seconds:
+        ``second_res_warm_s``; and its s/step). Nothing where no second resolution is set for ``name``."""
+        hw = second_res_of(self.a.second_res, name)
+        if hw is None:
+            return
+        shape = second_latent(name, tuple(latent.shape), hw, self.a.tiny)
+        mask0 = self.denoise_mask
+        try:
+            _, _, lat2, noise2, _ = self.conds(name, shape)
+            row.update(second_res="tiny" if self.a.tiny else f"{hw[0]}x{hw[1]}", second_res_latent=list(shape))
+            _, row["second_res_first_s"] = self.synced(lambda: self.sample(g, m, lat2, noise2, first_steps))
+            w = self.whole(g, m, lat2, noise2)
+            row.update(second_res_warm_s=w["s_per_step_whole"] * self.a.steps,
+                       second_res_s_per_step_whole=w["s_per_step_whole"],
+                       second_res_whole_sample_s=w["whole_sample_s"])
+        finally:
+            self.denoise_mask = mask0
 
     def run(self) -> int:
         log(f"DynamicVRAM {'on' if self.dynamic else 'off'}; {NOTE}")
@@ -388,6 +516,9 @@ class ModelsBench(SamplerBench):
             self.rows.extend(targets(self.rows))
         self.doc_extra["wall_s"] = time.perf_counter() - t0
         self.write()
+        if self.a.child and self.a.cold:  # the next process given these cache folders can tell it got them
+            from bench.lib.e2e_runs import leave_marker
+            leave_marker()
         if not self.a.child:  # an isolated run's parent prints the summary of all its children
             table(self.rows)
         log(f"wrote {self.a.out} ({time.perf_counter() - t0:.0f} s)")
@@ -425,8 +556,9 @@ def targets(rows: list[dict], keys: tuple = KEYS) -> list[dict]:
 
 def table(rows: list[dict]) -> None:
     """The summary (e2e_runs.summary: the whole-sample s/step first), then the target checks."""
-    from bench.lib.e2e_runs import print_checks, summary
+    from bench.lib.e2e_runs import cold_summary, print_checks, summary
     summary(rows, ("model", "path"), KEYS, NOTE)
+    cold_summary(rows, ("model", "path"))
     print_checks(rows)
 
 
@@ -437,17 +569,31 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ideogram-layers", type=int, default=34)
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
+    ap.add_argument("--second-res", default=None,
+                    help=f"the cold suite's second resolution, after the warm samples: 'key=HxW' or 'key=N' entries, "
+                         f"key a model, 'image' or 'video'; default with --cold {SECOND_RES_AUTO!r}, else none; "
+                         f"'none' skips it")
+    ap.add_argument("--no-second-process", action="store_true",
+                    help="--cold without the second process on the first's warm caches")
+    ap.add_argument("--second-process", action="store_true", help=argparse.SUPPRESS)  # that second process
     add_run_args(ap)
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-models.json"))
     a = ap.parse_args()
+    a.second_res = (SECOND_RES_AUTO if a.cold else "") if a.second_res is None else \
+        ("" if a.second_res == "none" else a.second_res)
     if not has_comfy(a):
         return 2
     if isolated(a):  # before torch is imported: each child starts with its own caches / free memory
         from bench.lib import e2e_runs
         units = [{"models": m, "paths": p} for m in a.models.split(",") for p in a.paths.split(",")]
-        return e2e_runs.run_isolated(Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device,
-                                     a.child_timeout, table=table,
-                                     finish=None if a.device == "cpu" else targets)
+        return e2e_runs.run_isolated(
+            Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device, a.child_timeout, table=table,
+            finish=None if a.device == "cpu" else
+            lambda rows, doc: targets(rows) + e2e_runs.cold_targets(rows, doc.get("gpu"), KEYS),
+            second=a.cold and not a.no_second_process)
+    if a.child:  # before torch: what the cache folders this process was given hold (empty on a cold start)
+        from bench.lib import e2e_runs
+        a.caches_at_start = e2e_runs.cache_listing()
     dynamic = start(a)
     if dynamic is None:
         return 2

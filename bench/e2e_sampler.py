@@ -169,7 +169,7 @@ def main() -> int:
         units = [{"paths": p} for p in a.paths.split(",")]
         return e2e_runs.run_isolated(Path(__file__), sys.argv[1:], units, a.out, a.cold, a.vram_gib, a.device,
                                      a.child_timeout, table=summary,
-                                     finish=lambda rows: [] if cpu else e2e_runs.vram_targets(rows, SUMMARY_KEYS))
+                                     finish=lambda rows, doc: [] if cpu else e2e_runs.vram_targets(rows, SUMMARY_KEYS))
     dynamic = start(a)
     if dynamic is None:
         return 2

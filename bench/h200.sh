@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The H200 benchmark suites, one device call each (every suite finishes in under 10 minutes on one H200).
+# The H200 benchmark suites, one device call each (every suite finishes in under 10 minutes on one H200; `cold` is
+# split by model, see there). They run on the H100 as well (the `cold` suite is meant for both).
 #
 #   usage (on the device machine, from the repository root):
 #     BENCH_COMMIT=<commit> INT8_FUSED_CACHE_DIR=/tmp/<name> bash bench/h200.sh <suite> [<suite> ...]
@@ -27,6 +28,20 @@
 #            time at 822c06c, with a short row-kernel sweep before it).
 #   models   bench/e2e_models.py: Flux.1-dev 1024², Z-Image 1024², Wan 2.1 1.3B 480p 33 frames, one forward a
 #            step: bf16, the pack, fp8_e4m3fn_fast, the pack again (249 s of wall time at 822c06c).
+#   cold     [--models M[,M]] [--paths P[,P]]  issue 48's cold starts, bench/e2e_models.py --cold: each (model, path)
+#            in a fresh process on new, empty INT8_FUSED_CACHE_DIR and TRITON_CACHE_DIR (first_sample_s), warm
+#            samples at the main resolution (s/step, peak VRAM, host RAM), then the first and the warm sample at a
+#            second resolution (768x768; Wan 384x672: second_res_first_s, second_res_warm_s), then a second fresh
+#            process on the first's (now warm) cache folders (second_process_first_s). Paths bf16, fp8_fast
+#            (fp8_e4m3fn_fast), core_int8, pack:fused_triton; models Flux.1, Z-Image, Ideogram 4 with DualModelGuider
+#            (ideogram4_dual: two 34-layer backbones, cfg 4) and Wan 2.1 1.3B. Eight processes a model, each
+#            building its full-size state dict: not timed yet as a whole, so run ONE MODEL A CALL
+#            (cold --models flux; zimage; wan13; ideogram4_dual), and Ideogram 4 in two calls if one runs past the
+#            limit (--paths bf16,pack:fused_triton, then --paths fp8_fast,core_int8). Writes
+#            $OUT/<gpu>-cold-<models>[-<paths>].json (<gpu>: h100, h200, ... from nvidia-smi); copied to
+#            bench/results/cold-runs/<gpu>-cold-<commit>-<models>[-<paths>].json, bench/lib/merge.py merges them into
+#            bench/results/<gpu>-cold.json with issue 48's checks. Run it on nvidia-h100-x1 (no shipped picks) and
+#            on nvidia-h200.
 #   check    after a change that must not change outputs: Ideogram 4 dual (bf16, pack, pack) and Flux.1 (bf16,
 #            pack, pack), then the pack rows' final-latent rel L2 against bf16 compared with the recorded values
 #            (equal to the last digit = the same output bits; step times to compare with bench/RESULTS.md).
@@ -55,7 +70,12 @@ trap keep_caches EXIT
 if [ "$1" = exec ]; then shift; "$@"; exit $?; fi
 sampler="python3 bench/e2e_sampler.py --comfy .carry/comfy --res 1024 --workflows dual --steps 6"
 models="python3 bench/e2e_models.py --comfy .carry/comfy --steps 6"
-for suite in "$@"; do
+# the GPU's short name for result files: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z' 'a-z' \
+  | grep -oE '\b[a-z]?[0-9]{3,4}[a-z]?\b' | head -1)
+gpu=${gpu:-gpu}
+while [ $# -gt 0 ]; do
+suite=$1; shift
 case $suite in
   kernels)
     timeout 240 python3 bench/kernels.py --commit "${BENCH_COMMIT:-}" --out "$OUT/h200-kernels.json" 2>&1 \
@@ -74,6 +94,18 @@ case $suite in
   models)
     timeout 540 $models --models flux,zimage,wan13 --paths "bf16,pack:fused_triton,fp8_fast,pack:fused_triton" \
       --out "$OUT/h200-e2e-models.json" 2>&1 | tee "$OUT/models.log" ;;
+  cold)
+    cm=flux,zimage,ideogram4_dual,wan13 cp=bf16,fp8_fast,core_int8,pack:fused_triton ctag=
+    while [ $# -gt 0 ]; do
+      case $1 in
+        --models) cm=$2; shift 2 ;;
+        --paths) cp=$2; ctag=-${2//[:,]/-}; shift 2 ;;
+        *) break ;;
+      esac
+    done
+    name="$gpu-cold-${cm//,/-}$ctag"
+    timeout 560 $models --cold --models "$cm" --paths "$cp" --child-timeout 300 --out "$OUT/$name.json" 2>&1 \
+      | tee "$OUT/$name.log" ;;
   check)
     timeout 330 $sampler --paths "bf16,pack:fused_triton,pack:fused_triton" --out "$OUT/check-sampler.json" 2>&1 \
       | tee "$OUT/check-sampler.log"
@@ -101,6 +133,6 @@ for name, model in (("check-sampler.json", "ideogram4"), ("check-models.json", N
 print("check:", "PASS" if ok else "FAIL")
 EOF
     ;;
-  *) echo "unknown suite $suite (kernels, shapes, fused, host, sampler, models, check, exec)"; exit 2 ;;
+  *) echo "unknown suite $suite (kernels, shapes, fused, host, sampler, models, cold, check, exec)"; exit 2 ;;
 esac
 done

@@ -1,6 +1,7 @@
 """The sampler benches' CPU smoke paths (bench/e2e_models.py, bench/e2e_sampler.py, bench/lib/e2e_runs.py) through the
-real ComfyUI 0.33.0 (COMFYUI_CURRENT): whole-sample figures and the per-sample tax, ``--cold`` and ``--vram-gib``
-(one process per path), core INT8 and the Wan 2.1 14B / Wan 2.2 5B / Qwen-Image layouts; OOM and dead children as row
+real ComfyUI 0.33.0 (COMFYUI_CURRENT): whole-sample figures and the per-sample tax, ``--cold`` (issue 48's cold suite:
+fresh caches per path, a second resolution, a second process on the first's caches) and ``--vram-gib`` (one process
+per path), core INT8 and the Wan 2.1 14B / Wan 2.2 5B / Qwen-Image layouts; OOM and dead children as row
 statuses. No timing assertions: the figures are checked against how they are defined (a whole sample is its model
 calls plus the rest; one model call a step at cfg 1.0, two with DualModelGuider's two backbones)."""
 import json
@@ -40,28 +41,56 @@ def _whole_is_calls_plus_tax(r: dict, steps: int, calls_per_step: int) -> None:
     assert r["first_sample_s"] > 0 and r["first_of_path"] is True
 
 
-def test_models_cold_vram_rows_one_process_each(comfy_current, tmp_path):
+def test_models_cold_suite_one_process_each(comfy_current, tmp_path):
+    """The cold suite (issue 48) on the CPU: per path a fresh process on new, empty cache folders (first sample,
+    the second resolution's first and warm samples), then a second fresh process given those folders (its first
+    sample). The pack runs as pack:torch_int_mm: under the Triton interpreter fused_triton writes no cache file
+    either, and costs ~10x the time; the cache folders' hand-over is seen through the marker the first process
+    leaves. With --vram-gib (not applicable on the CPU, but the rows are tagged)."""
     doc, out = _bench(comfy_current, "e2e_models.py", ["--tiny", "--models", "flux", "--paths",
                                                        "bf16,pack:torch_int_mm", "--steps", "2", "--cold",
                                                        "--vram-gib", "8"], tmp_path / "cold.json")
-    assert doc["isolated"] and doc["cold"] and doc["parent_imported_torch"] is False
-    assert doc["gpu"] == "cpu (smoke run)" and doc["commit"]  # provenance from the children
+    assert doc["isolated"] and doc["cold"] and doc["second_process"] and doc["parent_imported_torch"] is False
+    assert doc["gpu"] == "cpu (smoke run)" and doc["commit"] and "--cold" in doc["command"]  # provenance
     rows = _measured(doc)
     assert [r["path"] for r in rows] == ["bf16", "pack:torch_int_mm"]
-    dirs = set()
+    dirs, pids = set(), set()
     for r in rows:
         assert r["status"] == "ok" and r["isolated"] and r["cold"] and r["vram_gib"] == 8.0
         assert "not applicable" in r["vram_gib_note"] and r["held_gib"] is None
         _whole_is_calls_plus_tax(r, steps=2, calls_per_step=1)  # cfg 1.0: one forward a step
         # the child's pack and Triton read the fresh folders the parent made for it; removed afterwards
-        assert r["child_caches"] == {"int8_fused": r["int8_fused_cache_dir"], "triton": r["triton_cache_dir"]}
+        caches = {"int8_fused": r["int8_fused_cache_dir"], "triton": r["triton_cache_dir"]}
+        assert r["child_caches"] == caches
         assert not Path(r["int8_fused_cache_dir"]).parent.exists()
         dirs.add(r["int8_fused_cache_dir"])
         assert 0 < r["host_rss_peak_row_gib"] <= r["host_rss_peak_gib"]
         assert r["host_rss_before_load_gib"] <= r["host_rss_peak_row_gib"]
+        assert r["s_per_step_whole"] > 0 and r["peak_gib"] >= 0  # the warm columns, as before
+        # the first process started on empty folders
+        assert all(r["caches_at_start"][k] == {"dir": d, "files": 0, "bytes": 0, "left_by_pid": None}
+                   for k, d in caches.items())
+        # the second resolution (tiny: the latent's sides x 768 / 1024, rounded to even), the process warm
+        assert r["second_res"] == "tiny" and r["second_res_latent"] == [1, 16, 6, 6]
+        assert r["second_res_first_s"] > 0 and r["second_res_warm_s"] > 0
+        assert r["second_res_warm_s"] == pytest.approx(min(r["second_res_whole_sample_s"]), abs=1e-4)
+        assert r["second_res_warm_s"] == pytest.approx(r["second_res_s_per_step_whole"] * 2)
+        # the second process: another pid, the same folders, holding what the first left there (its marker)
+        second = r["second_process"]
+        assert second["status"] == "ok" and r["second_process_first_s"] > 0
+        assert r["second_process_pid"] == second["pid"] != r["pid"]
+        for k, d in caches.items():
+            seen = second["caches_at_start"][k]
+            assert seen["dir"] == d and seen["left_by_pid"] == r["pid"] and seen["files"] >= 1
+        pids |= {r["pid"], second["pid"]}
     assert len(dirs) == 2  # each path its own cold caches
-    header = next(ln for ln in out.splitlines() if ln.startswith("model "))
+    assert len(pids) == 4  # four processes: two per path
+    lines = out.splitlines()
+    header = next(ln for ln in lines if ln.startswith("model "))
     assert header.split()[:5] == ["model", "path", "vram", "whole", "x"]  # the whole sample is the headline
+    cold = lines[lines.index(next(ln for ln in lines if ln.startswith("cold (seconds"))) + 1:]
+    assert cold[0].split()[:4] == ["model", "path", "res2", "first"]
+    assert [ln.split()[:3] for ln in cold[1:3]] == [["flux", "bf16", "tiny"], ["flux", "pack:torch_int_mm", "tiny"]]
 
 
 def test_models_wan14_wan22_qwen_core_int8(comfy_current, tmp_path):
@@ -186,6 +215,68 @@ def test_child_rows_are_tagged(tmp_path):
     assert r["argv"][:2] == ["--steps", "6"] and r["argv"][-4:] == ["bf16", "--vram-gib", "16", "--cold"]
     assert "--child" in r["argv"] and r["others"] == "123" and r["cache"] == r["int8_fused_cache_dir"]
     assert r["cold"] and r["isolated"] and r["vram_gib"] == 16.0 and r["held_gib"] == 120.0
+
+
+def test_second_process_reuses_the_first_caches(tmp_path):
+    """``run_child(..., cold=True, second=True)``: the second child gets the first's cache folders (with what it
+    left there) and ``--second-process``; its first sample is folded into the first's row; the folders go after."""
+    script = tmp_path / "child.py"
+    script.write_text("import json, os, sys\n"
+                      "sys.path.insert(0, " + repr(str(ROOT)) + ")\n"
+                      "from bench.lib import e2e_runs\n"
+                      "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                      "second = '--second-process' in sys.argv\n"
+                      "seen = e2e_runs.cache_listing()\n"
+                      "json.dump({'gpu': 'g', 'pid': os.getpid(), 'caches_at_start': seen, 'rows': [{'model': 'm',\n"
+                      "  'path': 'bf16', 'status': 'ok', 'pid': os.getpid(), 'second': second,\n"
+                      "  'first_sample_s': 2.0 if second else 9.0}]}, open(out, 'w'))\n"
+                      "e2e_runs.leave_marker()\n")
+    rows, meta = e2e_runs.run_child(script, [], {"models": "m", "paths": "bf16"}, cold=True, gib=None, held={},
+                                    cpu=True, timeout=60, second=True)
+    (r,) = rows
+    assert r["second"] is False and r["first_sample_s"] == 9.0 and r["second_process_first_s"] == 2.0
+    assert r["caches_at_start"]["int8_fused"]["files"] == 0 and r["caches_at_start"]["triton"]["left_by_pid"] is None
+    sp = r["second_process"]
+    assert sp["status"] == "ok" and r["second_process_pid"] == sp["pid"] != r["pid"]
+    assert sp["caches_at_start"]["int8_fused"] == {"dir": r["int8_fused_cache_dir"], "files": 1,
+                                                   "bytes": sp["caches_at_start"]["int8_fused"]["bytes"],
+                                                   "left_by_pid": r["pid"]}
+    assert sp["caches_at_start"]["triton"]["dir"] == r["triton_cache_dir"]
+    assert not Path(r["int8_fused_cache_dir"]).parent.exists()
+    # a first child that failed gets no second one
+    script.write_text("raise SystemExit(1)\n")
+    (r,) = e2e_runs.run_child(script, [], {"models": "m", "paths": "bf16"}, cold=True, gib=None, held={}, cpu=True,
+                              timeout=60, second=True)[0]
+    assert r["status"] == "crashed" and "second_process" not in r
+
+
+def test_second_res_and_cold_targets():
+    """The cold suite's second resolution per model kind, and issue 48's checks (H100: bf16's first + 3 s, H200:
+    + 2 s; the new resolution within its warm sample + 1 s; a second process within bf16's first + 0.5 s)."""
+    from bench import e2e_models as em
+    auto = em.SECOND_RES_AUTO
+    assert em.second_res_of(auto, "flux") == (768, 768) and em.second_res_of(auto, "wan13") == (384, 672)
+    assert em.second_res_of("flux=512x640,image=768", "flux") == (512, 640)
+    assert em.second_res_of("896", "zimage") == (896, 896) and em.second_res_of("", "flux") is None
+    assert em.second_res_of("none", "flux") is None
+    assert em.second_latent("flux", (1, 16, 128, 128), (768, 768), False) == (1, 16, 96, 96)
+    assert em.second_latent("wan13", (1, 16, 9, 60, 104), (384, 672), False) == (1, 16, 9, 48, 84)
+    assert em.second_latent("wan22", (1, 48, 9, 30, 52), (384, 672), False) == (1, 48, 9, 24, 42)
+    assert em.second_latent("ideogram4_dual", (1, 128, 64, 64), (768, 768), False) == (1, 128, 48, 48)
+    assert em.second_latent("flux", (1, 16, 8, 8), (768, 768), True) == (1, 16, 6, 6)
+    with pytest.raises(ValueError):
+        em.second_latent("flux", (1, 16, 128, 128), (770, 770), False)
+
+    def row(path, first, **kw):
+        return {"model": "m", "path": path, "cold": True, "vram_gib": None, "status": "ok", "first_sample_s": first,
+                **kw}
+    rows = [row("bf16", 6.0, second_process_first_s=5.0),
+            row("pack:fused_triton", 8.5, second_res_first_s=2.5, second_res_warm_s=1.0, second_process_first_s=6.4)]
+    (h100,) = e2e_runs.cold_targets(rows, "NVIDIA H100 80GB HBM3", em.KEYS)
+    assert h100["checks"] == {"first<=bf16+3s": True, "second_res_first<=its_warm+1s": False,
+                              "second_process_first<=bf16_first+0.5s": True} and h100["pass"] is False
+    (h200,) = e2e_runs.cold_targets(rows, "NVIDIA H200", em.KEYS)
+    assert h200["checks"]["first<=bf16+2s"] is False and h200["row"] == 1
 
 
 def test_summary_ratios_and_vram_targets(capsys):
