@@ -486,7 +486,7 @@ def cold_summary(rows: list[dict], lead: tuple) -> None:
     print("\ncold (seconds, whole sample() calls): first = fresh process, empty caches; res2 first / warm = the "
           "second resolution's first sample (process warm) and its warm sample; proc2 first = a second process on "
           "the first's caches")
-    w = {c: 22 if c == "path" else 10 for c in lead}
+    w = {c: 22 if c == "path" else 14 if c == "model" else 10 for c in lead}
     print(" ".join(f"{c:<{w[c]}}" for c in lead) + f" {'res2':>9} {'first':>8} {'res2 1st':>8} {'res2 warm':>9} "
           f"{'proc2 1st':>9}  status")
     for r in cold:
@@ -514,7 +514,7 @@ def summary(rows: list[dict], lead: tuple, keys: tuple, note: str = "") -> None:
           f"row has no whole figure); step = median step; first = first sample of the path in its process; tax = "
           f"whole sample - its model calls; host / busy = the host's time and the GPU's busy time a step (GPU "
           f"rows), host-paced when host > busy{('; ' + note) if note else ''}")
-    w = {c: 22 if c == "path" else 10 for c in lead}
+    w = {c: 22 if c == "path" else 14 if c == "model" else 10 for c in lead}
     print(" ".join(f"{c:<{w[c]}}" for c in lead) + f" {'vram':>5} {'whole':>8} {'x bf16':>7} {'x fp8':>7} {'step':>8} "
           f"{'first s':>7} {'tax s':>6} {'host s':>7} {'busy s':>7} {'VRAM':>6} {'RSS':>6}  status")
     for r in rows:
