@@ -496,6 +496,7 @@ class ModelsBench(SamplerBench):
             _, _, lat2, noise2, _ = self.conds(name, shape)
             row.update(second_res="tiny" if self.a.tiny else f"{hw[0]}x{hw[1]}", second_res_latent=list(shape))
             _, row["second_res_first_s"] = self.synced(lambda: self.sample(g, m, lat2, noise2, first_steps))
+            row.update({f"second_res_{k}": v for k, v in self.settle_background().items()})
             w = self.whole(g, m, lat2, noise2)
             row.update(second_res_warm_s=w["s_per_step_whole"] * self.a.steps,
                        second_res_s_per_step_whole=w["s_per_step_whole"],

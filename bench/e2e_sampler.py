@@ -359,6 +359,20 @@ class SamplerBench:
         _, t = self.synced(lambda: self.sample(guider, model, latent, noise, steps))
         row.update(first_sample_s=t, first_sample_steps=steps, first_of_path=key not in self.first_done)
         self.first_done.add(key)
+        row.update(self.settle_background())
+
+    def settle_background(self, timeout: float = 240.0) -> dict:
+        """The idle time a user leaves between samples: waits until the pack's background timing
+        (kernel/deferred.py) has run what the first sample queued, so that the warm rows run the timed configs.
+        Returns ``background_wait_s`` (the wait, which no sample pays) and ``background_jobs`` (jobs finished so
+        far in this process); nothing where the pack is not loaded or its tuning runs on the first call."""
+        mod = sys.modules.get(f"{self.pack.__name__}.kernel.deferred") if getattr(self, "pack", None) else None
+        if mod is None or mod.mode() != "background":
+            return {}
+        t0 = time.perf_counter()
+        settled = mod.QUEUE.wait_settled(timeout)
+        return {"background_wait_s": round(time.perf_counter() - t0, 3), "background_jobs": len(mod.QUEUE.done),
+                "background_settled": settled}
 
     def whole(self, guider, model, latent, noise, reps: int = 2) -> dict:
         """``reps`` whole samples of --steps steps, each synced before and after, no step callback; of the best:

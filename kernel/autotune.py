@@ -179,6 +179,82 @@ def target_candidates(capability: tuple[int, int], s8: bool = True) -> dict[str,
             for name, bucket in (("small", SMALL_M), ("medium", MEDIUM_M), ("large", M_BUCKET_CAP))}
 
 
+M_CLASSES = ("small", "medium", "large")
+
+
+def m_class(m: int) -> str:
+    """The row class of a call: ``small`` (M <= SMALL_M: GEMVs), ``medium`` (up to MEDIUM_M: text projections,
+    short prompts) or ``large`` (image and video tokens). A shape's config is chosen per class before it is timed
+    (``predicted``), and a process keeps one compiled config per (N, K, class) until background timing finds a
+    better one (``choose``): a new resolution lands in a class that already has its kernels."""
+    return "small" if m <= SMALL_M else "medium" if m <= MEDIUM_M else "large"
+
+
+def predicted(capability: tuple[int, int], smem_limit: int | None, m: int, s8: bool = False,
+              persist: bool = False) -> list[Config]:
+    """The candidates of a shape of ``m`` rows on this GPU (``candidates`` of the class's widest bucket), best guess
+    first, by class and GPU generation only:
+    - ``small``: the 16 x 64 x 256 GEMV tile (10 of the H200's 16 small-M picks);
+    - ``medium``: 64 x 64 x 128, 4 stages (many CTAs streaming the weight);
+    - ``large``: on sm_90 with the s8 wgmma tiles the persistent 128 x 256 x 128 s8 tile (34 of the H200's 40
+      picks at M > 1024; its plain form where ``persist`` is off), else the first Hopper / Ampere tile.
+    The rest follow in ``candidates``' order, for a GPU where the first fails to build."""
+    cls = m_class(m)
+    bucket = {"small": SMALL_M, "medium": MEDIUM_M}.get(cls, M_BUCKET_CAP)
+    cands = candidates(capability, smem_limit, bucket, s8=s8, persist=persist)
+    if cls == "small":
+        first = small_m_configs()[0]
+    elif cls == "medium":
+        first = medium_m_configs()[0]
+    elif s8 and tuple(capability) == (9, 0):
+        first = s8_configs(persist)[-1]
+    else:
+        first = (hopper_configs() if tuple(capability)[0] == 9 else ampere_configs())[0]
+    return sorted(cands, key=lambda c: c != first)
+
+
+def choose(cache: "ConfigCache", key: str, built: list[Config], guesses: list[Config], tune: str,
+           time_fn: Callable[[Config], float], meta: dict | None = None,
+           check: Callable[[Config], object] | None = None, later: Callable[[str, Config | None], object] = None
+           ) -> Config:
+    """The config a call of ``key`` runs now, by ``tune`` (``kernel.deferred.mode()``):
+    - ``first_call``: ``pick_config`` (the cache, the shipped table, else every one of ``guesses`` timed now);
+    - ``background`` / ``off``: nothing is timed here. The key's entry (the user's cache, else the shipped table's)
+      where this process has built it already (``built``: the configs built for the key's (N, K, row class)) or
+      has built nothing for the class yet (a shipped entry is run once by ``check`` first); else, while the class
+      runs, ``built[0]`` (a new resolution builds nothing on its critical path); else the first of ``guesses``
+      that ``check`` runs. Where the key's entry is not what runs, or no entry exists, ``later("adopt", entry)``
+      / ``later("tune", None)`` hands it to background timing (``kernel.deferred``), which the caller arranges
+      (None: nothing later)."""
+    if tune == "first_call":
+        return pick_config(cache, key, guesses, time_fn, meta, check)
+    own = cache.get(key, seed=False)
+    if built:
+        entry = own if own is not None else (cache.seed_get(key) if hasattr(cache, "seed_get") else None)
+        if entry is not None and entry in built:
+            return entry
+        if later is not None:
+            later("tune", None) if entry is None else later("adopt", entry)
+        return built[0]
+    if own is not None:
+        return own
+    hit = seed_entry(cache, key, check, guesses)
+    if hit is not None:
+        return hit
+    failed = []
+    for cfg in guesses:
+        try:
+            if check is not None:
+                check(cfg)
+        except Exception as e:  # noqa: BLE001 - a tile this GPU or Triton cannot build: the next guess
+            failed.append(f"{cfg}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if later is not None:
+            later("tune", None)
+        return cfg
+    raise RuntimeError(f"int8 GEMM {key}: no candidate config builds here: " + "; ".join(failed))
+
+
 def m_bucket(m: int) -> int:
     """Rows rounded up to a power of two (at least SMALL_M, at most M_BUCKET_CAP): a new image size
     lands in a bucket that is already tuned."""
@@ -286,6 +362,12 @@ def seed_entry(cache, key: str, check: Callable[[Config], object] | None = None,
                     "level)" if first else "")
             return None
     return hit
+
+
+def tune_now(cache, key: str, configs: list[Config], time_fn, meta=None) -> Config:
+    """Times every one of ``configs`` (``pick_config``'s rule: the close ones again, interleaved), stores the winner
+    under ``key`` and returns it: a background job's timing (``kernel.retune``), which the widget does not show."""
+    return _tune(cache, key, configs, time_fn, meta)
 
 
 def _tune(cache, key: str, configs: list[Config], time_fn, meta) -> Config:

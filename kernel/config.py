@@ -63,6 +63,11 @@ SWITCHES = {s.name: s for s in (
            "`fused_triton` layers per shape: `auto` runs the INT8 kernel where it beat the float path when "
            "timed on this GPU (once per shape, cached next to the autotune cache), else F.linear on a bf16 "
            "copy of the weight; `int8` / `float` force one path (A/B runs, tests)", choices=("auto", "int8", "float")),
+    Switch("INT8_FUSED_TUNE", str, "background",
+           "when the alternatives of a new shape (GEMM tiles, tail splits, int8 vs float, attention backends) are "
+           "timed: `background` runs it on a predicted config at once and times the rest between samples; "
+           "`first_call` times them on the shape's first call (slow first sample); `off` never times",
+           choices=("background", "first_call", "off")),
     Switch("TRITON_INTERPRET", bool, False,
            "Triton's own switch: `1` runs the kernels in Triton's CPU interpreter (tests only, far too slow for "
            "inference)", at_import=True),
@@ -178,16 +183,26 @@ _GEMM_SWITCHES: list = [None, None]  # [config generation, the switches' values 
 _FORCED_GENERATION: list = [None]    # a bench's forced tile-set capability (``kernel.gemm.forced_generation``)
 
 
+_RETUNED = [0]                       # bumped when background timing changed a shape's config (``retune``)
+
+
 def gemm_switches() -> tuple:
     """What chooses the INT8 GEMMs' kernels and tiles besides the operands: (INT8_FUSED_S8_WGMMA, the capability a
-    bench forces with ``kernel.gemm.forced_generation`` or None). Part of every prepared call's key
-    (``kernel.plan``), so an A/B of the s8 path on a loaded model re-plans its calls. Read again only when
-    ``generation()`` moved (this runs on every INT8 call)."""
+    bench forces with ``kernel.gemm.forced_generation`` or None, the count of ``retune`` calls). Part of every
+    prepared call's key (``kernel.plan``), so an A/B of the s8 path on a loaded model re-plans its calls, and so
+    does a config that background timing changed. Read again only when ``generation()`` moved (this runs on every
+    INT8 call)."""
     cached, gen = _GEMM_SWITCHES, generation()
     if cached[0] != gen:
-        cached[1] = (get("INT8_FUSED_S8_WGMMA"), _FORCED_GENERATION[0])
+        cached[1] = (get("INT8_FUSED_S8_WGMMA"), _FORCED_GENERATION[0], _RETUNED[0])
         cached[0] = gen
     return cached[1]
+
+
+def retune() -> None:
+    """Background timing (``kernel.retune``) changed a config: prepared calls plan again on their next call."""
+    _RETUNED[0] += 1
+    _GEMM_SWITCHES[0] = None
 
 
 def force_generation(capability: tuple | None) -> None:

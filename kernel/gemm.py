@@ -33,7 +33,7 @@ from . import quantize as _quantize  # noqa: F401  (applies the interpreter comp
 from .quantize import rint, sm_count
 from .config import force_generation, gemm_switches
 from .launch import launch, not_recorded
-from . import s8wgmma
+from . import deferred, retune, s8wgmma
 from .tailsplit import choose_split, program_slots, program_tile, split_launch, sum_pieces, tile_sum
 
 
@@ -324,7 +324,8 @@ def launch_w8a8_small_m(x: torch.Tensor, inv_smooth: torch.Tensor | None, w_q: t
 
 def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
     """The config of the one-launch small-M kernel for this (N, K): memoised, cached on disk under the key
-    ``XQ_N.._K.._M16``, else timed now (as ``select_config``)."""
+    ``XQ_N.._K.._M16``, else chosen without timing and timed between samples (``autotune.choose``; under
+    ``INT8_FUSED_TUNE=first_call`` timed now, as ``select_config``)."""
     m, k = x.shape
     n = w_q.shape[0]
     dev = x.device
@@ -336,7 +337,11 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
     from . import autotune
     if dev.type != "cuda":
         return autotune.interpreter_run_config(m)
-    cands = autotune.candidates(*_generation(dev, forced), autotune.SMALL_M)
+    cap, smem = _generation(dev, forced)
+    key = "XQ_" + autotune.ConfigCache.key(n, k, autotune.SMALL_M)
+    ckey = retune.class_key(dev, "xq", n, k, "small", False, forced)
+    tune = deferred.mode()
+    cands = autotune.candidates(cap, smem, autotune.SMALL_M)
 
     def run(c):
         launch_w8a8_small_m(x, inv_smooth, w_q, w_scale, bias, out, c)
@@ -344,11 +349,53 @@ def select_small_m_config(x, inv_smooth, w_q, w_scale, bias, out) -> dict:
     def time_fn(c):
         return timed_ms(lambda: run(c))
 
+    later = _later(dev, n, k, key, ckey, cands, lambda ops, c: launch_w8a8_small_m(*ops, c),
+                   (x, inv_smooth, w_q, w_scale, bias, out))
     with not_recorded():  # the candidates' timing launches are not part of a recorded call (kernel.plan)
-        cfg = autotune.pick_config(device_cache(dev), "XQ_" + autotune.ConfigCache.key(n, k, autotune.SMALL_M),
-                                   cands, time_fn, tuning_meta(dev), check=run)
+        cfg = autotune.choose(device_cache(dev), key, retune.built_for(ckey),
+                              cands if tune == "first_call" else autotune.predicted(cap, smem, m), tune, time_fn,
+                              tuning_meta(dev), check=run, later=later)
+    retune.built(ckey, cfg)
     _TUNED[memo_key] = cfg
     return cfg
+
+
+def _later(dev, n: int, k: int, key: str, ckey: tuple, cands: list, launcher, operands: tuple, m: int | None = None,
+           split_slots=None):
+    """``autotune.choose``'s ``later``: queues the background job of ``key`` (``kernel.retune``). ``launcher(ops,
+    config)`` runs one call on fresh operands of the shapes of ``operands`` (tensors, specs or None; only their
+    specs are kept); ``m`` / ``split_slots``: also time the tail split of an M-row call after the tile
+    (``choose_split``)."""
+    def later(what: str, entry):
+        specs = [retune.spec(t) for t in operands]
+        cache = device_cache(dev)
+        meta = tuning_meta(dev)
+
+        def job(stop):
+            def work():
+                ops = [retune.fresh(s_) for s_ in specs]
+
+                def time_fn(c):
+                    stop()
+                    return timed_ms(lambda: launcher(ops, c))
+                if what == "adopt":
+                    stop()
+                    launcher(ops, entry)   # builds it (and checks an s8 build) off the critical path
+                    best = entry
+                elif what == "split":
+                    best = entry           # the tile in use; only its tail split is timed
+                else:
+                    from . import autotune
+                    best = autotune.tune_now(cache, key, cands, time_fn, meta)
+                retune.built(ckey, best)
+                if m is not None and split_slots is not None:
+                    retune.built(ckey, choose_split(best, m, n, k, split_slots(best), cache, time_fn, meta))
+            retune.run_on(dev, work)
+            retune.forget([_TUNED], dev, n, k)
+        # one job a key and M: the first queued (a tile's tuning or adoption, which time the split too) covers a
+        # later split request
+        retune.submit(f"gemm {key}" + (f" M{m}" if m is not None else ""), job)
+    return later
 
 
 def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -499,6 +546,9 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
         cap, smem = _generation(dev, forced)
         meta = tuning_meta(dev)
         buf = [out]
+        tune = deferred.mode()
+        ckey = retune.class_key(dev, "gemm", n, k, autotune.m_class(m), s8, forced)
+        fresh_ok = not retune.built_for(ckey)   # nothing built for this class yet: this call may build
 
         def run(c):  # one launch; also how a shipped config is checked before it is trusted (autotune.seed_entry)
             if buf[0] is None:  # made only when something runs (a merged w1+w3 output is large)
@@ -508,13 +558,21 @@ def select_config(a_q, a_scale, w_q, w_scale, bias, out, out_dtype: torch.dtype 
         def time_fn(c):
             return timed_ms(lambda: run(c))
 
+        cands = autotune.candidates(cap, smem, bucket, s8=s8, persist=s8)
+        later = _later(dev, n, k, autotune.ConfigCache.key(n, k, bucket, s8, s8), ckey, cands,
+                       lambda ops, c: launch_int8_gemm(*ops, c),
+                       (a_q, a_scale, w_q, w_scale, bias, ((m, n), (n, 1), out_dtype, dev) if out is None else out),
+                       m if tail_split else None, lambda c: program_slots(c, dev))
         with not_recorded():
             if cfg is None:
-                cands = autotune.candidates(cap, smem, bucket, s8=s8, persist=s8)
-                cfg = _TUNED[memo_key] = autotune.pick_config(
-                    device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, s8), cands, time_fn, meta,
-                    check=run)
+                cfg = _TUNED[memo_key] = autotune.choose(
+                    device_cache(dev), autotune.ConfigCache.key(n, k, bucket, s8, s8), retune.built_for(ckey),
+                    cands if tune == "first_call" else autotune.predicted(cap, smem, m, s8=s8, persist=s8), tune,
+                    time_fn, meta, check=run, later=later)
+                retune.built(ckey, cfg)
             if tail_split:
-                cfg = choose_split(cfg, m, n, k, program_slots(cfg, dev), device_cache(dev), time_fn, meta, check=run)
+                cfg = choose_split(cfg, m, n, k, program_slots(cfg, dev), device_cache(dev), time_fn, meta, check=run,
+                                   tune=tune, may_build=lambda c: fresh_ok or retune.is_built(ckey, c), later=later)
+                retune.built(ckey, cfg)
     _TUNED[exact] = cfg
     return cfg

@@ -278,7 +278,7 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
     Hopper tile this kernel timed fastest (medians of interleaved rounds; kept in the autotune file under
     ``SW_..._tilep``). Its epilogue is heavier than the plain GEMM's, and a 128 x 256 tile runs one CTA an SM: the
     plain GEMM's pick need not be its own. Elsewhere ``cfg``."""
-    from . import autotune, s8wgmma
+    from . import autotune, deferred, retune, s8wgmma
     if not s8wgmma.usable(a_q.device):
         return cfg
     m, k = a_q.shape
@@ -294,15 +294,48 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
         def run(c):  # one launch: how a shipped config is checked before it is trusted
             return _launch_gemm_swiglu(a_q, a_scale, w13, w_scale, bias, h, clamp_fp16, c)
 
+        def time_fn(c):
+            return gemm.timed_ms(lambda: run(c))
+
+        def best_of(time_fn):
+            med = autotune.interleaved_medians(dict(enumerate(cands)), time_fn)
+            return cands[min(med, key=lambda i: (med[i], i))]
+
+        tune = deferred.mode()
+        f = h.shape[1]
+        ckey = retune.class_key(a_q.device, "swiglu", f, k, autotune.m_class(m), True, gemm.gemm_switches()[1])
         with not_recorded():  # the check launch of a shipped tile is not part of the call a plan records
-            hit = cache.get(key, seed=False) or autotune.seed_entry(cache, key, check=run, configs=cands)
-        if hit is None:
-            def time_fn(c):
-                return gemm.timed_ms(lambda: run(c))
-            with not_recorded():
-                med = autotune.interleaved_medians(dict(enumerate(cands)), time_fn)
-            hit = cands[min(med, key=lambda i: (med[i], i))]
-            cache.put(key, hit, gemm.tuning_meta(a_q.device))
+            if tune == "first_call":
+                hit = cache.get(key, seed=False) or autotune.seed_entry(cache, key, check=run, configs=cands)
+                if hit is None:
+                    hit = best_of(time_fn)
+                    cache.put(key, hit, gemm.tuning_meta(a_q.device))
+            else:
+                dev = a_q.device
+
+                def later(what, entry):
+                    specs = [retune.spec(t) for t in (a_q, a_scale, w13, w_scale, bias, h)]
+
+                    def job(stop):
+                        def work():
+                            ops = [retune.fresh(s_) for s_ in specs]
+
+                            def timed(c):
+                                stop()
+                                return gemm.timed_ms(lambda: _launch_gemm_swiglu(*ops, clamp_fp16, c))
+                            if what == "adopt":
+                                stop()
+                                _launch_gemm_swiglu(*ops, clamp_fp16, entry)
+                                best = entry
+                            else:
+                                best = best_of(timed)
+                                cache.put(key, best, gemm.tuning_meta(dev))
+                            retune.built(ckey, best)
+                        retune.run_on(dev, work)
+                        retune.forget([_SW_TILE], dev, f, k)
+                    retune.submit(f"{what} {key}", job)
+                hit = autotune.choose(cache, key, retune.built_for(ckey), cands, tune, time_fn, check=run, later=later)
+            retune.built(ckey, hit)
         hit = _SW_TILE[memo] = {k_: v for k_, v in hit.items() if k_ != "SPLIT"}
     return hit
 

@@ -174,13 +174,17 @@ SPLIT_ROUNDS = 3          # ... as the median of this many interleaved rounds: o
                           # splits that another process does not repeat
 
 
-def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None, check=None) -> dict:
+def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, meta=None, check=None,
+                 tune: str = "first_call", may_build=None, later=None) -> dict:
     """``cfg``, or ``cfg`` with the tail split (``SPLIT``) that timed (``time_fn(config)`` -> ms; the median of
     ``SPLIT_ROUNDS`` interleaved rounds) at least ``SPLIT_MARGIN`` faster than whole tiles for this many row tiles
     on a GPU running ``slots`` programs at once (on the H200 2-8 % faster on some block shapes, slower on others).
     Decided once per (N, K, M bucket, row tiles) and kept in ``cache`` (an ``autotune.ConfigCache``: the tile
     configs' file), else taken from the shipped table (``autotune.seed_entry``; ``check(config)`` runs it
-    once first)."""
+    once first). ``tune`` (``kernel.deferred.mode()``) other than ``first_call``: nothing is timed here; without an
+    entry the call runs whole tiles and ``later("split", cfg)`` times the split between samples; a shipped split
+    that ``may_build(config)`` does not allow (a kernel this process has not built, on a call whose row class already
+    runs) waits for that job too."""
     from . import autotune
     tiles_m = -(-m // cfg["BLOCK_M"])
     tiles, kb = tiles_m * -(-n // cfg["BLOCK_N"]), -(-k // cfg["BLOCK_K"])
@@ -193,8 +197,18 @@ def choose_split(cfg: dict, m: int, n: int, k: int, slots: int, cache, time_fn, 
         return cfg
     key = autotune.ConfigCache.key(n, k, autotune.m_bucket(m), bool(cfg.get("S8")), bool(cfg.get("PERSIST")))
     key = f"{key}_T{tiles_m}_split"
-    hit = cache.get(key, seed=False) or autotune.seed_entry(
-        cache, key, check and (lambda h: h["SPLIT"] > 1 and check({**cfg, **h})))
+    hit = cache.get(key, seed=False)
+    if hit is None and tune != "first_call":
+        seed = cache.seed_get(key) if hasattr(cache, "seed_get") else None
+        if seed is not None and (seed.get("SPLIT", 1) <= 1 or may_build is None
+                                 or may_build({**cfg, "SPLIT": seed["SPLIT"]})):
+            hit = autotune.seed_entry(cache, key, check and (lambda h: h["SPLIT"] > 1 and check({**cfg, **h})))
+        if hit is None:
+            if later is not None:
+                later("split", cfg)
+            return cfg
+    if hit is None:
+        hit = autotune.seed_entry(cache, key, check and (lambda h: h["SPLIT"] > 1 and check({**cfg, **h})))
     if hit is None:
         from .tuned import progress
         with progress.task("tail split", progress.gemm_label(key), f"{len(layouts) + 1} variants", cache.path):

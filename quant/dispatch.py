@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..kernel import autotune, config, jsoncache
+from ..kernel import autotune, config, deferred, jsoncache
 from . import backends
 
 log = logging.getLogger("int8_fused")
@@ -164,6 +164,48 @@ def hot_token() -> tuple:
 
 
 
+# --------------------------------------------------------------------------- without timing
+def predicted(m: int, n: int, k: int, capability: tuple[int, int]) -> str:
+    """The path of a shape not yet timed (``INT8_FUSED_TUNE`` other than ``first_call``): ``int8`` for GEMV rows
+    (M <= 16: the one-launch small-M kernel) and for GEMMs of at least ``PREDICT_INT8_MNK`` multiply-adds, else
+    ``float``. On the H200 every shape the shipped table sends to float has M*N*K <= 3.3e10 (host-bound: the
+    int8 path's quantization launch and host work outweigh its faster GEMM), so sm_90's bound is 2**36 (6.9e10);
+    GPUs with less bf16 throughput reach that balance at smaller GEMMs, a bound a quarter as large (sm_80) or an
+    eighth (GeForce, sm_86 and later)."""
+    if m <= 16:
+        return INT8
+    bound = PREDICT_INT8_MNK.get(tuple(capability)[0], PREDICT_INT8_MNK[0])
+    return INT8 if m * n * k >= bound else FLOAT
+
+
+PREDICT_INT8_MNK = {9: 2 ** 36, 10: 2 ** 36, 8: 2 ** 34, 0: 2 ** 33}   # by major capability; 0: the others
+
+
+def _submit_timing(layer, x2d: torch.Tensor, skey: str, cache) -> None:
+    """Queues the timing of ``skey`` for the idle worker (``kernel.deferred``): on a fresh activation of the call's
+    shape and the layer's weight if it is still on the GPU then (else the job is dropped). It writes the decision to
+    the cache file only: this process keeps the path it ran, so repeated samples give the same output; the next
+    process takes the timed one."""
+    import weakref
+    ref = weakref.ref(_owner(layer))
+    shape, dtype, dev, m = tuple(x2d.shape), x2d.dtype, x2d.device, x2d.shape[0]
+
+    def job(stop):
+        owner = ref()
+        if owner is None or owner.qweight.device != dev:
+            return
+        stop()
+        import contextlib
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            x = torch.randn(shape, dtype=dtype, device=dev)
+            c8, cf, _ = measure(owner, x)
+        stop()
+        path = decide(c8.eff, cf.eff, int8_gpu_ms=c8.gpu, float_gpu_ms=cf.gpu)
+        cache.put(skey, {"path": path, "int8_ms": c8.eff, "float_ms": cf.eff, "int8_gpu_ms": c8.gpu,
+                         "float_gpu_ms": cf.gpu, "m": m}, _meta(dev))
+    deferred.submit(f"dispatch {skey}", job)
+
+
 # --------------------------------------------------------------------------- the two paths
 def dequantized(layer, dtype: torch.dtype) -> torch.Tensor:
     """[N, K] ``dequantize(W_q) / smooth`` in ``dtype`` (fp32 math, one rounding), built in row chunks so the
@@ -266,8 +308,13 @@ def _decision(layer, x2d: torch.Tensor) -> str | None:
         cache = _device_cache(dev)
         skey = shape_key(m, n, k, has_bias, dtype)
         entry = cache.get(skey)
+        tune = deferred.mode()
         if entry is not None:
             path = entry["path"]
+        elif tune != "first_call":
+            path = predicted(m, n, k, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0))
+            if tune == "background":
+                _submit_timing(layer, x2d, skey, cache)
         else:
             try:
                 from ..kernel.tuned import progress

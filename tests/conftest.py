@@ -122,6 +122,15 @@ def _no_shipped_tuned_tables(monkeypatch):
     monkeypatch.setattr(kernel.tuned, "ENABLED", False)
 
 
+@pytest.fixture
+def first_call_tuning():
+    """INT8_FUSED_TUNE=first_call inside the test: what it checks is the first-call timing (the candidates timed on
+    the shape's first call), not the default's predicted config and background job (tests/test_background_tuning.py)."""
+    from kernel import config
+    with config.override(INT8_FUSED_TUNE="first_call"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def comfy_inprocess():
     try:

@@ -180,7 +180,7 @@ class _MemCache:
         self.data[key] = value
 
 
-def test_auto_picks_the_fastest_fake_timing_once_per_shape(att):
+def test_auto_picks_the_fastest_fake_timing_once_per_shape(att, first_call_tuning):
     calls = []
     fake = {"cudnn": 3.0, "flash": 5.0, "efficient": 4.0}
 
@@ -215,7 +215,7 @@ def test_auto_picks_the_fastest_fake_timing_once_per_shape(att):
     assert again.winners == {key: "cudnn"}
 
 
-def test_auto_never_picks_a_backend_that_cannot_run_and_persists_to_json(att, pack, tmp_path):
+def test_auto_never_picks_a_backend_that_cannot_run_and_persists_to_json(att, pack, tmp_path, first_call_tuning):
     """The timing function runs each backend alone (sdpa_kernel([name])): on a CPU only torch's CPU flash kernel
     runs, so cuDNN and efficient count as unable to run however fast their fake time is."""
     import importlib

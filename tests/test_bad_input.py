@@ -126,7 +126,7 @@ print(json.dumps({"values": first, "same": first == again,
                   "dispatch": dispatch.mode(),
                   "pad_elision": {b: pad_elision_enabled(b) for b in ("fused_triton", "torch_int_mm")}}))
 """
-STR_SWITCHES = ("INT8_FUSED_PAD_ELISION", "INT8_FUSED_DISPATCH")
+STR_SWITCHES = ("INT8_FUSED_PAD_ELISION", "INT8_FUSED_DISPATCH", "INT8_FUSED_TUNE")
 
 
 def _probe(env: dict) -> tuple[dict, list]:
@@ -154,9 +154,11 @@ def test_str_switches_declare_their_values():
 
 def test_unknown_str_switch_values_warn_once_and_mean_the_default():
     got, logs = _probe({n: "bogus" for n in STR_SWITCHES})
-    assert got["values"] == {"INT8_FUSED_PAD_ELISION": None, "INT8_FUSED_DISPATCH": "auto"} and got["same"]
+    assert got["values"] == {"INT8_FUSED_PAD_ELISION": None, "INT8_FUSED_DISPATCH": "auto",
+                             "INT8_FUSED_TUNE": "background"} and got["same"]
     assert got["dispatch"] == "auto" and got["pad_elision"] == {"fused_triton": True, "torch_int_mm": False}
-    valid = {"INT8_FUSED_PAD_ELISION": "auto|0|1", "INT8_FUSED_DISPATCH": "auto|int8|float"}
+    valid = {"INT8_FUSED_PAD_ELISION": "auto|0|1", "INT8_FUSED_DISPATCH": "auto|int8|float",
+             "INT8_FUSED_TUNE": "background|first_call|off"}
     for n in STR_SWITCHES:
         mine = [ln for ln in logs if f"{n}='bogus'" in ln]
         assert len(mine) == 1 and mine[0].startswith("LOG WARNING") and valid[n] in mine[0], (n, logs)
@@ -164,13 +166,14 @@ def test_unknown_str_switch_values_warn_once_and_mean_the_default():
 
 
 def test_str_switch_spellings():
-    got, logs = _probe({"INT8_FUSED_PAD_ELISION": "on", "INT8_FUSED_DISPATCH": "Float"})
+    got, logs = _probe({"INT8_FUSED_PAD_ELISION": "on", "INT8_FUSED_DISPATCH": "Float", "INT8_FUSED_TUNE": "OFF"})
     assert not logs
-    assert got["values"] == {"INT8_FUSED_PAD_ELISION": "1", "INT8_FUSED_DISPATCH": "float"}
+    assert got["values"] == {"INT8_FUSED_PAD_ELISION": "1", "INT8_FUSED_DISPATCH": "float", "INT8_FUSED_TUNE": "off"}
     assert got["dispatch"] == "float" and got["pad_elision"] == {"fused_triton": True, "torch_int_mm": True}
     # an off word means 0 where 0 is a choice; an on word without a 1 among the choices means the default
     got, logs = _probe({"INT8_FUSED_PAD_ELISION": " OFF ", "INT8_FUSED_DISPATCH": "yes"})
-    assert not logs and got["values"] == {"INT8_FUSED_PAD_ELISION": "0", "INT8_FUSED_DISPATCH": "auto"}
+    assert not logs and got["values"] == {"INT8_FUSED_PAD_ELISION": "0", "INT8_FUSED_DISPATCH": "auto",
+                                          "INT8_FUSED_TUNE": "background"}
     assert got["pad_elision"] == {"fused_triton": False, "torch_int_mm": False}
 
 

@@ -143,7 +143,7 @@ def _qkv(lq=5):
 
 
 @pytest.mark.parametrize("form", list(GEMM_FORMS))
-def test_attention_cache_damaged_file_is_set_aside_and_reprobed(tmp_path, caplog, form):
+def test_attention_cache_damaged_file_is_set_aside_and_reprobed(tmp_path, caplog, form, first_call_tuning):
     with config.override(INT8_FUSED_CACHE_DIR=str(tmp_path)):
         cache = attention.disk_cache(torch.device("cpu"))
     path = cache.path

@@ -290,7 +290,7 @@ def test_hot_float_path_is_dropped_when_its_conditions_change(monkeypatch):
         layer.weight_function = []
 
 
-def test_hot_path_under_auto_keeps_each_shapes_decision(fresh, fake_gpu, monkeypatch):
+def test_hot_path_under_auto_keeps_each_shapes_decision(fresh, fake_gpu, monkeypatch, first_call_tuning):
     """Under auto each call shape stays on the path decided for it: after its first (full) call M 5 runs the hot
     float path and M 100 the hot int8 path (its prepared launches, kernel/plan.py), each with correct results."""
     fake_gpu["times"] = {16: (0.030, 0.010), 128: (0.010, 0.030)}  # M <= 16 float, M 100 int8
@@ -337,7 +337,7 @@ def fake_gpu(monkeypatch):
     return clock
 
 
-def test_auto_times_each_shape_once_caches_it_and_runs_the_winner(fresh, fake_gpu):
+def test_auto_times_each_shape_once_caches_it_and_runs_the_winner(fresh, fake_gpu, first_call_tuning):
     fake_gpu["times"] = {16: (0.030, 0.010),   # GEMV: float faster -> float
                          64: (0.020, 0.0199),  # a tie within the margin, on GPU time too -> int8
                          128: (0.010, 0.030),  # int8 faster
@@ -373,7 +373,7 @@ def test_auto_without_a_gpu_runs_int8_and_times_nothing(monkeypatch):
     assert dict(layer.dispatch_calls) == {"int8": 1}
 
 
-def test_a_failed_timing_falls_back_to_int8(fresh, fake_gpu, caplog):
+def test_a_failed_timing_falls_back_to_int8(fresh, fake_gpu, caplog, first_call_tuning):
     def boom(layer, x2d):
         raise torch.cuda.OutOfMemoryError("no room for the float copy")
     dispatch.measure = boom  # fake_gpu's monkeypatch restores it
@@ -394,7 +394,7 @@ def test_other_backends_do_not_dispatch():
 
 
 # ---------------------------------------------------------------- the report line
-def test_report_line_counts_what_actually_ran(fresh, fake_gpu):
+def test_report_line_counts_what_actually_ran(fresh, fake_gpu, first_call_tuning):
     model = nn.Sequential(_layer(seed=1), _layer(seed=2), _layer(n=24, k=72, seed=3), nn.Linear(4, 4))
     line = dispatch.report_line(model)
     assert line.startswith("dispatch auto: 3 fused_triton linears, no calls yet")

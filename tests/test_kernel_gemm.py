@@ -264,7 +264,7 @@ def test_slots_from_the_device_properties(monkeypatch):
     assert tailsplit.program_slots(three, torch.device("cpu")) == 4
 
 
-def test_select_config_on_a_gpu_tunes_tiles_then_the_split(monkeypatch, tmp_path):
+def test_select_config_on_a_gpu_tunes_tiles_then_the_split(monkeypatch, tmp_path, first_call_tuning):
     """``select_config``'s GPU path with a stand-in GPU (H200 properties, a fake clock in place of do_bench, the
     launches recorded instead of run): the tile config is timed once per (N, K, M bucket), the tail split once per
     row tiles (Ideogram 4's w2 at M 4096: a tail of 96 tiles, room for 2 pieces: SPLIT 2 timed 5 % faster is kept);

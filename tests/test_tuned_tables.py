@@ -134,7 +134,7 @@ def test_seed_config_that_fails_to_build_is_tuned_with_one_log_line(seeds, caplo
     assert cache.get(KEY) == CANDS[0]  # the failed seed is not served again
 
 
-def test_select_config_on_a_stand_in_h200_takes_tile_and_split_from_the_seed(seeds, monkeypatch):
+def test_select_config_on_a_stand_in_h200_takes_tile_and_split_from_the_seed(seeds, monkeypatch, first_call_tuning):
     """``kernel.gemm.select_config``'s GPU path (H200 properties, launches recorded, do_bench failing the test):
     tile and tail split come from the seed, each run once (the check), nothing timed; without the seed the same
     call times every candidate."""
@@ -212,7 +212,7 @@ def test_dispatch_seed_of_another_decisions_version_is_ignored(seeds, monkeypatc
 
 
 # ---------------------------------------------------------------- attention backends
-def test_attention_auto_takes_the_seeds_backend_without_probing(seeds):
+def test_attention_auto_takes_the_seeds_backend_without_probing(seeds, first_call_tuning):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, n, 8, generator=g) for n in (5, 7, 7))
     text = attention.key_text(attention.shape_key(q, k, None))
