@@ -63,6 +63,9 @@ SWITCHES = {s.name: s for s in (
            "`fused_triton` layers per shape: `auto` runs the INT8 kernel where it beat the float path when "
            "timed on this GPU (once per shape, cached next to the autotune cache), else F.linear on a bf16 "
            "copy of the weight; `int8` / `float` force one path (A/B runs, tests)", choices=("auto", "int8", "float")),
+    Switch("INT8_FUSED_COMPILE_AHEAD", bool, True,
+           "a model call's first run with new input shapes is preceded by a dry run that compiles its INT8 kernels "
+           "in parallel threads (`kernel/ahead.py`); `0`: each kernel compiles when the call first reaches it"),
     Switch("INT8_FUSED_TUNE", str, "background",
            "when the alternatives of a new shape (GEMM tiles, tail splits, int8 vs float, attention backends) are "
            "timed: `background` runs it on a predicted config at once and times the rest between samples; "

@@ -33,7 +33,7 @@ from . import quantize as _quantize  # noqa: F401  (applies the interpreter comp
 from .quantize import rint, sm_count
 from .config import force_generation, gemm_switches
 from .launch import launch, not_recorded
-from . import deferred, retune, s8wgmma
+from . import ahead, deferred, retune, s8wgmma
 from .tailsplit import choose_split, program_slots, program_tile, split_launch, sum_pieces, tile_sum
 
 
@@ -484,6 +484,16 @@ def tuning_meta(device: torch.device) -> dict:
 
 _TUNED: dict[tuple, dict] = {}      # (device, N, K, M bucket, ..) or (.., exact M, split asked, ..) -> config
 _CACHES: dict[tuple, object] = {}   # (device index, forced generation) -> autotune.ConfigCache
+
+
+def _forget_chosen() -> None:
+    """A compile of ``kernel.ahead``'s dry run failed: its configs were chosen without a real check launch, so the
+    real call chooses again (with its checks)."""
+    _TUNED.clear()
+    retune.COMPILED.clear()
+
+
+ahead.on_failure.append(_forget_chosen)
 
 
 def device_cache(device: torch.device):

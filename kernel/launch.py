@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from . import config
+from . import ahead, config
 
 _COMPILED: dict[tuple, tuple] = {}
 _MAX_ENTRIES = 4096
@@ -125,6 +125,12 @@ def launch_hooked(runtime_knobs) -> bool:
 
 
 _RECORD: list | None = None  # the launches of the current record() (None: not recording)
+
+
+def dry_run() -> bool:
+    """Whether a dry run of ``kernel.ahead`` is in progress: launches compile instead of running; callers record
+    no prepared call and count nothing."""
+    return ahead.active() is not None
 _KEPT: dict[int, weakref.ref] = {}  # id -> tensor a launcher keeps across its calls (``keep``)
 
 
@@ -187,7 +193,13 @@ class Launch:
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
            device: torch.device) -> None:
     """``jit_fn[grid](*args, **constexprs, num_warps=, num_stages=)``, with the compiled kernel reused.
-    ``args`` are the runtime arguments in signature order; ``constexprs`` the remaining parameters."""
+    ``args`` are the runtime arguments in signature order; ``constexprs`` the remaining parameters. Inside a dry run
+    of ``kernel.ahead`` it starts the kernel's compile instead (nothing runs, nothing is recorded)."""
+    a = ahead.active()
+    if a is not None and device.type == "cuda":
+        a.compile(launch_key(jit_fn, args, constexprs, num_warps, num_stages, device), jit_fn, grid, args, constexprs,
+                  num_warps, num_stages)
+        return
     if not _USE_FAST or device.type != "cuda" or not (_SAME_CALL or same_launcher_call()):
         jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         if _RECORD is not None:

@@ -102,7 +102,7 @@ def build(launches: list, operands: tuple, temps: tuple, result, device: torch.d
     ``by_address``: a launch argument that is none of these but starts at the address of exactly one operand, with
     its dtype, is taken as a view of it made by the call (a reshape of a [B, 1, K] modulation row to [B, K]): sound
     for calls whose views are functions of their operands' signatures, which the recorded integers then hold."""
-    if not launches:
+    if not launches or launch.dry_run():
         return None
     slots, sigs = [], []
     for op in operands:
@@ -185,7 +185,7 @@ def call(fn, *args, salt=()):
     p = _CALLS.get(key)
     if p:
         return p._run(ops)  # the key matched them
-    if p is False:
+    if p is False or launch.dry_run():  # kernel.ahead's dry run: launches compile, nothing is recorded
         return fn(*args)
     with launch.record() as rec:
         out = fn(*args)

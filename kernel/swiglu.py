@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gemm
+from . import ahead, gemm
 from .checks import check_2d, check_usable, gemm_operands, smooth_vector
 from .gemm import acc_tile, acc_tile_tma, dequant, select_config, tile_ids
 from .launch import launch, not_recorded  # launch: the compiled kernel re-launched directly (kernel/launch.py)
@@ -270,6 +270,7 @@ def _launch_gemm_swiglu_persistent(a_q, a_scale, w13, w_scale, bias, h, clamp_fp
 
 
 _SW_TILE: dict[tuple, dict] = {}    # (device, F, K, M bucket, the merged GEMM's config) -> the SwiGLU GEMM's config
+ahead.on_failure.append(_SW_TILE.clear)   # chosen in a dry run whose compile failed: choose again
 
 
 def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernel as _kernel
+from ..kernel import launch as _launch
 from . import backends, dispatch
 from .quantize import dequantize, quantize_weight_per_channel
 
@@ -404,7 +405,7 @@ class Int8Linear(nn.Module):
             y = plan(*ops)
             if y is not None:
                 return y
-        if plan is False:  # this call cannot be planned (no launch, a converted operand)
+        if plan is False or _launch.dry_run():  # cannot be planned (no launch, a converted operand), or a dry run
             return k.int8_linear(*ops, out_dtype=dtype) if key[0] == "linear" else k.int8_gemm(*ops, out_dtype=dtype)
         y, plan = (k.int8_linear_planned if key[0] == "linear" else k.int8_gemm_planned)(*ops, out_dtype=dtype)
         if len(plans) >= 32:  # a handful of call shapes a layer; bounded for varying ones

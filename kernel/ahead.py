@@ -1,0 +1,142 @@
+"""Compiling a model call's kernels in parallel before the call runs.
+
+Why: a first sample on a new machine compiled each kernel of the pack (GEMM tiles and epilogues, the s8 wgmma
+builds, the fused row kernels) when the forward first reached it, one after another: 8-10 s on top of bf16's first
+sample on an H200 even with every tile known in advance (bench/RESULTS.md, issue 48).
+
+``first_call(key, fn)``: the first time a ``key`` (a model and its call's input shapes) is seen, ``fn`` runs twice.
+The first run is dry: inside ``compiling()`` every launch of the pack (``kernel.launch.launch``, the s8 builds of
+``kernel.s8wgmma``) hands its compile to a pool of ``WORKERS`` threads (Triton's ``AsyncCompileMode``: compiles
+run in the pool, the kernels land in Triton's in-memory and on-disk caches) instead of running; no prepared call
+(``kernel.plan``) is recorded and nothing is counted. Torch's own operations run as usual on whatever the skipped
+kernels left in their outputs (the result is thrown away). Then every compile is waited for and ``fn`` runs for
+real, finding its kernels built. The dry run costs one forward of the model's non-pack GPU work and host time.
+
+A compile that fails in the pool is not kept (Triton compiles it again when the real run reaches it and raises
+there, as without this module); the pack's chosen configs are then forgotten (``on_failure``), so that the real run
+chooses again with its checks. A dry run that raises leaves the real run to compile as it goes (logged once).
+``INT8_FUSED_COMPILE_AHEAD=0`` turns it off. Nothing happens under the interpreter, torch.compile tracing or CUDA
+graph capture. The tests: tests/test_compile_ahead.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+from . import config
+
+log = logging.getLogger("int8_fused")
+
+WORKERS = max(1, min(8, os.cpu_count() or 1))
+_ACTIVE: list = [None]     # the running ``Ahead`` (one at a time: the sampling thread's)
+_DONE: set = set()         # keys whose first call ran
+_WARNED = [False]
+on_failure: list = []      # callables run when a compile in the pool failed (forget the configs chosen meanwhile)
+
+
+def active():
+    """The running :class:`Ahead`, or None (launches run)."""
+    return _ACTIVE[0]
+
+
+def done(key) -> bool:
+    """Whether ``key``'s first call has run (``first_call``)."""
+    return key in _DONE
+
+
+class Ahead:
+    """One dry run: the compiles it started, and what became of them."""
+
+    def __init__(self, workers: int = WORKERS, async_mode=None):
+        import concurrent.futures
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="int8-fused-compile")
+        if async_mode is None:
+            from triton.runtime._async_compile import AsyncCompileMode
+            async_mode = AsyncCompileMode(self.pool, ignore_errors=True)
+        self.mode = async_mode
+        self.jobs: list = []        # futures of whole jobs (s8 builds)
+        self.seen: set = set()
+        self.launches = 0           # launches skipped
+        self.errors: list[str] = []
+
+    def compile(self, key, jit_fn, grid, args, constexprs: dict, num_warps: int, num_stages: int) -> None:
+        """Starts the compile of ``jit_fn[grid](*args, **constexprs, ...)`` (once per ``key``) without running it."""
+        self.launches += 1
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        jit_fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+    def submit(self, key, fn) -> None:
+        """Runs ``fn()`` (a whole build: compile, rewrite, assemble) in the pool, once per ``key``."""
+        self.launches += 1
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        self.jobs.append(self.pool.submit(fn))
+
+    def finish(self) -> int:
+        """Waits for every compile; returns how many were started. Failures are collected in ``errors``."""
+        import concurrent.futures
+        futures = list(getattr(self.mode, "raw_futures", ())) + self.jobs
+        concurrent.futures.wait(futures)
+        for f in futures:
+            e = f.exception()
+            if e is not None:
+                self.errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+        self.pool.shutdown(wait=True)
+        return len(futures)
+
+
+@contextlib.contextmanager
+def compiling(workers: int = WORKERS, async_mode=None):
+    """Inside, the pack's launches start compiles instead of running (module doc); on leaving, every compile is
+    waited for. Yields the :class:`Ahead`."""
+    if _ACTIVE[0] is not None:
+        raise RuntimeError("a dry run is already in progress")
+    a = Ahead(workers, async_mode)
+    _ACTIVE[0] = a
+    try:
+        with a.mode:
+            yield a
+    finally:
+        _ACTIVE[0] = None
+        a.finish()
+
+
+def enabled(device) -> bool:
+    if not config.get("INT8_FUSED_COMPILE_AHEAD") or config.get("TRITON_INTERPRET"):
+        return False
+    if getattr(device, "type", None) != "cuda":
+        return False
+    import torch
+    return not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
+
+
+def first_call(key, device, fn):
+    """``fn()``; the first time for ``key`` on ``device`` (a CUDA device) after a dry run of ``fn`` that compiles its
+    kernels in parallel (module doc)."""
+    if key in _DONE or _ACTIVE[0] is not None or not enabled(device):
+        return fn()
+    _DONE.add(key)
+    t0 = time.perf_counter()
+    a = None
+    try:
+        with compiling() as a:
+            fn()
+    except Exception as e:  # noqa: BLE001 - the real run compiles as it goes
+        if not _WARNED[0]:
+            _WARNED[0] = True
+            log.warning("INT8 compile-ahead: the dry run stopped (%s: %s); the first call compiles its kernels as it "
+                        "runs", type(e).__name__, str(e)[:300])
+    if a is not None:
+        if a.errors:
+            for forget in on_failure:
+                forget()
+            log.info("INT8 compile-ahead: %d of %d compiles failed (%s); the first call chooses again",
+                     len(a.errors), len(a.seen), a.errors[0])
+        log.info("INT8 compile-ahead: %d kernels compiled in parallel (%d threads) in %.1f s before the first call",
+                 len(a.seen), a.pool._max_workers, time.perf_counter() - t0)
+    return fn()

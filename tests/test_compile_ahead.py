@@ -1,0 +1,181 @@
+"""kernel/ahead.py: a model call's first run with new shapes follows a dry run in which the pack's launches start
+their compiles in a thread pool instead of running (the GPU side is measured by the bench). Stand-in kernels on the
+CPU: launches go through the real kernel.launch / kernel.plan / kernel.s8wgmma code."""
+import logging
+
+import pytest
+import torch
+
+from kernel import ahead, launch, plan, s8wgmma
+
+CUDA = torch.device("cuda", 0)
+
+
+class FakeKernel:
+    """A @triton.jit stand-in: ``warmup`` (what a dry run calls) is recorded; running it fails the test."""
+    arg_names = ["x", "n", "BLOCK"]
+
+    def __init__(self, name="k"):
+        self.__name__ = name
+        self.warmups = []
+
+    def warmup(self, *args, grid, **kw):
+        self.warmups.append((args, grid, kw))
+        return None
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"{self.__name__} ran during a dry run")
+
+
+class FakeAsync:
+    def __init__(self):
+        self.raw_futures, self.entered = [], 0
+
+    def __enter__(self):
+        self.entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_launches_inside_a_dry_run_start_compiles_once_per_specialization_and_run_nothing():
+    k = FakeKernel()
+    x = torch.zeros(8)
+    with ahead.compiling(workers=2, async_mode=FakeAsync()) as a:
+        assert launch.dry_run()
+        with launch.record() as rec:
+            for n in (64, 64, 80):      # two calls of one specialization, one of another
+                launch.launch(k, (4,), (x, n), {"BLOCK": 32}, 4, 2, CUDA)
+    assert not launch.dry_run()
+    assert rec == []                    # nothing recorded for a prepared call
+    assert a.launches == 3 and len(a.seen) == 2 and len(k.warmups) == 2
+    args, grid, kw = k.warmups[0]
+    assert args == (x, 64) and grid == (4,) and kw == {"BLOCK": 32, "num_warps": 4, "num_stages": 2}
+
+
+def test_no_prepared_call_is_built_or_refused_during_a_dry_run():
+    calls = []
+
+    def wrapper(t):
+        calls.append(t.shape)
+        return torch.empty_like(t)
+    t = torch.zeros(4)
+    with ahead.compiling(workers=1, async_mode=FakeAsync()):
+        assert plan.build([object()], (t,), (), t, t.device) is None
+        plan.call(wrapper, t, salt=("dry",))
+    key_seen = [k for k in plan._CALLS if k[:2] == (wrapper, ("dry",))]
+    assert key_seen == [] and calls == [(4,)]     # not memoised as "cannot be planned"
+
+
+def test_s8_launch_in_a_dry_run_builds_in_the_pool_and_compiles_the_int8_reference(monkeypatch):
+    k = FakeKernel("gemm")
+    built = []
+    monkeypatch.setattr(s8wgmma, "usable", lambda dev: True)
+    monkeypatch.setattr(s8wgmma, "_BUILT", {})
+    monkeypatch.setattr(s8wgmma, "_build", lambda *a: built.append(a) or ("compiled", ()))
+    x = torch.zeros(8, dtype=torch.int8)
+    with ahead.compiling(workers=2, async_mode=FakeAsync()) as a:
+        s8wgmma.launch_s8(k, (2,), (x, 16), {"BLOCK": 64}, 8, 3, CUDA, 0)
+        s8wgmma.launch_s8(k, (2,), (x, 16), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert len(built) == 1 and len(s8wgmma._BUILT) == 1       # built once, in the pool, and kept
+    assert len(k.warmups) == 1 and a.errors == []             # the int8 build the first real call checks against
+
+
+def test_first_call_runs_a_dry_run_then_the_real_one_once_per_key(monkeypatch):
+    monkeypatch.setattr(ahead, "enabled", lambda dev: True)
+    monkeypatch.setattr(ahead, "_DONE", set())
+    monkeypatch.setattr(ahead, "Ahead", _FakeAhead)
+    seen = []
+
+    def fn():
+        seen.append(launch.dry_run())
+        return len(seen)
+    assert ahead.first_call(("m", (1, 4)), CUDA, fn) == 2 and seen == [True, False]
+    assert ahead.first_call(("m", (1, 4)), CUDA, fn) == 3 and seen == [True, False, False]
+    assert ahead.first_call(("m", (1, 8)), CUDA, fn) == 5 and seen[3:] == [True, False]   # new shapes: again
+
+
+class _FakeAhead(ahead.Ahead):
+    def __init__(self, workers=1, async_mode=None):
+        super().__init__(workers, FakeAsync())
+
+
+def test_a_dry_run_that_raises_leaves_the_real_call_to_compile_as_it_goes(monkeypatch, caplog):
+    monkeypatch.setattr(ahead, "enabled", lambda dev: True)
+    monkeypatch.setattr(ahead, "_DONE", set())
+    monkeypatch.setattr(ahead, "_WARNED", [False])
+    monkeypatch.setattr(ahead, "Ahead", _FakeAhead)
+    seen = []
+
+    def fn():
+        seen.append(launch.dry_run())
+        if launch.dry_run():
+            raise RuntimeError("garbage in a skipped kernel's output")
+        return "real"
+    with caplog.at_level(logging.WARNING, logger="int8_fused"):
+        assert ahead.first_call("k", CUDA, fn) == "real"
+    assert seen == [True, False] and "the dry run stopped (RuntimeError: garbage" in caplog.text
+
+
+def test_a_failed_compile_makes_the_real_call_choose_its_configs_again(monkeypatch):
+    monkeypatch.setattr(ahead, "enabled", lambda dev: True)
+    monkeypatch.setattr(ahead, "_DONE", set())
+    monkeypatch.setattr(ahead, "Ahead", _FakeAhead)
+    forgot = []
+    monkeypatch.setattr(ahead, "on_failure", [lambda: forgot.append(1)])
+
+    def fn():
+        if launch.dry_run():
+            ahead.active().submit("s8", lambda: 1 / 0)
+    ahead.first_call("k2", CUDA, fn)
+    assert forgot == [1]
+
+
+def test_the_real_hooks_forget_the_chosen_configs():
+    from kernel import gemm, retune, swiglu
+    assert gemm._forget_chosen in ahead.on_failure and swiglu._SW_TILE.clear in ahead.on_failure
+    gemm._TUNED[("x",)] = {}
+    retune.COMPILED[("x",)] = [{}]
+    gemm._forget_chosen()
+    assert ("x",) not in gemm._TUNED and ("x",) not in retune.COMPILED
+
+
+def test_off_under_the_interpreter_the_switch_and_on_the_cpu():
+    from kernel import config
+    assert not ahead.enabled(torch.device("cpu"))
+    with config.override(INT8_FUSED_COMPILE_AHEAD=False):
+        assert not ahead.enabled(CUDA)
+    calls = []
+    assert ahead.first_call("cpu-key", torch.device("cpu"), lambda: calls.append(launch.dry_run()) or 7) == 7
+    assert calls == [False]
+
+
+def test_the_comfyui_wrapper_keys_by_shapes_and_gives_the_dry_run_its_own_options(pack, monkeypatch):
+    """nodes/compile_ahead.py's APPLY_MODEL wrapper: a dry run then the real call for each new (model, input shapes),
+    the dry run on a copy of transformer_options; later calls of those shapes run once."""
+    import importlib
+    wrapper = importlib.import_module(pack.__name__ + ".nodes.compile_ahead")
+    monkeypatch.setattr(ahead, "enabled", lambda dev: True)
+    monkeypatch.setattr(ahead, "_DONE", set())
+    monkeypatch.setattr(ahead, "Ahead", _FakeAhead)
+    calls = []
+
+    class Executor:
+        class_obj = object()
+
+        def __call__(self, x, t, c_concat, c_crossattn, control, transformer_options, **kw):
+            calls.append((launch.dry_run(), transformer_options, tuple(x.shape)))
+            return x * 2
+    ex, opts = Executor(), {"cond_or_uncond": [0]}
+    ctx = torch.zeros(1, 7, 16)
+    x = torch.ones(1, 4, 8, 8)
+    assert torch.equal(wrapper.apply_model(ex, x, torch.ones(1), c_crossattn=ctx, transformer_options=opts), x * 2)
+    (dry, o1, _), (real, o2, _) = calls
+    assert dry and not real and o2 is opts and o1 is not opts and o1 == opts
+    wrapper.apply_model(ex, x, torch.ones(1), c_crossattn=ctx, transformer_options=opts)
+    assert len(calls) == 3 and calls[2][0] is False                     # same shapes: the real call alone
+    wrapper.apply_model(ex, torch.ones(1, 4, 6, 6), torch.ones(1), c_crossattn=ctx, transformer_options=opts)
+    assert [c[0] for c in calls[3:]] == [True, False]                    # a new resolution: its own dry run
+    wrapper.apply_model(ex, x, torch.ones(1), c_crossattn=torch.zeros(1, 9, 16), transformer_options=opts)
+    assert [c[0] for c in calls[5:]] == [True, False]                    # a new prompt length too
