@@ -104,12 +104,16 @@ CONFIGS = {
                   num_layers=1, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
                   cross_attn_norm=True, eps=1e-6, in_dim=48),
 }
-# (latent shape, text tokens x width, pooled width or 0)
-INPUTS = {"flux": ((1, 16, 8, 8), (8, 64), 64), "wan": ((1, 16, 2, 8, 8), (8, 4096), 0),
-          "sd3": ((1, 16, 8, 8), (8, 64), 64), "lumina2": ((1, 16, 8, 8), (8, 64), 0),
-          "qwen_image": ((1, 16, 1, 8, 8), (8, 3584), 0), "ideogram4": ((1, 128, 2, 2), (4, 53248), 0),
-          "chroma": ((1, 16, 8, 8), (8, 64), 0), "flux2": ((1, 128, 4, 4), (8, 64), 0),
-          "wan22": ((1, 48, 2, 8, 8), (8, 4096), 0)}
+# (latent shape, text tokens x width, pooled width or 0). A few tokens each (4 image tokens: a 2 x 2 patch grid, 2
+# latent frames for the Wans; Ideogram 4 1 x 2 tokens and 2 text tokens): plain ComfyUI's int8 layers run
+# torch._int_mm, which on the CPU costs ~0.2 s per token a step at width 3072 (the real-width models' samples were
+# most of this file's time), and the Triton interpreter's row kernels cost per row. Flux.2's text is padded to 512
+# tokens by its model_base whatever is given.
+INPUTS = {"flux": ((1, 16, 4, 4), (4, 64), 64), "wan": ((1, 16, 2, 4, 4), (4, 4096), 0),
+          "sd3": ((1, 16, 4, 4), (4, 64), 64), "lumina2": ((1, 16, 4, 4), (4, 64), 0),
+          "qwen_image": ((1, 16, 1, 4, 4), (4, 3584), 0), "ideogram4": ((1, 128, 1, 2), (2, 53248), 0),
+          "chroma": ((1, 16, 4, 4), (4, 64), 0), "flux2": ((1, 128, 4, 4), (8, 64), 0),
+          "wan22": ((1, 48, 2, 4, 4), (4, 4096), 0)}
 # Apply and Save run on fused_triton for every architecture (fused blocks built, no kernel run); the pack models are
 # sampled on fused_triton (the Triton interpreter) at width 128, on torch_int_mm (the same int8 codes, checked) at the
 # real widths, where the interpreter would take minutes a step, and for Flux.2, whose model_base pads the text to 512
