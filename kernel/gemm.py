@@ -390,7 +390,7 @@ def _later(dev, n: int, k: int, key: str, ckey: tuple, cands: list, launcher, op
                 retune.built(ckey, best)
                 if m is not None and split_slots is not None:
                     retune.built(ckey, choose_split(best, m, n, k, split_slots(best), cache, time_fn, meta))
-            retune.run_on(dev, work)
+            retune.run_on(dev, work, specs)
             retune.forget([_TUNED], dev, n, k)
         # one job a key and M: the first queued (a tile's tuning or adoption, which time the split too) covers a
         # later split request

@@ -83,8 +83,38 @@ def submit(name: str, job) -> bool:
     return deferred.submit(name, job)
 
 
-def run_on(device, fn):
-    """``fn()`` with ``device`` current and nothing recorded into a prepared call (a worker thread's timing)."""
+MEMORY_MARGIN = 1 << 30   # bytes a job leaves free on the GPU beyond twice what it allocates
+
+
+def nbytes(specs) -> int:
+    """Bytes the fresh operands of ``specs`` take (an upper bound: strided extents)."""
+    total = 0
+    for s in specs:
+        if s is None:
+            continue
+        shape, stride, dtype, _ = s
+        extent = 1 + sum((d - 1) * st for d, st in zip(shape, stride) if d > 0)
+        total += extent * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+class NoRoom(Exception):
+    """The GPU has too little free memory for a job now (another model may be running between samples)."""
+
+
+def run_on(device, fn, specs=()):
+    """``fn()`` with ``device`` current and nothing recorded into a prepared call (a worker thread's timing). Raises
+    :class:`NoRoom` (the job is dropped, the config in use stays) unless the GPU has twice the job's operands free
+    plus ``MEMORY_MARGIN``: between samples ComfyUI may be decoding or loading another model."""
     from .launch import not_recorded
     with torch.cuda.device(device), not_recorded():
+        make_room(device, nbytes(specs))
         return fn()
+
+
+def make_room(device, job_bytes: int) -> None:
+    """Raises :class:`NoRoom` unless ``device`` has ``2 * job_bytes + MEMORY_MARGIN`` free."""
+    need = 2 * job_bytes + MEMORY_MARGIN
+    free = torch.cuda.mem_get_info(device)[0]
+    if free < need:
+        raise NoRoom(f"{free >> 20} MiB free, {need >> 20} MiB wanted")

@@ -332,7 +332,7 @@ def _swiglu_config(cfg, a_q, a_scale, w13, w_scale, bias, h, clamp_fp16) -> dict
                                 best = best_of(timed)
                                 cache.put(key, best, gemm.tuning_meta(dev))
                             retune.built(ckey, best)
-                        retune.run_on(dev, work)
+                        retune.run_on(dev, work, specs)
                         retune.forget([_SW_TILE], dev, f, k)
                     retune.submit(f"{what} {key}", job)
                 hit = autotune.choose(cache, key, retune.built_for(ckey), cands, tune, time_fn, check=run, later=later)

@@ -374,6 +374,9 @@ class Router:
         extra = {n: val for n, val in extra.items() if not isinstance(val, torch.Tensor)}
 
         def job(stop):
+            from ..kernel import retune
+            retune.make_room(shapes[0][2], sum(math.prod(sh) * torch.empty((), dtype=dt).element_size() * 2
+                                               for sh, dt, _ in shapes))
             qq, kk, vv = (torch.randn(sh, dtype=dt, device=dev) for sh, dt, dev in shapes)
 
             def time_one(name):

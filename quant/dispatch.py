@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..kernel import autotune, config, deferred, jsoncache, launch
+from ..kernel import autotune, config, deferred, jsoncache, launch, retune
 from . import backends
 
 log = logging.getLogger("int8_fused")
@@ -189,6 +189,7 @@ def _submit_timing(layer, x2d: torch.Tensor, skey: str, cache) -> None:
     import weakref
     ref = weakref.ref(_owner(layer))
     shape, dtype, dev, m = tuple(x2d.shape), x2d.dtype, x2d.device, x2d.shape[0]
+    x2d_size = x2d.element_size()
 
     def job(stop):
         owner = ref()
@@ -196,6 +197,8 @@ def _submit_timing(layer, x2d: torch.Tensor, skey: str, cache) -> None:
             return
         stop()
         import contextlib
+        if dev.type == "cuda":   # the float copy of the weight and the activation (a job leaves the GPU its room)
+            retune.make_room(dev, owner.qweight.numel() * 2 + math.prod(shape) * x2d_size)
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             x = torch.randn(shape, dtype=dtype, device=dev)
             c8, cf, _ = measure(owner, x)

@@ -250,7 +250,7 @@ def stand_in_h200(monkeypatch, tmp_path):
     monkeypatch.setattr(deferred, "QUEUE", q)
     monkeypatch.setattr(retune, "spec", lambda t: t)                    # the stand-ins are their own specs
     monkeypatch.setattr(retune, "fresh", lambda s: s)
-    monkeypatch.setattr(retune, "run_on", lambda dev, fn: fn())
+    monkeypatch.setattr(retune, "run_on", lambda dev, fn, specs=(): fn())
     winner = autotune.hopper_configs()[1]
     st = types.SimpleNamespace(launched=[], timed=[], queue=q, winner=winner)
 
@@ -340,3 +340,58 @@ def test_attention_prediction_by_generation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
     assert attention.predicted(torch.device("cuda", 0)) == "flash"
     assert attention.predicted(torch.device("cpu")) == "flash"
+
+
+def test_a_job_leaves_the_gpu_its_room(monkeypatch):
+    """Between samples ComfyUI may decode or load another model: a job runs only with twice its operands free plus
+    a margin, else it is dropped (the config in use stays)."""
+    specs = [((4608, 12288), (12288, 1), torch.int8, torch.device("cuda", 0)),
+             ((4608,), (0,), torch.float32, torch.device("cuda", 0)),
+             ((3072, 12288), (12288, 1), torch.int8, torch.device("cuda", 0)), None]
+    need = 4608 * 12288 + 4 + 3072 * 12288
+    assert retune.nbytes(specs) == need
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (2 * need + retune.MEMORY_MARGIN - 1, 1 << 40))
+    with pytest.raises(retune.NoRoom):
+        retune.run_on(torch.device("cuda", 0), lambda: pytest.fail("ran without room"), specs)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (2 * need + retune.MEMORY_MARGIN, 1 << 40))
+    assert retune.run_on(torch.device("cuda", 0), lambda: "ran", specs) == "ran"
+
+
+def test_dispatch_in_background_runs_the_prediction_and_times_for_the_next_process(monkeypatch, tmp_path):
+    """A shape without a decision runs the predicted path at once; the queued job times both paths (fake clock) and
+    writes the decision to the cache file; this process keeps the path it ran (same outputs sample after sample);
+    a new process (forget) takes the timed one from the file."""
+    from launch_standins import int8_layer
+    q = deferred.Queue(start_worker=False)
+    monkeypatch.setattr(deferred, "QUEUE", q)
+    timed = []
+
+    def fake_measure(layer, x2d):
+        timed.append(x2d.shape[0])
+        return dispatch.Cost(0.010, 0.010), dispatch.Cost(0.030, 0.030), dispatch.dequantized(layer, x2d.dtype)
+    monkeypatch.setattr(dispatch, "_can_time", lambda dev: True)
+    monkeypatch.setattr(dispatch, "_device_cache", lambda dev: dispatch.DecisionCache(
+        dispatch.cache_path("Fake GPU", "t", "3.6.0")))
+    monkeypatch.setattr(dispatch, "_meta", lambda dev: {"gpu": "Fake GPU"})
+    monkeypatch.setattr(dispatch, "measure", fake_measure)
+    dispatch.forget()
+    try:
+        with config.override(INT8_FUSED_CACHE_DIR=str(tmp_path), INT8_FUSED_TUNE="background"):
+            layer = int8_layer(40, 72, True, True, 0)
+            x = torch.randn(100, 72)
+            layer(x)
+            # predicted: M 100 x N 40 x K 72 is far below the int8 bound -> float; nothing timed on the call
+            assert dict(layer.dispatch_calls) == {"float": 1} and timed == []
+            assert q.pending() == ["dispatch M128_N40_K72_bias_float32"]
+            assert q.drain() == 1 and timed == [100]
+            data = dispatch.DecisionCache(dispatch.cache_path("Fake GPU", "t", "3.6.0"))
+            assert data.get("M128_N40_K72_bias_float32")["path"] == "int8"
+            layer(x)
+            assert dict(layer.dispatch_calls) == {"float": 2}          # this process keeps its path
+            dispatch.forget()
+            fresh = int8_layer(40, 72, True, True, 1)
+            fresh(x)
+            assert dict(fresh.dispatch_calls) == {"int8": 1} and timed == [100] and q.pending() == []
+    finally:
+        dispatch.forget()
