@@ -186,6 +186,20 @@ class Queue:
                 if self._closing:
                     return
             self.run_one(self.stop_check)
+            self._summary()
+
+    def _summary(self) -> None:
+        """One INFO line each time the queue has run empty: what the idle worker did since the last one."""
+        with self._lock:
+            if self._jobs or self.running is not None:
+                return
+            done, stopped, failed = len(self.done), len(self.stopped), len(self.failed)
+            last = getattr(self, "_reported", (0, 0, 0))
+            self._reported = (done, stopped, failed)
+        if (done, stopped, failed) != last:
+            log.info("INT8 background tuning: %d timing job(s) finished between samples (%d stopped by a sample and "
+                     "run again, %d dropped); later calls use what they found", done - last[0],
+                     stopped - last[1], failed - last[2])
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops the worker at its next piece (the process is ending); queued jobs are dropped."""

@@ -192,12 +192,13 @@ def test_queue_idles_after_a_sample_and_a_stopped_job_goes_back_to_the_front():
     assert q.drain() == 2 and pieces == [0, 0, 1, 2, "k"]
 
 
-def test_a_sample_that_starts_while_a_job_times_stops_it_at_its_next_piece(monkeypatch):
+def test_a_sample_that_starts_while_a_job_times_stops_it_at_its_next_piece(monkeypatch, caplog):
     """The worker thread: it starts a job only once no sample has run for IDLE_S; a sample that starts meanwhile
     (``busy``) enters at once, the job stops at its next piece (no result written) and is queued again; once the
     sample has ended and the idle time passed, the job runs to its end."""
     monkeypatch.setattr(deferred, "IDLE_S", 0.05)
     monkeypatch.setattr(deferred, "POLL_S", 0.01)
+    caplog.set_level("INFO", logger="int8_fused")
     q = deferred.Queue()
     started, results, piece_s = threading.Event(), [], 0.02
 
@@ -221,6 +222,10 @@ def test_a_sample_that_starts_while_a_job_times_stops_it_at_its_next_piece(monke
             assert q.pending() == ["gemm N64_K64_M4096"]
         assert entered < 0.01                    # the sample never waits for the job
         assert q.wait_settled(5.0) and results == ["timed"] and q.done == ["gemm N64_K64_M4096"]
+        deadline = time.monotonic() + 2.0
+        while "1 timing job(s) finished" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "INT8 background tuning: 1 timing job(s) finished between samples (1 stopped" in caplog.text
     finally:
         q.close()
 
