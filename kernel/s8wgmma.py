@@ -87,7 +87,40 @@ def ptxas_path(arch: int = 90) -> str:
 
 def assemble(ptx: str, arch: int = 90, fp_fusion: bool = True, extra: str | None = None) -> bytes:
     """A cubin of ``ptx`` for sm_``arch`` (``a``: wgmma needs sm_90a), with the ptxas and flags Triton's own build
-    uses (``--regAllocOptLevel=2``: Triton 3.9's workaround for CUDA 13's ptxas)."""
+    uses (``--regAllocOptLevel=2``: Triton 3.9's workaround for CUDA 13's ptxas). Kept on disk
+    (``cubin_cache``), so a later process assembles nothing, as Triton's own cache serves its builds."""
+    import hashlib
+    ptxas = ptxas_path(arch)
+    try:
+        st = os.stat(ptxas)
+        tool = f"{ptxas}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        tool = ptxas
+    digest = hashlib.sha256("\0".join((ptx, str(arch), str(fp_fusion), str(extra), str(_regalloc_fix()), tool))
+                            .encode()).hexdigest()
+    path = cubin_cache() / f"{digest}.cubin"
+    try:
+        kept = path.read_bytes()
+        if kept.startswith(b"\x7fELF"):   # anything else (a damaged file): assembled again, replaced
+            return kept
+    except OSError:
+        pass
+    cubin = _assemble(ptx, arch, fp_fusion, extra)
+    try:
+        from .atomic import atomic_write
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(cubin))
+    except OSError as e:  # a read-only cache folder: assembled again next time
+        log.debug("s8 wgmma: could not keep the assembled kernel in %s (%s)", path.parent, e)
+    return cubin
+
+
+def cubin_cache() -> Path:
+    """Where assembled s8 kernels are kept: ``$INT8_FUSED_CACHE_DIR/s8-cubin`` (named by a hash of the PTX, the
+    flags and the ptxas binary)."""
+    return Path(config.get("INT8_FUSED_CACHE_DIR")).expanduser() / "s8-cubin"
+
+
+def _assemble(ptx: str, arch: int, fp_fusion: bool, extra: str | None) -> bytes:
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         Path(src).write_text(ptx)

@@ -337,3 +337,27 @@ def test_pack_gemm_kernels_build_for_sm90_as_s8_wgmma_n256(tmp_path):
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 9 and all(" OK " in ln for ln in lines), out[-3000:]
 
+
+
+def test_assembled_kernels_are_kept_on_disk_for_the_next_process(tmp_path, monkeypatch):
+    """A second process assembles nothing: the cubin is kept under INT8_FUSED_CACHE_DIR/s8-cubin, named by the PTX,
+    the flags and the ptxas binary; a damaged file is assembled again and replaced."""
+    from kernel import config, s8wgmma
+    runs = []
+
+    def fake_assemble(ptx, arch, fp_fusion, extra):
+        runs.append((ptx, arch, fp_fusion, extra))
+        return b"\x7fELF" + ptx.encode()
+    monkeypatch.setattr(s8wgmma, "_assemble", fake_assemble)
+    with config.override(INT8_FUSED_CACHE_DIR=str(tmp_path)):
+        a = s8wgmma.assemble("ptx one", 90)
+        assert s8wgmma.assemble("ptx one", 90) == a == b"\x7fELFptx one" and len(runs) == 1
+        s8wgmma.assemble("ptx one", 90, fp_fusion=False)
+        assert len(runs) == 2                                          # other flags: another binary
+        assert s8wgmma.assemble("ptx two", 90) == b"\x7fELFptx two" and len(runs) == 3
+        files = sorted((tmp_path / "s8-cubin").glob("*.cubin"))
+        assert len(files) == 3
+        for f in files:
+            f.write_bytes(b"garbage")
+        assert s8wgmma.assemble("ptx one", 90) == a and len(runs) == 4  # damaged: assembled again
+        assert s8wgmma.assemble("ptx one", 90) == a and len(runs) == 4  # and replaced
