@@ -285,6 +285,11 @@ def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[
 class ModelsBench(SamplerBench):
 
     def __init__(self, a, dynamic: bool, e2e):
+        # benches that build this class from their own arguments (bench/convrot.py) lack the cold suite's
+        for name, default in (("second_res", None), ("second_process", False), ("no_second_process", False),
+                              ("cold", False)):
+            if not hasattr(a, name):
+                setattr(a, name, default)
         super().__init__(a, dynamic, e2e)
         self.ref = {}  # model -> bf16 final latent
         self._core_models: dict = {}  # (model, backbone or None) -> core int8 state dict

@@ -344,7 +344,7 @@ def test_router_int8_runs_the_kernel_and_falls_back_for_what_it_cannot_take(att)
     assert att.int8_reason(q, k, v, mask, {}) == "a mask"
 
 
-def test_auto_times_int8_only_when_the_switch_allows(att):
+def test_auto_times_int8_only_when_the_switch_allows(att, first_call_tuning):
     q, k, v = _qkv(lq=40, lk=50, d=64, seed=6)
     never = lambda *a, **k: pytest.fail("ComfyUI's function called")  # noqa: E731
     fake = {"cudnn": 3.0, "flash": 2.0, "efficient": 4.0, "int8": 1.0}
