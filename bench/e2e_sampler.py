@@ -15,7 +15,11 @@ core_int8+pack:<backend> (the core INT8 backbones through Apply: int8 weights ad
 A ``~<attention>`` suffix sets how attention runs: for pack paths the Apply node's ``attention`` input
 (``auto`` / ``comfy_default`` / ``cudnn`` / ``flash`` / ``efficient`` / ``math`` / ``int8``; no suffix = the node's
 default); for the others ``kitchen`` = core's ModelAttentionBackend "comfy kitchen attention" (comfy-kitchen INT8
-attention), any other mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``).
+attention), any other mode = the pack's attention router alone on the core model (e.g. ``fp8_fast~cudnn``);
+``~user:<name>`` on any path = ComfyUI's registered attention function ``<name>`` set on the model first, as the
+"Model Attention Backend" node sets it (e.g. ``bf16~user:sage``; ``pack:fused_triton~user:sage``: then Apply with
+its default attention, which keeps the user's unless an exact backend is faster). ``~sage`` on a pack path: Apply's
+``sage`` choice.
 A final ``^inductor`` / ``^cudagraphs`` puts ComfyUI's TorchCompileModel node with that backend after the rest
 (e.g. ``pack:fused_triton^cudagraphs``; the node turns DynamicVRAM off for its clone, reloading the model; the
 compile lands in the first sample).
@@ -230,6 +234,14 @@ class SamplerBench:
         # without DynamicVRAM reloads it through this)
         m.cached_patcher_init = (_load_sd, (sd, opts))
         pk = backend if kind == "core_int8" else (base if base.startswith("pack:") else "")
+        if attn.startswith("user:"):  # the user's own attention, as the "Model Attention Backend" node sets it
+            import comfy.ldm.modules.attention as cattn
+            fn = cattn.get_attention_function(attn[len("user:"):], None)
+            if fn is None:
+                raise RuntimeError(f"{path}: ComfyUI has no attention function {attn[len('user:'):]!r} here "
+                                   f"(sage needs the sageattention package)")
+            m.set_model_optimized_attention(fn)
+            attn = ""  # Apply (pack paths) then runs with its default attention
         if pk:
             t0 = time.perf_counter()
             extra = {"attention": attn} if attn else {}

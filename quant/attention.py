@@ -26,19 +26,33 @@ Modes (``MODES``):
                             auto is exact-only: it picks ``int8`` only when the environment switch
                             INT8_FUSED_ATTN_INT8_AUTO=1 (kernel/config.py) adds it to the probe, for calls ``int8``
                             takes; those winners are cached under their own key (suffix ``_int8ok``).
+  sage                      SageAttention through ComfyUI's own ``attention_sage`` (``Router(sage_fn=...)``; the node
+                            lists it only where the ``sageattention`` package imports) for calls it takes: CUDA,
+                            head_dim 64/96/128, no mask (``sage_reason``); every other call runs on the predicted
+                            exact backend (``predicted``), counted under that backend's name.
   int8                      the pack's 8-bit attention (``attention_int8``: INT8 Q·Kᵀ with per-block scales and K
                             smoothing, fp32 online softmax, bf16/fp16 P·V; approximate, ~1e-2 relative error) for
                             calls it takes: no mask, head_dim 64/128/256, bf16/fp16, a CUDA device with Triton
                             usable (sm_80+), heads a multiple of K/V heads. Every other call goes to ComfyUI's
                             function, counted as ``comfy_default``.
 
+The user's attention. A user who started ComfyUI with ``--use-sage-attention`` (``--use-flash-attention``,
+``--use-ck-attention``, xformers, ...) or put an attention node before the pack's (an override set upstream) chose
+it: ``Router(upstream=...)`` passes the calls it does not take to that override, and ``auto`` treats it as a
+candidate (``USER``) next to the exact backends: timed as they are, per shape, and kept unless an exact backend is at
+least ``USER_MARGIN`` (5 %) faster; before it is timed (``INT8_FUSED_TUNE`` background or off) it is kept. Being
+approximate is no reason to drop it: the user chose it. One INFO line says what auto kept or replaced, and why.
+
 What ran: ``Router.counts`` counts calls per backend torch actually picked (``torch._fused_sdp_choice`` under the
-same priority, cached per shape), or ``COMFY`` for calls that went to ComfyUI's function. nodes/timing.py reads the
+same priority, cached per shape), ``sage`` / ``int8``, the user's attention by its name (``sage``, ``flash_attn``,
+``upstream:<name>``: ``chosen_name``, ``upstream_name``), or ``COMFY`` for calls that went to ComfyUI's plain SDPA
+function. nodes/timing.py reads the
 counts around each model call.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import logging
 import math
@@ -53,7 +67,18 @@ COMFY = "comfy_default"
 BACKENDS = ("cudnn", "flash", "efficient", "math")
 INT8 = "int8"
 AUTO = "auto"
-MODES = (COMFY, AUTO) + BACKENDS + (INT8,)
+SAGE = "sage"
+MODES = (COMFY, AUTO) + BACKENDS + (INT8, SAGE)
+USER = "user"  # auto's candidate and cache entry: the attention the user chose (ComfyUI's flags, an upstream override)
+USER_MARGIN = 0.05  # auto replaces the user's attention only with an exact backend at least this much faster
+SAGE_HEAD_DIMS = (64, 96, 128)  # what SageAttention takes (ComfyUI's attention_sage logs an error and falls back else)
+SAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# ComfyUI's attention functions (comfy/ldm/modules/attention.py) that a flag selects in place of its default
+# (attention_pytorch; attention_sub_quad where torch's SDPA is off, as on a CPU): the user's choice, by the name it is
+# shown under.
+CHOSEN_FUNCTIONS = {"attention_sage": "sage", "attention3_sage": "sage3", "attention_flash": "flash_attn",
+                    "attention_xformers": "xformers", "attention_comfy_kitchen_int8": "comfy_kitchen_int8",
+                    "attention_split": "split"}
 INT8_HEAD_DIMS = (64, 128, 256)
 INT8_DTYPES = (torch.float16, torch.bfloat16)
 PROBED = ("cudnn", "flash", "efficient")  # exact fused kernels auto chooses from (math only when none runs)
@@ -75,6 +100,55 @@ COMFY_ORDER = ("flash", "cudnn", "efficient", "math")  # comfy/ops.py SDPA_BACKE
 # are known to go to cuDNN (``Router._which``), the Router calls it directly: the same kernel and bits without the
 # priority context and the dispatcher's backend checks (host time, which paces small steps).
 _CUDNN_OP = getattr(getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None), "default", None)
+
+
+def chosen_name(func) -> str | None:
+    """The name of the attention the user chose that ``func`` (the function ComfyUI hands the override) runs:
+    ``sage`` for ``attention_sage`` (``--use-sage-attention``), ``flash_attn``, ``xformers``, ...; None for ComfyUI's
+    own SDPA function and for anything this module does not know (tests' stand-ins)."""
+    return CHOSEN_FUNCTIONS.get(getattr(func, "__name__", None))
+
+
+def upstream_name(override) -> str:
+    """A short name of an override set before the pack's: ``upstream:<name>``, where ``<name>`` is the ComfyUI
+    attention function it wraps (``ModelPatcher.set_model_optimized_attention``'s closure, e.g. the "Model Attention
+    Backend" node's choice), else its own name."""
+    for cell in getattr(override, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        name = getattr(inner, "__name__", "")
+        if callable(inner) and name.startswith("attention"):
+            return f"upstream:{CHOSEN_FUNCTIONS.get(name, name)}"
+    return f"upstream:{getattr(override, '__name__', type(override).__name__)}"
+
+
+def sage_reason(q, k, v, mask, kwargs, devices=("cuda",)) -> str | None:
+    """None when SageAttention takes this SDPA call (q/k/v [B, H, L, D]), else why not (the call then runs on an
+    exact SDPA backend: ComfyUI's ``attention_sage`` would log an error and fall back on every such call)."""
+    if mask is not None:
+        return "a mask"
+    if kwargs.get("low_precision_attention", True) is False:
+        return "low_precision_attention=False"
+    if q.device.type not in devices:
+        return f"device {q.device}"
+    if q.shape[-1] not in SAGE_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]}"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SAGE_DTYPES:
+        return f"dtype {q.dtype}/{k.dtype}/{v.dtype}"
+    return None
+
+
+def keep_user(best: str | None, times: dict, margin: float = USER_MARGIN) -> str | None:
+    """auto's choice when the user's attention (``USER``) is a candidate: the user's unless an exact backend is at
+    least ``margin`` faster (or the user's could not run)."""
+    user = times.get(USER, math.inf)
+    if not math.isfinite(user):
+        return best
+    exact = {n: t for n, t in times.items() if n != USER and math.isfinite(t)}
+    fastest = min(exact, key=exact.get, default=None)
+    return fastest if fastest is not None and exact[fastest] < user * (1.0 - margin) else USER
 
 
 def check_mode(mode: str) -> str:
@@ -204,8 +278,9 @@ def predicted(device: torch.device) -> str:
 
 
 def valid_entry(key: str, entry) -> bool:
-    """Whether a read entry of the attention cache may be used: ``{"backend": <a backend or int8>, "ms": {..}}``."""
-    return (isinstance(entry, dict) and entry.get("backend") in BACKENDS + (INT8,)
+    """Whether a read entry of the attention cache may be used: ``{"backend": <a backend, int8 or user>, "ms":
+    {..}}`` (``user``: the user's own attention won; only keys with a ``_user-`` part hold it)."""
+    return (isinstance(entry, dict) and entry.get("backend") in BACKENDS + (INT8, USER)
             and isinstance(entry.get("ms", {}), dict))
 
 
@@ -295,23 +370,45 @@ class Router:
     object with ``get(key) -> dict | None`` and ``put(key, dict)`` (default: ``disk_cache(device)``);
     ``probe_devices``: device types ``auto`` probes on (CUDA; tests add "cpu" with a fake ``time_fn``);
     ``int8_devices``: device types ``int8`` runs on (CUDA; tests add "cpu" under TRITON_INTERPRET=1);
-    ``direct_devices``: device types whose cuDNN calls run torch's cuDNN op directly (``direct_cudnn_ok``)."""
+    ``direct_devices``: device types whose cuDNN calls run torch's cuDNN op directly (``direct_cudnn_ok``);
+    ``upstream``: the override set before this one (another attention node), which takes the calls ComfyUI's
+    function would take and is the user's choice for ``auto``; ``sage_fn``: ComfyUI's SageAttention function
+    (``sage`` mode; ``sage_devices``: where it runs, CUDA; tests add "cpu" with a stand-in).
+
+    The user's attention: ``upstream`` when set, else the function ComfyUI hands each call when a flag chose it
+    (``chosen_name``: ``--use-sage-attention`` -> ``attention_sage``). ``auto`` keeps it for a shape unless an exact
+    backend is at least ``USER_MARGIN`` faster there (timed as the exact ones are); calls that go to it count under
+    its name (``sage``, ``upstream:<name>``), calls to ComfyUI's plain SDPA function under ``comfy_default``."""
 
     def __init__(self, mode: str, time_fn=None, cache=None, probe_devices=("cuda",), int8_devices=("cuda",),
-                 direct_devices=("cuda",)):
+                 direct_devices=("cuda",), upstream=None, sage_fn=None, sage_devices=("cuda",)):
         self.mode = check_mode(mode)
         if mode == COMFY:
             raise ValueError("comfy_default installs no override; do not build a Router for it")
+        if mode == SAGE and sage_fn is None:
+            raise ValueError("attention sage needs ComfyUI's SageAttention function (the sageattention package)")
         self.time_fn = time_fn or (lambda name, run: cuda_time(run))
         self.cache, self.probe_devices = cache, tuple(probe_devices)
         self.int8_devices, self.direct_devices = tuple(int8_devices), tuple(direct_devices)
+        self.upstream, self.sage_fn, self.sage_devices = upstream, sage_fn, tuple(sage_devices)
         self.counts: collections.Counter = collections.Counter()  # backend that ran -> calls
-        self.winners: dict = {}  # auto: shape key -> backend name
+        self.winners: dict = {}  # auto: shape key -> backend name (``USER``: the user's attention)
         self.probes: dict = {}   # auto: shape key -> {backend: ms} of the probes this Router ran
         self._ran: dict = {}     # (shape key, strides, order) -> backend torch picks
+        self._told: set = set()  # user attentions whose keeping auto has logged
 
     def __repr__(self):
-        return f"Router({self.mode!r})"
+        return f"Router({self.mode!r})" if self.upstream is None else f"Router({self.mode!r}, upstream={self.upstream!r})"
+
+    def user_choice(self, func) -> str | None:
+        """The name of the user's attention for a call handed ``func`` (class doc), None when there is none."""
+        return upstream_name(self.upstream) if self.upstream is not None else chosen_name(func)
+
+    def _user_fn(self, func):
+        """What runs a call as the user set it up: the upstream override, else ComfyUI's function."""
+        if self.upstream is None:
+            return func
+        return lambda *a, **kw: self.upstream(func, *a, **kw)
 
     def __call__(self, func, *args, **kwargs):
         if sdpa_kernel is None:
@@ -323,9 +420,16 @@ class Router:
             return self._comfy(func, args, kwargs)
         backend = self.mode
         if backend == "auto":
-            backend = self._auto(q, k, v, mask, extra)
-            if backend is None:
+            backend = self._auto(func, args, kwargs, q, k, v, mask, extra)
+            if backend is None or backend == USER:
                 return self._comfy(func, args, kwargs)
+        if backend == SAGE:
+            why = sage_reason(q, k, v, mask, kwargs, self.sage_devices)
+            if why is None:
+                self.counts[SAGE] += 1
+                return self.sage_fn(*args, **kwargs)
+            log.debug("int8_fused attention: sage does not take this call (%s): %s runs it", why, predicted(q.device))
+            backend = predicted(q.device)
         if backend == INT8:
             why = int8_reason(q, k, v, mask, extra, self.int8_devices)
             if why is not None:
@@ -346,8 +450,9 @@ class Router:
         return output(out)
 
     def _comfy(self, func, args, kwargs):
-        self.counts[COMFY] += 1
-        return func(*args, **kwargs)
+        """The call as the user set it up (the upstream override, else ComfyUI's function), counted by its name."""
+        self.counts[self.user_choice(func) or COMFY] += 1
+        return self._user_fn(func)(*args, **kwargs)
 
     def _which(self, q, k, v, mask, extra, names) -> str:
         """The backend torch runs for this call under ``names`` (cached per shape and strides)."""
@@ -365,77 +470,125 @@ class Router:
             self._ran[key] = ran
         return ran
 
-    def _submit_probe(self, q, k, v, extra, with_int8: bool, text: str, cache) -> None:
+    def _pick(self, names, time_one, user: str | None) -> tuple[str, dict]:
+        """The winner of ``names`` (``USER`` among them when the user chose an attention: kept unless an exact
+        backend is ``USER_MARGIN`` faster) and the times; ``math`` when nothing ran."""
+        best, times = pick_fastest(names, time_one)
+        if user is not None:
+            best = keep_user(best, times)
+        return best or "math", times
+
+    def _submit_probe(self, func, args, kwargs, q, k, v, extra, with_int8: bool, user: str | None, text: str,
+                      cache) -> None:
         """Queues the probe of this shape for the idle worker (``kernel.deferred``), on fresh tensors of the call's
-        shapes and dtypes; its winner goes to the cache file only (the running process keeps its backend, so
-        repeated samples give the same output; the next process takes the winner)."""
+        shapes and dtypes (the user's attention, when there is one, on fresh tensors of the call's own arguments);
+        its winner goes to the cache file only (the running process keeps its backend, so repeated samples give the
+        same output; the next process takes the winner)."""
         from ..kernel import deferred
         shapes = [(tuple(t.shape), t.dtype, t.device) for t in (q, k, v)]
         extra = {n: val for n, val in extra.items() if not isinstance(val, torch.Tensor)}
+        user_fn = self._user_fn(func) if user is not None else None
+        rest = args[3:]
+        kw = {n: val for n, val in kwargs.items() if not isinstance(val, torch.Tensor)}
+        arg_shapes = [(tuple(t.shape), t.dtype, t.device) for t in args[:3]]
 
         def job(stop):
             from ..kernel import retune
-            retune.make_room(shapes[0][2], sum(math.prod(sh) * torch.empty((), dtype=dt).element_size() * 2
-                                               for sh, dt, _ in shapes))
+            dev = shapes[0][2]
+            if dev.type == "cuda":  # q, k, v and an output each, twice with the user's own arguments
+                retune.make_room(dev, sum(math.prod(sh) * torch.empty((), dtype=dt).element_size() * 2
+                                          for sh, dt, _ in shapes + (arg_shapes if user_fn is not None else [])))
             qq, kk, vv = (torch.randn(sh, dtype=dt, device=dev) for sh, dt, dev in shapes)
+            if user_fn is not None:  # the user's function takes the call's own argument form
+                uq, uk, uv = (torch.randn(sh, dtype=dt, device=dev) for sh, dt, dev in arg_shapes)
 
             def time_one(name):
                 stop()
 
                 def run():
+                    if name == USER:
+                        return user_fn(uq, uk, uv, *rest, **kw)
                     if name == INT8:
                         return run_int8(qq, kk, vv, extra)
                     with _kernel([name]):
                         return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, **extra)
                 return self.time_fn(name, run)
-            with torch.cuda.device(shapes[0][2]):
-                best, times = pick_fastest(PROBED + ((INT8,) if with_int8 else ()), time_one)
-            cache.put(text, {"backend": best or "math",
-                             "ms": {n: (t if math.isfinite(t) else None) for n, t in times.items()}},
-                      {"gpu": _gpu_name(shapes[0][2]), "torch": torch.__version__})
+            names = ((USER,) if user is not None else ()) + PROBED + ((INT8,) if with_int8 else ())
+            with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+                best, times = self._pick(names, time_one, user)
+            cache.put(text, {"backend": best, "ms": {n: (t if math.isfinite(t) else None) for n, t in times.items()}},
+                      {"gpu": _gpu_name(dev), "torch": torch.__version__})
         deferred.submit(f"attention {text}", job)
 
-    def _auto(self, q, k, v, mask, extra) -> str | None:
-        """The winner for this shape: memory, then the JSON cache, then a probe. None: ComfyUI's function."""
+    def _auto(self, func, args, kwargs, q, k, v, mask, extra) -> str | None:
+        """The winner for this shape: memory, then the JSON cache, then a probe. None: the call as the user set it
+        up (ComfyUI's function or the upstream override); ``USER``: the user's attention won or is kept."""
         if q.device.type not in self.probe_devices:
             return None
+        user = self.user_choice(func)
         with_int8 = int8_auto_allowed() and int8_reason(q, k, v, mask, extra, self.int8_devices) is None
-        key = shape_key(q, k, mask) + (("int8ok",) if with_int8 else ())
+        key = shape_key(q, k, mask) + (("int8ok",) if with_int8 else ()) + ((f"user:{user}",) if user else ())
         hit = self.winners.get(key)
         if hit is not None:
             return hit
         if torch.compiler.is_compiling():  # no file access in a traced graph: an eager call's winner, else ComfyUI's
             return None
         cache = self.cache if self.cache is not None else disk_cache(q.device)
-        text = key_text(key[:9]) + ("_int8ok" if with_int8 else "")
+        text = (key_text(key[:9]) + ("_int8ok" if with_int8 else "")
+                + (f"_user-{re.sub(r'[^A-Za-z0-9.]+', '-', user)}" if user else ""))
         stored = cache.get(text)
-        if stored and (stored.get("backend") in BACKENDS or (with_int8 and stored.get("backend") == INT8)):
+        allowed = BACKENDS + ((INT8,) if with_int8 else ()) + ((USER,) if user else ())
+        if stored and stored.get("backend") in allowed:
             self.winners[key] = stored["backend"]
+            self._tell(user, text, stored["backend"], stored.get("ms") or {}, "timed earlier")
             return stored["backend"]
 
         from ..kernel import deferred
         tune = deferred.mode()
         if tune != "first_call":   # no probe on the critical path: the predicted backend now, the probe later
-            guess = predicted(q.device)
+            guess = USER if user else predicted(q.device)
             self.winners[key] = guess
             if tune == "background" and mask is None:
-                self._submit_probe(q, k, v, extra, with_int8, text, cache)
+                self._submit_probe(func, args, kwargs, q, k, v, extra, with_int8, user, text, cache)
+            self._tell(user, text, guess, {}, "kept until it is timed between samples (the next process takes "
+                       "the result)" if tune == "background" and mask is None else "kept: not timed")
             return guess
+
+        user_fn = self._user_fn(func)
 
         def time_one(name):
             def run():
+                if name == USER:
+                    return user_fn(*args, **kwargs)
                 if name == INT8:
                     return run_int8(q, k, v, extra)
                 with _kernel([name]):  # that backend alone: one that cannot take the call raises
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
             return self.time_fn(name, run)
-        names = PROBED + ((INT8,) if with_int8 else ())
+        names = ((USER,) if user else ()) + PROBED + ((INT8,) if with_int8 else ())
         with _progress().task("attention", text, f"{len(names)} backends", getattr(cache, "path", None)):
-            best, times = pick_fastest(names, time_one)
-        best = best or "math"
+            best, times = self._pick(names, time_one, user)
         self.winners[key], self.probes[key] = best, times
         cache.put(text, {"backend": best, "ms": {n: (t if math.isfinite(t) else None) for n, t in times.items()}},
                   {"gpu": _gpu_name(q.device), "torch": torch.__version__})
-        log.info("int8_fused attention auto %s: %s (%s)", text, best,
-                 ", ".join(f"{n} {t:.3f} ms" if math.isfinite(t) else f"{n} cannot run" for n, t in times.items()))
+        shown = {(user if n == USER else n): t for n, t in times.items()}
+        log.info("int8_fused attention auto %s: %s (%s)", text, user if best == USER else best,
+                 ", ".join(f"{n} {t:.3f} ms" if math.isfinite(t) else f"{n} cannot run" for n, t in shown.items()))
+        if user:
+            self._tell(user, text, best, times, "timed now")
         return best
+
+    def _tell(self, user: str | None, text: str, backend: str, ms: dict, how: str) -> None:
+        """One INFO line per user attention and outcome: auto kept it, or which exact backend replaced it and why."""
+        if user is None or (user, backend == USER) in self._told:
+            return
+        self._told.add((user, backend == USER))
+        if backend == USER:
+            log.info("int8_fused attention auto: your attention (%s) runs (%s; %s)", user, how, text)
+        else:
+            t_user, t_best = ms.get(USER), ms.get(backend)
+            timed = all(isinstance(t, (int, float)) and math.isfinite(t) for t in (t_user, t_best))
+            why = (f"{t_best:.3f} ms against {t_user:.3f} ms, at least {round(USER_MARGIN * 100)} % faster"
+                   if timed else "yours could not run this call")
+            log.info("int8_fused attention auto: %s replaces your attention (%s) on %s: %s (%s)", backend, user, text,
+                     why, how)

@@ -311,6 +311,8 @@ import importlib.util, os, sys
 sys.path.insert(0, {cur!r})
 import comfy.cli_args
 comfy.cli_args.args.cpu = True
+for _name, _value in {cli!r}.items():  # flags as `main.py --<name>` would set them (run_in_current_comfy's cli)
+    setattr(comfy.cli_args.args, _name, _value)
 import comfy.model_management, comfy.sd
 import utils.extra_config  # before nodes.py puts comfy/ first on sys.path, as main.py does
 import nodes as _comfy_nodes
@@ -339,17 +341,20 @@ def sample_image_only_cfg(model, positive, latent, steps=2, model_negative=None,
 
 
 def run_in_current_comfy(script_text: str, timeout: float = 900.0, check: bool = False,
-                         env: dict | None = None) -> subprocess.CompletedProcess:
+                         env: dict | None = None, cli: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``script_text`` in a fresh Python with the COMFYUI_CURRENT checkout first on sys.path, the
     CPU selected, comfy.sd and ComfyUI's nodes imported, the repo root on sys.path, ``kernel``, ``quant`` and
     ``adapters`` the pack's subpackages (``pack_import.install()``) and ``import_pack()`` defined (the pack as
     module "comfyui_int8_fused").
+    ``cli``: ComfyUI's command-line arguments to set before comfy is imported ({"use_sage_attention": True} is
+    ``main.py --use-sage-attention``).
     Python: COMFYUI_CURRENT_PYTHON, else this interpreter. cwd is the checkout.
     Returns the CompletedProcess (text stdout/stderr); ``check=True`` raises with both on failure."""
     cur, reason = current_comfy_dir()
     if cur is None:
         raise RuntimeError(reason)
-    code = _CURRENT_PRELUDE.format(cur=str(cur), root=str(ROOT), tests=str(ROOT / "tests")) + textwrap.dedent(script_text)
+    code = (_CURRENT_PRELUDE.format(cur=str(cur), root=str(ROOT), tests=str(ROOT / "tests"), cli=dict(cli or {}))
+            + textwrap.dedent(script_text))
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("TRITON_INTERPRET", "1")
     python = os.environ.get("COMFYUI_CURRENT_PYTHON") or sys.executable

@@ -256,8 +256,8 @@ def test_pick_fastest_and_orders(att):
     assert att.order("cudnn") == ("cudnn", "flash", "efficient", "math")
     assert att.order("efficient") == ("efficient", "flash", "cudnn", "math")
     assert att.order("math") == ("math",)
-    with pytest.raises(ValueError, match="choose one of comfy_default, auto, cudnn"):
-        att.check_mode("sage")
+    with pytest.raises(ValueError, match="choose one of comfy_default, auto, cudnn.*int8, sage"):
+        att.check_mode("xformers")
 
 
 # ------------------------------------------------------------------------------------ through the Apply node
@@ -375,3 +375,175 @@ def test_auto_under_torch_compile_reads_no_file_and_breaks_no_graph(att, tmp_pat
     torch._dynamo.reset()
     out = fn(q, k, v)
     assert torch.allclose(out.double(), _ref(q, k, v), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ the attention the user chose
+def _recording(name, calls, scale_out=1.0):
+    """A stand-in of one of ComfyUI's attention functions, named as ComfyUI names it (``attention_sage`` is what
+    ``--use-sage-attention`` selects): records each call, computes exact SDPA (times ``scale_out``, to tell its
+    output apart)."""
+    def fn(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
+        calls.append(tuple(q.shape))
+        assert skip_reshape and skip_output_reshape
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask) * scale_out
+    fn.__name__ = name
+    return fn
+
+
+def test_auto_keeps_the_users_attention_unless_an_exact_backend_is_clearly_faster(att, first_call_tuning, caplog):
+    """ComfyUI started with --use-sage-attention hands the override ``attention_sage``: auto times it with the exact
+    backends and keeps it unless one is at least USER_MARGIN faster; the winner is cached under a key naming it."""
+    calls = []
+    sage = _recording("attention_sage", calls, scale_out=2.0)
+    # on a CPU only torch's flash kernel runs of the exact ones (cudnn / efficient raise: "cannot run")
+    fake = {"user": 1.00, "cudnn": 0.5, "flash": 0.97, "efficient": 0.5}  # flash 3 % faster: within the margin
+
+    def time_fn(name, run):
+        out = run()
+        assert out.shape[:2] == (2, 4)
+        return fake[name]
+
+    cache = _MemCache()
+    router = att.Router("auto", time_fn=time_fn, cache=cache, probe_devices=("cpu",))
+    q, k, v = _qkv()
+    with caplog.at_level("INFO", logger="int8_fused"):
+        out = router(sage, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert torch.allclose(out.double(), 2 * _ref(q, k, v), atol=1e-5)  # the user's function gave the output
+    key = att.shape_key(q, k, None) + ("user:sage",)
+    assert router.winners == {key: "user"} and dict(router.counts) == {"sage": 1}
+    text = att.key_text(key[:9]) + "_user-sage"
+    assert cache.data[text]["backend"] == "user" and cache.data[text]["ms"]["user"] == 1.0
+    assert any("your attention (sage) runs" in r.getMessage() for r in caplog.records)
+    # another shape where flash is 10 % faster: flash replaces it there, said with both times
+    fake.update(flash=0.90)
+    q2, k2, v2 = _qkv(lq=9)
+    with caplog.at_level("INFO", logger="int8_fused"):
+        out = router(sage, q2, k2, v2, 4, skip_reshape=True, skip_output_reshape=True)
+    assert torch.allclose(out.double(), _ref(q2, k2, v2), atol=1e-5)
+    assert router.counts["sage"] == 1 and sum(router.counts.values()) == 2
+    assert any("flash replaces your attention (sage)" in r.getMessage() and "0.900 ms against 1.000 ms"
+               in r.getMessage() for r in caplog.records)
+    # a user's function that cannot run loses to the fastest exact backend
+    fake.update(user=math.inf)
+    q3, k3, v3 = _qkv(lk=11)
+    router(_recording("attention_sage", [], 2.0), q3, k3, v3, 4, skip_reshape=True, skip_output_reshape=True)
+    assert router.winners[att.shape_key(q3, k3, None) + ("user:sage",)] == "flash"
+    # a new process reads the winners and times nothing; without a user's choice the same shape is its own key
+    again = att.Router("auto", time_fn=lambda n, r: pytest.fail("probed a cached shape"), cache=cache,
+                       probe_devices=("cpu",))
+    n = len(calls)
+    again(sage, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(calls) == n + 1 and dict(again.counts) == {"sage": 1}
+
+
+def test_keep_user_margin(att):
+    assert att.keep_user("cudnn", {"user": 1.0, "cudnn": 0.951}) == "user"
+    assert att.keep_user("cudnn", {"user": 1.0, "cudnn": 0.949}) == "cudnn"
+    assert att.keep_user("flash", {"user": math.inf, "flash": 2.0, "cudnn": math.inf}) == "flash"
+    assert att.keep_user(None, {"user": 3.0, "cudnn": math.inf}) == "user"
+
+
+def test_auto_in_background_keeps_the_users_attention_and_times_it_for_the_next_process(att, pack, monkeypatch):
+    """INT8_FUSED_TUNE=background (the default): the user's attention runs at once; the queued job times it on fresh
+    tensors of the call's own argument form next to the exact backends and writes the winner for the next process;
+    this process keeps the user's attention."""
+    from kernel import config, deferred
+    q_ = deferred.Queue(start_worker=False)
+    monkeypatch.setattr(deferred, "QUEUE", q_)
+    calls = []
+    sage = _recording("attention_sage", calls, scale_out=2.0)
+    timed = []
+
+    def time_fn(name, run):
+        timed.append(name)
+        out = run()  # on a CPU cudnn and efficient raise here: "cannot run"
+        assert tuple(out.shape) == (2, 4, 5, 8)
+        return {"user": 2.0, "flash": 1.5}[name]
+
+    cache = _MemCache()
+    router = att.Router("auto", time_fn=time_fn, cache=cache, probe_devices=("cpu",))
+    q, k, v = _qkv()
+    with config.override(INT8_FUSED_TUNE="background"):
+        out = router(sage, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        assert torch.allclose(out.double(), 2 * _ref(q, k, v), atol=1e-5) and timed == []
+        assert len(q_.pending()) == 1 and q_.drain() == 1
+    assert timed == ["user", "cudnn", "flash", "efficient"]
+    assert len(calls) == 2 and calls[1] == calls[0]  # the call, then the probe on fresh tensors of the same form
+    (entry,) = cache.data.values()
+    assert entry == {"backend": "flash", "ms": {"user": 2.0, "cudnn": None, "flash": 1.5, "efficient": None}}
+    out = router(sage, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)  # this process keeps the user's
+    assert torch.allclose(out.double(), 2 * _ref(q, k, v), atol=1e-5) and dict(router.counts) == {"sage": 2}
+
+
+def test_sage_mode_runs_comfyuis_sage_function_for_the_calls_it_takes(att):
+    """``sage``: ComfyUI's SageAttention function (a recording stand-in, allowed on the CPU here) for head_dim
+    64/96/128 without a mask; any other call runs on an exact backend, counted under it."""
+    calls = []
+    sage = _recording("attention_sage", calls, scale_out=2.0)
+    with pytest.raises(ValueError, match="sage needs"):
+        att.Router("sage")
+    router = att.Router("sage", sage_fn=sage, sage_devices=("cpu",))
+    never = lambda *a, **k: pytest.fail("ComfyUI's function ran")  # noqa: E731
+    q, k, v = _qkv(d=64)
+    out = router(never, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert torch.allclose(out.double(), 2 * _ref(q, k, v), atol=1e-5) and len(calls) == 1
+    q8, k8, v8 = _qkv(d=8)  # head_dim 8: not SageAttention's
+    out = router(never, q8, k8, v8, 4, skip_reshape=True, skip_output_reshape=True)
+    assert torch.allclose(out.double(), _ref(q8, k8, v8), atol=1e-5)
+    mask = _masks()["4d bool"]  # a mask: an exact backend too
+    out = router(never, q, k, v, 4, mask=mask, skip_reshape=True, skip_output_reshape=True)
+    assert torch.allclose(out.double(), _ref(q, k, v, mask), atol=1e-5)
+    assert len(calls) == 1 and router.counts["sage"] == 1 and sum(router.counts.values()) == 3
+    assert set(router.counts) - {"sage"} <= {"flash", "math"}
+    # on a device SageAttention does not run on (its default: CUDA only) nothing goes to it
+    cpu_router = att.Router("sage", sage_fn=sage)
+    cpu_router(never, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(calls) == 1 and "sage" not in cpu_router.counts
+
+
+def test_an_upstream_override_survives_apply(pack, comfy):
+    """An attention node before Apply (an override in transformer_options) is the user's choice: auto keeps it (on
+    a CPU every call goes to it, counted under its name); an explicit backend runs in its place and hands it what it
+    does not take; comfy_default leaves it; a second Apply keeps the same upstream, not the first Router."""
+    import comfy_harness
+    att = pack.quant.attention
+    node = pack.nodes.apply.ApplyFusedInt8GEMM()
+    m = comfy_harness.load_tiny("flux")
+    want = _run_model(comfy, node.apply(m, "bf16", attention="comfy_default")[0], "flux")
+    calls = []
+
+    def my_override(func, *args, **kwargs):
+        calls.append(func.__name__)
+        return func(*args, **kwargs)
+
+    up = m.clone()
+    up.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = my_override
+    (auto,) = node.apply(up, "bf16")  # the default: auto
+    router = auto.model_options["transformer_options"]["optimized_attention_override"]
+    assert isinstance(router, att.Router) and router.upstream is my_override
+    got = _run_model(comfy, auto, "flux")
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert len(calls) > 0 and dict(router.counts) == {"upstream:my_override": len(calls)}
+    (again,) = node.apply(auto, "bf16", attention="auto")
+    assert again.model_options["transformer_options"]["optimized_attention_override"].upstream is my_override
+    n = len(calls)
+    (routed,) = node.apply(up, "bf16", attention="math")
+    got = _run_model(comfy, routed, "flux")
+    assert float((got - want).norm() / want.norm()) < 1e-5 and len(calls) == n
+    r = routed.model_options["transformer_options"]["optimized_attention_override"]
+    q, k, v = _qkv()
+    r(lambda *a, **kw: "comfy", q, k, v, 4, skip_reshape=True, unknown_keyword=1)  # a call math does not take
+    assert calls[-1] == "<lambda>" and r.counts["upstream:my_override"] == 1
+    (plain,) = node.apply(up, "bf16", attention="comfy_default")
+    assert plain.model_options["transformer_options"]["optimized_attention_override"] is my_override
+
+
+def test_upstream_names(att):
+    def optimized_attention_override(_, *args, **kwargs):  # as ModelPatcher.set_model_optimized_attention builds it
+        return attention_sage(*args, **kwargs)
+
+    def attention_sage(*a, **k):
+        return None
+    assert att.upstream_name(optimized_attention_override) == "upstream:sage"
+    assert att.upstream_name(lambda f, *a, **k: f(*a, **k)) == "upstream:<lambda>"
+    assert att.chosen_name(attention_sage) == "sage" and att.chosen_name(lambda: 0) is None
