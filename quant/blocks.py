@@ -144,8 +144,17 @@ def gemm(a_q, a_s, layer, dtype):
     (``Int8Linear.gemm_call``: ComfyUI's cast when ComfyUI manages the weights, prepared launches)."""
     if compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
         with layer.operands(a_q.device) as t:
-            return torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype)
-    return layer.gemm_call(a_q, a_s, dtype)
+            y = torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype)
+    else:
+        y = layer.gemm_call(a_q, a_s, dtype)
+    lora = layer.derived.lora
+    if lora is None:
+        return y
+    if rotation(layer):  # its codes are of the rotated input: never fed here (norm_fusable), said if it were
+        raise RuntimeError(f"INT8 layer {layer.name or '?'} is a ConvRot layer with LoRA side branches fed a "
+                           "pre-quantized input; load that LoRA BEFORE 'Apply Fused INT8 GEMM'")
+    # LoRA after Apply (quant.lora): the low-rank branch reads the same int8 input, added to the output
+    return lora.add_quantized(a_q, a_s, y, inv_smooth_of(layer, a_q.device))
 
 
 def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):
@@ -171,8 +180,9 @@ def act_quant(x2, inv_smooth):
 
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; a fused_triton Int8Linear runs as quantize + GEMM here (the same two kernels its backend
-    launches) so that torch.compile sees the custom ops instead of the backend registry."""
-    if not fusable(layer):
+    launches) so that torch.compile sees the custom ops instead of the backend registry. A layer with LoRA branches
+    runs its module call (the branch then reads the float input ``x``)."""
+    if not fusable(layer) or layer.derived.lora is not None:
         return layer(x)
     if not compiling():
         return layer.int8_call(x)  # the same two kernels, prepared (Int8Linear.int8_call)
@@ -254,10 +264,9 @@ def promote(*ts: torch.Tensor) -> torch.dtype:
 
 def fusable(layer) -> bool:
     """Whether ``layer`` is an Int8Linear on a backend whose input the kernels feed (its record declares
-    ``feeds_fused``: fused_triton); not a ConvRot layer (``quant.convrot``: it rotates its float input itself); not a
-    layer with LoRA branches this run (``quant.lora``: the branch needs the float input, so the layer runs as a module
-    call)."""
-    return (_fed(layer) and not getattr(layer, "rotation", 0) and layer.derived.lora is None)
+    ``feeds_fused``: fused_triton); not a ConvRot layer (``quant.convrot``: it rotates its float input itself). A layer
+    with LoRA branches this run (``quant.lora``) stays fusable: :func:`gemm` adds its branch from the int8 input."""
+    return _fed(layer) and not getattr(layer, "rotation", 0)
 
 
 def _fed(layer) -> bool:
@@ -297,12 +306,14 @@ _LAYERS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictiona
 
 
 def lora_active(module: nn.Module) -> bool:
-    """Whether an INT8 layer under ``module`` carries LoRA branches this run (``quant.lora``): a fused block that
-    feeds a layer pre-quantized input without a per-layer :func:`fusable` check then runs its per-linear path."""
+    """Whether an INT8 layer under ``module`` carries LoRA branches this run (``quant.lora``) that cannot read its
+    int8 input: a ConvRot layer's (its codes are of the rotated input). A fused block that feeds a layer pre-quantized
+    input without a per-layer :func:`norm_fusable` check then runs its per-linear path. Unrotated layers' branches
+    run inside the fused block (:func:`gemm`)."""
     ls = _LAYERS.get(module)
     if ls is None:
         ls = _LAYERS[module] = tuple(m for m in module.modules() if isinstance(m, Int8Linear))
-    return any(m.derived.lora is not None for m in ls)
+    return any(m.derived.lora is not None and rotation(m) for m in ls)
 
 
 _SMALL: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -601,8 +612,9 @@ class FusedFeedForward(nn.Module):
 
     def forward_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """From the already-quantized input (int8 [M, K], fp32 [M]) -> [M, dim] in ``dtype``."""
-        if act_fusable(self.w2) and not compiling():
-            # [M, F] from the GEMM's epilogue, then quantized for w2 (rotated first for a ConvRot w2)
+        if act_fusable(self.w2) and not compiling() and self.w13.derived.lora is None:
+            # [M, F] from the GEMM's epilogue, then quantized for w2 (rotated first for a ConvRot w2); a LoRA on
+            # w1 / w3 has to reach [a | b] before the SwiGLU: the GEMM then writes [a | b] (below)
             h = gemm_swiglu(a_q, a_s, self.w13, dtype, self.clamp_fp16)
             return gemm(*input_quant(self.w2, h), self.w2, dtype)
         h13 = gemm(a_q, a_s, self.w13, dtype)

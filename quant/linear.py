@@ -371,12 +371,8 @@ class Int8Linear(nn.Module):
 
     def gemm_call(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``kernel.int8_gemm`` of an already-quantized input (int8 [M, K], fp32 [M]) with this layer's weight ->
-        [M, N] in ``dtype``, prepared like :meth:`int8_call`. Refused while the layer has LoRA branches (they need
-        the float input: fused modules run such a layer through its module call)."""
-        if self.derived.lora is not None:
-            raise RuntimeError(f"INT8 layer {self.name or '?'} has LoRA side branches but was fed a pre-quantized "
-                               "input by a fused module that has no per-linear path for it. Load that LoRA BEFORE "
-                               "'Apply Fused INT8 GEMM', or set INT8_FUSED_FUSION=0")
+        [M, N] in ``dtype``, prepared like :meth:`int8_call`. The GEMM alone: LoRA branches are the caller's
+        (``quant.blocks.gemm`` adds them from the int8 input; a module call adds them from its float input)."""
         if self._resident(a_q.device):
             p = self._parameters
             return self._planned(("gemm", a_q.shape, dtype), (a_q, a_s, p["weight"], p["weight_scale"],

@@ -161,6 +161,35 @@ class Branches:
             b = b.to(dtype)
         return d, u, b
 
+    def down_from_codes(self, d: torch.Tensor, inv_smooth: torch.Tensor | None) -> torch.Tensor:
+        """D with the layer's smoothing folded in, for an input read as int8 codes of ``x * inv_smooth``: D / inv_smooth
+        (computed in fp32, rounded once), made once per device, dtype and smoothing vector."""
+        if inv_smooth is None:
+            return d
+        key = (d.device, d.dtype, "smoothed")
+        hit = self._dev.get(key)
+        if hit is None or hit[0] is not inv_smooth:
+            hit = self._dev[key] = (inv_smooth, (d.float() / inv_smooth.float()).to(d.dtype))
+        return hit[1]
+
+    def add_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, y: torch.Tensor,
+                      inv_smooth: torch.Tensor | None = None) -> torch.Tensor:
+        """``y`` (the int8 GEMM's output [M, N]) plus the branches, the down-projection read from the GEMM's own
+        int8 input (a_q [M, K] int8, a_s [M] fp32: the codes of ``x * inv_smooth``, x = a_q * a_s / inv_smooth):
+        ``h = (a_q D_s^T) * a_s`` (a_q exact in ``y``'s dtype, the product accumulated in fp32 by the GEMM, the
+        per-token scale applied in fp32), then ``y + h U^T`` in one addmm. A fused block keeps its kernels: the
+        branch costs two small GEMMs, not the block's per-linear path. Against :meth:`add` (the float input) the
+        only difference is the input's int8 rounding inside the low-rank term."""
+        d, u, b = self.operands(y.device, y.dtype)
+        y2 = y.reshape(-1, self.n)
+        if d is not None:
+            h = a_q.reshape(-1, self.k).to(y.dtype) @ self.down_from_codes(d, inv_smooth).t()
+            h = (h.float() * a_s.reshape(-1, 1).float()).to(y.dtype)
+            y2 = torch.addmm(y2, h, u.t())
+        if b is not None:
+            y2 = y2 + b
+        return y2.reshape(y.shape)
+
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the int8 output for input ``x``) plus the branches, in y's dtype."""
         d, u, b = self.operands(y.device, y.dtype)

@@ -6,6 +6,9 @@ References and bounds
 ---------------------
 * H: the Apply'd model WITHOUT the LoRA, with each targeted INT8 layer's output plus ``s * (x A^T) B^T`` computed in
   float64 from the file's tensors (forward hooks; Apply with INT8_FUSED_FUSION=0 so every layer is a module call).
+  On fused_triton the fused blocks stay fused with a LoRA and its branch reads the GEMM's own int8 input (the codes
+  of x per token): there H's x is that input, rounded in float64 by a quantizer written here (``_int8_input``),
+  and the test checks that every branch ran that way (no block fell back to its per-linear path).
   The runtime branch R runs the same int8 base layers and adds the same term rounded in fp32 (relative ~K * 2^-24),
   so R and H differ only where such a rounding moves a downstream activation across an int8 rounding boundary: a
   one-step change of a vanishing fraction of the codes, against the model's int8 error, where every code is
@@ -59,8 +62,19 @@ def _sample(cs, model):
     return cs.sample(model, noise, 1, 1.0, "euler", "simple", pos, pos, latent, seed=0, disable_pbar=True).float()
 
 
-def _hooked(base, loras, targets=TARGETS):
-    """Forward hooks adding sum_i s_i (x A_i^T) B_i^T in float64 to the INT8 layers of ``base``."""
+def _int8_input(x, inv_smooth):
+    """x as the int8 GEMM reads it, in float64: the codes of ``x * inv_smooth`` per token (step max|row| / 127,
+    round half to even, as torch.round), times the step, divided by inv_smooth again."""
+    xs = x * (1.0 if inv_smooth is None else inv_smooth.double())
+    step = xs.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127.0
+    q = torch.round(xs / step).clamp(-127, 127) * step
+    return q / (1.0 if inv_smooth is None else inv_smooth.double())
+
+
+def _hooked(base, loras, targets=TARGETS, from_codes=False):
+    """Forward hooks adding sum_i s_i (x A_i^T) B_i^T in float64 to the INT8 layers of ``base``; ``from_codes``: x as
+    the int8 GEMM reads it (``_int8_input``), which is what a fused block's LoRA branch reads (quant.lora
+    ``add_quantized``)."""
     hooks = []
     for t in targets:
         layer = base.object_patches.get(PREFIX + t)
@@ -68,6 +82,8 @@ def _hooked(base, loras, targets=TARGETS):
 
         def hook(m, inp, out, t=t):
             x = inp[0].double()
+            if from_codes:
+                x = _int8_input(x, getattr(m, "inv_smooth", None))
             add = 0
             for sd, strength in loras:
                 a, b = sd[f"{PREFIX}{t}.lora_down.weight"].double(), sd[f"{PREFIX}{t}.lora_up.weight"].double()
@@ -101,12 +117,24 @@ def test_lora_after_apply_runs_as_side_branch(env, tiny_model, backend, monkeypa
 
     f0 = _sample(cs, mp)
     f1 = _sample(cs, loader.load_lora_model_only(mp, "one.safetensors", 1.0)[0])
-    r1 = _sample(cs, loader.load_lora_model_only(q, "one.safetensors", 1.0)[0])
+    ran = []  # which branch form ran: from the int8 codes (fused block) or from the float input (module call)
+    br = pack.quant.lora.Branches
+    with pytest.MonkeyPatch.context() as mp_:
+        for name in ("add", "add_quantized"):
+            mp_.setattr(br, name, lambda self, *a, _f=getattr(br, name), _n=name: ran.append(_n) or _f(self, *a))
+        r1 = _sample(cs, loader.load_lora_model_only(q, "one.safetensors", 1.0)[0])
+    # fused_triton: every target is fed by a fused block's kernel, which stays fused: all four branches read the
+    # codes (2 CFG-batched model calls: 1 euler step, cond and uncond in one call); torch_int_mm: module calls
+    assert sorted(set(ran)) == (["add_quantized"] if backend == "fused_triton" else ["add"]), ran
+    assert len(ran) == len(TARGETS)
     import comfy.model_management as mm
     mm.unload_all_models()  # the per-linear twin below and the fused clones above patch nested names of one tree
     with config.override(INT8_FUSED_FUSION=False):
         h = apply.apply(mp, backend)[0]
-    hooks = _hooked(h, [(sd1, 1.0)])
+    # fused_triton's fused blocks feed the LoRA branch the GEMM's own int8 input (the block stays fused): its
+    # reference reads x through the same rounding; torch_int_mm runs each layer as a module call (float x)
+    codes = backend == "fused_triton"
+    hooks = _hooked(h, [(sd1, 1.0)], from_codes=codes)
     try:
         h1 = _sample(cs, h)
     finally:
@@ -126,7 +154,7 @@ def test_lora_after_apply_runs_as_side_branch(env, tiny_model, backend, monkeypa
     mm.unload_all_models()
     r2 = _sample(cs, q2)
     assert len(quantized) == n_before
-    hooks = _hooked(h, [(sd1, -0.7), (sd2, 0.5)])
+    hooks = _hooked(h, [(sd1, -0.7), (sd2, 0.5)], from_codes=codes)
     try:
         h2 = _sample(cs, h)
     finally:

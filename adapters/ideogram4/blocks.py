@@ -128,8 +128,8 @@ class FusedIdeogram4Block(qb.FetchedBlock):
         scale_msa, gate_msa, scale_mlp, gate_mlp = qb.adaln_chunks(mod)  # 1 + s, tanh(g): two launches, not four
         b, l, k = x.shape
         attn, ff = self.attention, self.feed_forward
-        # a GEMM whose layer carries LoRA branches this run (quant.lora; fusable() False) takes the float input
-        # through its module call: that part runs as ComfyUI's ops, the rest stays fused
+        # a GEMM the norm kernel cannot feed (kept float, another backend, a ConvRot layer with LoRA branches this
+        # run) takes the float input through its module call: that part runs as ComfyUI's ops, the rest stays fused
         if not qb.norm_fusable(attn.qkv):
             attn_out = attn(qb.rms(self.attention_norm1, x) * scale_msa, attn_mask, freqs_cis, transformer_options)
         else:  # a ConvRot qkv: the norm kernel rotates too
