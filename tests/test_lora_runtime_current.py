@@ -4,14 +4,15 @@ sampled by ComfyUI's own sampler. Helpers and the bound argument: tests/test_lor
 
 * tiny Flux after "Apply Fused INT8 GEMM" (fused_triton, fused blocks), as test_lora_runtime does on 0.3.75;
 * a tiny Ideogram 4 (ComfyUI's Ideogram4 BaseModel at width 128, fp32, 2 blocks) after Apply on fused_triton, a LoRA
-  on layers.0's qkv and w1 and layers.1's w3: layers.0 runs attention and FeedForward per linear, layers.1 its
-  attention fused and its FeedForward per linear (the branch needs the float input);
+  on layers.0's qkv and w1 and layers.1's w3: both blocks stay fused, each branch reading its GEMM's int8 input;
 * "Load Ideogram 4.0 INT8" (real widths, 1 layer, dequant_bf16), both outputs through DualModelGuider with the LoRA
   on each: the negative model's OUTER_SAMPLE wrappers never run, its branches come from its PREPARE_SAMPLING one.
 
 Per model: R the runtime branch, H the same INT8 model without the LoRA plus the LoRA term computed in float64 by
 forward hooks, F the float model with the LoRA patched by ComfyUI, F0 without it, M the LoRA merged then quantized.
-R and H share every int8 base layer and differ only by the rounding of the branch term in the model dtype (fp32:
+On fused_triton H's hooks read x as the GEMM reads it (the codes per token, ``tlr._int8_input``), as the fused
+blocks' branches do. R and H share every int8 base layer and differ only by the rounding of the branch term in the
+model dtype (fp32:
 relative ~K 2^-24; the loader's bf16: 2^-8 of the term, against a LoRA effect of tens of percent), and where that
 moves a later activation across an int8 rounding boundary. Bounds as test_lora_runtime.py derives them:
 ||R - H|| <= 0.1 ||H - F|| (INT8 models with a float reference), ||R - F|| <= 2 ||M - F||, ||F - F0|| >= 5 ||H - F||;
@@ -74,7 +75,7 @@ def _compare(pack, mp, lora_name, sd, targets, run, strength=1.0):
     mm.unload_all_models()  # the per-linear twin below and the fused clones above patch nested names of one tree
     with config.override(INT8_FUSED_FUSION=False):
         h = apply.apply(mp, "fused_triton")[0]
-    hooks = tlr._hooked(h, [(sd, strength)], targets)
+    hooks = tlr._hooked(h, [(sd, strength)], targets, from_codes=True)  # fused blocks: the branch reads the codes
     try:
         h1 = run(h)
     finally:
