@@ -246,9 +246,9 @@ def second_latent(name: str, latent: tuple, hw: tuple[int, int], tiny: bool) -> 
     return (*latent[:-2], *sides)
 
 
-def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[dict, str]:
-    """Full key layout of the ComfyUI model for ``cfg`` (built on the meta device), seeded random values made on
-    ``gen_device``, returned on the CPU; and the name of the supported_models class the config selects."""
+def random_layout(name: str, cfg: dict) -> tuple[list, str]:
+    """([(key, shape, bf16)] of every parameter of the ComfyUI model for ``cfg``, built on the meta device; the name
+    of the supported_models class the config selects)."""
     import torch
     import comfy.model_detection
     mc = comfy.model_detection.model_config_from_unet_config(cfg)
@@ -262,10 +262,20 @@ def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[
         dm = mc.get_model({}, device=torch.device("meta")).diffusion_model
     finally:
         mm.aimdo_enabled = aimdo
+    # parameters only: buffers are built by the model, not loaded
+    layout = [(k, tuple(p.shape), torch.bfloat16) for k, p in dm.named_parameters()]
+    del dm
+    if not layout:
+        raise RuntimeError(f"{name}: the ComfyUI model built for {cfg} lists no parameters")
+    return layout, type(mc).__name__
+
+
+def random_tensors(layout: list, gen_device, seed: int = 0):
+    """(key, seeded random bf16 tensor made on ``gen_device``, returned on the CPU) for each entry of ``layout``, in
+    its order: linears N(0, 1/fan-in), Wan's modulation tables N(0, 1/dim), small biases, norms 1."""
+    import torch
     g = torch.Generator(device=gen_device).manual_seed(seed)
-    sd = {}
-    for k, p in dm.named_parameters():  # parameters only: buffers are built by the model, not loaded
-        shape = tuple(p.shape)
+    for k, shape, _ in layout:
         if "modulation" in k.rsplit(".", 1)[-1] and len(shape) == 3:  # Wan's modulation tables [1, n, dim]
             t = torch.randn(shape, generator=g, device=gen_device, dtype=torch.bfloat16) * shape[-1] ** -0.5
         elif len(shape) >= 2:
@@ -275,11 +285,14 @@ def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[
             t = 0.02 * torch.randn(shape, generator=g, device=gen_device, dtype=torch.bfloat16)
         else:  # norm weights / scales
             t = torch.ones(shape, device=gen_device, dtype=torch.bfloat16)
-        sd[k] = t.to("cpu")
-    del dm
-    if not sd:
-        raise RuntimeError(f"{name}: the ComfyUI model built for {cfg} lists no parameters")
-    return sd, type(mc).__name__
+        yield k, t.to("cpu")
+
+
+def random_state_dict(name: str, cfg: dict, gen_device, seed: int = 0) -> tuple[dict, str]:
+    """Full key layout of the ComfyUI model for ``cfg`` with ``random_tensors``' values, on the CPU; and the name of
+    the supported_models class the config selects."""
+    layout, cls = random_layout(name, cfg)
+    return dict(random_tensors(layout, gen_device, seed)), cls
 
 
 class ModelsBench(SamplerBench):
@@ -302,6 +315,8 @@ class ModelsBench(SamplerBench):
         """(state dict, ComfyUI class, unet_config or None); for a DualModelGuider model a dict of both backbones'
         state dicts ("cond" seed 0, "uncond" seed 1, as bench/e2e_sampler.py builds them)."""
         gen = self.dev if self.dev.type == "cuda" else self.torch.device("cpu")
+        if getattr(self.a, "from_file", None):
+            return self.model_files(name, gen)
         if name in ("ideogram4", *DUAL):
             layers = MODELS[name][2]["layers"] if self.a.tiny else self.a.ideogram_layers
             if name in DUAL:
@@ -311,6 +326,29 @@ class ModelsBench(SamplerBench):
         cfg = unet_config(name, self.a.tiny)
         sd, cls = random_state_dict(name, cfg, gen)
         return sd, cls, cfg
+
+    def model_files(self, name: str, gen) -> tuple:
+        """``make_sd`` with ``--from-file``: the model's safetensors file(s) in that folder (Paths where the state
+        dicts were), written once with the same values the in-memory state dicts get (bench/lib/model_file.py)."""
+        from bench.lib import model_file
+        folder = Path(self.a.from_file)
+        tag = "tiny" if self.a.tiny else "full"
+
+        def ensure(path: Path, layout, tensors) -> Path:
+            if not path.exists():
+                t0 = time.perf_counter()
+                size = model_file.write(path, layout, tensors)
+                log(f"{name}: wrote {path} ({size / 2 ** 30:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
+            return path
+        if name in ("ideogram4", *DUAL):
+            layers = MODELS[name][2]["layers"] if self.a.tiny else self.a.ideogram_layers
+            files = {br: ensure(folder / f"ideogram4-{tag}-{layers}l-seed{i}.safetensors",
+                                self.e2e.random_layout(layers), self.e2e.random_tensors(layers, gen, seed=i))
+                     for i, br in enumerate(BRANCHES)}
+            return (files if name in DUAL else files["cond"]), "Ideogram4", None
+        cfg = unet_config(name, self.a.tiny)
+        layout, cls = random_layout(name, cfg)
+        return ensure(folder / f"{name}-{tag}-seed0.safetensors", layout, random_tensors(layout, gen, 0)), cls, cfg
 
     def smoke_path(self, name: str, path: str) -> str | None:
         """On a CPU --tiny run, on a model that keeps its full width: fused_triton (Triton interpreter) runs as the
@@ -368,6 +406,14 @@ class ModelsBench(SamplerBench):
         model; per-channel scales, made on the device, kept on the CPU): Ideogram 4's block linears
         (bench/lib/e2e.py), elsewhere every 2-D weight of the blocks."""
         key = (name, branch)
+        if key not in self._core_models and isinstance(sd, Path):  # --from-file: the core file beside the float one
+            from bench.lib import model_file
+            dst = sd.with_name(sd.name.replace(".safetensors", ".core-int8.safetensors"))
+            if not dst.exists():
+                pick = ((lambda p, shape: any(p.endswith(n) for n in self.e2e.BLOCK_LINEARS))
+                        if name in ("ideogram4", *DUAL) else (lambda p, shape: p.startswith(BLOCKS[name])))
+                model_file.core_int8(sd, dst, pick, self.dev)
+            self._core_models[key] = dst
         if key not in self._core_models:
             if name in ("ideogram4", *DUAL):
                 self._core_models[key] = self.e2e.core_int8_state_dict(sd, self.dev)
@@ -385,7 +431,9 @@ class ModelsBench(SamplerBench):
             self.row_failed(row, e, "state dict: ")
             self.finish_row(row)
             return
-        n_params = sum(v.numel() for d in (sd.values() if name in DUAL else [sd]) for v in d.values())
+        from bench.lib import model_file
+        n_params = sum(model_file.params(d) if isinstance(d, Path) else sum(v.numel() for v in d.values())
+                       for d in (sd.values() if name in DUAL else [sd]))
         ctx, extra, latent, noise, spec = self.conds(name)
         self.doc_extra["models"][name] = {"comfy_class": cls, "unet_config": cfg, "params": n_params,
                                           "inputs": spec["what"] if not self.a.tiny else "tiny",
@@ -445,7 +493,7 @@ class ModelsBench(SamplerBench):
             m = ms[0]
             if drop_sd:
                 for d in (*(sd.values() if name in DUAL else [sd]), *self._core_models.values()):
-                    if d is not None:
+                    if isinstance(d, dict):  # (--from-file: Paths, nothing held)
                         d.clear()
             for x in ms:
                 row.update(self.check_detection(name, x, cls, cfg))
@@ -583,6 +631,11 @@ def main() -> int:
                     help="--cold without the second process on the first's warm caches")
     ap.add_argument("--second-process", action="store_true", help=argparse.SUPPRESS)  # that second process
     add_run_args(ap)
+    ap.add_argument("--from-file", default=None, metavar="DIR",
+                    help="write each model's random weights once to a safetensors file in DIR (one tensor at a time; "
+                         "the core INT8 file beside it for core_int8 paths; kept for later runs) and load every path "
+                         "from it as UNETLoader does (comfy.sd.load_diffusion_model): host RAM as a user's ComfyUI "
+                         "has it, no state dict in the bench's memory")
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-models.json"))
     a = ap.parse_args()
     a.second_res = (SECOND_RES_AUTO if a.cold else "") if a.second_res is None else \

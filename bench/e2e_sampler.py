@@ -185,6 +185,8 @@ def _load_sd(sd: dict, opts: dict, disable_dynamic: bool = False):
     """``comfy.sd.load_diffusion_model_state_dict`` of a copy of ``sd`` (the loader pops its keys): the bench's
     UNETLoader, and how its models are loaded again (``cached_patcher_init``)."""
     import comfy.sd
+    if isinstance(sd, (str, os.PathLike)):  # a model file (bench/e2e_models.py --from-file): UNETLoader's own call
+        return comfy.sd.load_diffusion_model(str(sd), model_options=opts, disable_dynamic=disable_dynamic)
     if not sd:
         raise RuntimeError("the bench let go of this model's state dict (a one-path isolated run), so it cannot be "
                            "loaded again (a ^inductor / ^cudagraphs path needs that): run it with another path")

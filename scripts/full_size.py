@@ -6,11 +6,15 @@ each in its own process, and prints the side-by-side table and a block to paste 
 bench/e2e_models.py's (``--isolate``: one process per path, whole-sample s/step, peak VRAM and host RAM per path);
 this script states beforehand what the run needs, refuses when the machine has less, and reports.
 
+The random weights are written once, one tensor at a time, to safetensors files in ``--model-dir`` (default
+``output/full_size/models``: the bf16 model and its core INT8 file, kept for later runs), and every path loads its
+file as UNETLoader loads a checkpoint (``bench/e2e_models.py --from-file``): host RAM as your ComfyUI would use it.
+
 Requirements, from the parameter count P: bf16 weights 2P bytes, INT8 / fp8 weights P bytes; VRAM at least the
 INT8 weights plus a working set (below that ComfyUI streams every path's weights each step and the table measures
-the PCIe bus); host RAM 4P bytes plus the process (each path's process holds the bf16 state dict and the model
-ComfyUI loads from it); disk for the kernel caches only (no model file is written); minutes as an upper estimate
-for a card with 30 TFLOPS of bf16.
+the PCIe bus); host RAM 2P bytes plus the process (an upper estimate: ComfyUI holding the whole bf16 model in RAM;
+the table reports each path's measured peak); disk for the model files not written yet (3P bytes) and the kernel
+caches; minutes as an upper estimate for a card with 30 TFLOPS of bf16.
 
 Which ComfyUI: ``--comfy PATH``, else ``$COMFYUI_CURRENT`` (the demo's runtime: 0.33.0 from ../shared/comfyui),
 else the ComfyUI whose custom_nodes holds this clone. It needs ComfyUI 0.33.0 or newer (comfy/ldm/ideogram4,
@@ -44,7 +48,7 @@ DISK_GIB = 1.0  # Triton's and the pack's kernel caches
 TFLOPS_FLOOR = 30.0  # bf16 rate the minutes estimate assumes (a GeForce RTX 3090's, fp32 accumulation)
 START_MIN = 0.5  # per path: process start, ComfyUI import
 TUNE_MIN = 1.0  # the pack's first-use kernel tuning
-HOST_COPY_BPS = 1e9  # state dict made on the GPU, copied to host RAM
+HOST_COPY_BPS = 1e9  # model file read (and, once, written) per second
 SAMPLES = 4  # per path: first sample, timed sample, two whole samples (bench/e2e_models.py)
 
 # --arch -> (bench/e2e_models.py model, title, parameters (ComfyUI's layout), width, attention layers, patch area,
@@ -71,6 +75,9 @@ def parse_args(argv=None):
                                                   "else the ComfyUI whose custom_nodes holds this clone")
     ap.add_argument("--steps", type=int, default=6, help="sampling steps per sample (default 6, the bench's)")
     ap.add_argument("--out", default=None, help="JSON of the run (default output/full_size/<arch>.json)")
+    ap.add_argument("--model-dir", default=None,
+                    help="folder of the random-weight model files, written once and reused (default "
+                         "output/full_size/models; 3 bytes a parameter)")
     a = ap.parse_args(argv)
     if a.steps < 2:
         ap.error("--steps must be at least 2 (the median step needs two)")
@@ -91,22 +98,25 @@ def requirements(arch: str, steps: int = 6) -> dict:
     flops = 2 * p * n + 4 * n * n * width * layers  # linears + attention (QK^T and PV), one forward
     step_s = flops / (TFLOPS_FLOOR * 1e12)
     minutes = len(PATHS) * (START_MIN + 2 * p / HOST_COPY_BPS / 60) + TUNE_MIN \
-        + len(PATHS) * SAMPLES * steps * step_s / 60
+        + len(PATHS) * SAMPLES * steps * step_s / 60 + 3 * p / HOST_COPY_BPS / 60
     return {"params": p, "bf16_gib": 2 * p / GIB, "int8_gib": p / GIB,
             "vram_gib": p / GIB + WORKING_SET_GIB, "vram_resident_gib": 2 * p / GIB + WORKING_SET_GIB,
-            "ram_gib": 4 * p / GIB + PROCESS_GIB, "disk_gib": DISK_GIB, "minutes": minutes}
+            "ram_gib": 2 * p / GIB + PROCESS_GIB, "files_gib": 3 * p / GIB, "disk_gib": 3 * p / GIB + DISK_GIB,
+            "minutes": minutes}
 
 
 def needs_text(arch: str, r: dict) -> str:
     title = ARCHS[arch][1]
-    return (f"{title} at full size: {r['params'] / 1e9:.2f} B parameters, random weights made in memory (nothing "
-            f"downloaded), sampled with {', '.join(LABELS[p] for p in PATHS)}, one process each. It needs:\n"
+    return (f"{title} at full size: {r['params'] / 1e9:.2f} B parameters, random weights (nothing downloaded) "
+            f"written once to model files and loaded as ComfyUI loads a checkpoint, sampled with "
+            f"{', '.join(LABELS[p] for p in PATHS)}, one process each. It needs:\n"
             f"  VRAM   {r['vram_gib']:.1f} GiB free (INT8 / fp8 weights {r['int8_gib']:.1f} GiB + "
             f"{WORKING_SET_GIB:g} GiB working set); bf16 is resident from {r['vram_resident_gib']:.1f} GiB, below "
             f"that ComfyUI streams part of its {r['bf16_gib']:.1f} GiB each step, as in your workflows\n"
-            f"  RAM    {r['ram_gib']:.1f} GiB available (bf16 state dict + the model ComfyUI loads from it + "
-            f"{PROCESS_GIB:g} GiB process)\n"
-            f"  disk   {r['disk_gib']:g} GiB free (kernel caches; no model file is written)\n"
+            f"  RAM    {r['ram_gib']:.1f} GiB available (at most the bf16 model as ComfyUI loads it + "
+            f"{PROCESS_GIB:g} GiB process; the table gives each path's measured peak)\n"
+            f"  disk   {r['disk_gib']:.1f} GiB free (the model files, {r['files_gib']:.1f} GiB, less what an earlier "
+            f"run left in the model folder; {DISK_GIB:g} GiB of kernel caches)\n"
             f"  time   about {math.ceil(r['minutes'])} min at most (a card with {TFLOPS_FLOOR:g} TFLOPS of bf16; "
             f"faster cards take less)")
 
@@ -284,7 +294,11 @@ def main(argv=None) -> int:
             f"requirements.txt with the Python that runs ComfyUI")
         return EXIT_USAGE
     out = Path(a.out or ROOT / "output" / "full_size" / f"{a.arch}.json").absolute()
-    caches = [Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton"), out.parent]
+    model_dir = Path(a.model_dir or ROOT / "output" / "full_size" / "models").absolute()
+    written = sum(f.stat().st_size for f in model_dir.glob(f"{ARCHS[a.arch][0]}-full-*.safetensors")) \
+        if model_dir.is_dir() else 0
+    req = dict(req, disk_gib=max(req["files_gib"] - written / GIB, 0.0) + DISK_GIB)
+    caches = [Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton"), out.parent, model_dir]
     disk, disk_path = disk_free(caches)
     have = {"gpu": m["gpu"], "vram_gib": m["vram_free_gib"], "ram_gib": host_ram_gib(), "disk_gib": disk,
             "disk_path": disk_path}
@@ -300,7 +314,7 @@ def main(argv=None) -> int:
     per_path_s = req["minutes"] * 60 / len(PATHS)
     cmd = [sys.executable, str(ROOT / "bench" / "e2e_models.py"), "--comfy", str(comfy), "--models",
            ARCHS[a.arch][0], "--paths", ",".join(PATHS), "--steps", str(a.steps), "--isolate",
-           "--child-timeout", str(max(600, int(3 * per_path_s))), "--out", str(out)]
+           "--child-timeout", str(max(600, int(3 * per_path_s))), "--from-file", str(model_dir), "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rc = subprocess.run(cmd, env=env).returncode
     if rc != 0 or not out.exists():

@@ -53,10 +53,15 @@ def ideogram4_shapes(layers: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     return s
 
 
-def random_state_dict(layers: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Deterministic random bf16 weights: N(0, 1/in) linears (unit-gain), norms near 1, small biases."""
+def random_layout(layers: int) -> list:
+    """[(key, shape, bf16)] of an Ideogram 4 backbone of ``layers`` layers, in ``random_tensors``' order."""
+    return [(k, tuple(shape), torch.bfloat16) for k, (shape, _) in ideogram4_shapes(layers).items()]
+
+
+def random_tensors(layers: int, device, seed: int = 0):
+    """(key, deterministic random bf16 tensor on the CPU) of each parameter: N(0, 1/in) linears (unit-gain), norms
+    near 1, small biases; made on ``device`` one at a time."""
     g = torch.Generator(device=device).manual_seed(seed)
-    sd = {}
     for k, (shape, is_w) in ideogram4_shapes(layers).items():
         if is_w:
             t = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16) * (shape[1] ** -0.5)
@@ -64,8 +69,12 @@ def random_state_dict(layers: int, device, seed: int = 0) -> dict[str, torch.Ten
             t = 1.0 + 0.1 * torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         else:
             t = 0.02 * torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
-        sd[k] = t.to("cpu")
-    return sd
+        yield k, t.to("cpu")
+
+
+def random_state_dict(layers: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random bf16 weights (``random_tensors``) as a state dict on the CPU."""
+    return dict(random_tensors(layers, device, seed))
 
 
 def core_int8_state_dict(sd: dict[str, torch.Tensor], device, linear=None) -> dict[str, torch.Tensor]:
@@ -74,19 +83,28 @@ def core_int8_state_dict(sd: dict[str, torch.Tensor], device, linear=None) -> di
     comfy-kitchen's own quantizer writes, ``comfy_quant``), quantized on ``device`` and returned on the CPU."""
     if linear is None:
         linear = lambda p, w: any(p.endswith(n) for n in BLOCK_LINEARS)  # noqa: E731
-    conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
     out = {}
     for k, v in sd.items():
         p = k[: -len(".weight")]
         if k.endswith(".weight") and linear(p, v):
-            w = v.to(device).float()
-            scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
-            out[k] = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).cpu()
-            out[f"{p}.weight_scale"] = scale[:, None].cpu()
-            out[f"{p}.comfy_quant"] = conf.clone()
+            out.update(core_int8_entries(p, v, device))
         else:
             out[k] = v
     return out
+
+
+CORE_CONF = json.dumps({"format": "int8_tensorwise"}).encode()
+
+
+def core_int8_entries(prefix: str, weight: torch.Tensor, device):
+    """The three core ``int8_tensorwise`` entries of one linear's float ``weight`` [N, K] (quantized on ``device``,
+    returned on the CPU): ``<prefix>.weight`` int8 codes, ``.weight_scale`` [N, 1] fp32 (absmax / 127 per output
+    channel), ``.comfy_quant`` (the format as JSON bytes), in that order."""
+    w = weight.to(device).float()
+    scale = w.abs().amax(1).clamp(min=1e-12) / 127.0
+    return {f"{prefix}.weight": torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).cpu(),
+            f"{prefix}.weight_scale": scale[:, None].cpu(),
+            f"{prefix}.comfy_quant": torch.tensor(list(CORE_CONF), dtype=torch.uint8)}
 
 
 def load_pack():
