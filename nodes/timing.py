@@ -250,31 +250,46 @@ class _CpuTimer:
 
 
 class _CudaTimer:
-    """Two events on the current stream; elapsed time read only once the end event has completed."""
+    """Two events on the current stream; elapsed time read only once the end event has completed. A timer whose
+    end was never recorded (its model call raised) reads as 0 s instead of raising in the sampler's callback."""
     kind = "cuda_events"
 
     def __init__(self, device):
         self.stream = torch.cuda.current_stream(device)
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
+        self.stopped = False
         self.start.record(self.stream)
 
     def stop(self):
         self.end.record(self.stream)
+        self.stopped = True
 
     def ready(self) -> bool:
-        return self.end.query()  # non-blocking
+        return not self.stopped or self.end.query()  # non-blocking; an unstopped end never completes
 
     def result(self, block: bool = False) -> float:
+        if not self.stopped:
+            return 0.0
         if block:
             self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1000.0
 
 
+# The timers run eagerly even inside a torch.compile'd region (ComfyUI's TorchCompileModel compiles the diffusion
+# model with the wrappers around it): traced, a timer's events would be ones made at trace time, and the timer the
+# step reads would never be recorded (on an H100 the first sample then failed in the step callback with "Both
+# events must be recorded before calculating elapsed time"). A graph break at the model call's edges costs nothing.
+@torch.compiler.disable
 def _timer(device):
     if device is not None and device.type == "cuda":
         return _CudaTimer(device)
     return _CpuTimer()
+
+
+@torch.compiler.disable
+def _stop(timer) -> None:
+    timer.stop()
 
 
 def _branch(cond_or_uncond) -> str:
@@ -432,6 +447,7 @@ class Run:
             self.backends = _int8_backends(model)
             self.model_ref = weakref.ref(model)  # for the dispatch line at finish (quant/dispatch.py)
 
+    @torch.compiler.disable  # eager inside a compiled region (see _timer)
     def call_started(self, branch: str, sigma, device):
         t = _timer(device)
         self.add_call(branch, sigma, t)
@@ -624,7 +640,7 @@ class _Recorder:
             timer = None if self.inner_seen else _timer(x.device)
             out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
             if not self.inner_timed and timer is not None:
-                timer.stop()
+                _stop(timer)
                 run.add_call(branch, sigma, timer)
             return out
         finally:
@@ -641,7 +657,7 @@ class _Recorder:
         try:
             return executor(*args, **kwargs)
         finally:
-            timer.stop()
+            _stop(timer)
 
 
 def _is_last_step(cb_args) -> bool:

@@ -382,6 +382,56 @@ def test_cuda_timer_reads_events_without_blocking(timing, monkeypatch):
     assert t.result(block=True) == 0.25 and log[-1] == ("sync", "e1")
 
 
+def test_cuda_timers_run_eagerly_under_torch_compile_and_an_unstopped_one_reads_zero(timing, monkeypatch):
+    """ComfyUI's TorchCompileModel compiles the diffusion model with the pack's wrappers around it: each call must
+    still make and record its own events at run time (on an H100, traced timers left the step's end event
+    unrecorded and the sample failed in the step callback). A timer whose call raised before its end was recorded
+    reads 0 s instead of raising torch's "Both events must be recorded"."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.name, self.recorded = f"e{len(log)}", False
+            log.append(("new", self.name))
+
+        def record(self, stream):
+            self.recorded = True
+            log.append(("record", self.name))
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            if not (self.recorded and end.recorded):
+                raise ValueError("Both events must be recorded before calculating elapsed time.")
+            return 125.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "stream0")
+    timers = []
+
+    def step(x):
+        t = timing._timer(torch.device("cuda", 0))
+        y = torch.sin(x) * 2
+        timing._stop(t)
+        timers.append(t)
+        return y
+
+    torch._dynamo.reset()
+    fn = torch.compile(step, backend="eager")
+    for _ in range(2):
+        assert torch.allclose(fn(torch.ones(3)), torch.sin(torch.ones(3)) * 2)
+    assert len(timers) == 2 and timers[0] is not timers[1]
+    assert [e[0] for e in log] == ["new", "new", "record", "record"] * 2  # per call: start and end, both recorded
+    assert all(t.ready() and t.result() == 0.125 for t in timers)
+    unstopped = timing._timer(torch.device("cuda", 0))  # its call raised: stop never ran
+    assert unstopped.ready() and unstopped.result() == 0.0 and unstopped.result(block=True) == 0.0
+    torch._dynamo.reset()
+
+
 def test_second_model_of_a_dual_model_guider_gets_its_own_run(comfy, timing, tiny_flux, sent):
     """DualModelGuider-style sampling: the guider drives model A and calls model B for the
     unconditional branch. B's calls are timed once, into B's own run, on A's step boundaries."""
