@@ -391,6 +391,7 @@ class Router:
         self.cache, self.probe_devices = cache, tuple(probe_devices)
         self.int8_devices, self.direct_devices = tuple(int8_devices), tuple(direct_devices)
         self.upstream, self.sage_fn, self.sage_devices = upstream, sage_fn, tuple(sage_devices)
+        self._upstream_name = None if upstream is None else upstream_name(upstream)  # once, not per call
         self.counts: collections.Counter = collections.Counter()  # backend that ran -> calls
         self.winners: dict = {}  # auto: shape key -> backend name (``USER``: the user's attention)
         self.probes: dict = {}   # auto: shape key -> {backend: ms} of the probes this Router ran
@@ -402,7 +403,7 @@ class Router:
 
     def user_choice(self, func) -> str | None:
         """The name of the user's attention for a call handed ``func`` (class doc), None when there is none."""
-        return upstream_name(self.upstream) if self.upstream is not None else chosen_name(func)
+        return self._upstream_name if self.upstream is not None else chosen_name(func)
 
     def _user_fn(self, func):
         """What runs a call as the user set it up: the upstream override, else ComfyUI's function."""
@@ -452,7 +453,9 @@ class Router:
     def _comfy(self, func, args, kwargs):
         """The call as the user set it up (the upstream override, else ComfyUI's function), counted by its name."""
         self.counts[self.user_choice(func) or COMFY] += 1
-        return self._user_fn(func)(*args, **kwargs)
+        if self.upstream is not None:
+            return self.upstream(func, *args, **kwargs)
+        return func(*args, **kwargs)
 
     def _which(self, q, k, v, mask, extra, names) -> str:
         """The backend torch runs for this call under ``names`` (cached per shape and strides)."""

@@ -180,22 +180,21 @@ class Branches:
         per-token scale applied in fp32), then ``y + h U^T`` in one addmm. A fused block keeps its kernels: the
         branch costs two small GEMMs, not the block's per-linear path. Against :meth:`add` (the float input) the
         only difference is the input's int8 rounding inside the low-rank term."""
-        d, u, b = self.operands(y.device, y.dtype)
-        y2 = y.reshape(-1, self.n)
-        if d is not None:
+        def down(d):
             h = a_q.reshape(-1, self.k).to(y.dtype) @ self.down_from_codes(d, inv_smooth).t()
-            h = (h.float() * a_s.reshape(-1, 1).float()).to(y.dtype)
-            y2 = torch.addmm(y2, h, u.t())
-        if b is not None:
-            y2 = y2 + b
-        return y2.reshape(y.shape)
+            return (h.float() * a_s.reshape(-1, 1).float()).to(y.dtype)
+        return self._plus(y, down)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the int8 output for input ``x``) plus the branches, in y's dtype."""
+        return self._plus(y, lambda d: x.reshape(-1, self.k).to(y.dtype) @ d.t())
+
+    def _plus(self, y: torch.Tensor, down) -> torch.Tensor:
+        """``y + down(D) U^T`` (one addmm) plus the bias adds, in y's dtype; ``down(D)`` -> h [M, R]."""
         d, u, b = self.operands(y.device, y.dtype)
         y2 = y.reshape(-1, self.n)
         if d is not None:
-            y2 = torch.addmm(y2, x.reshape(-1, self.k).to(y.dtype) @ d.t(), u.t())
+            y2 = torch.addmm(y2, down(d), u.t())
         if b is not None:
             y2 = y2 + b
         return y2.reshape(y.shape)
