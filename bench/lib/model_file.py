@@ -34,6 +34,7 @@ def _size(shape, dtype) -> int:
 def write(path, layout, tensors, metadata: dict | None = None) -> int:
     """Writes ``tensors`` (an iterable of (key, tensor) in ``layout``'s order) to the safetensors file ``path``;
     returns its size in bytes. Raises ValueError when a tensor does not match its layout entry."""
+    import torch
     path = Path(path)
     header, off = {}, 0
     for key, shape, dtype in layout:
@@ -56,7 +57,7 @@ def write(path, layout, tensors, metadata: dict | None = None) -> int:
                 if k != key or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                     raise ValueError(f"{path.name}: tensor {k} {tuple(t.shape)} {t.dtype} where the layout has "
                                      f"{key} {tuple(shape)} {dtype}")
-                f.write(t.detach().to("cpu").contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes())
+                f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
