@@ -492,6 +492,14 @@ class SamplerBench:
         except Exception as e:  # noqa: BLE001  (a summary must not end the run)
             return f"unavailable: {type(e).__name__}: {e}"
 
+    @staticmethod
+    def attention_counts(patcher) -> dict | None:
+        """Calls per attention backend that ran, from the pack's Router on ``patcher`` (None without one): what a
+        row's attention actually was (e.g. whether ``sage`` ran), summed over every sample of the row."""
+        opts = getattr(patcher, "model_options", {}).get("transformer_options", {})
+        counts = getattr(opts.get("optimized_attention_override"), "counts", None)
+        return None if counts is None else dict(counts)
+
     # ------------------------------------------------------------------ driver
     def sample_row(self, row: dict, key, g, model, latent, noise, first_steps: int, ref_key, sets_ref: bool,
                    extras: bool = True) -> None:
@@ -511,6 +519,9 @@ class SamplerBench:
         row["rel_l2_vs_bf16"] = None if ref is None else self.e2e.rel_l2(out, ref)
         if path.startswith("pack:"):
             row["dispatch"] = self.dispatch_line(model)
+        counts = self.attention_counts(model)
+        if counts is not None:
+            row["attention_calls"] = counts
         if extras:
             self.row_extras(row, path, g, model, latent, noise)
         row["status"] = "ok"

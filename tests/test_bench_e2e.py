@@ -67,6 +67,12 @@ def test_models_cold_suite_one_process_each(comfy_current, tmp_path):
         assert 0 < r["host_rss_peak_row_gib"] <= r["host_rss_peak_gib"]
         assert r["host_rss_before_load_gib"] <= r["host_rss_peak_row_gib"]
         assert r["s_per_step_whole"] > 0 and r["peak_gib"] >= 0  # the warm columns, as before
+        # what attention ran: the pack's Router counts its calls (on the CPU, auto hands each to ComfyUI's own
+        # function); bf16 has no Router
+        if r["path"] == "bf16":
+            assert "attention_calls" not in r
+        else:
+            assert set(r["attention_calls"]) == {"comfy_default"} and r["attention_calls"]["comfy_default"] > 0
         # the first process started on empty folders
         assert all(r["caches_at_start"][k] == {"dir": d, "files": 0, "bytes": 0, "left_by_pid": None}
                    for k, d in caches.items())
