@@ -23,9 +23,11 @@ par=()
 case " $* " in *" -p no:xdist "*) ;; *) [ "$workers" -gt 0 ] && par=(-n "$workers" --dist loadgroup) ;; esac
 # Peak disk use during the run (every file system the suite writes to: the runtime's and the temporary folder's),
 # sampled every 2 s, printed at the end.
+# At the end it names the tests that were running at the peak (tests/conftest.py writes their start and end times).
 used_kb() { df -Pk "$rt" "${TMPDIR:-/tmp}" | awk 'NR > 1 && !seen[$1]++ {s += $3} END {print s}'; }
-disk0=$(used_kb); peakf="$(mktemp)"; echo "$disk0" > "$peakf"
-( peak=$disk0; while sleep 2; do u=$(used_kb); [ "$u" -gt "$peak" ] && { peak=$u; echo "$peak" > "$peakf"; }; done ) &
+disk0=$(used_kb); peakf="$(mktemp)"; echo "$disk0 $(date +%s)" > "$peakf"
+export INT8_TEST_TIMELINE="$(mktemp)"
+( peak=$disk0; while sleep 2; do u=$(used_kb); [ "$u" -gt "$peak" ] && { peak=$u; echo "$peak $(date +%s)" > "$peakf"; }; done ) &
 sampler=$!
 echo "[test] set-up done in $SECONDS s; running pytest (${par[*]:-one process})"
 t0=$SECONDS
@@ -33,8 +35,14 @@ rc=0
 "$rt/venv/bin/python" -m pytest -q -rfEs --timeout=1200 --durations=15 "${par[@]}" "$@" || rc=$?
 kill "$sampler" 2>/dev/null || true
 echo "[test] pytest finished in $((SECONDS - t0)) s (exit $rc)"
-echo "[test] peak disk use during the tests: $(( ($(cat "$peakf") - disk0) / 1024 )) MiB above the $((disk0 / 1048576)) GiB used at the start"
-rm -f "$peakf"
+read -r peak peak_t < "$peakf"
+echo "[test] peak disk use during the tests: $(( (peak - disk0) / 1024 )) MiB above the $((disk0 / 1048576)) GiB used at the start"
+if [ "$peak" -gt "$disk0" ]; then
+  echo "[test] running at the peak ($(date -u -d "@$peak_t" +%H:%M:%S) UTC):"
+  awk -v t="$peak_t" '$2 == "start" {s[$3] = $1} $2 == "end" {e[$3] = $1}
+    END {for (n in s) if (s[n] <= t && (!(n in e) || e[n] >= t - 2)) print "  " n}' "$INT8_TEST_TIMELINE"
+fi
+rm -f "$peakf" "$INT8_TEST_TIMELINE"
 if [ "$rc" -eq 5 ]; then
   echo "[test] ERROR: pytest collected no tests"; exit 1
 fi

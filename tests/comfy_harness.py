@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+import comfy_fork
 from pack_import import PACK_MODULE, ROOT, import_pack  # noqa: F401  (re-exported: the one way to import the pack)
 
 RUNTIME = Path(os.environ.get("INT8_RUNTIME_DIR") or ROOT / ".runtime")
@@ -348,7 +349,9 @@ def run_in_current_comfy(script_text: str, timeout: float = 900.0, check: bool =
     module "comfyui_int8_fused").
     ``cli``: ComfyUI's command-line arguments to set before comfy is imported ({"use_sage_attention": True} is
     ``main.py --use-sage-attention``).
-    Python: COMFYUI_CURRENT_PYTHON, else this interpreter. cwd is the checkout.
+    Python: COMFYUI_CURRENT_PYTHON, else this interpreter. cwd is the checkout. With the default flags and
+    environment the script runs in a child forked from a server that has done the imports once (tests/comfy_fork.py:
+    the same behaviour, without the 6-10 s start); ``cli`` or ``env`` (or ``INT8_TEST_FORK=0``) start a fresh one.
     Returns the CompletedProcess (text stdout/stderr); ``check=True`` raises with both on failure."""
     cur, reason = current_comfy_dir()
     if cur is None:
@@ -358,8 +361,13 @@ def run_in_current_comfy(script_text: str, timeout: float = 900.0, check: bool =
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("TRITON_INTERPRET", "1")
     python = os.environ.get("COMFYUI_CURRENT_PYTHON") or sys.executable
-    cp = subprocess.run([python, "-c", code], cwd=cur, env=full_env, capture_output=True, text=True,
-                        timeout=timeout)
+    cp = None
+    if not cli and env is None:  # the default flags and environment: the fork server's child (tests/comfy_fork.py)
+        prelude = _CURRENT_PRELUDE.format(cur=str(cur), root=str(ROOT), tests=str(ROOT / "tests"), cli={})
+        cp = comfy_fork.run(python, prelude, cur, full_env, textwrap.dedent(script_text), timeout)
+    if cp is None:
+        cp = subprocess.run([python, "-c", code], cwd=cur, env=full_env, capture_output=True, text=True,
+                            timeout=timeout)
     if check and cp.returncode != 0:
         raise RuntimeError(f"script under COMFYUI_CURRENT failed (exit {cp.returncode}):\n"
                            f"--- stdout ---\n{cp.stdout[-4000:]}\n--- stderr ---\n{cp.stderr[-6000:]}")

@@ -44,6 +44,7 @@ package "comfyui_int8_fused", with ``kernel``, ``quant`` and ``adapters`` as oth
 them calls ``pack_import.install()`` first (tests/ on its sys.path).
 """
 import os
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -112,6 +113,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
         if item.get_closest_marker("serial"):
             item.add_marker(pytest.mark.xdist_group("serial"))
+    # the long tests first (a stable sort: the same order in every xdist worker), so that the workers' queues end
+    # on short ones instead of one worker finishing a long test while the other idles
+    items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1 if it.get_closest_marker("current_comfy")
+               else 2)
+
+
+_TIMELINE = os.environ.get("INT8_TEST_TIMELINE")  # scripts/test.sh: which tests ran when (the disk peak's)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With INT8_TEST_TIMELINE set: a line per test start and end (epoch seconds) appended to that file, written
+    where the test runs (each xdist worker), so that scripts/test.sh can name the tests running at its disk peak."""
+    if _TIMELINE:
+        with open(_TIMELINE, "a") as f:
+            f.write(f"{time.time():.1f} start {item.nodeid}\n")
+    yield
+    if _TIMELINE:
+        with open(_TIMELINE, "a") as f:
+            f.write(f"{time.time():.1f} end {item.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)
