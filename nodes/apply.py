@@ -44,7 +44,7 @@ from ..quant.formats import CheckpointError, check_scale_shape, check_scale_valu
 from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
-from . import attention as attention_routing, comfy_cast, pad_elision, resident_conds, timing
+from . import attention as attention_routing, comfy_cast, multigpu, pad_elision, resident_conds, timing
 
 log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
@@ -109,6 +109,7 @@ def install_patches(out, patches: dict) -> None:
     for name, module in patches.items():
         out.add_object_patch(PREFIX + name, module)
     out.set_injections(_CALLBACK_KEY, [comfy_cast.injection()])  # DynamicVRAM backups out before the unpatch
+    multigpu.register(out, _CALLBACK_KEY, install_lora)  # MultiGPU CFG Split's clones: their own INT8 modules
     out.remove_wrappers_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY)
     out.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, _CALLBACK_KEY, resident_conds.sampler_sample_wrapper)
     if any(isinstance(m, cached_linear.CachedLinear) for m in patches.values()):

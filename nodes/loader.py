@@ -240,6 +240,13 @@ def _instrument(patcher, node_id, backend) -> None:
                       backends_used=getattr(patcher, "int8_backends", None))
 
 
+def _build_one(path: str, branch: str, backend: str, base: str | None, real_widths: bool):
+    """One branch of ``path`` built again (``cached_patcher_init``: the deep clone of MultiGPU CFG Split)."""
+    with open_checkpoint(path) as ck:
+        missing = i4.check_branch(ck.branches[branch], ck.header, ck.name, real_widths=real_widths)
+        return build_branch(ck, branch, backend, base, missing, dtype=torch.bfloat16)
+
+
 def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: str | None,
                    real_widths: bool = True, node_id=None, attention: str = attention_routing.DEFAULT):
     """(model_conditional, model_unconditional) ModelPatchers built from an INT8 Ideogram 4 file, with
@@ -257,6 +264,9 @@ def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: 
             missing = i4.check_branch(ck.branches[br], ck.header, ck.name, real_widths=real_widths)
             base = base_uncond if br == "unconditional" else base_cond
             out[br] = build_branch(ck, br, backend, base, missing, dtype=torch.bfloat16)
+            # how to load this MODEL again, as ComfyUI's own loaders record it: MultiGPU CFG Split's clone for
+            # another GPU builds its own from it (nodes/multigpu.py gives it its own fused modules)
+            out[br].cached_patcher_init = (_build_one, (path, br, backend, base, real_widths))
             attention_routing.install(out[br], attention)
             pad_elision.install(out[br], backend)
             _instrument(out[br], f"{node_id}:{br or 'model'}", backend)

@@ -11,7 +11,7 @@ so Apply builds exactly what it builds on a GPU (no kernel runs while building o
 One 1-layer Ideogram 4 at the real widths (ComfyUI fixes them), random bf16 weights, loaded by ComfyUI from its
 state dict, through Apply Fused INT8 GEMM (defaults) and Save INT8 Model (both formats). Checked: every key of the
 float model's state dict is in each file (for the int8 layers of the pack format as ``<layer>.qweight``), the pack's
-loader loads the pack file, and plain ComfyUI loads and samples the core-format file (1 step, a 2 x 2 latent)
+loader loads the pack file (and its MODEL deep-clones for MultiGPU CFG Split with INT8 layers of its own), and plain ComfyUI loads and samples the core-format file (1 step, a 2 x 2 latent)
 within the W8A8 bound of the float model (test_ideogram4_current.py: <= 5 %).
 """
 import json
@@ -33,6 +33,8 @@ def test_save_of_a_fused_ideogram4_holds_every_tensor(comfy_current):
         assert res[fmt]["llm_cond_proj"] == ["llm_cond_proj.bias", "llm_cond_proj.weight"], fmt
         assert res[fmt]["equal_floats"], fmt  # the float tensors are the model's, bit for bit
     assert res["pack_load"]["llm_cond_proj_equal"] is True
+    mg = res["multigpu_clone"]
+    assert mg["own_model"] and mg["layers"] > 0 and mg["same_names"] and mg["shared"] == 0 and mg["codes_equal"], mg
     assert res["core_load"]["llm_cond_proj_weight"] is True
     assert 0 < res["core_vs_float"] <= BOUND
 
@@ -73,7 +75,20 @@ def body(pack, models) -> dict:
     lin = ours.model.diffusion_model.llm_cond_proj
     res["pack_load"] = {"llm_cond_proj_equal": all(
         torch.equal(getattr(lin, a).float().cpu(), float_sd[f"llm_cond_proj.{a}"].float()) for a in ("weight", "bias"))}
-    del ours
+    # MultiGPU CFG Split's deep clone of the loader's MODEL (issue 51): the loader records how to build it again
+    # (cached_patcher_init), so the clone holds a model and INT8 layers of its own, with the same codes
+    Int8Linear = pack.quant.linear.Int8Linear
+    clone = ours.deepclone_multigpu(new_load_device=torch.device("cpu"))
+
+    def layers(p):
+        return {n: m for n, m in p.model.diffusion_model.named_modules() if isinstance(m, Int8Linear)}
+    a, b = layers(ours), layers(clone)
+    res["multigpu_clone"] = {
+        "own_model": clone.model is not ours.model, "layers": len(a), "same_names": sorted(a) == sorted(b),
+        "shared": sum(b[n] is a[n] or b[n].qweight.data_ptr() == a[n].qweight.data_ptr() for n in a if n in b),
+        "codes_equal": all(torch.equal(a[n].qweight, b[n].qweight) and torch.equal(a[n].weight_scale, b[n].weight_scale)
+                           for n in a if n in b)}
+    del ours, clone
     # plain ComfyUI takes the core file and samples it (it used to fail in _backbone: llm_cond_proj.weight None)
     core = comfy.sd.load_diffusion_model(paths["comfy_int8_tensorwise"], model_options={"dtype": torch.bfloat16})
     res["core_load"] = {"llm_cond_proj_weight": core.model.diffusion_model.llm_cond_proj.weight is not None}
