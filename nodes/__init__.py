@@ -4,9 +4,9 @@ from . import comfy_cast
 
 comfy_cast.install()  # Int8Linear fetches ComfyUI-managed weights through comfy.ops (nodes/comfy_cast.py)
 
-from . import apply, calibrate, conditioning, loader, save  # noqa: E402
+from . import apply, calibrate, conditioning, dual_gpu, loader, save  # noqa: E402
 
-_MODULES = (apply, calibrate, loader, save, conditioning)
+_MODULES = (apply, calibrate, loader, save, conditioning, dual_gpu)
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}
