@@ -551,9 +551,27 @@ class _Recorder:
         self.backends = dict(backends or {})  # {backend: INT8 layers} counted by instrument()
         self.model = weakref.ref(model) if model is not None else (lambda: None)  # its BaseModel
         self.run: Run | None = None
-        self.in_call = None  # (run, branch, sigma, device) of the APPLY_MODEL call in progress
-        self.inner_timed = False
+        # per thread: MultiGPU CFG Split and the two-GPU guider run model calls on other devices' worker threads
+        # at the same time as this thread's
+        self._call = threading.local()
         self.inner_seen = False  # this architecture runs the DIFFUSION_MODEL wrapper
+
+    @property
+    def in_call(self):
+        """(run, branch, sigma, device) of the APPLY_MODEL call in progress on this thread, or None."""
+        return getattr(self._call, "in_call", None)
+
+    @in_call.setter
+    def in_call(self, value):
+        self._call.in_call = value
+
+    @property
+    def inner_timed(self) -> bool:
+        return getattr(self._call, "inner_timed", False)
+
+    @inner_timed.setter
+    def inner_timed(self, value: bool):
+        self._call.inner_timed = value
 
     def outer_sample(self, executor, noise, latent_image, sampler, sigmas, denoise_mask=None,
                      callback=None, *args, **kwargs):
@@ -629,7 +647,7 @@ class _Recorder:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
         if not run.layers_seen and model is not None:
             run.see_layers(model)
-        branch = _branch(transformer_options.get("cond_or_uncond"))
+        branch = branch_on(_branch(transformer_options.get("cond_or_uncond")), x.device, run.device)
         sigma = transformer_options.get("sigmas")  # compared by identity: reading it could sync
         prev = self.in_call, self.inner_timed
         self.in_call, self.inner_timed = (run, branch, sigma, x.device), False
@@ -658,6 +676,14 @@ class _Recorder:
             return executor(*args, **kwargs)
         finally:
             _stop(timer)
+
+
+def branch_on(branch: str, device, run_device) -> str:
+    """The branch's name in the step's breakdown: as it is on the run's device, with ``@<device>`` on another (the
+    clones of MultiGPU CFG Split, the two-GPU guider's negative model), so that the widget shows each device's time."""
+    if device is None or run_device is None or torch.device(device) == torch.device(run_device):
+        return branch
+    return f"{branch}@{device}"
 
 
 def _is_last_step(cb_args) -> bool:

@@ -525,3 +525,22 @@ def test_backend_labels_and_error_text(timing):
     long = timing._error_text(RuntimeError("x" * 1000))
     assert long == "RuntimeError: " + "x" * 485 + "\u2026" and len(long) == timing.ERROR_CHARS
     assert timing._error_text(KeyError()) == "KeyError"
+
+
+def test_calls_on_other_devices_and_threads_are_kept_apart(timing):
+    """MultiGPU CFG Split and the two-GPU guider run model calls on other devices' worker threads at the same time:
+    a recorder's call in progress is per thread, and a call on another device than the run's is named with it in
+    the step's breakdown."""
+    import threading
+    cpu, c0, c1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert timing.branch_on("uncond", cpu, cpu) == "uncond"
+    assert timing.branch_on("uncond", c1, c0) == "uncond@cuda:1"
+    assert timing.branch_on("cond+uncond", c0, "cuda:0") == "cond+uncond"
+    rec = timing._Recorder("n", "fused_triton")
+    rec.in_call, rec.inner_timed = ("run", "cond", None, c0), True
+    seen = []
+    t = threading.Thread(target=lambda: seen.append((rec.in_call, rec.inner_timed)))
+    t.start()
+    t.join()
+    assert seen == [(None, False)]  # another thread sees no call of this one's in progress
+    assert (rec.in_call, rec.inner_timed) == (("run", "cond", None, c0), True)
