@@ -127,7 +127,7 @@ def skeleton(ck, branch: str, base_path: str | None = None, missing: list[str] =
 
 
 def build_branch(ck, branch: str, backend: str, base_path: str | None = None, missing: list[str] = (),
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, disable_dynamic: bool = False):
     """A ComfyUI ModelPatcher for one branch of an opened INT8 checkpoint (see the module docstring)."""
     import comfy.model_management as mm
     import comfy.sd
@@ -137,7 +137,8 @@ def build_branch(ck, branch: str, backend: str, base_path: str | None = None, mi
     opts = {"custom_operations": ops}
     if dtype is not None:
         opts["dtype"] = dtype
-    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts)
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts, **(
+        {"disable_dynamic": True} if disable_dynamic else {}))
     if patcher is None:
         raise CheckpointError(f"{ck.name}: ComfyUI could not detect the model architecture of the "
                               f"{branch or 'model'} branch; is it a diffusion model this ComfyUI supports?")
@@ -240,11 +241,14 @@ def _instrument(patcher, node_id, backend) -> None:
                       backends_used=getattr(patcher, "int8_backends", None))
 
 
-def _build_one(path: str, branch: str, backend: str, base: str | None, real_widths: bool):
-    """One branch of ``path`` built again (``cached_patcher_init``: the deep clone of MultiGPU CFG Split)."""
+def _build_one(path: str, branch: str, backend: str, base: str | None, real_widths: bool,
+               disable_dynamic: bool = False):
+    """One branch of ``path`` built again (``cached_patcher_init``: the deep clone of MultiGPU CFG Split; with
+    ``disable_dynamic`` the non-DynamicVRAM model ComfyUI asks for under TorchCompileModel)."""
     with open_checkpoint(path) as ck:
         missing = i4.check_branch(ck.branches[branch], ck.header, ck.name, real_widths=real_widths)
-        return build_branch(ck, branch, backend, base, missing, dtype=torch.bfloat16)
+        return build_branch(ck, branch, backend, base, missing, dtype=torch.bfloat16,
+                            disable_dynamic=disable_dynamic)
 
 
 def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: str | None,

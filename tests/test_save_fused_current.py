@@ -35,6 +35,7 @@ def test_save_of_a_fused_ideogram4_holds_every_tensor(comfy_current):
     assert res["pack_load"]["llm_cond_proj_equal"] is True
     mg = res["multigpu_clone"]
     assert mg["own_model"] and mg["layers"] > 0 and mg["same_names"] and mg["shared"] == 0 and mg["codes_equal"], mg
+    assert mg["non_dynamic_layers"] == mg["layers"], mg
     assert res["core_load"]["llm_cond_proj_weight"] is True
     assert 0 < res["core_vs_float"] <= BOUND
 
@@ -88,6 +89,9 @@ def body(pack, models) -> dict:
         "shared": sum(b[n] is a[n] or b[n].qweight.data_ptr() == a[n].qweight.data_ptr() for n in a if n in b),
         "codes_equal": all(torch.equal(a[n].qweight, b[n].qweight) and torch.equal(a[n].weight_scale, b[n].weight_scale)
                            for n in a if n in b)}
+    # ComfyUI's non-DynamicVRAM delegate (TorchCompileModel) calls the factory with disable_dynamic=True
+    fn, args = ours.cached_patcher_init[:2]
+    res["multigpu_clone"]["non_dynamic_layers"] = len(layers(fn(*args, disable_dynamic=True)))
     del ours, clone
     # plain ComfyUI takes the core file and samples it (it used to fail in _backbone: llm_cond_proj.weight None)
     core = comfy.sd.load_diffusion_model(paths["comfy_int8_tensorwise"], model_options={"dtype": torch.bfloat16})
