@@ -472,7 +472,9 @@ class ModelsBench(SamplerBench):
             self.rows.append({"model": name, "path": req, "status": "skipped", "skipped": why})
             return
         row = {"model": name, "path": path, "params": self.doc_extra["models"][name]["params"], "pid": os.getpid(),
-               "guider": "DualModelGuider cfg 4" if name in DUAL else "CFGGuider cfg 1.0"}
+               "guider": self.guider_name(name)}
+        if self.a.multigpu > 1:
+            row["multigpu"] = self.a.multigpu
         if self.a.second_process:
             row["second_process_row"] = True
         if path != req:
@@ -497,6 +499,12 @@ class ModelsBench(SamplerBench):
                         d.clear()
             for x in ms:
                 row.update(self.check_detection(name, x, cls, cfg))
+            if self.a.multigpu > 1:  # MultiGPU CFG Split after everything else, as its help says to place it
+                import comfy.multigpu
+                ms = [comfy.multigpu.create_multigpu_deepclones(x, self.a.multigpu, reuse_loaded=True) for x in ms]
+                m = ms[0]
+                row["multigpu_devices"] = [str(x.load_device) for x in
+                                           [m, *m.get_additional_models_with_key("multigpu")]]
             row["patcher"] = type(m).__name__
             row["build_s"] = time.perf_counter() - t1
             g = self.guider_for(name, ms, ctx, extra)
@@ -525,16 +533,27 @@ class ModelsBench(SamplerBench):
         unconnected)."""
         torch = self.torch
         if name in DUAL:
-            import comfy_extras.nodes_custom_sampler as ncs
-            g = ncs.Guider_DualModel(ms[0], ms[1])
+            if self.a.negative_device:  # the pack's two-device guider (nodes/dual_gpu.py)
+                import importlib
+                dual = importlib.import_module(self.pack.__name__ + ".nodes.dual_gpu")
+                g = dual.guider_class()(ms[0], ms[1], torch.device(self.a.negative_device))
+            else:
+                import comfy_extras.nodes_custom_sampler as ncs
+                g = ncs.Guider_DualModel(ms[0], ms[1])
             g.set_conds([[ctx, dict(extra)]], [[None, {}]])
             g.set_cfg(4.0)
             return g
         import comfy.samplers
         g = comfy.samplers.CFGGuider(ms[0])
         g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
-        g.set_cfg(1.0)
+        g.set_cfg(self.a.cfg)
         return g
+
+    def guider_name(self, name: str) -> str:
+        if name in DUAL:
+            two = f", negative on {self.a.negative_device}" if self.a.negative_device else ""
+            return f"DualModelGuider cfg 4{two}"
+        return f"CFGGuider cfg {self.a.cfg:g}"
 
     def second_res_row(self, row: dict, name: str, g, m, latent, first_steps: int) -> None:
         """The cold suite's new resolution, the process warm (after the row's warm samples): the first sample at
@@ -636,6 +655,14 @@ def main() -> int:
                          "the core INT8 file beside it for core_int8 paths; kept for later runs) and load every path "
                          "from it as UNETLoader does (comfy.sd.load_diffusion_model): host RAM as a user's ComfyUI "
                          "has it, no state dict in the bench's memory")
+    ap.add_argument("--cfg", type=float, default=1.0,
+                    help="CFGGuider's cfg for the one-backbone models (default 1.0: ComfyUI skips the unconditional "
+                         "pass; > 1: two forwards a step, a zero negative conditioning)")
+    ap.add_argument("--multigpu", type=int, default=1, metavar="N",
+                    help="N > 1: every path's MODEL through ComfyUI's MultiGPU CFG Split (max_gpus N) before sampling")
+    ap.add_argument("--negative-device", default=None, metavar="DEV",
+                    help="DualModelGuider models: the unconditional backbone on DEV (e.g. cuda:1) through the "
+                         "pack's Dual Model Guider (two GPUs), both backbones at once")
     ap.add_argument("--out", default=str(HERE / "results" / "h200-e2e-models.json"))
     a = ap.parse_args()
     a.second_res = (SECOND_RES_AUTO if a.cold else "") if a.second_res is None else \

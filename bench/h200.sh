@@ -42,6 +42,10 @@
 #            bench/results/cold-runs/<gpu>-cold-<commit>-<models>[-<paths>].json, bench/lib/merge.py merges them into
 #            bench/results/<gpu>-cold.json with issue 48's checks. Run it on nvidia-h100-x1 (no shipped picks) and
 #            on nvidia-h200.
+#   multigpu (a two-GPU kind: nvidia-h100-x2 / nvidia-h200-x2; issue 51) Ideogram 4 DualModelGuider with the pack, one
+#            GPU and then the unconditional backbone on cuda:1 (the pack's Dual Model Guider (two GPUs)); Flux.1 at
+#            cfg 3.5, bf16 and the pack, one GPU and then through MultiGPU CFG Split (max_gpus 2). Writes
+#            $OUT/<gpu>x2-multigpu-{dual,flux}-{1gpu,2gpu}.json (targets: 2 GPUs >= 1.8x one GPU's whole sample).
 #   check    after a change that must not change outputs: Ideogram 4 dual (bf16, pack, pack) and Flux.1 (bf16,
 #            pack, pack), then the pack rows' final-latent rel L2 against bf16 compared with the recorded values
 #            (equal to the last digit = the same output bits; step times to compare with bench/RESULTS.md).
@@ -106,6 +110,14 @@ case $suite in
     name="$gpu-cold-${cm//,/-}$ctag"
     timeout 560 $models --cold --models "$cm" --paths "$cp" --child-timeout 300 --out "$OUT/$name.json" 2>&1 \
       | tee "$OUT/$name.log" ;;
+  multigpu)
+    for n in 1 2; do
+      dev=(); split=(); [ "$n" = 2 ] && dev=(--negative-device cuda:1) && split=(--multigpu 2)
+      timeout 280 $models --models ideogram4_dual --paths pack:fused_triton "${dev[@]}" \
+        --out "$OUT/${gpu}x2-multigpu-dual-${n}gpu.json" 2>&1 | tee "$OUT/multigpu-dual-${n}gpu.log"
+      timeout 280 $models --models flux --cfg 3.5 --paths bf16,pack:fused_triton "${split[@]}" \
+        --out "$OUT/${gpu}x2-multigpu-flux-${n}gpu.json" 2>&1 | tee "$OUT/multigpu-flux-${n}gpu.log"
+    done ;;
   check)
     timeout 330 $sampler --paths "bf16,pack:fused_triton,pack:fused_triton" --out "$OUT/check-sampler.json" 2>&1 \
       | tee "$OUT/check-sampler.log"

@@ -360,3 +360,23 @@ def test_gpu_busy_is_the_union_of_gpu_spans_without_the_first_step():
     # six GPU events, 3 steps: the first 2 left out; (150 + 50) µs over 2 steps
     assert e2e_sampler.gpu_busy_s(ev, 3) == pytest.approx(100e-6)
     assert e2e_sampler.gpu_busy_s(ev[:2], 3) is None  # fewer GPU events than steps: nothing to tell
+
+
+def test_models_two_gpu_options_on_one_device(comfy_current, tmp_path):
+    """Issue 51's bench options, as far as one CPU takes them: ``--cfg 2`` (cond and uncond a step), ``--multigpu 2``
+    (MultiGPU CFG Split after each path's MODEL: the CPU is the only device, so no extra clone and one device listed)
+    and ``--negative-device cpu`` (the pack's two-device guider for Ideogram 4's DualModelGuider workflow, here on the
+    model's own device: DualModelGuider unchanged). The rows say what ran."""
+    doc, _ = _bench(comfy_current, "e2e_models.py", ["--tiny", "--models", "flux,ideogram4_dual", "--paths",
+                                                     "bf16,pack:torch_int_mm", "--steps", "1", "--cfg", "2",
+                                                     "--multigpu", "2", "--negative-device", "cpu"],
+                    tmp_path / "two.json")
+    rows = {(r["model"], r["path"]): r for r in _measured(doc)}
+    for (model, path), r in rows.items():
+        assert r["status"] == "ok" and r["finite"], r
+        assert r["multigpu"] == 2 and r["multigpu_devices"] == ["cpu"], r
+        # cfg 2: ComfyUI batches cond and uncond in one call; DualModelGuider: one call per backbone
+        _whole_is_calls_plus_tax(r, steps=1, calls_per_step=2 if model == "ideogram4_dual" else 1)
+    assert rows[("flux", "bf16")]["guider"] == "CFGGuider cfg 2"
+    assert rows[("ideogram4_dual", "bf16")]["guider"] == "DualModelGuider cfg 4, negative on cpu"
+    assert 0 < rows[("flux", "pack:torch_int_mm")]["rel_l2_vs_bf16"] < 0.05
