@@ -32,9 +32,15 @@ sampler=$!
 echo "[test] set-up done in $SECONDS s; running pytest (${par[*]:-one process})"
 t0=$SECONDS
 rc=0
-"$rt/venv/bin/python" -m pytest -q -rfEs --timeout=1200 --durations=15 "${par[@]}" "$@" || rc=$?
+junit="$rt/last-run.xml"  # each test's time: scripts/durations.py prints docs/DEVELOPING.md's tables from it
+rm -f "$junit"
+"$rt/venv/bin/python" -m pytest -q -rfEs --timeout=1200 --durations=15 --junitxml "$junit" "${par[@]}" "$@" || rc=$?
 kill "$sampler" 2>/dev/null || true
 echo "[test] pytest finished in $((SECONDS - t0)) s (exit $rc)"
+if [ -s "$junit" ]; then
+  echo "[test] where the time went (scripts/durations.py $junit):"
+  "$rt/venv/bin/python" scripts/durations.py "$junit" || true
+fi
 read -r peak peak_t < "$peakf"
 echo "[test] peak disk use during the tests: $(( (peak - disk0) / 1024 )) MiB above the $((disk0 / 1048576)) GiB used at the start"
 if [ "$peak" -gt "$disk0" ]; then
