@@ -72,6 +72,8 @@ MARKERS = {
     "quick": "set on every test that is none of slow, current_comfy, browser: `bash scripts/test.sh -m quick`",
     "serial": "shares state that parallel workers would race on: pytest-xdist runs every serial test in one "
               "worker (group 'serial', scripts/test.sh uses --dist loadgroup)",
+    "big_files": "writes GiB-sized model files: pytest-xdist runs these in one worker, one after another (group "
+                 "'big_files'), so that two of them never hold their files on the disk at once",
 }
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -113,6 +115,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
         if item.get_closest_marker("serial"):
             item.add_marker(pytest.mark.xdist_group("serial"))
+        elif item.get_closest_marker("big_files"):
+            item.add_marker(pytest.mark.xdist_group("big_files"))
     # the long tests first (a stable sort: the same order in every xdist worker), so that the workers' queues end
     # on short ones instead of one worker finishing a long test while the other idles
     items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1 if it.get_closest_marker("current_comfy")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,6 +19,7 @@ def safetensors_keys(path) -> set[str]:
         return set(json.loads(f.read(int.from_bytes(f.read(8), "little")))) - {"__metadata__"}
 
 
+@pytest.mark.big_files  # GiB-sized model files: one worker runs these one after another
 def test_save_roundtrip_smoke(comfy_current, tmp_path):
     out = tmp_path / "roundtrip.json"
     py = os.environ.get("COMFYUI_CURRENT_PYTHON") or sys.executable

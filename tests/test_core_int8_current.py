@@ -19,9 +19,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 
+@pytest.mark.big_files  # GiB-sized model files: one worker runs these one after another
 def test_apply_adopts_core_int8_weights_as_stored(comfy_current):
     from comfy_harness import run_body_in_current_comfy
     res = run_body_in_current_comfy(__file__)

@@ -20,11 +20,13 @@ comparison failing (80 %) when the smoothing convention is inverted.
 """
 import sys
 
+import pytest
 import torch
 
 BOUND = 0.05
 
 
+@pytest.mark.big_files  # GiB-sized model files: one worker runs these one after another
 def test_ideogram4_int8_node_dualguider_and_core_save(comfy_current):
     from comfy_harness import run_body_in_current_comfy
     res = run_body_in_current_comfy(__file__)

@@ -153,13 +153,12 @@ def _run(fn: str, work: Path, archs: list) -> dict:
     return json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
 
-# the architectures whose widths detection fixes write GiB-sized files: one worker runs them one after another
-# (pytest-xdist group), so that two of them never hold their files on the disk at once
+# the architectures whose widths detection fixes write GiB-sized files (tests/conftest.py: big_files)
 REAL_WIDTH = ("lumina2", "qwen_image", "ideogram4", "chroma")
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.xdist_group("real_width_files"))
-                                  if a in REAL_WIDTH else a for a in ARCHS])
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.big_files) if a in REAL_WIDTH else a
+                                  for a in ARCHS])
 def test_core_file_round_trip(results, arch):
     pack, plain = results["pack"], results["plain"]
     assert "error" not in pack, pack.get("error")

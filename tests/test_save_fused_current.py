@@ -17,11 +17,13 @@ within the W8A8 bound of the float model (test_ideogram4_current.py: <= 5 %).
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 BOUND = 0.05
 
 
+@pytest.mark.big_files  # GiB-sized model files: one worker runs these one after another
 def test_save_of_a_fused_ideogram4_holds_every_tensor(comfy_current):
     from comfy_harness import run_body_in_current_comfy
     res = run_body_in_current_comfy(__file__)
