@@ -473,8 +473,8 @@ class ModelsBench(SamplerBench):
             return
         row = {"model": name, "path": path, "params": self.doc_extra["models"][name]["params"], "pid": os.getpid(),
                "guider": self.guider_name(name)}
-        if self.a.multigpu > 1:
-            row["multigpu"] = self.a.multigpu
+        if self.opt("multigpu", 1) > 1:
+            row["multigpu"] = self.opt("multigpu", 1)
         if self.a.second_process:
             row["second_process_row"] = True
         if path != req:
@@ -499,9 +499,10 @@ class ModelsBench(SamplerBench):
                         d.clear()
             for x in ms:
                 row.update(self.check_detection(name, x, cls, cfg))
-            if self.a.multigpu > 1:  # MultiGPU CFG Split after everything else, as its help says to place it
+            if self.opt("multigpu", 1) > 1:  # MultiGPU CFG Split after everything else, as its help says
                 import comfy.multigpu
-                ms = [comfy.multigpu.create_multigpu_deepclones(x, self.a.multigpu, reuse_loaded=True) for x in ms]
+                n_gpus = self.opt("multigpu", 1)
+                ms = [comfy.multigpu.create_multigpu_deepclones(x, n_gpus, reuse_loaded=True) for x in ms]
                 m = ms[0]
                 row["multigpu_devices"] = [str(x.load_device) for x in
                                            [m, *m.get_additional_models_with_key("multigpu")]]
@@ -533,10 +534,10 @@ class ModelsBench(SamplerBench):
         unconnected)."""
         torch = self.torch
         if name in DUAL:
-            if self.a.negative_device:  # the pack's two-device guider (nodes/dual_gpu.py)
+            if self.opt("negative_device"):  # the pack's two-device guider (nodes/dual_gpu.py)
                 import importlib
                 dual = importlib.import_module(self.pack.__name__ + ".nodes.dual_gpu")
-                g = dual.guider_class()(ms[0], ms[1], torch.device(self.a.negative_device))
+                g = dual.guider_class()(ms[0], ms[1], torch.device(self.opt("negative_device")))
             else:
                 import comfy_extras.nodes_custom_sampler as ncs
                 g = ncs.Guider_DualModel(ms[0], ms[1])
@@ -546,14 +547,18 @@ class ModelsBench(SamplerBench):
         import comfy.samplers
         g = comfy.samplers.CFGGuider(ms[0])
         g.set_conds([[ctx, dict(extra)]], [[torch.zeros_like(ctx), dict(extra)]])
-        g.set_cfg(self.a.cfg)
+        g.set_cfg(self.opt("cfg", 1.0))
         return g
 
+    def opt(self, name: str, default=None):
+        """An option of this bench's command line that a bench built on this one (bench/convrot.py) may not have."""
+        return getattr(self.a, name, default)
+
     def guider_name(self, name: str) -> str:
+        neg, cfg = self.opt("negative_device"), self.opt("cfg", 1.0)
         if name in DUAL:
-            two = f", negative on {self.a.negative_device}" if self.a.negative_device else ""
-            return f"DualModelGuider cfg 4{two}"
-        return f"CFGGuider cfg {self.a.cfg:g}"
+            return "DualModelGuider cfg 4" + (f", negative on {neg}" if neg else "")
+        return f"CFGGuider cfg {cfg:g}"
 
     def second_res_row(self, row: dict, name: str, g, m, latent, first_steps: int) -> None:
         """The cold suite's new resolution, the process warm (after the row's warm samples): the first sample at

@@ -166,23 +166,27 @@ def _read(p: Path) -> str:
     return p.read_bytes().decode("utf-8", errors="replace") if p.exists() else ""
 
 
-_servers: dict = {}
+_servers: dict = {}  # key -> ForkServer, least recently used first
 _starts: dict = {}
 _guard = threading.Lock()
+MAX_SERVERS = 2  # a test that sets its own environment gets a server of its own; the oldest beyond this is closed
 
 
 def run(python: str, prelude: str, cwd: Path, env: dict, code: str,
         timeout: float) -> subprocess.CompletedProcess | None:
-    """``code`` run after ``prelude`` by this process's server for (python, prelude, cwd), started on first use;
-    None where it cannot serve (the caller then starts a fresh process)."""
+    """``code`` run after ``prelude`` by this process's server for (python, prelude, cwd, environment), started on
+    first use; None where it cannot serve (the caller then starts a fresh process)."""
     if os.environ.get("INT8_TEST_FORK", "1") == "0":
         return None
-    key = (python, prelude, str(cwd))
+    key = (python, prelude, str(cwd), frozenset((k, v) for k, v in env.items() if k not in VOLATILE))
     with _guard:
-        srv = _servers.get(key)
+        srv = _servers.pop(key, None)
         if srv is None or (srv.died() and _starts.get(key, 0) < 3):  # a server that died is started again
             _starts[key] = _starts.get(key, 0) + 1
-            srv = _servers[key] = ForkServer(python, prelude, cwd, env)
+            while len(_servers) >= MAX_SERVERS:
+                _servers.pop(next(iter(_servers))).close()
+            srv = ForkServer(python, prelude, cwd, env)
+        _servers[key] = srv  # now the most recently used
     if not srv.serves(env):
         return None
     return srv.run(code, env, timeout)

@@ -70,10 +70,10 @@ MARKERS = {
     "slow": "takes more than ~20 s on the 2-core CI machine (docs/DEVELOPING.md lists the slowest); "
             "`-m quick` leaves these, current_comfy and browser tests out",
     "quick": "set on every test that is none of slow, current_comfy, browser: `bash scripts/test.sh -m quick`",
-    "serial": "shares state that parallel workers would race on: pytest-xdist runs every serial test in one "
-              "worker (group 'serial', scripts/test.sh uses --dist loadgroup)",
-    "big_files": "writes GiB-sized model files: pytest-xdist runs these in one worker, one after another (group "
-                 "'big_files'), so that two of them never hold their files on the disk at once",
+    "serial": "shares state that parallel workers would race on: no two serial tests run at once (a file lock "
+              "across the pytest-xdist workers, tests/conftest.py _one_at_a_time)",
+    "big_files": "writes GiB-sized model files: no two of them run at once (a file lock across the pytest-xdist "
+                 "workers), so that two never hold their files on the disk together",
 }
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -97,7 +97,7 @@ _CURRENT_FIXTURES = {"comfy_current", "comfy_server_current"}
 _SLOW_FIXTURES = {"comfy_server", "miniature_models"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     kernels = None
     for item in items:
@@ -113,10 +113,6 @@ def pytest_collection_modifyitems(config, items):
                                                         "machine without a GPU (scripts/test.sh sets it)"))
         if not any(item.get_closest_marker(m) for m in ("slow", "current_comfy", "browser")):
             item.add_marker(pytest.mark.quick)
-        if item.get_closest_marker("serial"):
-            item.add_marker(pytest.mark.xdist_group("serial"))
-        elif item.get_closest_marker("big_files"):
-            item.add_marker(pytest.mark.xdist_group("big_files"))
     # the long tests first (a stable sort: the same order in every xdist worker), so that the workers' queues end
     # on short ones instead of one worker finishing a long test while the other idles
     items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1 if it.get_closest_marker("current_comfy")
@@ -137,6 +133,27 @@ def pytest_runtest_protocol(item, nextitem):
     if _TIMELINE:
         with open(_TIMELINE, "a") as f:
             f.write(f"{time.time():.1f} end {item.nodeid}\n")
+
+
+@pytest.fixture(autouse=True)
+def _one_at_a_time(request):
+    """``serial`` and ``big_files`` tests hold an exclusive file lock (one per marker, in the temporary folder every
+    worker shares) while they run: pytest-xdist's own groups (``--dist loadgroup``) did not keep two big_files tests
+    apart on this xdist (both ran at once, and the disk peaked at 5.9 GB)."""
+    import fcntl
+    import tempfile
+    names = [m for m in ("serial", "big_files") if request.node.get_closest_marker(m)]
+    locks = []
+    try:
+        for name in names:
+            f = open(os.path.join(tempfile.gettempdir(), f"int8_fused_tests_{name}.lock"), "w")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            locks.append(f)
+        yield
+    finally:
+        for f in reversed(locks):
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
 
 
 @pytest.fixture(autouse=True)

@@ -78,3 +78,20 @@ def test_other_flags_or_environment_run_fresh(comfy_current):
     assert with_cli[1:] == ["True", "None"] and with_cli[0] == str(os.getpid())  # this process's own child
     assert with_env[1:] == ["False", "1"] and with_env[0] == str(os.getpid())
     assert server != str(os.getpid())
+
+
+def test_a_server_per_environment(comfy_current, monkeypatch):
+    """A server started while a test had set its own environment does not take the scripts of another: each
+    environment gets a server of its own (the process's default one too), the oldest closed past MAX_SERVERS."""
+    import comfy_fork
+    from comfy_harness import run_in_current_comfy
+    script = "import os\nprint(os.getppid(), os.environ.get('INT8_X'))"
+    monkeypatch.setenv("INT8_X", "own")
+    own = run_in_current_comfy(script, timeout=300).stdout.split()
+    monkeypatch.delenv("INT8_X")
+    default = run_in_current_comfy(script, timeout=300).stdout.split()
+    again = run_in_current_comfy(script, timeout=300).stdout.split()
+    assert own[1] == "own" and default[1] == "None", (own, default)
+    assert str(os.getpid()) not in (own[0], default[0])  # both forked from a server, not started by this process
+    assert own[0] != default[0] and again == default  # two servers; the default one serves again
+    assert len(comfy_fork._servers) <= comfy_fork.MAX_SERVERS
