@@ -117,6 +117,15 @@ def pytest_collection_modifyitems(config, items):
     # on short ones instead of one worker finishing a long test while the other idles
     items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1 if it.get_closest_marker("current_comfy")
                else 2)
+    # the big_files tests (one at a time, _one_at_a_time) spread among the others: one after every three other tests,
+    # so that a worker seldom waits for the other's
+    big = [it for it in items if it.get_closest_marker("big_files")]
+    if big:
+        rest = [it for it in items if not it.get_closest_marker("big_files")]
+        spread = []
+        for i, it in enumerate(big):
+            spread += [it] + rest[3 * i:3 * i + 3]
+        items[:] = spread + rest[3 * len(big):]
 
 
 _TIMELINE = os.environ.get("INT8_TEST_TIMELINE")  # scripts/test.sh: which tests ran when (the disk peak's)
