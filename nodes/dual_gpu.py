@@ -112,14 +112,15 @@ class DualModelGuiderTwoGPUs:
 
     @classmethod
     def INPUT_TYPES(cls):
+        devices = device_choices()
         return {"required": {
             "model": ("MODEL", {"tooltip": "The conditional backbone (runs on its own device, as loaded)."}),
             "model_negative": ("MODEL", {"tooltip": "The unconditional backbone (Ideogram 4: the second MODEL of Load "
                                                     "Ideogram 4.0 INT8)."}),
             "positive": ("CONDITIONING",),
             "cfg": ("FLOAT", {"default": 4.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
-            "negative_device": (device_choices(), {
-                "default": (device_choices()[2] if len(device_choices()) > 2 else SAME),
+            "negative_device": (devices, {
+                "default": devices[2] if len(devices) > 2 else SAME,
                 "tooltip": "Where model_negative runs: a second GPU runs it at the same time as model (the same "
                            "output as DualModelGuider on one GPU). 'same as model': DualModelGuider unchanged."}),
         }, "optional": {
