@@ -365,9 +365,11 @@ def tiny_flux(dtype, depth=2, single=2, **overrides):
     sd = {(k[:-len("scale")] + "weight" if k.endswith("_norm.scale") and k not in own else k): v for k, v in sd.items()}
     sd = {k: v for k, v in sd.items() if k in own and own[k].shape == v.shape}
     missing = dm.load_state_dict(sd, strict=False).missing_keys
+    g = torch.Generator().manual_seed(5)  # the same values whatever ran before in the process (not the global RNG)
     with torch.no_grad():
         for k in missing:                                          # variants with extra tensors: small random
-            dm.get_parameter(k).copy_(torch.randn_like(dm.get_parameter(k)) * 0.05)
+            p = dm.get_parameter(k)
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return dm
 
 
