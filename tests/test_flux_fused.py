@@ -464,23 +464,32 @@ def flux_equivalence(pack, dtype=BF16) -> dict:
             return real[name](*a, **kw)
         return f
 
+    real_qk, qk_calls = kf.rope.qk_norm_rope, []
+
+    def qk_spy(*a, **kw):
+        qk_calls.append(a[0].shape)
+        return real_qk(*a, **kw)
+
     with torch.no_grad():
         ref = _swap(dm, plain)(x, t, ctx, y=y)  # the per-linear path: ComfyUI's forwards, torch's residual tails
         flt = dm(x, t, ctx, y=y)
         for n in tails:
             setattr(kf.residual, n, spy(n))
-        try:  # the residual tails in the residual kernels (two roundings, as torch's ops), counted through their
-            # checked wrappers
+        kf.rope.qk_norm_rope = qk_spy
+        try:  # the residual tails in the residual kernels (two roundings, as torch's ops), and the QK norm + RoPE
+            # kernel (against ComfyUI's norm modules and RoPE in the per-linear path), counted through their checked
+            # wrappers
             with fbh.unplanned(kf.plan):
                 got = _swap(dm, patches)(x, t, ctx, y=y)
         finally:
             for n in tails:
                 setattr(kf.residual, n, real[n])
+            kf.rope.qk_norm_rope = real_qk
         tails_planned = [_swap(dm, patches)(x, t, ctx, y=y) for _ in range(2)]  # the second re-issues every tail
     return {"adapter": A.adapter_for(dm).name, "kinds": sorted({type(m).__name__ for m in patches.values()}),
             "fused": sorted(patches), "plain_is_per_linear": plain == layers, "covered_all": covered == sorted(layers),
             "same_layers": same_layers, "rel": _rel(got, ref), "rel_float": _rel(ref, flt),
-            "tail_calls": calls, "tails_planned_equal": all(torch.equal(t_, got) for t_ in tails_planned),
+            "tail_calls": calls, "qk_rope_calls": len(qk_calls), "tails_planned_equal": all(torch.equal(t_, got) for t_ in tails_planned),
             "depth": (dm.params.depth, dm.params.depth_single_blocks),
             "blocks": block_activations(pack, dm, layers, patches, dtype)}
 
@@ -496,6 +505,7 @@ def _check_equivalence(res):
     assert res["tail_calls"] == {"residual_add": 2 * double + single,
                                  "residual_add_layernorm_modulate_quantize": 2 * double}, res
     assert res["tails_planned_equal"], res
+    assert res["qk_rope_calls"] == 2 * double + single, res  # one launch per stream and block (q and k together)
     for name, b in res["blocks"].items():
         assert b["same_activations"] and b["gemms_fused"] >= (6 if "double" in name else 2), (name, b)
         assert b["rel"] <= REL_MODEL, (name, b)
