@@ -55,7 +55,7 @@ _layers, _swap, _rel = fbh.int8_layers, fbh.swapped, fbh.rel
 
 def _inputs(dtype, b=2, seed=1):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, 16, 2, 8, 8, generator=g).to(dtype)
+    x = torch.randn(b, 16, 2, 4, 8, generator=g).to(dtype)  # 2 frames of 2 x 4 patches: 16 tokens a sample
     ctx = torch.randn(b, 8, 32, generator=g).to(dtype)
     return x, torch.tensor([600.0, 300.0][:b]), ctx
 
