@@ -78,13 +78,19 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
 
 SMALL_M_ROWS = 16             # rows up to here run the one-launch kernel (adaLN / time-embedding GEMVs)
 SMALL_M_MAX_K = 16384         # ... when K is at most this: every program re-reads its rows' K (from L2)
+# Under TRITON_INTERPRET=1 (CPU tensors: the tests, the CPU demo) the one-launch kernel takes up to this many rows:
+# its bits are quantize_per_token + int8_gemm's (tests/test_dispatch.py checks both routes up to 150 rows), and the
+# interpreter runs it as a few large-tile programs, where the per-token quantizer is a program a row (half of a tiny
+# model's interpreted time). The kernel tests set it to SMALL_M_ROWS to run the GPU's two launches. Module data.
+INTERPRETER_ONE_LAUNCH_ROWS = 1024
 
 
 def int8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                 inv_smooth: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """W8A8 linear: x [..., K] float -> quantize_per_token -> int8_gemm -> [..., N] in ``out_dtype``
     (default x.dtype). Two launches; the activation is read once and written once as int8. With at most
-    ``SMALL_M_ROWS`` rows (and K <= ``SMALL_M_MAX_K``) one launch that quantizes inside the GEMM, bit-identical."""
+    ``SMALL_M_ROWS`` rows (under the interpreter ``INTERPRETER_ONE_LAUNCH_ROWS``) and K <= ``SMALL_M_MAX_K`` one
+    launch that quantizes inside the GEMM, bit-identical."""
     return _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype)[0]
 
 
@@ -94,7 +100,8 @@ def _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype):
         raise ValueError("x must be a tensor [..., K]")
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     m, k = x2.shape
-    if 0 < m <= SMALL_M_ROWS and 0 < k <= SMALL_M_MAX_K:
+    if 0 < m <= (SMALL_M_ROWS if x2.is_cuda else max(SMALL_M_ROWS, INTERPRETER_ONE_LAUNCH_ROWS)) \
+            and 0 < k <= SMALL_M_MAX_K:
         y = _linear_small_m(x2, w_q, w_scale, bias, inv_smooth, out_dtype or x.dtype)
         temps = ()
     else:

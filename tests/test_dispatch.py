@@ -428,9 +428,13 @@ def _launches(monkeypatch):
 
 
 @pytest.mark.parametrize("m, dtype, smooth, bias", [(1, torch.bfloat16, True, True), (5, torch.float32, False, False),
-                                                     (16, torch.float16, True, False), (3, torch.bfloat16, False, True)])
+                                                     (16, torch.float16, True, False), (3, torch.bfloat16, False, True),
+                                                     (40, torch.bfloat16, True, True), (150, torch.float16, False, True)])
 def test_small_m_one_launch_is_bit_identical_to_quantize_then_gemm(monkeypatch, m, dtype, smooth, bias):
+    """Up to 16 rows on a GPU; under the interpreter up to ``INTERPRETER_ONE_LAUNCH_ROWS`` (40 and 150 rows: more
+    than one BLOCK_M tile of the interpreter's run tile, rows of a tile past M masked)."""
     import kernel
+    assert m <= max(kernel.linear.SMALL_M_ROWS, kernel.linear.INTERPRETER_ONE_LAUNCH_ROWS)
     g = torch.Generator().manual_seed(m)
     k, n = 200, 36
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
@@ -447,12 +451,19 @@ def test_small_m_one_launch_is_bit_identical_to_quantize_then_gemm(monkeypatch, 
     a_q, a_s = kernel.quantize_per_token(x, inv)
     ref = kernel.int8_gemm(a_q, a_s, w, ws, b, out_dtype=dtype)
     assert torch.equal(y.reshape(m, n).nan_to_num(-9.0), ref.nan_to_num(-9.0))
+    # and the GPU's route for those rows (two launches above 16) gives them too
+    monkeypatch.setattr(kernel.linear, "INTERPRETER_ONE_LAUNCH_ROWS", kernel.linear.SMALL_M_ROWS)
+    before = len(seen)
+    two = kernel.int8_linear(x, w, ws, b, inv)
+    assert torch.equal(two.nan_to_num(-9.0), ref.nan_to_num(-9.0))
+    assert len(seen) - before == (1 if m <= kernel.linear.SMALL_M_ROWS else 2), seen[before:]
     if m > 2:
         assert torch.isnan(y[0, 2]).all() and not torch.isnan(y[0, 0]).any()
 
 
 def test_two_launches_above_16_rows_or_for_long_k(monkeypatch):
     import kernel
+    monkeypatch.setattr(kernel.linear, "INTERPRETER_ONE_LAUNCH_ROWS", kernel.linear.SMALL_M_ROWS)  # a GPU's routes
     seen = _launches(monkeypatch)
     w, ws = torch.randint(-127, 128, (8, 64), dtype=torch.int8), torch.rand(8)
     kernel.int8_linear(torch.randn(17, 64), w, ws)  # 17 rows: the row loop where QUANT_ROW_LOOP x 4 "SMs" < 17
