@@ -21,7 +21,7 @@ echo "[test] current ComfyUI: ${COMFYUI_CURRENT:-none (tests needing it skip)}"
 # runs without xdist.
 workers="${INT8_TEST_WORKERS:-$(nproc)}"
 par=()
-case " $* " in *" -p no:xdist "*) ;; *) [ "$workers" -gt 0 ] && par=(-n "$workers" --dist worksteal) ;; esac
+case " $* " in *" -p no:xdist "*) ;; *) [ "$workers" -gt 0 ] && par=(-n "$workers" --dist loadgroup) ;; esac
 # Peak disk use during the run (every file system the suite writes to: the runtime's and the temporary folder's),
 # sampled every 2 s, printed at the end.
 # At the end it names the tests that were running at the peak (tests/conftest.py writes their start and end times).

@@ -113,14 +113,19 @@ def pytest_collection_modifyitems(config, items):
                                                         "machine without a GPU (scripts/test.sh sets it)"))
         if not any(item.get_closest_marker(m) for m in ("slow", "current_comfy", "browser")):
             item.add_marker(pytest.mark.quick)
-    # the big_files tests (one at a time, _one_at_a_time) first and side by side, then the other long ones (a stable
-    # sort: the same order in every xdist worker). scripts/test.sh runs pytest-xdist's work stealing: the first
-    # worker's share starts with the big_files tests and runs them one after another (the lock never makes a worker
-    # wait: spread among the others, they cost ~4 min of a worker waiting a run), and an idle worker takes tests from
-    # the end of the other's queue, so the queues end on short tests instead of one worker finishing a long test
-    # while the other idles
-    items.sort(key=lambda it: 0 if it.get_closest_marker("big_files") else 1 if it.get_closest_marker("slow")
-               else 2 if it.get_closest_marker("current_comfy") else 3)
+    # the long tests first (a stable sort: the same order in every xdist worker), so that the workers' queues end
+    # on short ones instead of one worker finishing a long test while the other idles
+    items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1 if it.get_closest_marker("current_comfy")
+               else 2)
+    # the big_files tests (one at a time, _one_at_a_time) spread among the others: one after every three other tests,
+    # so that a worker seldom waits for the other's
+    big = [it for it in items if it.get_closest_marker("big_files")]
+    if big:
+        rest = [it for it in items if not it.get_closest_marker("big_files")]
+        spread = []
+        for i, it in enumerate(big):
+            spread += [it] + rest[3 * i:3 * i + 3]
+        items[:] = spread + rest[3 * len(big):]
 
 
 _TIMELINE = os.environ.get("INT8_TEST_TIMELINE")  # scripts/test.sh: which tests ran when (the disk peak's)
@@ -142,10 +147,8 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.fixture(autouse=True)
 def _one_at_a_time(request):
     """``serial`` and ``big_files`` tests hold an exclusive file lock (one per marker, in the temporary folder every
-    worker shares) while they run: pytest-xdist's own groups (``--dist loadgroup``) do not work with this pytest
-    (xdist 3.8 tags a grouped test by setting ``item._nodeid``, which pytest 9.2's ``nodeid`` no longer reads), so
-    two big_files tests ran at once and the disk peaked at 5.9 GB. The collection order keeps them on one worker in
-    a run (``pytest_collection_modifyitems``); the lock is what guarantees it."""
+    worker shares) while they run: pytest-xdist's own groups (``--dist loadgroup``) did not keep two big_files tests
+    apart on this xdist (both ran at once, and the disk peaked at 5.9 GB)."""
     import fcntl
     import tempfile
     names = [m for m in ("serial", "big_files") if request.node.get_closest_marker(m)]
