@@ -147,8 +147,9 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.fixture(autouse=True)
 def _one_at_a_time(request):
     """``serial`` and ``big_files`` tests hold an exclusive file lock (one per marker, in the temporary folder every
-    worker shares) while they run: pytest-xdist's own groups (``--dist loadgroup``) did not keep two big_files tests
-    apart on this xdist (both ran at once, and the disk peaked at 5.9 GB)."""
+    worker shares) while they run: pytest-xdist's own groups (``--dist loadgroup``) do not work with this pytest
+    (xdist 3.8 tags a grouped test by setting ``item._nodeid``, which pytest 9.2's ``nodeid`` no longer reads), so
+    two big_files tests ran at once and the disk peaked at 5.9 GB."""
     import fcntl
     import tempfile
     names = [m for m in ("serial", "big_files") if request.node.get_closest_marker(m)]
