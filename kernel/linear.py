@@ -100,8 +100,7 @@ def _int8_linear(x, w_q, w_scale, bias, inv_smooth, out_dtype):
         raise ValueError("x must be a tensor [..., K]")
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     m, k = x2.shape
-    if 0 < m <= (SMALL_M_ROWS if x2.is_cuda else max(SMALL_M_ROWS, INTERPRETER_ONE_LAUNCH_ROWS)) \
-            and 0 < k <= SMALL_M_MAX_K:
+    if 0 < m <= (SMALL_M_ROWS if x2.is_cuda else INTERPRETER_ONE_LAUNCH_ROWS) and 0 < k <= SMALL_M_MAX_K:
         y = _linear_small_m(x2, w_q, w_scale, bias, inv_smooth, out_dtype or x.dtype)
         temps = ()
     else:

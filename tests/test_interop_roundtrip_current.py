@@ -351,19 +351,25 @@ def _pack_arch(pack, arch: str, work: Path) -> dict:
     lap("b: adopt + sample")
 
     # c. Calibrate -> Apply -> Save (core format, smoothing folded)
-    if arch not in CALIBRATED:
-        res["outputs"], res["laps"] = {k: v.tolist() for k, v in out.items()}, lap.laps
-        del fl, dm
-        _free()
-        return res
+    if arch in CALIBRATED:
+        _calibrated(nodes, fl, arch, fpath, work, out, res, lap)
+    res["outputs"], res["laps"] = {k: v.tolist() for k, v in out.items()}, lap.laps
+    del fl, dm
+    _free()
+    return res
+
+
+def _calibrated(nodes, fl, arch: str, fpath: str, work: Path, out: dict, res: dict, lap) -> None:
+    """Stage c on the float model ``fl``: its outputs into ``out``, its checks into ``res``."""
     positive, latent, mask = _conds(arch)
     lat = {"samples": latent} if mask is None else {"samples": latent, "noise_mask": mask}
     cal = nodes.calibrate.run_calibration(fl, positive, None, lat, 0, 2, 1.0, "euler", "simple")
     lap("c: calibrate")
-    (qc,) = apply(fl, sb, calibration=cal)
+    (qc,) = nodes.apply.ApplyFusedInt8GEMM().apply(fl, SAMPLE_BACKEND[arch], calibration=cal)
     out["cal_pack"] = _sample(qc, arch)
     lap("c: apply + sample")
-    (cal_path,) = save.save(qc, f"rt_{arch}_cal", "comfy_int8_tensorwise", False, "blocks")["result"]
+    (cal_path,) = nodes.save.SaveInt8Model().save(qc, f"rt_{arch}_cal", "comfy_int8_tensorwise", False,
+                                                   "blocks")["result"]
     os.replace(cal_path, work / f"{arch}_cal.safetensors")
     cal_file = _file(str(work / f"{arch}_cal.safetensors"))
     res["cal_file_keys"] = sorted(cal_file)
@@ -380,12 +386,9 @@ def _pack_arch(pack, arch: str, work: Path) -> dict:
         bound = a1[:, None] / (2 * s[None, :]) + a2[:, None] / 2
         ok &= bool(((deq - w).abs() <= bound * (1 + 1e-5) + 1e-7).all())
     res["smoothed_layers"], res["fold_within_bound"] = smoothed, ok
-    res["outputs"] = {k: v.tolist() for k, v in out.items()}
-    del qc, fl, dm, floats, cal, cal_file
+    del qc, floats, cal, cal_file
     _free()
     lap("c: save + fold check")
-    res["laps"] = lap.laps
-    return res
 
 
 class _Laps:
