@@ -193,6 +193,52 @@ def _load_sd(sd: dict, opts: dict, disable_dynamic: bool = False):
     return comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=opts, disable_dynamic=disable_dynamic)
 
 
+class compile_log:
+    """Triton's compiles during a block (``triton.knobs.compilation.listener``), to split a first sample into what it
+    waited for: ``first_compiles`` {main: compiles on the sampling thread and their seconds (on the sample's path),
+    pool: those in other threads (the pack's compile-ahead pool: waited for once per dry run), hits: cache hits
+    (loaded from Triton's on-disk cache), slowest: the five longest on the sampling thread}; ``first_ahead``: the
+    pack's compile-ahead dry runs in the block (kernels, launches, seconds each: ``kernel.ahead.HISTORY``)."""
+
+    def __init__(self, pack=None):
+        self.ahead = sys.modules.get(f"{pack.__name__}.kernel.ahead") if pack is not None else None
+
+    def __enter__(self):
+        import threading
+        self.events, self.main = [], threading.get_ident()
+        self.ahead0 = len(self.ahead.HISTORY) if self.ahead is not None else 0
+        try:
+            from triton import knobs
+        except ImportError:
+            self.knobs = None
+            return self
+        self.knobs, self.prev = knobs, knobs.compilation.listener
+
+        def listen(*, src, metadata, metadata_group, times, cache_hit):
+            self.events.append((threading.get_ident() == self.main, bool(cache_hit), times.total / 1e6,
+                                str(getattr(src, "name", "?"))))
+            if self.prev is not None:
+                self.prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        knobs.compilation.listener = listen
+        return self
+
+    def __exit__(self, *exc):
+        if self.knobs is not None:
+            self.knobs.compilation.listener = self.prev
+        return False
+
+    def summary(self) -> dict:
+        def agg(sel):
+            ev = [e for e in self.events if sel(e)]
+            return {"n": len(ev), "s": round(sum(e[2] for e in ev), 3)}
+        main = sorted((e for e in self.events if e[0] and not e[1]), key=lambda e: -e[2])
+        out = {"first_compiles": {"main": agg(lambda e: e[0] and not e[1]), "pool": agg(lambda e: not e[0] and not e[1]),
+                                  "hits": agg(lambda e: e[1]),
+                                  "slowest": [[e[3], round(e[2], 3)] for e in main[:5]]}}
+        if self.ahead is not None:
+            out["first_ahead"] = list(self.ahead.HISTORY[self.ahead0:])
+        return out
+
 class SamplerBench:
     def __init__(self, a, dynamic: bool, e2e):
         import torch
@@ -370,8 +416,10 @@ class SamplerBench:
     def first_sample(self, row: dict, key, guider, model, latent, noise, steps: int) -> None:
         """The row's first sampling run (autotune, compiles, DynamicVRAM's first load), synced: ``first_sample_s``;
         ``first_of_path`` when it is the first sample of ``key`` (a path, or (model, path)) in this process."""
-        _, t = self.synced(lambda: self.sample(guider, model, latent, noise, steps))
+        with compile_log(getattr(self, "pack", None)) as compiles:
+            _, t = self.synced(lambda: self.sample(guider, model, latent, noise, steps))
         row.update(first_sample_s=t, first_sample_steps=steps, first_of_path=key not in self.first_done)
+        row.update(compiles.summary())
         self.first_done.add(key)
         row.update(self.settle_background())
 

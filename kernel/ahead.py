@@ -34,6 +34,7 @@ _ACTIVE: list = [None]     # the running ``Ahead`` (one at a time: the sampling 
 _DONE: set = set()         # keys whose first call ran
 _WARNED = [False]
 on_failure: list = []      # callables run when a compile in the pool failed (forget the configs chosen meanwhile)
+HISTORY: list = []         # one dict a dry run: kernels compiled, launches seen, seconds, failures (logs, the bench)
 
 
 def active():
@@ -137,6 +138,8 @@ def first_call(key, device, fn):
                 forget()
             log.info("INT8 compile-ahead: %d of %d compiles failed (%s); the first call chooses again",
                      len(a.errors), len(a.seen), a.errors[0])
+        dt = time.perf_counter() - t0
+        HISTORY.append({"kernels": len(a.seen), "launches": a.launches, "s": round(dt, 3), "failed": len(a.errors)})
         log.info("INT8 compile-ahead: %d kernels compiled in parallel (%d threads) in %.1f s before the first call",
-                 len(a.seen), a.pool._max_workers, time.perf_counter() - t0)
+                 len(a.seen), a.pool._max_workers, dt)
     return fn()
