@@ -202,6 +202,25 @@ def _require_ideogram4() -> None:
                            "Update ComfyUI") from None
 
 
+def comfy_widths() -> dict:
+    """The widths this ComfyUI builds Ideogram 4 at: its model config (``supported_models.Ideogram4``) over the
+    model class's defaults. Detection reads only the depth and the in/out channels from a file, so a file is checked
+    against these (``i4.REAL`` where this ComfyUI names none)."""
+    import inspect
+
+    import comfy.supported_models as sm
+    from comfy.ldm.ideogram4.model import Ideogram4Transformer2DModel as M
+    d = {k: p.default for k, p in inspect.signature(M.__init__).parameters.items()
+         if p.default is not inspect.Parameter.empty}
+    d.update(getattr(getattr(sm, "Ideogram4", None), "unet_extra_config", {}) or {})
+    try:
+        heads, head = int(d["num_attention_heads"]), int(d["attention_head_dim"])
+        return i4.widths(hidden=heads * head, heads=heads, ffn=int(d["intermediate_size"]),
+                         adaln=int(d["adaln_dim"]), text=int(d["llm_features_dim"]))
+    except (KeyError, TypeError, ValueError):
+        return i4.widths()
+
+
 class NoBackbone(nn.Module):
     """The diffusion model of a MODEL output whose backbone the file does not hold: raises when called."""
 
@@ -246,7 +265,8 @@ def _build_one(path: str, branch: str, backend: str, base: str | None, real_widt
     """One branch of ``path`` built again (``cached_patcher_init``: the deep clone of MultiGPU CFG Split; with
     ``disable_dynamic`` the non-DynamicVRAM model ComfyUI asks for under TorchCompileModel)."""
     with open_checkpoint(path) as ck:
-        missing = i4.check_branch(ck.branches[branch], ck.header, ck.name, real_widths=real_widths)
+        missing = i4.check_branch(ck.branches[branch], ck.header, ck.name,
+                                  real_widths=comfy_widths() if real_widths else False)
         return build_branch(ck, branch, backend, base, missing, dtype=torch.bfloat16,
                             disable_dynamic=disable_dynamic)
 
@@ -261,11 +281,12 @@ def load_ideogram4(path: str, backend: str, base_cond: str | None, base_uncond: 
     _require_ideogram4()
     if backend == "auto":
         backend = forced_backend() or backends.default_backend(mm.get_torch_device())
+    expected = comfy_widths() if real_widths else False
     with open_checkpoint(path) as ck:
         order = [b for b in ("conditional", "unconditional", "") if b in ck.branches]
         out = {}
         for br in order:
-            missing = i4.check_branch(ck.branches[br], ck.header, ck.name, real_widths=real_widths)
+            missing = i4.check_branch(ck.branches[br], ck.header, ck.name, real_widths=expected)
             base = base_uncond if br == "unconditional" else base_cond
             out[br] = build_branch(ck, br, backend, base, missing, dtype=torch.bfloat16)
             # how to load this MODEL again, as ComfyUI's own loaders record it: MultiGPU CFG Split's clone for

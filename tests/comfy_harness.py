@@ -100,6 +100,30 @@ def write_miniature_models(comfy_dir: Path = COMFY_DIR, archs=None, seed: int = 
 
 
 # --------------------------------------------------------------------------- a real server
+# --------------------------------------------------------------------------- widths ComfyUI fixes, narrowed
+# ComfyUI builds Ideogram 4 at the widths of its model config (18 heads of 256, FFN 12288, adaLN 512, text 53248);
+# tests on the current ComfyUI narrow that config first (``narrow_ideogram4``: bench/lib/e2e.py's ``narrow``, 2 heads of
+# the real 256). The pack's loader checks a file against the config in use (``nodes.loader.comfy_widths``).
+def _e2e():
+    """bench/lib/e2e.py as a module (the one already imported, else loaded from its file)."""
+    mod = sys.modules.get("bench.lib.e2e") or sys.modules.get("int8fused_bench_e2e")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("int8fused_bench_e2e", ROOT / "bench" / "lib" / "e2e.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["int8fused_bench_e2e"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+NARROW_IDEOGRAM4 = _e2e().NARROW
+
+
+def narrow_ideogram4() -> dict:
+    """Inside a process with a current ComfyUI imported: ComfyUI's Ideogram 4 config at ``NARROW_IDEOGRAM4``; the
+    widths as ``adapters.ideogram4.layout.widths`` names them (no pack import: the plain processes use it too)."""
+    return _e2e().narrow()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

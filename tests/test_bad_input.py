@@ -240,7 +240,7 @@ at_start = [m for l, m in seen if "INT8_FUSED_BACKEND" in m]
 import atexit, folder_paths, shutil, tempfile
 from safetensors.torch import save_file
 models = tempfile.mkdtemp(prefix="int8_bad_")
-atexit.register(shutil.rmtree, models, True)  # two ~1 GB files
+atexit.register(shutil.rmtree, models, True)
 folder_paths.add_model_folder_path("diffusion_models", models, is_default=True)
 i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
 W = sys.modules["comfyui_int8_fused.quant.fmt_write"]
@@ -248,7 +248,8 @@ backends = pack.quant.backends
 cpu = torch.device("cpu")
 res = {"at_start": at_start, "choices": pack.nodes.apply.backend_choices(), "available": backends.available(cpu),
        "default": backends.default_backend(cpu)}
-w = i4.widths()
+from comfy_harness import narrow_ideogram4
+w = narrow_ideogram4()  # ComfyUI's Ideogram 4 config at narrow widths (the loader checks the file against it)
 sd = i4.random_state_dict(1, w, seed=0)
 O = "layers.0.attention.o"
 q, f = i4.quantize_state_dict(sd, [O, "layers.0.attention.qkv"])

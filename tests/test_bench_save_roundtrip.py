@@ -1,5 +1,5 @@
 """bench/checks/save_roundtrip.py's CPU smoke path (issue 35, item 1) through the real ComfyUI 0.33.0 (COMFYUI_CURRENT):
-a 1-layer Ideogram 4 at the real widths, Apply (torch_int_mm: fused_triton's kernels would run in the Triton
+a 1-layer Ideogram 4 at narrow widths (``--narrow``: ComfyUI's Ideogram 4 config narrowed with it), Apply (torch_int_mm: fused_triton's kernels would run in the Triton
 interpreter) -> Save (both formats) -> the pack file through Load Ideogram 4.0 INT8 and the core file through plain
 ComfyUI, sampled. The fused_triton wrapping itself is checked on the CPU by tests/test_save_fused_current.py; the
 H200 run of this bench checks it on full-size Ideogram 4."""
@@ -19,13 +19,12 @@ def safetensors_keys(path) -> set[str]:
         return set(json.loads(f.read(int.from_bytes(f.read(8), "little")))) - {"__metadata__"}
 
 
-@pytest.mark.big_files  # GiB-sized model files: one worker runs these one after another
 def test_save_roundtrip_smoke(comfy_current, tmp_path):
     out = tmp_path / "roundtrip.json"
     py = os.environ.get("COMFYUI_CURRENT_PYTHON") or sys.executable
     env = dict(os.environ, TRITON_INTERPRET="1")
     cp = subprocess.run([py, str(ROOT / "bench" / "checks" / "save_roundtrip.py"), "--comfy", str(comfy_current),
-                         "--device", "cpu", "--layers", "1", "--res", "small", "--steps", "1", "--text-tokens", "8",
+                         "--device", "cpu", "--layers", "1", "--res", "small", "--steps", "1", "--text-tokens", "8", "--narrow",
                          "--workdir", str(tmp_path / "models"), "--out", str(out)],
                         env=env, capture_output=True, text=True, timeout=1500)
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
@@ -38,12 +37,14 @@ def test_save_roundtrip_smoke(comfy_current, tmp_path):
     assert [k for k in st] == ["bf16", "apply", "apply_sample", "save_int8_fused", "save_comfy_int8_tensorwise",
                                "pack_file", "core_file"]
     assert all(s["status"] == "ok" for s in st.values())
-    assert st["core_file"]["llm_cond_proj_weight"] == [4608, 53248]
+    w = doc["narrow_widths"]
+    assert w["hidden"] == 512 and w["text"] == 256, w  # bench/lib/e2e.py NARROW: 2 heads of 256, text 256
+    assert st["core_file"]["llm_cond_proj_weight"] == [w["hidden"], w["text"]]
     for fmt in ("int8_fused", "comfy_int8_tensorwise"):
         assert Path(st[f"save_{fmt}"]["path"]).stat().st_size == st[f"save_{fmt}"]["bytes"] > 0
     # every key of the float model, read here from the files' safetensors headers (a pack int8 layer by its qweight)
     from bench.lib.e2e import ideogram4_shapes
-    expected = set(ideogram4_shapes(1))
+    expected = set(ideogram4_shapes(1))  # the keys (the widths do not change them)
     keys = {fmt: safetensors_keys(st[f"save_{fmt}"]["path"]) for fmt in ("int8_fused", "comfy_int8_tensorwise")}
     assert expected <= keys["comfy_int8_tensorwise"]
     assert all(k in keys["int8_fused"] or f"{k.rpartition('.')[0]}.qweight" in keys["int8_fused"] for k in expected)

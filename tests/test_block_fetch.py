@@ -112,7 +112,8 @@ def body(pack, models) -> dict:
     lin = importlib.import_module("comfyui_int8_fused.quant.linear")
     fused = importlib.import_module("comfyui_int8_fused.quant.blocks")
     cc = pack.nodes.comfy_cast
-    model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, i4.widths(), seed=3),
+    from comfy_harness import narrow_ideogram4
+    model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, narrow_ideogram4(), seed=3),
                                                      {"dtype": torch.bfloat16})
     (q,) = pack.nodes.apply.ApplyFusedInt8GEMM().apply(model, "fused_triton")
     q.patch_model(torch.device("cpu"))

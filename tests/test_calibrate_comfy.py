@@ -312,13 +312,14 @@ _I4_SCRIPT = r'''
 import json, sys, importlib, torch
 pack = import_pack()
 import comfy.sd
+from comfy_harness import narrow_ideogram4
 i4 = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.layout")
 C, A = pack.nodes.calibrate, pack.nodes.apply
-w = i4.widths()
+w = narrow_ideogram4()
 models = {br: comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, w, seed=s), {"dtype": torch.bfloat16})
           for br, s in (("cond", 0), ("uncond", 1))}
 g = torch.Generator().manual_seed(5)
-pos = [[torch.randn(1, 8, 53248, generator=g).to(torch.bfloat16), {}]]
+pos = [[torch.randn(1, 8, w["text"], generator=g).to(torch.bfloat16), {}]]
 lat = {"samples": torch.zeros(1, 128, 4, 4)}
 cal = {"cond": C.run_calibration(models["cond"], pos, None, lat, 1, 2, 1.0, "euler", "simple", protect_top_k=1),
        "uncond": C.run_calibration(models["uncond"], pos, None, lat, 1, 2, 4.0, "euler", "simple", protect_top_k=1,
@@ -340,8 +341,8 @@ print("RESULT " + json.dumps(res))
 
 
 def test_ideogram4_backbones_calibrated_separately(comfy_current):
-    """Both Ideogram 4 backbones (1 layer at the real widths, random weights) calibrated by the node
-    code in a current ComfyUI: the conditional one on [text, image] tokens, the unconditional one on
+    """Both Ideogram 4 backbones (1 layer at narrow widths: comfy_harness.narrow_ideogram4, random weights) calibrated
+    by the node code in a current ComfyUI: the conditional one on [text, image] tokens, the unconditional one on
     image tokens only; each gets its own statistics, and the Apply node takes the result."""
     import json
     cp = H.run_in_current_comfy(_I4_SCRIPT, timeout=3000)

@@ -1,7 +1,7 @@
 """Core INT8 models through "Apply Fused INT8 GEMM" on a current ComfyUI (0.33.0): adopted, not re-rounded.
 
-A 1-layer Ideogram 4 at real widths (ComfyUI fixes them) is written in ComfyUI's own ``int8_tensorwise``
-layout (per-channel scales, built here by hand: int8 = round(W / s), s = max|W_row| / 127) and loaded by
+A 1-layer Ideogram 4 (at narrow widths: ComfyUI's config narrowed, ``comfy_harness.narrow_ideogram4``) is written
+in ComfyUI's own ``int8_tensorwise`` layout (per-channel scales, built here by hand: int8 = round(W / s), s = max|W_row| / 127) and loaded by
 core (``comfy.sd.load_diffusion_model``: QuantizedTensor weights). Apply must then
 
 * adopt the stored int8 weights and scales bit for bit (no second rounding), and say so in its report;
@@ -23,7 +23,6 @@ import pytest
 import torch
 
 
-@pytest.mark.big_files  # GiB-sized model files: one worker runs these one after another
 def test_apply_adopts_core_int8_weights_as_stored(comfy_current):
     from comfy_harness import run_body_in_current_comfy
     res = run_body_in_current_comfy(__file__)
@@ -57,8 +56,9 @@ def body(pack, models: Path) -> dict:
     """Runs inside the current ComfyUI (subprocess, ``models`` a fresh default diffusion_models folder)."""
     import comfy.samplers
     import comfy.sd
+    from comfy_harness import narrow_ideogram4
     i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
-    w = i4.widths()
+    w = narrow_ideogram4()
     sd = i4.random_state_dict(1, w, seed=3)
     names = [n for n in i4.linear_specs(1, w) if n.startswith("layers.") and n.split(".")[-1] in
              ("qkv", "o", "w1", "w2", "w3")]
@@ -85,7 +85,7 @@ def body(pack, models: Path) -> dict:
     layer_err = float((got - ref).abs().max() / ref.abs().max())
 
     # sampling: core's own INT8 run vs the pack on the same file (DualModelGuider, image-only negative)
-    positive = [[torch.randn(1, 8, 53248, generator=g), {}]]
+    positive = [[torch.randn(1, 8, w["text"], generator=g), {}]]
     latent = torch.zeros(1, 128, 4, 4)
 
     def sample(model):

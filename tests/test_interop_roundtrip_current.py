@@ -3,8 +3,9 @@
 Per architecture (Flux.1, Wan 2.1, SD3, Lumina 2, Qwen-Image, Ideogram 4; Chroma and Flux.2, which the Flux adapter
 serves, and Wan 2.2 TI2V 5B, which the Wan adapter serves) a miniature with random weights is built with ComfyUI's
 own classes, at the smallest size ComfyUI's detection rebuilds from the weights (Flux.1, Flux.2, Wan 2.1 / 2.2 and
-SD3 at width 128; Lumina 2, Qwen-Image, Ideogram 4 and Chroma have their widths fixed by detection, so one block at
-the real width, Chroma one double and one single), written as a bf16 safetensors file and loaded by ComfyUI's loader
+SD3 at width 128; Lumina 2, Qwen-Image and Chroma have their widths fixed by detection, so one block at the real
+width, Chroma one double and one single; Ideogram 4's are fixed by ComfyUI's model config, which both processes
+narrow first: one block of 2 heads of the real 256, ``comfy_harness.narrow_ideogram4``), written as a bf16 safetensors file and loaded by ComfyUI's loader
 (``comfy.sd.load_diffusion_model``, what UNETLoader calls). Wan 2.2 5B samples image to video (``FIRST_FRAME``).
 Then, on the CPU:
 
@@ -14,7 +15,7 @@ a. Apply Fused INT8 GEMM (fused_triton: the adapter's fused blocks) -> Save INT8
    cfg 1, fixed noise; compared: the model's output at each step): within ``BOUND_SAME`` of the pack model's and
    within ``BOUND_FLOAT`` of the float model's; every int8 layer's output there, on the input it got, within
    ``BOUND_LAYER`` of what the file's weights give (``_layers_vs_file``).
-   The pack models are sampled on fused_triton (Triton interpreter) at width 128 and on torch_int_mm at the real
+   The pack models are sampled on fused_triton (Triton interpreter) at the narrow widths and on torch_int_mm at the real
    widths and for Flux.2, whose ComfyUI pads the text to 512 tokens (``SAMPLE_BACKEND``: the same int8 codes,
    checked; the interpreter would take minutes a step there).
 b. The same file loaded by ComfyUI and put through Apply again: every int8 layer adopted as stored (codes and scales
@@ -23,11 +24,12 @@ c. INT8 Calibrate (2 steps) -> Apply with the calibration -> Save (core format) 
    element ``|dequant(file) - W| <= a1 / (2 s) + a2 / 2`` (``a1`` the smoothed layer's step, ``s`` its smoothing
    factor, ``a2`` the file's step: ``Q(W s) / s`` re-rounded, see ``quant.fmt_write.fold_smoothing``), and the plain
    process samples the file within ``2 * BOUND_FLOAT`` of the calibrated pack model (both within ``BOUND_FLOAT`` of
-   the float model). For the width-128 architectures (``CALIBRATED``): calibration, the smoothing and its fold name
-   no model (``quant.calibrate``, ``quant.fmt_write``), the calibrated file's layout is Save's (checked per
-   architecture in a.), and at the real widths this stage was half of each architecture's time (Chroma: 98 of
-   205 s, most of it the per-layer error analysis and float64 checks of ~0.5 B parameters). Shared-input groups
-   (Wan's q / k / v: one smoothing vector) and stacked layers (Flux.1's qkv) are among them.
+   the float model). For the narrow architectures (``CALIBRATED``: the width-128 ones and the narrowed Ideogram 4):
+   calibration, the smoothing and its fold name no model (``quant.calibrate``, ``quant.fmt_write``), the calibrated
+   file's layout is Save's (checked per architecture in a.), and at the real widths this stage was half of each
+   architecture's time (Chroma: 98 of 205 s, most of it the per-layer error analysis and float64 checks of ~0.5 B
+   parameters). Shared-input groups (Wan's q / k / v: one smoothing vector) and stacked layers (Flux.1's qkv) are
+   among them.
 
 Bounds. ``BOUND_SAME``: the pack and core (comfy-kitchen's ``int8_linear``) multiply the same int8 weights with
 per-row int8 activations (step ``absmax / 127`` both), exactly in int32; they differ only in bf16 roundings of the
@@ -59,6 +61,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfy_harness import NARROW_IDEOGRAM4
 
 pytestmark = pytest.mark.slow
 ARCHS = ("flux", "wan", "sd3", "lumina2", "qwen_image", "ideogram4", "chroma", "flux2", "wan22")
@@ -90,6 +93,8 @@ CONFIGS = {
                     qk_norm=True, n_heads=24, n_kv_heads=8, axes_dims=[32, 32, 32], axes_lens=[300, 512, 512],
                     rope_theta=10000.0, ffn_dim_multiplier=4.0),
     "qwen_image": dict(image_model="qwen_image", in_channels=64, num_layers=1),
+    # Ideogram 4: ComfyUI's model config fixes the widths; both processes narrow that config first
+    # (comfy_harness.narrow_ideogram4: 2 heads of the real 256)
     "ideogram4": dict(image_model="ideogram4", in_channels=128, num_layers=1),
     # Chroma: detection fixes the approximator (in 64, hidden 5120, 5 layers, out 3072), whose output is the
     # blocks' modulation: width 3072 (24 heads of 128)
@@ -115,15 +120,15 @@ CONFIGS = {
 # tokens by its model_base whatever is given.
 INPUTS = {"flux": ((1, 16, 4, 4), (4, 64), 64), "wan": ((1, 16, 2, 4, 4), (4, 4096), 0),
           "sd3": ((1, 16, 4, 4), (4, 64), 64), "lumina2": ((1, 16, 4, 4), (4, 64), 0),
-          "qwen_image": ((1, 16, 1, 4, 4), (4, 3584), 0), "ideogram4": ((1, 128, 1, 2), (2, 53248), 0),
+          "qwen_image": ((1, 16, 1, 4, 4), (4, 3584), 0), "ideogram4": ((1, 128, 1, 2), (2, NARROW_IDEOGRAM4["llm_features_dim"]), 0),
           "chroma": ((1, 16, 4, 4), (4, 64), 0), "flux2": ((1, 128, 4, 4), (8, 64), 0),
           "wan22": ((1, 48, 2, 4, 4), (4, 4096), 0)}
 # Apply and Save run on fused_triton for every architecture (fused blocks built, no kernel run); the pack models are
-# sampled on fused_triton (the Triton interpreter) at width 128, on torch_int_mm (the same int8 codes, checked) at the
+# sampled on fused_triton (the Triton interpreter) at the narrow widths, on torch_int_mm (the same int8 codes, checked) at the
 # real widths, where the interpreter would take minutes a step, and for Flux.2, whose model_base pads the text to 512
 # tokens (~100 s a forward in the interpreter)
 SAMPLE_BACKEND = {"flux": "fused_triton", "wan": "fused_triton", "sd3": "fused_triton", "lumina2": "torch_int_mm",
-                  "qwen_image": "torch_int_mm", "ideogram4": "torch_int_mm", "chroma": "torch_int_mm",
+                  "qwen_image": "torch_int_mm", "ideogram4": "fused_triton", "chroma": "torch_int_mm",
                   "flux2": "torch_int_mm", "wan22": "fused_triton"}
 
 
@@ -158,7 +163,7 @@ def _run(fn: str, work: Path, archs: list) -> dict:
 
 
 # the architectures whose widths detection fixes write GiB-sized files (tests/conftest.py: big_files)
-REAL_WIDTH = ("lumina2", "qwen_image", "ideogram4", "chroma")
+REAL_WIDTH = ("lumina2", "qwen_image", "chroma")
 CALIBRATED = tuple(a for a in ARCHS if a not in REAL_WIDTH)  # stage c (module doc)
 
 
@@ -403,9 +408,17 @@ class _Laps:
         self.t = now
 
 
+def _narrow(archs) -> None:
+    """ComfyUI's Ideogram 4 config at narrow widths (``CONFIGS``), in each process that builds or loads one."""
+    if "ideogram4" in archs:
+        from comfy_harness import narrow_ideogram4
+        narrow_ideogram4()
+
+
 def pack_body(work: str, archs: list) -> dict:
     """Pack process: float file, Apply, Save, adoption, calibration (one architecture at a time)."""
     import folder_paths
+    _narrow(archs)
     pack = import_pack()  # noqa: F821 (comfy_harness prelude)
     models = Path(work) / "unet"
     models.mkdir(parents=True, exist_ok=True)
@@ -477,6 +490,7 @@ def _layers_vs_file(seen: dict, stored: dict) -> tuple[float, str]:
 def plain_body(work: str, archs: list) -> dict:
     """Plain ComfyUI (the pack never imported): load the core files with ComfyUI's loader and sample them."""
     import sys
+    _narrow(archs)
     res = {}
     for arch in archs:
         try:

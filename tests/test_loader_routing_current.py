@@ -1,7 +1,8 @@
 """Load Ideogram 4.0 INT8 installs what Apply installs (issue 14): the ``attention`` input's Router and Ideogram 4
 pad-token elision, on a current ComfyUI (0.33.0; skipped naming COMFYUI_CURRENT without it), on the CPU.
 
-One 1-layer Ideogram 4 backbone at the real widths, random weights, its block linears quantized, written in the
+One 1-layer Ideogram 4 backbone at narrow widths (ComfyUI's config narrowed: ``comfy_harness.narrow_ideogram4``),
+random weights, its block linears quantized, written in the
 transformerlab layout as both branches. Checked through the loader node itself:
 
 * ``attention="math"``: both MODEL outputs carry a Router in ``transformer_options`` (what ComfyUI's ``wrap_attn``
@@ -50,7 +51,8 @@ def body(pack, models) -> dict:
     pe = sys.modules["comfyui_int8_fused.adapters.ideogram4.pad_elision"]
     config = importlib.import_module(pack.__name__ + ".kernel.config")
     glue = pack.nodes.pad_elision
-    w = i4.widths()
+    from comfy_harness import narrow_ideogram4
+    w = narrow_ideogram4()  # ComfyUI's Ideogram 4 config at narrow widths (the loader checks the file against it)
     names = [n for n in i4.linear_specs(1, w) if n.startswith("layers.")]
     q, f = i4.quantize_state_dict(i4.random_state_dict(1, w, seed=0), names)
     W.write_transformerlab(str(models / "one.safetensors"), {"conditional": (q, f), "unconditional": (q, f)})
@@ -75,7 +77,7 @@ def body(pack, models) -> dict:
     res["elision_installed"] = installed
 
     g = torch.Generator().manual_seed(5)
-    ctx = torch.randn(1, 12, 53248, generator=g)
+    ctx = torch.randn(1, 12, w["text"], generator=g)
     mask = torch.ones(1, 12)
     mask[:, 8:] = 0
     latent = torch.zeros(1, 128, 2, 2)

@@ -5,7 +5,7 @@ sampled by ComfyUI's own sampler. Helpers and the bound argument: tests/test_lor
 * tiny Flux after "Apply Fused INT8 GEMM" (fused_triton, fused blocks), as test_lora_runtime does on 0.3.75;
 * a tiny Ideogram 4 (ComfyUI's Ideogram4 BaseModel at width 128, fp32, 2 blocks) after Apply on fused_triton, a LoRA
   on layers.0's qkv and w1 and layers.1's w3: both blocks stay fused, each branch reading its GEMM's int8 input;
-* "Load Ideogram 4.0 INT8" (real widths, 1 layer, dequant_bf16), both outputs through DualModelGuider with the LoRA
+* "Load Ideogram 4.0 INT8" (narrow widths: comfy_harness.narrow_ideogram4, 1 layer, dequant_bf16), both outputs through DualModelGuider with the LoRA
   on each: the negative model's OUTER_SAMPLE wrappers never run, its branches come from its PREPARE_SAMPLING one.
 
 Per model: R the runtime branch, H the same INT8 model without the LoRA plus the LoRA term computed in float64 by
@@ -144,7 +144,8 @@ def _loader(pack, models, loras):
     import test_lora_runtime as tlr
     i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
     W = sys.modules["comfyui_int8_fused.quant.fmt_write"]
-    w = i4.widths()
+    from comfy_harness import narrow_ideogram4
+    w = narrow_ideogram4()  # ComfyUI's Ideogram 4 config at narrow widths (the loader checks the file against it)
     names = [n for n in i4.linear_specs(1, w) if n.startswith("layers.") and n.split(".")[-1] in
              ("qkv", "o", "w1", "w3")]
     W.write_transformerlab(str(models / "two.safetensors"), {
@@ -153,7 +154,7 @@ def _loader(pack, models, loras):
     cond, uncond = pack.nodes.loader.LoadIdeogram4Int8().load("two.safetensors", "dequant_bf16", "none", "none")
     sd = tlr._lora_file(loras, cond, "loader.safetensors", LOADER_TARGETS, seed=9)
     g = torch.Generator().manual_seed(5)
-    positive, latent = [[torch.randn(1, 4, 53248, generator=g), {}]], torch.zeros(1, 128, 2, 2)
+    positive, latent = [[torch.randn(1, 4, w["text"], generator=g), {}]], torch.zeros(1, 128, 2, 2)
     run = lambda m, neg: sample_image_only_cfg(m, positive, latent, 1, neg)  # noqa: E731,F821
     lo = nodes.LoraLoaderModelOnly()
     r = run(lo.load_lora_model_only(cond, "loader.safetensors", 1.0)[0],

@@ -26,14 +26,16 @@ def body(pack, models) -> dict:
     import comfy.sd
     i4 = sys.modules["comfyui_int8_fused.adapters.ideogram4.layout"]
     Int8Linear = sys.modules["comfyui_int8_fused.quant.linear"].Int8Linear
-    sd = i4.random_state_dict(1, i4.widths(), seed=2)
+    from comfy_harness import narrow_ideogram4
+    w = narrow_ideogram4()  # ComfyUI's Ideogram 4 config at narrow widths
+    sd = i4.random_state_dict(1, w, seed=2)
     model = comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": torch.bfloat16})
     (q,) = pack.nodes.apply.ApplyFusedInt8GEMM().apply(model, "torch_int_mm")
     cpu = torch.device("cpu")
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 128, 4, 4, generator=g).to(torch.bfloat16)
-    ctx = torch.randn(1, 8, 53248, generator=g).to(torch.bfloat16)
+    ctx = torch.randn(1, 8, w["text"], generator=g).to(torch.bfloat16)
 
     def run():
         with torch.no_grad():

@@ -1,6 +1,7 @@
 """Ideogram 4 pad-token elision on a current ComfyUI (0.33.0, native Ideogram 4), on the CPU in fp32.
 
-A 1-layer Ideogram 4 at the real widths (ComfyUI fixes them), random weights, loaded by core. Text conditioning of
+A 1-layer Ideogram 4 at narrow widths (ComfyUI fixes them in its config; the test narrows it first:
+``comfy_harness.narrow_ideogram4``), random weights, loaded by core. Text conditioning of
 12 tokens whose ``attention_mask`` ends in zeros (padding). Compared:
 
 * ComfyUI's own masked computation (the plain MODEL): every attention call gets the block-diagonal mask over
@@ -25,14 +26,15 @@ TOL = 1e-5  # fp32: a different number of (exactly ignored) tokens changes only 
 
 
 def test_pad_elision_equals_the_masked_computation(comfy_current):
-    from comfy_harness import run_body_in_current_comfy
+    from comfy_harness import NARROW_IDEOGRAM4, run_body_in_current_comfy
     res = run_body_in_current_comfy(__file__)
     print(res)
-    assert res["ref_calls"] == [[[1, 18, 28, 256], [1, 1, 28, 28]]]  # ComfyUI: masked, 12 text + 16 image tokens
-    assert res["elided_calls"] == [[[1, 18, 24, 256], None]]  # elided: no mask, 8 text + 16 image tokens
+    h = NARROW_IDEOGRAM4["num_attention_heads"]
+    assert res["ref_calls"] == [[[1, h, 28, 256], [1, 1, 28, 28]]]  # ComfyUI: masked, 12 text + 16 image tokens
+    assert res["elided_calls"] == [[[1, h, 24, 256], None]]  # elided: no mask, 8 text + 16 image tokens
     assert res["err_elided"] <= TOL
     assert res["err_drop_real_token"] >= 1e3 * max(res["err_elided"], 1e-8)
-    assert res["batch2_calls"] == [[[2, 18, 26, 256], [2, 1, 26, 26]]] and res["err_batch2"] <= TOL
+    assert res["batch2_calls"] == [[[2, h, 26, 256], [2, 1, 26, 26]]] and res["err_batch2"] <= TOL
     assert res["err_sampled"] <= TOL and res["sampled_elisions"] == 2 and res["sampled_tokens_removed"] == 8
     # The attention Router on the same model: masked (bf16 keeps the mask by default) and elided; CPU SDPA kernels.
     (err_c, ran_c), (err_m, ran_m) = res["routed"]["cudnn_masked"], res["routed"]["math_elided"]
@@ -64,7 +66,9 @@ def body(pack, models) -> dict:
     import comfy.sd
     i4 = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.layout")
     pe = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.pad_elision")
-    model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, i4.widths(), seed=0, dtype=torch.float32),
+    from comfy_harness import narrow_ideogram4
+    w = narrow_ideogram4()  # ComfyUI's Ideogram 4 config at narrow widths
+    model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, w, seed=0, dtype=torch.float32),
                                                      {"dtype": torch.float32})
     dm = model.model.diffusion_model
     assert type(dm).__name__ == "Ideogram4Transformer2DModel"
@@ -76,7 +80,7 @@ def body(pack, models) -> dict:
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 128, 4, 4, generator=g)
-    ctx = torch.randn(1, 12, 53248, generator=g)
+    ctx = torch.randn(1, 12, w["text"], generator=g)
     mask = torch.ones(1, 12)
     mask[:, 8:] = 0
 
@@ -105,7 +109,7 @@ def body(pack, models) -> dict:
     drop, _ = call(model, ctx[:, :7], None)  # one real token fewer: what a wrong elision would look like
 
     x2 = torch.randn(2, 128, 4, 4, generator=g)
-    ctx2 = torch.randn(2, 12, 53248, generator=g)
+    ctx2 = torch.randn(2, 12, w["text"], generator=g)
     mask2 = torch.ones(2, 12)
     mask2[0, 7:], mask2[1, 10:] = 0, 0
     ref2, _ = call(model, ctx2, mask2, x2)

@@ -8,14 +8,14 @@ layers the fused modules cover and not the float linear inside the cache, so bot
 the CPU this path is the real one: ``fused_triton`` is offered under the Triton interpreter (TRITON_INTERPRET=1),
 so Apply builds exactly what it builds on a GPU (no kernel runs while building or saving).
 
-One 1-layer Ideogram 4 at the real widths (ComfyUI fixes them), random bf16 weights, loaded by ComfyUI from its
+One 1-layer Ideogram 4 at narrow widths (ComfyUI's config narrowed: ``comfy_harness.narrow_ideogram4``), random
+bf16 weights, loaded by ComfyUI from its
 state dict, through Apply Fused INT8 GEMM (defaults) and Save INT8 Model (both formats). Checked: every key of the
 float model's state dict is in each file (for the int8 layers of the pack format as ``<layer>.qweight``), the pack's
 loader loads the pack file (and its MODEL deep-clones for MultiGPU CFG Split with INT8 layers of its own), and plain ComfyUI loads and samples the core-format file (1 step, a 2 x 2 latent)
 within the W8A8 bound of the float model (test_ideogram4_current.py: <= 5 %).
 """
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +23,6 @@ import torch
 BOUND = 0.05
 
 
-@pytest.mark.big_files  # GiB-sized model files: one worker runs these one after another
 def test_save_of_a_fused_ideogram4_holds_every_tensor(comfy_current):
     from comfy_harness import run_body_in_current_comfy
     res = run_body_in_current_comfy(__file__)
@@ -44,14 +43,11 @@ def test_save_of_a_fused_ideogram4_holds_every_tensor(comfy_current):
 
 def body(pack, models) -> dict:
     """Runs inside the current ComfyUI (subprocess, ``models`` a fresh default diffusion_models folder)."""
-    import importlib.util
-
     import comfy.sd
+    from comfy_harness import narrow_ideogram4
     from safetensors import safe_open
-    spec = importlib.util.spec_from_file_location("bench_e2e", Path(pack.__file__).parent / "bench" / "lib" / "e2e.py")
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
-    sd = e2e.random_state_dict(1, "cpu", seed=0)  # Ideogram 4's keys and real widths, random bf16 weights
+    w = narrow_ideogram4()
+    sd = pack.adapters.ideogram4.layout.random_state_dict(1, w, seed=0)  # Ideogram 4's keys, random bf16 weights
     model = comfy.sd.load_diffusion_model_state_dict(dict(sd), {"dtype": torch.bfloat16})
     float_sd = {k: v for k, v in model.model.diffusion_model.state_dict().items()}
     assert set(float_sd) == set(sd), sorted(set(float_sd) ^ set(sd))[:8]
@@ -99,7 +95,7 @@ def body(pack, models) -> dict:
     core = comfy.sd.load_diffusion_model(paths["comfy_int8_tensorwise"], model_options={"dtype": torch.bfloat16})
     res["core_load"] = {"llm_cond_proj_weight": core.model.diffusion_model.llm_cond_proj.weight is not None}
     g = torch.Generator().manual_seed(5)
-    positive = [[torch.randn(1, 4, 53248, generator=g), {}]]
+    positive = [[torch.randn(1, 4, w["text"], generator=g), {}]]
     latent = torch.zeros(1, 128, 2, 2)
     out_core = sample_image_only_cfg(core, positive, latent, 1, None)  # noqa: F821 (tests/comfy_harness.py)
     out_float = sample_image_only_cfg(model, positive, latent, 1, None)  # noqa: F821

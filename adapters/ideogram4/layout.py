@@ -99,12 +99,13 @@ def infer_widths(branch: Branch, header: dict) -> dict:
     return w
 
 
-def check_branch(branch: Branch, header: dict, file_name: str, real_widths: bool = True) -> list[str]:
+def check_branch(branch: Branch, header: dict, file_name: str, real_widths: bool | dict = True) -> list[str]:
     """Validate a branch against the Ideogram 4 layout; returns the non-linear tensors it lacks.
 
     Raises CheckpointError naming unknown (extra) tensors, missing linears and mis-shaped layers.
-    ``real_widths``: check against the real model's widths (ComfyUI builds it at those widths), else
-    against the widths inferred from the file (miniatures).
+    ``real_widths``: True checks against the real model's widths (``REAL``), a dict against those widths (what the
+    ComfyUI in use builds: ``nodes.loader.comfy_widths``; ComfyUI fixes them), False against the widths inferred
+    from the file (miniatures).
     """
     where = f"{file_name}: {branch.name + ' branch' if branch.name else 'model'}"
     n = count_layers(list(branch.quant) + list(branch.floats))
@@ -112,7 +113,9 @@ def check_branch(branch: Branch, header: dict, file_name: str, real_widths: bool
         raise CheckpointError(f"{where}: no 'layers.N.' tensors: not an Ideogram 4 checkpoint (wrong "
                               "architecture?). This node loads Ideogram 4 only; use 'Load Diffusion Model' "
                               "+ 'Apply Fused INT8 GEMM' for other models")
-    if real_widths:
+    if isinstance(real_widths, dict):
+        w = dict(real_widths)
+    elif real_widths:
         w = widths()
     else:
         inf = infer_widths(branch, header)

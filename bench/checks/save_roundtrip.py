@@ -2,7 +2,7 @@
 
     BENCH_COMMIT=<sha> bash bench/h200.sh exec python3 bench/checks/save_roundtrip.py --comfy .carry/comfy \\
         --out $OUT/h200-save-roundtrip.json
-    python bench/checks/save_roundtrip.py --device cpu --layers 1 --res small   # CPU smoke
+    python bench/checks/save_roundtrip.py --device cpu --layers 1 --res small --narrow  # CPU smoke
         (tests/test_bench_save_roundtrip.py)
 
 ComfyUI 0.33.0 set up as its ``main.py`` does on an NVIDIA GPU (DynamicVRAM; ``bench/e2e_sampler.comfy_setup``), one
@@ -54,6 +54,8 @@ def parse_args(argv=None):
     ap.add_argument("--backend", default="", help="default: fused_triton on cuda, torch_int_mm on cpu")
     ap.add_argument("--tol-pack", type=float, default=1e-3, help="rel L2 bound: pack file vs Apply")
     ap.add_argument("--tol-core", type=float, default=0.10, help="rel L2 bound: core file in plain ComfyUI vs Apply")
+    ap.add_argument("--narrow", action="store_true",
+                    help="smoke runs: Ideogram 4 at narrow widths, ComfyUI's config with it (bench/lib/e2e.py narrow)")
     ap.add_argument("--workdir", default="", help="folder for the saved files (default: a temporary one, removed)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200-save-roundtrip.json"))
     a = ap.parse_args(argv)
@@ -87,6 +89,7 @@ class RoundTrip:
         self.a, self.dynamic, self.e2e, self.mm = a, dynamic, e2e, mm
         self.dev = mm.get_torch_device()
         self.pack = e2e.load_pack()
+        self.widths = e2e.narrow() if a.narrow else None
         self.stages: dict = {}
         self.latents: dict = {}
 
@@ -205,7 +208,7 @@ class RoundTrip:
         from bench.lib import provenance
         doc = dict(self.e2e.provenance(self.dev), dirty=provenance.dirty(), command=provenance.command(),
                    comfyui=comfyui_version.__version__, dynamic_vram=self.dynamic, layers=a.layers, res=a.res,
-                   steps=a.steps, text_tokens=a.text_tokens, backend=a.backend,
+                   steps=a.steps, text_tokens=a.text_tokens, backend=a.backend, narrow_widths=self.widths,
                    tolerances={"pack": a.tol_pack, "core": a.tol_core}, rel_l2=rels, missing=missing,
                    stages=self.stages, checks=checks, **{"pass": ok})
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,25 @@ HIDDEN, FFN, HEADS, ADALN, TEXT_DIM, IN_CH = 4608, 12288, 18, 512, 53248, 128
 BLOCK_LINEARS = ["attention.qkv", "attention.o", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
 
 
+# Narrow widths for CPU runs (tests, smoke runs): ComfyUI builds Ideogram 4 at the widths of its model config
+# (``supported_models.Ideogram4.unet_extra_config``; its detection reads only the depth and channels from a file), so
+# ``narrow`` sets that config and this module's widths together. 2 heads of the real 256 (the RoPE sections and head
+# size stay), FFN 1024, adaLN 128, text 256: a layer ~1/1000 of a real one's weights, the same classes and code.
+NARROW = {"num_attention_heads": 2, "intermediate_size": 1024, "adaln_dim": 128, "llm_features_dim": 256}
+
+
+def narrow() -> dict:
+    """ComfyUI's Ideogram 4 config (ComfyUI imported) and this module's widths at ``NARROW``, for this process.
+    Returns the widths as ``adapters.ideogram4.layout.widths`` names them. Never on a bench's GPU run."""
+    global HIDDEN, FFN, HEADS, ADALN, TEXT_DIM
+    import comfy.supported_models as sm
+    sm.Ideogram4.unet_extra_config = {**sm.Ideogram4.unet_extra_config, **NARROW}
+    c = sm.Ideogram4.unet_extra_config
+    HEADS, head = c["num_attention_heads"], c["attention_head_dim"]
+    HIDDEN, FFN, ADALN, TEXT_DIM = HEADS * head, c["intermediate_size"], c["adaln_dim"], c["llm_features_dim"]
+    return dict(hidden=HIDDEN, heads=HEADS, head=head, ffn=FFN, adaln=ADALN, text=TEXT_DIM, channels=IN_CH)
+
+
 # ----------------------------------------------------------------------------- model construction
 def ideogram4_shapes(layers: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Key -> (shape, is_linear_weight) of one Ideogram 4 backbone (ComfyUI key names)."""
