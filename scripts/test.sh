@@ -17,8 +17,7 @@ if [ -z "${COMFYUI_CURRENT:-}" ] && [ -f "$rt/ComfyUI-current/main.py" ]; then
 fi
 echo "[test] current ComfyUI: ${COMFYUI_CURRENT:-none (tests needing it skip)}"
 # Parallel: one pytest-xdist worker a core (INT8_TEST_WORKERS overrides; 0 runs in this process). Tests marked
-# `serial` and `big_files` tests run one at a time (a file lock, tests/conftest.py); `-p no:xdist` among the arguments
-# runs without xdist.
+# `serial` run one at a time (a file lock, tests/conftest.py); `-p no:xdist` among the arguments runs without xdist.
 workers="${INT8_TEST_WORKERS:-$(nproc)}"
 par=()
 case " $* " in *" -p no:xdist "*) ;; *) [ "$workers" -gt 0 ] && par=(-n "$workers" --dist loadgroup) ;; esac

@@ -72,8 +72,6 @@ MARKERS = {
     "quick": "set on every test that is none of slow, current_comfy, browser: `bash scripts/test.sh -m quick`",
     "serial": "shares state that parallel workers would race on: no two serial tests run at once (a file lock "
               "across the pytest-xdist workers, tests/conftest.py _one_at_a_time)",
-    "big_files": "writes GiB-sized model files: no two of them run at once (a file lock across the pytest-xdist "
-                 "workers), so that two never hold their files on the disk together",
 }
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -117,15 +115,6 @@ def pytest_collection_modifyitems(config, items):
     # on short ones instead of one worker finishing a long test while the other idles
     items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1 if it.get_closest_marker("current_comfy")
                else 2)
-    # the big_files tests (one at a time, _one_at_a_time) spread among the others: one after every three other tests,
-    # so that a worker seldom waits for the other's
-    big = [it for it in items if it.get_closest_marker("big_files")]
-    if big:
-        rest = [it for it in items if not it.get_closest_marker("big_files")]
-        spread = []
-        for i, it in enumerate(big):
-            spread += [it] + rest[3 * i:3 * i + 3]
-        items[:] = spread + rest[3 * len(big):]
 
 
 _TIMELINE = os.environ.get("INT8_TEST_TIMELINE")  # scripts/test.sh: which tests ran when (the disk peak's)
@@ -146,13 +135,12 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.fixture(autouse=True)
 def _one_at_a_time(request):
-    """``serial`` and ``big_files`` tests hold an exclusive file lock (one per marker, in the temporary folder every
-    worker shares) while they run: pytest-xdist's own groups (``--dist loadgroup``) do not work with this pytest
-    (xdist 3.8 tags a grouped test by setting ``item._nodeid``, which pytest 9.2's ``nodeid`` no longer reads), so
-    two big_files tests ran at once and the disk peaked at 5.9 GB."""
+    """``serial`` tests hold an exclusive file lock (in the temporary folder every worker shares) while they run:
+    pytest-xdist's own groups (``--dist loadgroup``) do not work with this pytest (xdist 3.8 tags a grouped test by
+    setting ``item._nodeid``, which pytest 9.2's ``nodeid`` no longer reads)."""
     import fcntl
     import tempfile
-    names = [m for m in ("serial", "big_files") if request.node.get_closest_marker(m)]
+    names = [m for m in ("serial",) if request.node.get_closest_marker(m)]
     locks = []
     try:
         for name in names:

@@ -2,12 +2,14 @@
 
 Per architecture (Flux.1, Wan 2.1, SD3, Lumina 2, Qwen-Image, Ideogram 4; Chroma and Flux.2, which the Flux adapter
 serves, and Wan 2.2 TI2V 5B, which the Wan adapter serves) a miniature with random weights is built with ComfyUI's
-own classes, at the smallest size ComfyUI's detection rebuilds from the weights (Flux.1, Flux.2, Wan 2.1 / 2.2 and
-SD3 at width 128; Lumina 2, Qwen-Image and Chroma have their widths fixed by detection, so one block at the real
-width, Chroma one double and one single; Ideogram 4's are fixed by ComfyUI's model config, which both processes
-narrow first: one block of 2 heads of the real 256, ``comfy_harness.narrow_ideogram4``), written as a bf16 safetensors file and loaded by ComfyUI's loader
-(``comfy.sd.load_diffusion_model``, what UNETLoader calls). Wan 2.2 5B samples image to video (``FIRST_FRAME``).
-Then, on the CPU:
+own classes, written as a bf16 safetensors file and loaded by ComfyUI's loader (``comfy.sd.load_diffusion_model``,
+what UNETLoader calls). Flux.1, Flux.2, Wan 2.1 / 2.2 and SD3: width 128, which ComfyUI's detection rebuilds from the
+weights. The others have widths ComfyUI fixes, and both processes narrow those first (``_narrow``), changing nothing
+else: Ideogram 4's model config (``comfy_harness.narrow_ideogram4``: 2 heads of the real 256), Qwen-Image's (1 head of
+the real 128, text 64: its widths are the model class's defaults, which the config overrides), and the constants
+detection sets for Lumina 2 (heads and RoPE from the width: 3 heads of the real 96, 1 KV head) and for Chroma (the
+approximator: out = the width 128, hidden 256). Detection still finds every architecture from the file's keys. Wan 2.2
+5B samples image to video (``FIRST_FRAME``). Then, on the CPU:
 
 a. Apply Fused INT8 GEMM (fused_triton: the adapter's fused blocks) -> Save INT8 Model (``comfy_int8_tensorwise``):
    the file's int8 codes and scales are Apply's, bit for bit. A second process that never imports the pack loads the
@@ -15,21 +17,17 @@ a. Apply Fused INT8 GEMM (fused_triton: the adapter's fused blocks) -> Save INT8
    cfg 1, fixed noise; compared: the model's output at each step): within ``BOUND_SAME`` of the pack model's and
    within ``BOUND_FLOAT`` of the float model's; every int8 layer's output there, on the input it got, within
    ``BOUND_LAYER`` of what the file's weights give (``_layers_vs_file``).
-   The pack models are sampled on fused_triton (Triton interpreter) at the narrow widths and on torch_int_mm at the real
-   widths and for Flux.2, whose ComfyUI pads the text to 512 tokens (``SAMPLE_BACKEND``: the same int8 codes,
-   checked; the interpreter would take minutes a step there).
+   The pack models are sampled on fused_triton (Triton interpreter), Lumina 2 and Flux.2 on torch_int_mm
+   (``SAMPLE_BACKEND``: the same int8 codes, checked).
 b. The same file loaded by ComfyUI and put through Apply again: every int8 layer adopted as stored (codes and scales
    equal to the file's bit for bit, none re-quantized), and its outputs equal the first Apply's bit for bit.
 c. INT8 Calibrate (2 steps) -> Apply with the calibration -> Save (core format) folds the smoothing: per weight
    element ``|dequant(file) - W| <= a1 / (2 s) + a2 / 2`` (``a1`` the smoothed layer's step, ``s`` its smoothing
    factor, ``a2`` the file's step: ``Q(W s) / s`` re-rounded, see ``quant.fmt_write.fold_smoothing``), and the plain
    process samples the file within ``2 * BOUND_FLOAT`` of the calibrated pack model (both within ``BOUND_FLOAT`` of
-   the float model). For the narrow architectures (``CALIBRATED``: the width-128 ones and the narrowed Ideogram 4):
-   calibration, the smoothing and its fold name no model (``quant.calibrate``, ``quant.fmt_write``), the calibrated
-   file's layout is Save's (checked per architecture in a.), and at the real widths this stage was half of each
-   architecture's time (Chroma: 98 of 205 s, most of it the per-layer error analysis and float64 checks of ~0.5 B
-   parameters). Shared-input groups (Wan's q / k / v: one smoothing vector) and stacked layers (Flux.1's qkv) are
-   among them.
+   the float model). Calibration, the smoothing and its fold name no model (``quant.calibrate``,
+   ``quant.fmt_write``); the calibrated file's layout is Save's (checked per architecture in a.). Shared-input
+   groups (Wan's q / k / v: one smoothing vector) and stacked layers (Flux.1's qkv) are among them.
 
 Bounds. ``BOUND_SAME``: the pack and core (comfy-kitchen's ``int8_linear``) multiply the same int8 weights with
 per-row int8 activations (step ``absmax / 127`` both), exactly in int32; they differ only in bf16 roundings of the
@@ -89,19 +87,24 @@ CONFIGS = {
                 context_embedder_config={"target": "torch.nn.Linear",
                                          "params": {"in_features": 64, "out_features": 128}},
                 num_patches=256, pos_embed_max_size=16, pos_embed_scaling_factor=None, x_block_self_attn_layers=[]),
-    "lumina2": dict(image_model="lumina2", patch_size=2, in_channels=16, dim=2304, cap_feat_dim=64, n_layers=1,
-                    qk_norm=True, n_heads=24, n_kv_heads=8, axes_dims=[32, 32, 32], axes_lens=[300, 512, 512],
+    # Lumina 2: detection sets the heads and RoPE from the width (2304: 24 heads of 96, 8 KV heads); both processes
+    # narrow that (_narrow): 3 heads of 96, 1 KV head (the same grouped attention), width 288
+    "lumina2": dict(image_model="lumina2", patch_size=2, in_channels=16, dim=288, cap_feat_dim=64, n_layers=1,
+                    qk_norm=True, n_heads=3, n_kv_heads=1, axes_dims=[32, 32, 32], axes_lens=[300, 512, 512],
                     rope_theta=10000.0, ffn_dim_multiplier=4.0),
+    # Qwen-Image: its widths are the model class's defaults, which ComfyUI's model config can set (its
+    # unet_extra_config, empty in 0.33.0): both processes set one head of the real 128 and text 64 first (_narrow)
     "qwen_image": dict(image_model="qwen_image", in_channels=64, num_layers=1),
     # Ideogram 4: ComfyUI's model config fixes the widths; both processes narrow that config first
     # (comfy_harness.narrow_ideogram4: 2 heads of the real 256)
     "ideogram4": dict(image_model="ideogram4", in_channels=128, num_layers=1),
     # Chroma: detection fixes the approximator (in 64, hidden 5120, 5 layers, out 3072), whose output is the
-    # blocks' modulation: width 3072 (24 heads of 128)
+    # blocks' modulation: width 3072 (24 heads of 128); both processes narrow those constants (_narrow): out = the
+    # width 128 (1 head of 128), hidden 256
     "chroma": dict(image_model="chroma", in_channels=64, out_channels=64, vec_in_dim=None, context_in_dim=64,
-                   hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1,
+                   hidden_size=128, mlp_ratio=4.0, num_heads=1, depth=1, depth_single_blocks=1,
                    axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, txt_ids_dims=[], in_dim=64,
-                   out_dim=3072, hidden_dim=5120, n_layers=5),
+                   out_dim=128, hidden_dim=256, n_layers=5),
     # Flux.2: detection sets heads = width / 128 (axes 4 x 32)
     "flux2": dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
                   hidden_size=128, mlp_ratio=3.0, num_heads=1, depth=1, depth_single_blocks=1,
@@ -120,15 +123,15 @@ CONFIGS = {
 # tokens by its model_base whatever is given.
 INPUTS = {"flux": ((1, 16, 4, 4), (4, 64), 64), "wan": ((1, 16, 2, 4, 4), (4, 4096), 0),
           "sd3": ((1, 16, 4, 4), (4, 64), 64), "lumina2": ((1, 16, 4, 4), (4, 64), 0),
-          "qwen_image": ((1, 16, 1, 4, 4), (4, 3584), 0), "ideogram4": ((1, 128, 1, 2), (2, NARROW_IDEOGRAM4["llm_features_dim"]), 0),
+          "qwen_image": ((1, 16, 1, 4, 4), (4, 64), 0), "ideogram4": ((1, 128, 1, 2), (2, NARROW_IDEOGRAM4["llm_features_dim"]), 0),
           "chroma": ((1, 16, 4, 4), (4, 64), 0), "flux2": ((1, 128, 4, 4), (8, 64), 0),
           "wan22": ((1, 48, 2, 4, 4), (4, 4096), 0)}
 # Apply and Save run on fused_triton for every architecture (fused blocks built, no kernel run); the pack models are
-# sampled on fused_triton (the Triton interpreter) at the narrow widths, on torch_int_mm (the same int8 codes, checked) at the
-# real widths, where the interpreter would take minutes a step, and for Flux.2, whose model_base pads the text to 512
-# tokens (~100 s a forward in the interpreter)
+# sampled on fused_triton (the Triton interpreter), except on torch_int_mm (the same int8 codes, checked) for Lumina 2,
+# whose 2 + 2 refiner blocks and layer take ~17 s a sample in the interpreter (its fused blocks' numerics:
+# tests/test_lumina2_fused.py), and Flux.2, whose model_base pads the text to 512 tokens (~100 s a forward there)
 SAMPLE_BACKEND = {"flux": "fused_triton", "wan": "fused_triton", "sd3": "fused_triton", "lumina2": "torch_int_mm",
-                  "qwen_image": "torch_int_mm", "ideogram4": "fused_triton", "chroma": "torch_int_mm",
+                  "qwen_image": "fused_triton", "ideogram4": "fused_triton", "chroma": "fused_triton",
                   "flux2": "torch_int_mm", "wan22": "fused_triton"}
 
 
@@ -162,13 +165,7 @@ def _run(fn: str, work: Path, archs: list) -> dict:
     return json.loads(next(ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
 
-# the architectures whose widths detection fixes write GiB-sized files (tests/conftest.py: big_files)
-REAL_WIDTH = ("lumina2", "qwen_image", "chroma")
-CALIBRATED = tuple(a for a in ARCHS if a not in REAL_WIDTH)  # stage c (module doc)
-
-
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.big_files) if a in REAL_WIDTH else a
-                                  for a in ARCHS])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_core_file_round_trip(results, arch):
     pack, plain = results["pack"], results["plain"]
     assert "error" not in pack, pack.get("error")
@@ -190,9 +187,6 @@ def test_core_file_round_trip(results, arch):
     assert pack["adopted"] == pack["int8_layers"] and pack["adopted_quantized"] == 0, _brief(pack)
     assert pack["adopted_bit_identical"] and pack["adopted_sample_equal"], _brief(pack)
     # c. calibrated: smoothing folded within the two roundings, the file loads and samples in plain ComfyUI
-    if arch not in CALIBRATED:
-        assert "cal_pack" not in pack["outputs"] and "cal_core" not in plain["outputs"]
-        return
     assert pack["smoothed_layers"] > 0 and pack["fold_within_bound"], _brief(pack)
     assert pack["cal_file_keys"] == pack["file_keys"], "the calibrated file has another layout"
     assert plain["cal_core_int8_layers"] == pack["int8_layers"], _brief(plain)
@@ -356,8 +350,7 @@ def _pack_arch(pack, arch: str, work: Path) -> dict:
     lap("b: adopt + sample")
 
     # c. Calibrate -> Apply -> Save (core format, smoothing folded)
-    if arch in CALIBRATED:
-        _calibrated(nodes, fl, arch, fpath, work, out, res, lap)
+    _calibrated(nodes, fl, arch, fpath, work, out, res, lap)
     res["outputs"], res["laps"] = {k: v.tolist() for k, v in out.items()}, lap.laps
     del fl, dm
     _free()
@@ -408,11 +401,32 @@ class _Laps:
         self.t = now
 
 
+QWEN_NARROW = {"num_attention_heads": 1, "joint_attention_dim": 64}  # 1 head of the real 128 (its RoPE axes)
+# what ComfyUI 0.33.0's detection sets as constants: Lumina 2's heads and RoPE (from its width 2304), Chroma's
+# approximator
+DETECTION_FIXED = {"lumina2": ("n_heads", "n_kv_heads", "axes_dims", "axes_lens", "rope_theta", "ffn_dim_multiplier"),
+                   "chroma": ("in_dim", "out_dim", "hidden_dim", "n_layers")}
+
+
 def _narrow(archs) -> None:
-    """ComfyUI's Ideogram 4 config at narrow widths (``CONFIGS``), in each process that builds or loads one."""
+    """ComfyUI's model configs at narrow widths (``CONFIGS``), in each process that builds or loads one."""
     if "ideogram4" in archs:
         from comfy_harness import narrow_ideogram4
         narrow_ideogram4()
+    if "qwen_image" in archs:
+        import comfy.supported_models as sm
+        sm.QwenImage.unet_extra_config = {**sm.QwenImage.unet_extra_config, **QWEN_NARROW}
+    if "lumina2" in archs or "chroma" in archs:  # the constants detection fixes, nothing else
+        import comfy.model_detection as md
+        detect = md.detect_unet_config
+
+        def narrowed(state_dict, key_prefix, metadata=None):
+            c = detect(state_dict, key_prefix, metadata=metadata)
+            arch = c.get("image_model") if isinstance(c, dict) else None
+            if arch in DETECTION_FIXED:
+                c.update({k: CONFIGS[arch][k] for k in DETECTION_FIXED[arch]})
+            return c
+        md.detect_unet_config = narrowed
 
 
 def pack_body(work: str, archs: list) -> dict:
@@ -495,7 +509,7 @@ def plain_body(work: str, archs: list) -> dict:
     for arch in archs:
         try:
             r, outs, lap = {}, {}, _Laps()
-            for tag, name in (("", "core"), ("cal_", "cal"))[:2 if arch in CALIBRATED else 1]:
+            for tag, name in (("", "core"), ("cal_", "cal")):
                 path = str(Path(work) / f"{arch}_{name}.safetensors")
                 m = _load(path)
                 dm = m.model.diffusion_model
