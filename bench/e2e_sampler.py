@@ -127,6 +127,8 @@ def add_run_args(ap) -> None:
     ap.add_argument("--comfy-flag", action="append", default=[], help="extra ComfyUI flag (repeatable)")
     ap.add_argument("--host-sample", default="", help="comma-separated paths: 4 steps with the host thread's stack "
                     "sampled every ms (bench/lib/stack_sample.py): where its wall time goes, without cProfile's slowdown")
+    ap.add_argument("--tax-sample", default="", help="comma-separated paths: one whole sample with the host thread's "
+                    "stack sampled, the samples inside apply_model set apart: where the per-sample tax goes")
     ap.add_argument("--cold", action="store_true", help="each path in its own process with new, empty autotune "
                     "(INT8_FUSED_CACHE_DIR) and Triton (TRITON_CACHE_DIR) caches: first_sample_s is a cold start")
     ap.add_argument("--vram-gib", default="", help="N[,M...]: each path in its own process with all but N GiB of "
@@ -499,6 +501,21 @@ class SamplerBench:
         return {"host_sample_wall_s_per_step": round(t["wall_s"] / steps, 4), "host_sample_n": t["samples"],
                 "host_sample_own_ms_per_step": t["own"], "host_sample_cum_ms_per_step": t["cum"]}
 
+    def tax_sampled(self, guider, model, latent, noise, top: int = 25) -> dict:
+        """One whole sample (--steps steps) with this thread's stack sampled every ms, the samples inside
+        ``apply_model`` (the model calls) set apart: ``tax_sample_ms`` the sample's wall ms outside them (the
+        per-sample tax, as sampled), ``tax_sample_cum_ms`` / ``tax_sample_own_ms`` where that time went."""
+        import threading
+
+        from bench.lib.stack_sample import StackSampler
+        self.torch.cuda.synchronize()
+        with StackSampler(threading.get_ident(), set_apart="apply_model") as s:
+            self.sample(guider, model, latent, noise, self.a.steps)
+            self.torch.cuda.synchronize()
+        t = s.table(per=1, top=top)
+        return {"tax_sample_ms": t["rest_ms"], "tax_sample_model_ms": t["apart_ms"], "tax_sample_own_ms": t["own"],
+                "tax_sample_cum_ms": t["cum"]}
+
     def gpu_busy(self, guider, model, latent, noise, steps: int = 4) -> dict:
         """A ``steps``-step sample traced with CUDA activity only (no host events or stacks: the host keeps its
         pace): ``gpu_busy_s_per_step``, the union of its kernels' and copies' spans on the GPU's timeline a step,
@@ -522,6 +539,12 @@ class SamplerBench:
         busy, host = row["gpu_busy_s_per_step"], row.get("host_s_per_step")
         if busy is not None and host is not None:
             row["paced_by"] = "host" if host > busy else "gpu"
+        if path in getattr(self.a, "tax_sample", "").split(","):
+            row.update(self.tax_sampled(guider, model, latent, noise))
+            log(f"    per-sample tax (stack samples): {row['tax_sample_ms']:.1f} ms outside apply_model "
+                f"({row['tax_sample_model_ms']:.1f} inside); cumulative ms:")
+            for where, ms in row["tax_sample_cum_ms"]:
+                log(f"    cum {ms:8.2f} ms  {where}")
         if path in self.a.host_sample.split(","):
             row.update(self.host_sampled(guider, model, latent, noise))
             log(f"    host (stack samples, {row['host_sample_n']}) {row['host_sample_wall_s_per_step'] * 1e3:.1f} "

@@ -41,7 +41,7 @@
 #            $OUT/<gpu>-cold-<models>[-<paths>].json (<gpu>: h100, h200, ... from nvidia-smi); copied to
 #            bench/results/cold-runs/<gpu>-cold-<commit>-<models>[-<paths>].json, bench/lib/merge.py merges them into
 #            bench/results/<gpu>-cold.json with issue 48's checks. Run it on nvidia-h100-x1 (no shipped picks) and
-#            on nvidia-h200.
+#            on nvidia-h200. BENCH_EXTRA: more flags for bench/e2e_models.py (e.g. "--tax-sample pack:fused_triton").
 #   multigpu (a two-GPU kind: nvidia-h100-x2 / nvidia-h200-x2; issue 51) Ideogram 4 DualModelGuider with the pack, one
 #            GPU and then the unconditional backbone on cuda:1 (the pack's Dual Model Guider (two GPUs)); Flux.1 at
 #            cfg 3.5, bf16 and the pack, one GPU and then through MultiGPU CFG Split (max_gpus 2). Writes
@@ -108,7 +108,8 @@ case $suite in
       esac
     done
     name="$gpu-cold-${cm//,/-}$ctag"
-    timeout 560 $models --cold --models "$cm" --paths "$cp" --child-timeout 300 --out "$OUT/$name.json" 2>&1 \
+    timeout 560 $models --cold --models "$cm" --paths "$cp" --child-timeout 300 ${BENCH_EXTRA:-} \
+      --out "$OUT/$name.json" 2>&1 \
       | tee "$OUT/$name.log" ;;
   multigpu)
     for n in 1 2; do

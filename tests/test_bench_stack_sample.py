@@ -39,3 +39,15 @@ def test_shares_follow_the_time_split_and_recursion_counts_once():
     share = cum["_three_parts"] / (cum["_three_parts"] + cum["_one_part"])
     assert 0.6 < share < 0.9, share  # 0.75 by construction
     assert own["_spin"] > 0.9 * (cum["_three_parts"] + cum["_one_part"])  # the innermost frame is the busy loop
+
+
+def test_set_apart_keeps_one_functions_samples_out_of_the_tables():
+    with StackSampler(threading.get_ident(), interval_s=0.001, set_apart="_three_parts") as s:
+        for _ in range(20):
+            _nested(5)
+    t = s.table(per=20, top=50)
+    cum = {w.split("(")[-1].rstrip(")"): ms for w, ms in t["cum"]}
+    assert "_three_parts" not in cum and "_one_part" in cum
+    share = t["apart_ms"] / (t["apart_ms"] + t["rest_ms"])
+    assert 0.6 < share < 0.9, share  # 0.75 of the time is inside _three_parts, by construction
+    assert abs(cum["_nested"] - t["rest_ms"]) < 0.05 * t["rest_ms"]  # the tables hold only the rest

@@ -31,8 +31,11 @@ def _where(code, line: int | None = None) -> str:
 class StackSampler:
     """Samples thread ``ident``'s stack every ``interval_s`` while in the ``with`` block (see module doc)."""
 
-    def __init__(self, ident: int, interval_s: float = 0.001, switch_s: float = 2e-4):
-        self.ident, self.interval, self.switch = ident, interval_s, switch_s
+    def __init__(self, ident: int, interval_s: float = 0.001, switch_s: float = 2e-4, set_apart: str = ""):
+        """``set_apart``: a function name; a sample with it on the stack is only counted (``apart``), so that the
+        tables show the rest (e.g. "apply_model": a sample's time outside its model calls)."""
+        self.ident, self.interval, self.switch, self.set_apart = ident, interval_s, switch_s, set_apart
+        self.apart = 0
         self.own: collections.Counter = collections.Counter()  # "file:line(function)" of the innermost frame
         self.cum: collections.Counter = collections.Counter()  # code objects on the stack
         self.samples, self.wall = 0, 0.0
@@ -47,6 +50,13 @@ class StackSampler:
             if f is None:
                 continue
             self.samples += 1
+            if self.set_apart:
+                g = f
+                while g is not None and g.f_code.co_name != self.set_apart:
+                    g = g.f_back
+                if g is not None:
+                    self.apart += 1
+                    continue
             self.own[_where(f.f_code, f.f_lineno)] += 1
             seen = set()
             while f is not None:
@@ -79,4 +89,5 @@ class StackSampler:
         def rows(c):
             return [[(w if isinstance(w, str) else _where(w))[-110:], round(k * scale, 2)]
                     for w, k in c.most_common(top)]
-        return {"samples": self.samples, "wall_s": round(self.wall, 4), "own": rows(self.own), "cum": rows(self.cum)}
+        return {"samples": self.samples, "wall_s": round(self.wall, 4), "own": rows(self.own), "cum": rows(self.cum),
+                "apart_ms": round(self.apart * scale, 2), "rest_ms": round((self.samples - self.apart) * scale, 2)}
