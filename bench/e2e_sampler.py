@@ -234,9 +234,11 @@ class compile_log:
             ev = [e for e in self.events if sel(e)]
             return {"n": len(ev), "s": round(sum(e[2] for e in ev), 3)}
         main = sorted((e for e in self.events if e[0] and not e[1]), key=lambda e: -e[2])
+        pool = sorted((e for e in self.events if not e[0] and not e[1]), key=lambda e: -e[2])
         out = {"first_compiles": {"main": agg(lambda e: e[0] and not e[1]), "pool": agg(lambda e: not e[0] and not e[1]),
                                   "hits": agg(lambda e: e[1]),
-                                  "slowest": [[e[3], round(e[2], 3)] for e in main[:5]]}}
+                                  "slowest": [[e[3], round(e[2], 3)] for e in main[:5]],
+                                  "pool_all": [[e[3], round(e[2], 3)] for e in pool]}}
         if self.ahead is not None:
             out["first_ahead"] = list(self.ahead.HISTORY[self.ahead0:])
         return out

@@ -61,6 +61,7 @@ class Ahead:
         self.seen: set = set()
         self.launches = 0           # launches skipped
         self.errors: list[str] = []
+        self.job_s: list = []       # (name, seconds) of each whole job (``submit``) that finished
 
     def compile(self, key, jit_fn, grid, args, constexprs: dict, num_warps: int, num_stages: int) -> None:
         """Starts the compile of ``jit_fn[grid](*args, **constexprs, ...)`` (once per ``key``) without running it."""
@@ -76,7 +77,16 @@ class Ahead:
         if key in self.seen:
             return
         self.seen.add(key)
-        self.jobs.append(self.pool.submit(fn))
+        inner = key[1] if isinstance(key, tuple) and len(key) > 1 and isinstance(key[1], tuple) else ()
+        name = (f"{getattr(inner[0], '__name__', inner[0])}{list(inner[2])}" if len(inner) > 2 else str(key))[:160]
+
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.job_s.append((name, round(time.perf_counter() - t0, 3)))
+        self.jobs.append(self.pool.submit(timed))
 
     def finish(self) -> int:
         """Waits for every compile; returns how many were started. Failures are collected in ``errors``."""
@@ -139,7 +149,8 @@ def first_call(key, device, fn):
             log.info("INT8 compile-ahead: %d of %d compiles failed (%s); the first call chooses again",
                      len(a.errors), len(a.seen), a.errors[0])
         dt = time.perf_counter() - t0
-        HISTORY.append({"kernels": len(a.seen), "launches": a.launches, "s": round(dt, 3), "failed": len(a.errors)})
+        HISTORY.append({"kernels": len(a.seen), "launches": a.launches, "s": round(dt, 3), "failed": len(a.errors),
+                        "jobs": sorted(a.job_s, key=lambda j: -j[1])})
         log.info("INT8 compile-ahead: %d kernels compiled in parallel (%d threads) in %.1f s before the first call",
                  len(a.seen), a.pool._max_workers, dt)
     return fn()
