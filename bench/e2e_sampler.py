@@ -159,6 +159,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=34)
     ap.add_argument("--res", default="1024,768")
     ap.add_argument("--text-tokens", type=int, default=512)
+    ap.add_argument("--narrow", action="store_true", help="CPU smoke runs: Ideogram 4 at narrow widths, ComfyUI's "
+                    "config with it (bench/lib/e2e.py narrow)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--workflows", default="dual", choices=["dual"], help="DualModelGuider (the only workflow)")
     ap.add_argument("--paths", default="bf16,fp8_fast,core_int8,pack:fused_triton,pack:comfy_kitchen,"
@@ -249,6 +251,8 @@ class SamplerBench:
         import comfy.model_management as mm
         self.a, self.dynamic, self.e2e, self.torch, self.mm = a, dynamic, e2e, torch, mm
         self.dev = mm.get_torch_device()
+        if getattr(a, "narrow", False):
+            e2e.narrow()
         from bench.lib import e2e_runs
         self.runs = e2e_runs
         self.others = e2e_runs.others_bytes()  # device memory another process holds (--vram-gib's holder)

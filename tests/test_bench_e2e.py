@@ -160,9 +160,9 @@ print("RESULT " + json.dumps(out))
 
 def test_sampler_dual_isolated_times_both_backbones(comfy_current, tmp_path):
     """Ideogram 4's DualModelGuider through an isolated run: the model-call timer sees the conditional and the
-    unconditional backbone (two calls a step). No blocks (--layers 0) keeps it small on the CPU."""
-    doc, out = _bench(comfy_current, "e2e_sampler.py", ["--layers", "0", "--res", "32", "--text-tokens", "4",
-                                                        "--steps", "1", "--workflows", "dual", "--paths", "bf16",
+    unconditional backbone (two calls a step). No blocks (--layers 0) and narrow widths keep it small on the CPU."""
+    doc, out = _bench(comfy_current, "e2e_sampler.py", ["--narrow", "--layers", "0", "--res", "32",
+                                                        "--text-tokens", "4", "--steps", "1", "--workflows", "dual", "--paths", "bf16",
                                                         "--isolate", "--comfy-flag=--bf16-unet"],
                         tmp_path / "dual.json")
     assert doc["isolated"] and doc["cold"] is False and doc["parent_imported_torch"] is False
