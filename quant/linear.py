@@ -69,6 +69,21 @@ def block_fetch() -> Callable | None:
 
 
 _TENSORS = ("weight", "weight_scale", "bias", "smooth")
+# ComfyUI copies a managed layer's parameters other than weight and bias to the GPU at every sample's load
+# (ModelPatcherDynamic.load: force_load_param): from pinned memory that is an asynchronous copy, from pageable memory
+# a staged one that costs the sample's host time (issue 49: the per-sample tax). So on a machine with CUDA the small
+# vectors are kept in pinned memory where they live on the CPU (``_pin``; 4 bytes a channel).
+_SMALL = ("weight_scale", "smooth")
+_PIN_OK: list = []
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in pinned memory when it is a CPU tensor and CUDA is present, else ``t``."""
+    if t.device.type != "cpu" or t.is_pinned():
+        return t
+    if not _PIN_OK:
+        _PIN_OK.append(bool(torch.cuda.is_available()))
+    return t.pin_memory() if _PIN_OK[0] else t
 LORA_AFTER_APPLY = ("weight patches (a LoRA loaded after this layer was quantized) reached the INT8 layer "
                     "{name} outside a sampling run or as a LoRA hook, where ComfyUI would patch the int8 weight "
                     "itself (sampling runs LoRAs as side branches). Put LoRA loaders BEFORE 'Apply Fused INT8 GEMM' "
@@ -129,6 +144,10 @@ class Int8Linear(nn.Module):
             d = self.__dict__.get("derived")
             if d is not None:
                 d.hot.clear()  # the hot path holds the old tensors: let them go
+            if name in _SMALL and isinstance(value, torch.Tensor):
+                pinned = _pin(value.data if isinstance(value, nn.Parameter) else value)
+                if pinned is not (value.data if isinstance(value, nn.Parameter) else value):
+                    value = pinned
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=False)
         super().__setattr__(name, value)

@@ -584,3 +584,28 @@ def test_time_pair_with_a_fake_cuda_clock(monkeypatch):
     assert order == ["flush", ("stall", dispatch.STALL_CYCLES), "event", "event"] * (2 * 2 * 3)
     assert dispatch.STALL_CYCLES >= 2_000_000
     assert dispatch.effective_ms(0.01, 0.03) == 0.03 and dispatch.effective_ms(0.05, 0.03) == 0.05
+
+
+def test_small_vectors_are_pinned_where_cuda_is(monkeypatch):
+    """ComfyUI copies weight_scale / smooth to the GPU at every sample's load: where CUDA is present they live in
+    pinned memory (quant/linear.py _pin), their values unchanged; weight and bias are left as they are."""
+    import quant.linear as L
+    pinned = []
+
+    def fake_pin(t):
+        pinned.append(t)
+        return t.clone()  # a new tensor, as pin_memory() makes one
+    monkeypatch.setattr(L, "_pin", lambda t: fake_pin(t) if t.device.type == "cpu" else t)
+    w = torch.randint(-127, 128, (8, 16), dtype=torch.int8)
+    s, sm = torch.rand(8) + 0.1, torch.rand(16) + 0.5
+    layer = L.Int8Linear.from_quantized(w, s, torch.zeros(8), sm)
+    assert [tuple(t.shape) for t in pinned] == [(8,), (16,)]  # weight_scale, then smooth: nothing else
+    assert torch.equal(layer.weight_scale, s) and torch.equal(layer.smooth, sm)
+    assert isinstance(layer.weight_scale, torch.nn.Parameter) and layer.weight_scale.data_ptr() != s.data_ptr()
+    assert layer.weight.data_ptr() == w.data_ptr()  # the int8 weight as given (no copy)
+
+
+def test_pin_keeps_tensors_where_there_is_no_cuda():
+    import quant.linear as L
+    t = torch.rand(4)
+    assert torch.cuda.is_available() or L._pin(t) is t
