@@ -232,7 +232,10 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
                 built = _build(jit_fn, grid, args, constexprs, num_warps, num_stages)
                 if built is not None:
                     _BUILT[key] = built
-            ahead.active().submit(("s8", key), build)
+            # one build per Triton specialization (integers by their divisibility, not their values): the launches
+            # of other shapes find its kernel in the caches when they first run (_BY_HASH), instead of a second
+            # rewrite and assembly of the same code in the pool beside the first
+            ahead.active().submit(("s8", specialization(key)), build)
         launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
         return
     if hit is None:
@@ -276,6 +279,13 @@ def _int8_operand(a) -> bool:
     """An int8 tensor, or a TMA descriptor of one: the operands the fp8 build reads as fp8."""
     b = launch.base_of(a)
     return isinstance(b, torch.Tensor) and b.dtype == torch.int8
+
+
+def specialization(key: tuple) -> tuple:
+    """``launch.launch_key``'s key with each integer argument replaced by what Triton specializes it on (equal to 1,
+    divisible by 16, fits 32 bits): launches with equal specializations compile to the same kernel."""
+    *head, args = key
+    return (*head, tuple((a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31) if type(a) is int else a for a in args))
 
 
 def _build(jit_fn, grid, args, constexprs, num_warps, num_stages):

@@ -82,6 +82,22 @@ def test_s8_launch_in_a_dry_run_builds_in_the_pool_and_compiles_the_int8_referen
     assert len(k.warmups) == 1 and a.errors == []             # the int8 build the first real call checks against
 
 
+def test_s8_builds_once_per_triton_specialization_in_a_dry_run(monkeypatch):
+    """Shapes whose integers Triton specializes alike (here 4096 and 3072: both divisible by 16) share one s8 build in
+    the pool; 40 (not divisible by 16) and 1 get their own. Every launch still gets its int8 reference compile."""
+    k = FakeKernel("gemm")
+    built = []
+    monkeypatch.setattr(s8wgmma, "usable", lambda dev: True)
+    monkeypatch.setattr(s8wgmma, "_BUILT", {})
+    monkeypatch.setattr(s8wgmma, "_build", lambda *a: built.append(a[2][1]) or ("compiled", ()))
+    x = torch.zeros(8, dtype=torch.int8)
+    with ahead.compiling(workers=2, async_mode=FakeAsync()):
+        for n in (4096, 3072, 40, 1, 4096):
+            s8wgmma.launch_s8(k, (2,), (x, n), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert sorted(built) == [1, 40, 4096]
+    assert len(k.warmups) == 4  # the int8 builds: one per launch key (4096 twice is one key)
+
+
 def test_first_call_runs_a_dry_run_then_the_real_one_once_per_key(monkeypatch):
     monkeypatch.setattr(ahead, "enabled", lambda dev: True)
     monkeypatch.setattr(ahead, "_DONE", set())
