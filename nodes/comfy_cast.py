@@ -121,10 +121,17 @@ def restore_patched_backups(patcher) -> int:
         raise RuntimeError("restore_patched_backups runs as the eject of comfy_cast.injection(), which binds "
                            "comfy.utils")
     model, swaps = patcher.model, patcher.object_patches_backup
+    seen: dict = {}  # module path -> moved (a module's tensors share it: weight, weight_scale, bias)
 
     def moved(key):
         path = key.rpartition(".")[0]
-        return _owner(model, path, {}) is not _owner(model, path, swaps)
+        hit = seen.get(path)
+        if hit is None:
+            parts = path.split(".")
+            # only a path through a swapped prefix can lead to another object
+            hit = seen[path] = any(".".join(parts[:i]) in swaps for i in range(1, len(parts) + 1)) and \
+                _owner(model, path, {}) is not _owner(model, path, swaps)
+        return hit
     freed = 0
     for key in [k for k in patcher.backup if moved(k)]:
         freed += utils.get_attr(model, key).nbytes
