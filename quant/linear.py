@@ -83,7 +83,13 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
         return t
     if not _PIN_OK:
         _PIN_OK.append(bool(torch.cuda.is_available()))
-    return t.pin_memory() if _PIN_OK[0] else t
+    if not _PIN_OK[0]:
+        return t
+    try:
+        return t.pin_memory()
+    except RuntimeError:  # no pinned memory to be had (a container's limit, WSL): pageable, as before
+        _PIN_OK[0] = False
+        return t
 LORA_AFTER_APPLY = ("weight patches (a LoRA loaded after this layer was quantized) reached the INT8 layer "
                     "{name} outside a sampling run or as a LoRA hook, where ComfyUI would patch the int8 weight "
                     "itself (sampling runs LoRAs as side branches). Put LoRA loaders BEFORE 'Apply Fused INT8 GEMM' "

@@ -609,3 +609,19 @@ def test_pin_keeps_tensors_where_there_is_no_cuda():
     import quant.linear as L
     t = torch.rand(4)
     assert torch.cuda.is_available() or L._pin(t) is t
+
+
+def test_pin_failure_falls_back_to_pageable_once(monkeypatch):
+    """A machine with CUDA but no pinned memory to give (pin_memory raises): the vector stays as it is, and pinning
+    is not tried again."""
+    import quant.linear as L
+    tries = []
+
+    class NoPin(torch.Tensor):
+        def pin_memory(self, *a, **kw):
+            tries.append(1)
+            raise RuntimeError("cudaHostAlloc failed")
+    monkeypatch.setattr(L, "_PIN_OK", [True])
+    t = torch.rand(4).as_subclass(NoPin)
+    assert L._pin(t) is t and L._PIN_OK == [False]
+    assert L._pin(t) is t and tries == [1]
