@@ -2,7 +2,8 @@
 and the loader part of 7). Needs COMFYUI_CURRENT (and COMFYUI_CURRENT_PYTHON), like test_ideogram4_current.py;
 skipped with the reason otherwise. The work runs in a subprocess (tests/comfy_harness.run_in_current_comfy).
 
-One 1-layer Ideogram 4 backbone at the real widths (ComfyUI fixes them), random weights, written twice in
+One 1-layer Ideogram 4 backbone at narrow widths (ComfyUI's config narrowed: ``comfy_harness.narrow_ideogram4``),
+random weights, written twice in
 the transformerlab layout: under ``conditional.`` only and under ``unconditional.`` only.
 
 * A conditional-only file: its ``model_unconditional`` must fail wherever it is sampled. Wired into
@@ -64,7 +65,8 @@ def _body(pack, models):
     W = sys.modules["comfyui_int8_fused.quant.fmt_write"]
     Int8Linear = sys.modules["comfyui_int8_fused.quant.linear"].Int8Linear
     loader = pack.nodes.loader
-    w = i4.widths()
+    from comfy_harness import narrow_ideogram4
+    w = narrow_ideogram4()  # ComfyUI's Ideogram 4 config at narrow widths (the loader checks the file against it)
     names = [n for n in i4.linear_specs(1, w) if n.startswith("layers.") and n.split(".")[-1] in
              ("qkv", "o", "w1", "w3")]
     q, f = i4.quantize_state_dict(i4.random_state_dict(1, w, seed=0), names)
@@ -72,7 +74,7 @@ def _body(pack, models):
     W.write_transformerlab(str(models / "uncond_only.safetensors"), {"unconditional": (q, f)})
     del q, f
     g = torch.Generator().manual_seed(5)
-    positive = [[torch.randn(1, 4, 53248, generator=g), {}]]
+    positive = [[torch.randn(1, 4, w["text"], generator=g), {}]]
     latent = torch.zeros(1, 128, 2, 2)
 
     backends_seen, log_lines = [], []

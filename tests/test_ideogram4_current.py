@@ -7,7 +7,8 @@ one process cannot hold the pinned and the current ComfyUI at once.
 
 A 1-layer Ideogram 4 per branch at narrow widths (ComfyUI fixes the widths in its model config; the test narrows
 that config first, ``comfy_harness.narrow_ideogram4``: the same classes and code, 2 heads of the real 256; the
-loader checks the file against the config in use, checked here against the real widths too), random weights, written in the transformerlab W8A8 layout (block linears int8, ``w2`` kept bf16 as transformerlab
+loader checks the file against the config in use, checked here against the real widths too), random weights,
+written in the transformerlab W8A8 layout (block linears int8, ``w2`` kept bf16 as transformerlab
 protects it, a SmoothQuant vector on qkv, the conditional branch without its norms/embedding so the base
 checkpoint supplies them), loaded through the node, sampled 2 steps with DualModelGuider (unconditional
 branch on image tokens only) on a 64x64 image, compared with the bf16 model.

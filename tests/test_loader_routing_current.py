@@ -10,7 +10,7 @@ transformerlab layout as both branches. Checked through the loader node itself:
 * pad elision is installed for ``fused_triton`` (its default) and not for other backends unless switched on;
 * on ``fused_triton`` the block is fused as Apply fuses it: the Ideogram 4 adapter's ``FusedIdeogram4Block`` as an
   object patch holding the loader's own int8 layers, plus the per-run ``llm_cond_proj`` cache (their numerics against per-linear INT8 are tested in
-  test_fused.py / test_adapters.py at small widths; at the real widths here the Triton interpreter would take
+  test_fused.py / test_adapters.py at small widths; at the real widths the Triton interpreter would take
   tens of minutes), and none with ``INT8_FUSED_FUSION=0``;
 * sampled with a padded text conditioning (``attention_mask`` ending in zeros), the elided model equals the same file
   loaded with elision off within bf16 rounding, while dropping one real token instead changes the result far more.

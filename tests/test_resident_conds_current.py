@@ -1,9 +1,9 @@
 """The run's conditioning moved to the model's device once per sampling run (``nodes/resident_conds.py``), on a
-current ComfyUI (0.33.0) with a 1-layer Ideogram 4 at the real widths, on the CPU.
+current ComfyUI (0.33.0) with a 1-layer Ideogram 4 (narrow widths: ``comfy_harness.narrow_ideogram4``), on the CPU.
 
 The CPU machine has no second device, so the move is checked on ComfyUI's own processed conds (captured by a
 SAMPLER_SAMPLE wrapper inside a real sampling run) moved to the ``meta`` device: every tensor of a
-``model_conds`` entry (here Ideogram 4's one: the 12 × 53248 text features) is replaced by a new object of
+``model_conds`` entry (here Ideogram 4's one: the 12 text tokens' features) is replaced by a new object of
 the same class holding a tensor of the same shape and dtype on the target device; constants stay; the run's
 originals and the user's CONDITIONING tensors are untouched; the byte count is the one derived by hand;
 ``undo`` puts the original objects back (the wrapper does at the end of every run). The DualModel guider's
@@ -18,10 +18,10 @@ import torch
 
 
 def test_conds_move_once_and_leave_the_users_conditioning(comfy_current):
-    from comfy_harness import run_body_in_current_comfy
+    from comfy_harness import NARROW_IDEOGRAM4, run_body_in_current_comfy
     res = run_body_in_current_comfy(__file__)
     print(res)
-    text_bytes = 12 * 53248 * 4  # [1, 12, 53248] fp32
+    text_bytes = 12 * NARROW_IDEOGRAM4["llm_features_dim"] * 4  # [1, 12, text width] fp32
     assert res["classes"] == res["classes_after"]
     assert res["moved_bytes"] == text_bytes  # Ideogram 4's extra_conds: the text (an all-ones mask is dropped)
     assert res["moved_devices"] == ["meta"] and res["moved_shapes_equal"]
@@ -39,7 +39,9 @@ def body(pack, models) -> dict:
     import comfy.sd
     i4 = importlib.import_module("comfyui_int8_fused.adapters.ideogram4.layout")
     rc = pack.nodes.resident_conds
-    model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, i4.widths(), seed=0, dtype=torch.float32),
+    from comfy_harness import narrow_ideogram4
+    w = narrow_ideogram4()  # ComfyUI's Ideogram 4 config at narrow widths
+    model = comfy.sd.load_diffusion_model_state_dict(i4.random_state_dict(1, w, seed=0, dtype=torch.float32),
                                                      {"dtype": torch.float32})
     (applied,) = pack.nodes.apply.ApplyFusedInt8GEMM().apply(model, "torch_int_mm")
 
@@ -47,7 +49,7 @@ def body(pack, models) -> dict:
         return rc.sampler_sample_wrapper in sum(patcher.wrappers.get(pe.WrappersMP.SAMPLER_SAMPLE, {}).values(), [])
 
     g = torch.Generator().manual_seed(1)
-    ctx = torch.randn(1, 12, 53248, generator=g)
+    ctx = torch.randn(1, 12, w["text"], generator=g)
     mask = torch.ones(1, 12)
     seen = {}
 
