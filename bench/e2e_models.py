@@ -161,11 +161,11 @@ MODELS = {
     "wan22": ("WAN22_T2V", WAN22, WAN_TINY, wan22_inputs),
     "qwen": ("QwenImage", QWEN, {"num_layers": 1},
              lambda tiny: {"latent": (1, 16, 1, 8, 8) if tiny else (1, 16, 1, 128, 128),
-                           "text": (1, 8, QWEN_NARROW["joint_attention_dim"]) if tiny else (1, 256, 3584),
+                           "text": (1, 8, _narrow_width("joint_attention_dim")) if tiny else (1, 256, 3584),
                            "what": "1024x1024 (latent 1x128x128), text 256 tokens of 3584"}),
     "qwen20": ("QwenImage", QWEN20, {"num_layers": 1},
                lambda tiny: {"latent": (1, 16, 1, 8, 8) if tiny else (1, 16, 1, 128, 128),
-                             "text": (1, 8, QWEN_NARROW["joint_attention_dim"]) if tiny else (1, 256, 3584),
+                             "text": (1, 8, _narrow_width("joint_attention_dim")) if tiny else (1, 256, 3584),
                              "what": "1024x1024 (latent 1x128x128), text 256 tokens of 3584; 20 of 60 blocks"}),
     "chroma": ("Chroma", CHROMA, {"context_in_dim": 64, "depth": 1, "depth_single_blocks": 1},
                lambda tiny: {"latent": (1, 16, 8, 8) if tiny else (1, 16, 128, 128),
@@ -178,11 +178,11 @@ MODELS = {
                             "what": "1024x1024 (latent 128x64x64), text 512 tokens of 15360; 8 + 16 blocks"}),
     "ideogram4": ("Ideogram4", None, {"layers": 1},
                   lambda tiny: {"latent": (1, 128, 4, 4) if tiny else (1, 128, 64, 64),
-                                "text": (1, 8, _narrow_text()) if tiny else (1, 512, 53248),
+                                "text": (1, 8, _narrow_width("llm_features_dim")) if tiny else (1, 512, 53248),
                                 "what": "1024x1024, text 512 tokens of 53248"}),
     "ideogram4_dual": ("Ideogram4", None, {"layers": 1},
                        lambda tiny: {"latent": (1, 128, 4, 4) if tiny else (1, 128, 64, 64),
-                                     "text": (1, 8, _narrow_text()) if tiny else (1, 512, 53248),
+                                     "text": (1, 8, _narrow_width("llm_features_dim")) if tiny else (1, 512, 53248),
                                      "what": "1024x1024, text 512 tokens of 53248; DualModelGuider cfg 4 (two "
                                              "backbones, seeds 0 and 1; negative unconnected)"}),
 }
@@ -197,21 +197,20 @@ SECOND_RES_AUTO = "image=768,video=384x672"
 
 # detection selects these models by their width, so --tiny keeps it
 WIDTH_FIXED = {"zimage": 3840, "chroma": 3072}
+
+
 # ComfyUI fixes these widths in a model config, which --tiny narrows in its process (``narrow_tiny``): Ideogram 4's
-# (bench/lib/e2e.py narrow: 2 heads of the real 256) and Qwen-Image's (its class defaults: 1 head of the real 128)
-QWEN_NARROW = {"num_attention_heads": 1, "joint_attention_dim": 64}
-
-
-def _narrow_text() -> int:
-    from bench.lib import e2e
-    return e2e.NARROW["llm_features_dim"]
+# and Qwen-Image's (bench/lib/e2e.py ``narrow``, ``narrow_qwen``)
+def _narrow_width(name: str) -> int:
+    from bench.lib import e2e  # imports torch: only when a --tiny run builds its inputs
+    return {**e2e.NARROW, **e2e.QWEN_NARROW}[name]
 
 
 def narrow_tiny(e2e) -> dict:
     """--tiny: ComfyUI's Ideogram 4 and Qwen-Image configs at narrow widths, in this process (ComfyUI imported)."""
-    import comfy.supported_models as sm
-    sm.QwenImage.unet_extra_config = {**sm.QwenImage.unet_extra_config, **QWEN_NARROW}
-    return {"ideogram4": e2e.narrow(), "qwen": dict(QWEN_NARROW)}
+    return {"ideogram4": e2e.narrow(), "qwen": e2e.narrow_qwen()}
+
+
 # where the repeated blocks' linears live (core_int8 quantizes their 2-D weights)
 BLOCKS = {"flux": ("double_blocks.", "single_blocks."), "zimage": ("layers.",), "wan13": ("blocks.",),
           "wan14": ("blocks.",), "wan22": ("blocks.",), "qwen": ("transformer_blocks.",),

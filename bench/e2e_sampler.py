@@ -245,6 +245,7 @@ class compile_log:
             out["first_ahead"] = list(self.ahead.HISTORY[self.ahead0:])
         return out
 
+
 class SamplerBench:
     def __init__(self, a, dynamic: bool, e2e):
         import torch

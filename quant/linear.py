@@ -90,6 +90,8 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # no pinned memory to be had (a container's limit, WSL): pageable, as before
         _PIN_OK[0] = False
         return t
+
+
 LORA_AFTER_APPLY = ("weight patches (a LoRA loaded after this layer was quantized) reached the INT8 layer "
                     "{name} outside a sampling run or as a LoRA hook, where ComfyUI would patch the int8 weight "
                     "itself (sampling runs LoRAs as side branches). Put LoRA loaders BEFORE 'Apply Fused INT8 GEMM' "
@@ -151,8 +153,9 @@ class Int8Linear(nn.Module):
             if d is not None:
                 d.hot.clear()  # the hot path holds the old tensors: let them go
             if name in _SMALL and isinstance(value, torch.Tensor):
-                pinned = _pin(value.data if isinstance(value, nn.Parameter) else value)
-                if pinned is not (value.data if isinstance(value, nn.Parameter) else value):
+                data = value.data if isinstance(value, nn.Parameter) else value
+                pinned = _pin(data)
+                if pinned is not data:  # a Parameter already in pinned (or device) memory is kept as given
                     value = pinned
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=False)

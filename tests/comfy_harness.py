@@ -99,7 +99,6 @@ def write_miniature_models(comfy_dir: Path = COMFY_DIR, archs=None, seed: int = 
     return out
 
 
-# --------------------------------------------------------------------------- a real server
 # --------------------------------------------------------------------------- widths ComfyUI fixes, narrowed
 # ComfyUI builds Ideogram 4 at the widths of its model config (18 heads of 256, FFN 12288, adaLN 512, text 53248);
 # tests on the current ComfyUI narrow that config first (``narrow_ideogram4``: bench/lib/e2e.py's ``narrow``, 2 heads of
@@ -115,13 +114,21 @@ def _e2e():
     return mod
 
 
-NARROW_IDEOGRAM4 = _e2e().NARROW
+NARROW_IDEOGRAM4, NARROW_QWEN = _e2e().NARROW, _e2e().QWEN_NARROW
 
 
 def narrow_ideogram4() -> dict:
     """Inside a process with a current ComfyUI imported: ComfyUI's Ideogram 4 config at ``NARROW_IDEOGRAM4``; the
     widths as ``adapters.ideogram4.layout.widths`` names them (no pack import: the plain processes use it too)."""
     return _e2e().narrow()
+
+
+def narrow_qwen_image() -> dict:
+    """As :func:`narrow_ideogram4`, for Qwen-Image (``NARROW_QWEN``: 1 head of the real 128, text 64)."""
+    return _e2e().narrow_qwen()
+
+
+# --------------------------------------------------------------------------- a real server
 
 
 def free_port() -> int:

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_harness import NARROW_IDEOGRAM4
+from comfy_harness import NARROW_IDEOGRAM4, NARROW_QWEN
 
 pytestmark = pytest.mark.slow
 ARCHS = ("flux", "wan", "sd3", "lumina2", "qwen_image", "ideogram4", "chroma", "flux2", "wan22")
@@ -123,7 +123,8 @@ CONFIGS = {
 # tokens by its model_base whatever is given.
 INPUTS = {"flux": ((1, 16, 4, 4), (4, 64), 64), "wan": ((1, 16, 2, 4, 4), (4, 4096), 0),
           "sd3": ((1, 16, 4, 4), (4, 64), 64), "lumina2": ((1, 16, 4, 4), (4, 64), 0),
-          "qwen_image": ((1, 16, 1, 4, 4), (4, 64), 0), "ideogram4": ((1, 128, 1, 2), (2, NARROW_IDEOGRAM4["llm_features_dim"]), 0),
+          "qwen_image": ((1, 16, 1, 4, 4), (4, NARROW_QWEN["joint_attention_dim"]), 0),
+          "ideogram4": ((1, 128, 1, 2), (2, NARROW_IDEOGRAM4["llm_features_dim"]), 0),
           "chroma": ((1, 16, 4, 4), (4, 64), 0), "flux2": ((1, 128, 4, 4), (8, 64), 0),
           "wan22": ((1, 48, 2, 4, 4), (4, 4096), 0)}
 # Apply and Save run on fused_triton for every architecture (fused blocks built, no kernel run); the pack models are
@@ -401,7 +402,6 @@ class _Laps:
         self.t = now
 
 
-QWEN_NARROW = {"num_attention_heads": 1, "joint_attention_dim": 64}  # 1 head of the real 128 (its RoPE axes)
 # what ComfyUI 0.33.0's detection sets as constants: Lumina 2's heads and RoPE (from its width 2304), Chroma's
 # approximator
 DETECTION_FIXED = {"lumina2": ("n_heads", "n_kv_heads", "axes_dims", "axes_lens", "rope_theta", "ffn_dim_multiplier"),
@@ -414,8 +414,8 @@ def _narrow(archs) -> None:
         from comfy_harness import narrow_ideogram4
         narrow_ideogram4()
     if "qwen_image" in archs:
-        import comfy.supported_models as sm
-        sm.QwenImage.unet_extra_config = {**sm.QwenImage.unet_extra_config, **QWEN_NARROW}
+        from comfy_harness import narrow_qwen_image
+        narrow_qwen_image()
     if "lumina2" in archs or "chroma" in archs:  # the constants detection fixes, nothing else
         import comfy.model_detection as md
         detect = md.detect_unet_config

@@ -38,6 +38,19 @@ def narrow() -> dict:
     return dict(hidden=HIDDEN, heads=HEADS, head=head, ffn=FFN, adaln=ADALN, text=TEXT_DIM, channels=IN_CH)
 
 
+# Qwen-Image's widths are its model class's defaults (24 heads of 128, text 3584), which ComfyUI's model config
+# overrides where it names them (``supported_models.QwenImage.unet_extra_config``, empty in 0.33.0): 1 head of the real
+# 128 (its RoPE axes), text 64.
+QWEN_NARROW = {"num_attention_heads": 1, "joint_attention_dim": 64}
+
+
+def narrow_qwen() -> dict:
+    """ComfyUI's Qwen-Image config (ComfyUI imported) at ``QWEN_NARROW``, for this process; returns it."""
+    import comfy.supported_models as sm
+    sm.QwenImage.unet_extra_config = {**sm.QwenImage.unet_extra_config, **QWEN_NARROW}
+    return dict(QWEN_NARROW)
+
+
 # ----------------------------------------------------------------------------- model construction
 def ideogram4_shapes(layers: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Key -> (shape, is_linear_weight) of one Ideogram 4 backbone (ComfyUI key names)."""
