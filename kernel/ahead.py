@@ -50,9 +50,10 @@ def done(key) -> bool:
 class Ahead:
     """One dry run: the compiles it started, and what became of them."""
 
-    def __init__(self, workers: int = WORKERS, async_mode=None):
+    def __init__(self, workers: int = WORKERS, async_mode=None, procs=None):
         import concurrent.futures
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="int8-fused-compile")
+        self.procs = procs          # a ``kernel.procs.Pool``: compiles run in its worker processes
         if async_mode is None:
             from triton.runtime._async_compile import AsyncCompileMode
             async_mode = AsyncCompileMode(self.pool, ignore_errors=True)
@@ -62,14 +63,50 @@ class Ahead:
         self.launches = 0           # launches skipped
         self.errors: list[str] = []
         self.job_s: list = []       # (name, seconds) of each whole job (``submit``) that finished
+        self.remote: list = []      # one dict a compile sent to a worker: name, worker seconds, hit, error
 
-    def compile(self, key, jit_fn, grid, args, constexprs: dict, num_warps: int, num_stages: int) -> None:
-        """Starts the compile of ``jit_fn[grid](*args, **constexprs, ...)`` (once per ``key``) without running it."""
+    def compile(self, key, jit_fn, grid, args, constexprs: dict, num_warps: int, num_stages: int,
+                device=None) -> None:
+        """Starts the compile of ``jit_fn[grid](*args, **constexprs, ...)`` (once per ``key``) without running it:
+        in a worker process where there are workers (``kernel.procs``), else in the thread pool."""
         self.launches += 1
         if key in self.seen:
             return
         self.seen.add(key)
+        if self.procs is not None:
+            from . import procs
+            req = procs.capture(jit_fn, args, grid, constexprs, num_warps, num_stages)
+            if req is not None:
+                self.jobs.append(self.pool.submit(self._remote, req, jit_fn, args, grid, constexprs, num_warps,
+                                                  num_stages, device))
+            return
         jit_fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+    def _remote(self, req, jit_fn, args, grid, constexprs, num_warps, num_stages, device):
+        """A worker compiles the kernel into Triton's cache; then this process' own compile of it (a cache hit, or
+        the whole compile where the worker failed) puts it in the JIT function's in-memory cache."""
+        reply = self.procs.compile(req)
+        k = None
+        try:
+            with _on(device):
+                k = jit_fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        finally:
+            self.remote.append({"name": req["qualname"], "s": reply.get("s"), "error": reply.get("error"),
+                                "hit": reply.get("hash") is not None and getattr(k, "hash", None) == reply.get("hash")})
+        return k
+
+    def precompile(self, jit_fn, args, grid, constexprs: dict, num_warps: int, num_stages: int, device) -> None:
+        """In a pool thread (an s8 build): the kernel compiled by a worker first, where there are workers, so that
+        the build's own compile of it is a cache hit."""
+        if self.procs is None:
+            return
+        from . import procs
+        with _on(device):
+            req = procs.capture(jit_fn, args, grid, constexprs, num_warps, num_stages)
+        if req is not None:
+            reply = self.procs.compile(req)
+            self.remote.append({"name": req["qualname"], "s": reply.get("s"), "error": reply.get("error"),
+                                "hit": None})
 
     def submit(self, key, fn) -> None:
         """Runs ``fn()`` (a whole build: compile, rewrite, assemble) in the pool, once per ``key``."""
@@ -101,13 +138,21 @@ class Ahead:
         return len(futures)
 
 
+def _on(device):
+    """The CUDA ``device`` made current in this thread (Triton compiles for the current device), where CUDA exists."""
+    import torch
+    if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
-def compiling(workers: int = WORKERS, async_mode=None):
+def compiling(workers: int = WORKERS, async_mode=None, procs=None):
     """Inside, the pack's launches start compiles instead of running (module doc); on leaving, every compile is
-    waited for. Yields the :class:`Ahead`."""
+    waited for. ``procs``: a ``kernel.procs.Pool`` whose processes do the compiles. Yields the :class:`Ahead`."""
     if _ACTIVE[0] is not None:
         raise RuntimeError("a dry run is already in progress")
-    a = Ahead(workers, async_mode)
+    a = Ahead(workers, async_mode, procs)
     _ACTIVE[0] = a
     try:
         with a.mode:
@@ -126,6 +171,14 @@ def enabled(device) -> bool:
     return not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
 
 
+def prestart(device) -> None:
+    """Starts the compile worker processes (``kernel.procs``; Apply calls it) where a dry run will use them: a CUDA
+    device, compile-ahead on."""
+    if enabled(device):
+        from . import procs
+        procs.pool()
+
+
 def first_call(key, device, fn):
     """``fn()``; the first time for ``key`` on ``device`` (a CUDA device) after a dry run of ``fn`` that compiles its
     kernels in parallel (module doc)."""
@@ -135,7 +188,8 @@ def first_call(key, device, fn):
     t0 = time.perf_counter()
     a = None
     try:
-        with compiling() as a:
+        from . import procs
+        with compiling(procs=procs.pool()) as a:
             fn()
     except Exception as e:  # noqa: BLE001 - the real run compiles as it goes
         if not _WARNED[0]:
@@ -150,7 +204,9 @@ def first_call(key, device, fn):
                      len(a.errors), len(a.seen), a.errors[0])
         dt = time.perf_counter() - t0
         HISTORY.append({"kernels": len(a.seen), "launches": a.launches, "s": round(dt, 3), "failed": len(a.errors),
-                        "jobs": sorted(a.job_s, key=lambda j: -j[1])})
-        log.info("INT8 compile-ahead: %d kernels compiled in parallel (%d threads) in %.1f s before the first call",
-                 len(a.seen), a.pool._max_workers, dt)
+                        "jobs": sorted(a.job_s, key=lambda j: -j[1]),
+                        "procs": len(a.procs.procs) if a.procs is not None else 0, "remote": list(a.remote)})
+        log.info("INT8 compile-ahead: %d kernels compiled in parallel (%s) in %.1f s before the first call",
+                 len(a.seen), f"{len(a.procs.procs)} processes" if a.procs is not None else
+                 f"{a.pool._max_workers} threads", dt)
     return fn()

@@ -65,7 +65,11 @@ SWITCHES = {s.name: s for s in (
            "copy of the weight; `int8` / `float` force one path (A/B runs, tests)", choices=("auto", "int8", "float")),
     Switch("INT8_FUSED_COMPILE_AHEAD", bool, True,
            "a model call's first run with new input shapes is preceded by a dry run that compiles its INT8 kernels "
-           "in parallel threads (`kernel/ahead.py`); `0`: each kernel compiles when the call first reaches it"),
+           "in parallel (`kernel/ahead.py`); `0`: each kernel compiles when the call first reaches it"),
+    Switch("INT8_FUSED_COMPILE_PROCS", str, "auto",
+           "how many worker processes do the dry run's compiles (`kernel/procs.py`; started when Apply runs, gone "
+           "after 2 idle minutes): `auto`: one per CPU core but one, at most 8; a number; `0`: threads in ComfyUI's "
+           "process"),
     Switch("INT8_FUSED_TUNE", str, "background",
            "when the alternatives of a new shape (GEMM tiles, tail splits, int8 vs float, attention backends) are "
            "timed: `background` runs it on a predicted config at once and times the rest between samples; "

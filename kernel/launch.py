@@ -198,7 +198,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
     a = ahead.active()
     if a is not None and device.type == "cuda":
         a.compile(launch_key(jit_fn, args, constexprs, num_warps, num_stages, device), jit_fn, grid, args, constexprs,
-                  num_warps, num_stages)
+                  num_warps, num_stages, device)
         return
     if not _USE_FAST or device.type != "cuda" or not (_SAME_CALL or same_launcher_call()):
         jit_fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)

@@ -228,14 +228,18 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
     hit = _BUILT.get(key)
     if launch.dry_run():  # kernel.ahead: the s8 build and the int8 build its first call checks against, in the compile pool
         if hit is None:
+            a = ahead.active()
+
             def build():
+                # the fp8 build compiled in a worker process first (where there are: kernel.procs)
+                a.precompile(jit_fn, _fp8_args(args), grid, constexprs, num_warps, num_stages, device)
                 built = _build(jit_fn, grid, args, constexprs, num_warps, num_stages)
                 if built is not None:
                     _BUILT[key] = built
             # one build per Triton specialization (integers by their divisibility, not their values): the launches
             # of other shapes find its kernel in the caches when they first run (_BY_HASH), instead of a second
             # rewrite and assembly of the same code in the pool beside the first
-            ahead.active().submit(("s8", specialization(key)), build)
+            a.submit(("s8", specialization(key)), build)
         launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
         return
     if hit is None:
@@ -288,10 +292,15 @@ def specialization(key: tuple) -> tuple:
     return (*head, tuple((a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31) if type(a) is int else a for a in args))
 
 
+def _fp8_args(args: tuple) -> tuple:
+    """``args`` with the int8 operands viewed as fp8 (what the fp8 build is compiled for)."""
+    return tuple(launch.on_base(a, launch.base_of(a).view(torch.float8_e4m3fn)) if _int8_operand(a) else a
+                 for a in args)
+
+
 def _build(jit_fn, grid, args, constexprs, num_warps, num_stages):
     """(rewritten kernel, constexpr tail) for these arguments, or None after turning the path off."""
-    fp8 = tuple(launch.on_base(a, launch.base_of(a).view(torch.float8_e4m3fn)) if _int8_operand(a) else a
-                for a in args)
+    fp8 = _fp8_args(args)
     try:
         k8 = jit_fn.warmup(*fp8, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)
         if hasattr(k8, "result"):  # an asynchronous compile

@@ -44,7 +44,7 @@ from ..quant.formats import CheckpointError, check_scale_shape, check_scale_valu
 from ..quant.linear import Int8Linear
 from ..quant.patch import build_int8_layers
 
-from . import attention as attention_routing, comfy_cast, multigpu, pad_elision, resident_conds, timing
+from . import attention as attention_routing, comfy_cast, compile_ahead, multigpu, pad_elision, resident_conds, timing
 
 log = logging.getLogger("int8_fused")
 # ComfyUI modules are imported inside the functions: pytest imports the pack's __init__ (as a package
@@ -368,6 +368,8 @@ class ApplyFusedInt8GEMM:
         if not quantizes:
             log.info("INT8 Apply: backend bf16 = the unquantized control; model passed through")
         else:
+            if backends.get(backend).feeds_fused:   # the compile workers start while the layers quantize
+                compile_ahead.prestart(model)
             _patch(out, model, backend, preset, include, exclude, keep_float, calibration, rotation)
         attention_routing.install(out, attention)
         pad_elision.install(out, backend)

@@ -42,8 +42,17 @@ def apply_model(executor, x, t, c_concat=None, c_crossattn=None, control=None, t
     return ahead.first_call(key, x.device, call)
 
 
-def install(model_patcher) -> None:
-    """Adds the wrapper to a ModelPatcher (replacing this pack's earlier one)."""
+def install(model_patcher, start_workers: bool = False) -> None:
+    """Adds the wrapper to a ModelPatcher (replacing this pack's earlier one); ``start_workers``: the compile worker
+    processes start now (``kernel.procs.prestart``: where the dry run will use them)."""
     import comfy.patcher_extension as pe
     model_patcher.remove_wrappers_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
     model_patcher.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, apply_model)
+    if start_workers:
+        prestart(model_patcher)
+
+
+def prestart(model_patcher) -> None:
+    """Starts the compile worker processes (``kernel.procs``) for a model about to run the pack's kernels, where a
+    dry run will use them; their start then overlaps the work before the first sample."""
+    ahead.prestart(getattr(model_patcher, "load_device", None))

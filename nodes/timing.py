@@ -742,8 +742,12 @@ def instrument(model_patcher, *, node_id: str, backend: str, backends_used=None,
                      (pe.WrappersMP.DIFFUSION_MODEL, rec.diffusion_model)):
         model_patcher.remove_wrappers_with_key(kind, WRAPPER_KEY)
         model_patcher.add_wrapper_with_key(kind, WRAPPER_KEY, fn)
+    from ..quant import backends as _backends
     from . import compile_ahead   # inside the timing wrapper: the first step's time includes the dry run
-    compile_ahead.install(model_patcher)
+    # the compile workers start now where the pack's kernels will run, so their start overlaps what runs before
+    # the first sample (kernel/procs.py)
+    compile_ahead.install(model_patcher, start_workers=any(getattr(_backends.BACKENDS.get(n), "feeds_fused", False)
+                                                           for n in set(used) | {str(backend)}))
 
 
 _register_routes()

@@ -113,7 +113,8 @@ def test_first_call_runs_a_dry_run_then_the_real_one_once_per_key(monkeypatch):
 
 
 class _FakeAhead(ahead.Ahead):
-    def __init__(self, workers=1, async_mode=None):
+    def __init__(self, workers=1, async_mode=None, procs=None):
+        assert procs is None            # the interpreter runs here: no compile workers
         super().__init__(workers, FakeAsync())
 
 

@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kernel", "quant", "adapters", "nodes")
 HELPERS = ("kernel_module", "pack_module")
 # importlib.import_module of a module that is not the pack's, named by data: (file, function) -> why
-EXTERNAL_IMPORTS = {("adapters/base.py", "_resolve"): "an adapter's ComfyUI model class path"}
+EXTERNAL_IMPORTS = {("adapters/base.py", "_resolve"): "an adapter's ComfyUI model class path",
+                    ("kernel/compile_worker.py", "resolve"): "a compile worker process: the kernel a request names",
+                    ("kernel/compile_worker.py", "main"): "a compile worker process: the kernel modules it preloads"}
 
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:

@@ -1,0 +1,180 @@
+"""kernel/procs.py + kernel/compile_worker.py: a dry run's compiles in worker processes. Without a GPU: the scripts
+run in a subprocess without the Triton interpreter (real ``@triton.jit`` functions of the pack), with Triton's
+active driver replaced by one naming sm_80 (nothing is launched; the dry run never launches), real worker
+processes and real compiles (Triton's compiler and ptxas), into a fresh Triton cache."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PRELUDE = """
+import json, os, sys, time
+import torch, triton
+from triton.backends.compiler import GPUTarget
+import compile_targets as ct
+from kernel import ahead, launch, procs
+
+class Sm80:
+    def is_active(self): return True
+    def get_current_device(self): return 0
+    def get_current_stream(self, d=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 80, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+
+triton.runtime.driver.set_active(Sm80())
+EVENTS = []   # (kernel, cache hit) of every compile in this process
+triton.knobs.compilation.listener = lambda **kw: EVENTS.append((kw["src"].fn.__name__, kw["cache_hit"]))
+CUDA = torch.device("cuda", 0)
+
+def launches(specs):
+    import importlib
+    out = []
+    for spec in specs:
+        fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+        runtime = [p.name for p in fn.params if not p.is_constexpr]
+        out.append((fn, (1,), tuple(ct._materialize(spec["args"][n]) for n in runtime), dict(spec["consts"]),
+                    spec["warps"], spec["stages"]))
+    return out
+
+SPECS = [s for s in ct.row_jobs(80) if s["kernel"] in ("_rmsnorm_modulate_quant_kernel", "_gated_residual_kernel")][:2]
+"""
+
+
+def _run(body: str, tmp_path, timeout=600) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(tmp_path)])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    r = subprocess.run([sys.executable, "-c", PRELUDE + body], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_dry_run_compiles_in_worker_processes_and_this_process_loads_them_from_the_cache(tmp_path):
+    got = _run("""
+pool = procs.Pool(2)
+todo = launches(SPECS)
+with ahead.compiling(procs=pool) as a:
+    for fn, grid, args, consts, w, s in todo:
+        launch.launch(fn, grid, args, consts, w, s, CUDA)
+first = dict(errors=a.errors, remote=a.remote, events=list(EVENTS))
+# in this process' JIT cache now: a second dry run captures nothing and sends nothing
+with ahead.compiling(procs=pool) as b:
+    for fn, grid, args, consts, w, s in todo:
+        launch.launch(fn, grid, args, consts, w, s, CUDA)
+pids = sorted(p.pid for p in pool.procs)
+pool.close()
+print(json.dumps(dict(first, again=b.remote, again_seen=len(b.seen), pids=pids, me=os.getpid(),
+                      names=[t[0].fn.__name__ for t in todo],
+                      cached=[len(t[0].device_caches[0][0]) for t in todo])))
+""", tmp_path)
+    assert got["errors"] == []
+    assert sorted(r["name"] for r in got["remote"]) == sorted(got["names"]) and len(got["names"]) == 2
+    for r in got["remote"]:
+        assert r["error"] is None and r["hit"] is True and r["s"] > 0, r
+    # every compile this process ran was a hit on what a worker wrote: the same cache key
+    assert sorted(got["events"]) == sorted([n, True] for n in got["names"])
+    assert got["cached"] == [1, 1]
+    assert got["again"] == [] and got["again_seen"] == 2
+    assert got["me"] not in got["pids"] and len(set(got["pids"])) == 2
+
+
+def test_dead_workers_leave_the_compile_to_this_process(tmp_path):
+    got = _run("""
+pool = procs.Pool(1)
+pool.procs[0].kill(); pool.procs[0].wait()
+todo = launches(SPECS[:1])
+with ahead.compiling(procs=pool) as a:
+    for fn, grid, args, consts, w, s in todo:
+        launch.launch(fn, grid, args, consts, w, s, CUDA)
+print(json.dumps(dict(errors=a.errors, remote=a.remote, events=EVENTS, closed=pool.closed,
+                      cached=len(todo[0][0].device_caches[0][0]))))
+""", tmp_path)
+    assert got["errors"] == [] and got["cached"] == 1
+    (r,) = got["remote"]
+    assert r["error"].startswith("compile worker ") and r["hit"] is False
+    assert [e[1] for e in got["events"]] == [False]     # compiled here, in full
+    assert got["closed"] is True
+
+
+BAD_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def needs_positive(x_ptr, N: tl.constexpr):
+    tl.static_assert(N > 0, "N must be positive")
+    tl.store(x_ptr + tl.arange(0, 16), tl.zeros((16,), tl.float32))
+"""
+
+
+def test_a_compile_that_fails_in_a_worker_fails_here_too(tmp_path):
+    """A kernel whose static_assert refuses the constexpr: the worker reports the error; this process' own compile
+    raises it and the dry run counts it as failed (``first_call`` then forgets the chosen configs)."""
+    (tmp_path / "bad_kernels.py").write_text(BAD_KERNEL)
+    got = _run("""
+import bad_kernels
+pool = procs.Pool(1)
+x = torch.zeros(16)
+with ahead.compiling(procs=pool) as a:
+    launch.launch(bad_kernels.needs_positive, (1,), (x,), {"N": -1}, 4, 1, CUDA)
+    launch.launch(bad_kernels.needs_positive, (1,), (x,), {"N": 2}, 4, 1, CUDA)
+pool.close()
+print(json.dumps(dict(errors=a.errors, remote=sorted(a.remote, key=lambda r: r["error"] is None),
+                      cached=len(bad_kernels.needs_positive.device_caches[0][0]))))
+""", tmp_path)
+    assert len(got["errors"]) == 1 and "N must be positive" in got["errors"][0], got
+    bad, good = got["remote"]
+    assert "N must be positive" in bad["error"] and bad["hit"] is False
+    assert good["error"] is None and good["hit"] is True
+    assert got["cached"] == 1      # the good one
+
+
+def test_the_worker_protocol_keeps_replies_clean_of_what_imports_print(tmp_path):
+    """A module the worker imports prints to stdout; the replies still parse, one a request, in order."""
+    (tmp_path / "noisy.py").write_text("print('hello from an import')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    setup = {"packages": [], "modules": ["noisy"]}
+    reqs = [{"module": "noisy", "qualname": "missing", "spec": "{}", "target": ["cuda", 80, 32]},
+            {"module": "no_such_module", "qualname": "k", "spec": "{}", "target": ["cuda", 80, 32]}]
+    text = "".join(json.dumps(x) + "\n" for x in [setup, *reqs])
+    r = subprocess.run([sys.executable, str(ROOT / "kernel" / "compile_worker.py")], input=text,
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    replies = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(replies) == 2
+    assert "AttributeError" in replies[0]["error"] and "ModuleNotFoundError" in replies[1]["error"]
+    assert "hello from an import" in r.stderr and "hello" not in r.stdout
+
+
+def test_worker_count_switch(monkeypatch):
+    from kernel import config, procs
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    with config.override(INT8_FUSED_COMPILE_PROCS="auto"):
+        assert procs.count() == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    with config.override(INT8_FUSED_COMPILE_PROCS="auto"):
+        assert procs.count() == 3
+    with config.override(INT8_FUSED_COMPILE_PROCS="2"):
+        assert procs.count() == 2
+    with config.override(INT8_FUSED_COMPILE_PROCS="0"):
+        assert procs.count() == 0 and procs.pool() is None
+    with config.override(INT8_FUSED_COMPILE_PROCS="lots"):
+        assert procs.count() == 3
+
+
+def test_no_workers_on_the_cpu_or_under_the_interpreter():
+    import torch
+
+    from kernel import ahead, procs
+    ahead.prestart(torch.device("cpu"))
+    ahead.prestart(torch.device("cuda", 0))     # the interpreter runs here: no dry run, so no workers
+    assert procs.pool() is None and procs._POOL[0] is None
