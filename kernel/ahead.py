@@ -54,6 +54,7 @@ class Ahead:
         import concurrent.futures
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="int8-fused-compile")
         self.procs = procs          # a ``kernel.procs.Pool``: compiles run in its worker processes
+        self.t0 = time.perf_counter()
         if async_mode is None:
             from triton.runtime._async_compile import AsyncCompileMode
             async_mode = AsyncCompileMode(self.pool, ignore_errors=True)
@@ -85,14 +86,18 @@ class Ahead:
     def _remote(self, req, jit_fn, args, grid, constexprs, num_warps, num_stages, device):
         """A worker compiles the kernel into Triton's cache; then this process' own compile of it (a cache hit, or
         the whole compile where the worker failed) puts it in the JIT function's in-memory cache."""
+        sent = time.perf_counter() - self.t0
         reply = self.procs.compile(req)
+        got = time.perf_counter() - self.t0
         k = None
         try:
             with _on(device):
                 k = jit_fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)
         finally:
             self.remote.append({"name": req["qualname"], "s": reply.get("s"), "error": reply.get("error"),
-                                "hit": reply.get("hash") is not None and getattr(k, "hash", None) == reply.get("hash")})
+                                "hit": reply.get("hash") is not None and getattr(k, "hash", None) == reply.get("hash"),
+                                # seconds after the dry run's start: sent, the worker's reply, loaded here
+                                "at": [round(sent, 3), round(got, 3), round(time.perf_counter() - self.t0, 3)]})
         return k
 
     def precompile(self, jit_fn, args, grid, constexprs: dict, num_warps: int, num_stages: int, device) -> None:
@@ -158,6 +163,7 @@ def compiling(workers: int = WORKERS, async_mode=None, procs=None):
         with a.mode:
             yield a
     finally:
+        a.body_s = round(time.perf_counter() - a.t0, 3)   # the dry forward itself, before the compiles are waited for
         _ACTIVE[0] = None
         a.finish()
 
@@ -175,8 +181,15 @@ def prestart(device) -> None:
     """Starts the compile worker processes (``kernel.procs``; Apply calls it) where a dry run will use them: a CUDA
     device, compile-ahead on."""
     if enabled(device):
+        import triton
+
         from . import procs
-        procs.pool()
+        try:
+            with _on(device):
+                target = triton.runtime.driver.active.get_current_target()
+        except Exception:  # noqa: BLE001 - the workers start without warming up
+            target = None
+        procs.pool(target=target)
 
 
 def first_call(key, device, fn):
@@ -205,7 +218,8 @@ def first_call(key, device, fn):
         dt = time.perf_counter() - t0
         HISTORY.append({"kernels": len(a.seen), "launches": a.launches, "s": round(dt, 3), "failed": len(a.errors),
                         "jobs": sorted(a.job_s, key=lambda j: -j[1]),
-                        "procs": len(a.procs.procs) if a.procs is not None else 0, "remote": list(a.remote)})
+                        "procs": len(a.procs.procs) if a.procs is not None else 0, "remote": list(a.remote),
+                        "body_s": getattr(a, "body_s", None)})
         log.info("INT8 compile-ahead: %d kernels compiled in parallel (%s) in %.1f s before the first call",
                  len(a.seen), f"{len(a.procs.procs)} processes" if a.procs is not None else
                  f"{a.pool._max_workers} threads", dt)

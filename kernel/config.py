@@ -68,7 +68,7 @@ SWITCHES = {s.name: s for s in (
            "in parallel (`kernel/ahead.py`); `0`: each kernel compiles when the call first reaches it"),
     Switch("INT8_FUSED_COMPILE_PROCS", str, "auto",
            "how many worker processes do the dry run's compiles (`kernel/procs.py`; started when Apply runs, gone "
-           "after 2 idle minutes): `auto`: one per CPU core but one, at most 8; a number; `0`: threads in ComfyUI's "
+           "after 2 idle minutes): `auto`: one per CPU core but one, at most 16; a number; `0`: threads in ComfyUI's "
            "process"),
     Switch("INT8_FUSED_TUNE", str, "background",
            "when the alternatives of a new shape (GEMM tiles, tail splits, int8 vs float, attention backends) are "

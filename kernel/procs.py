@@ -54,7 +54,7 @@ def count() -> int:
 
 
 def count_auto() -> int:
-    return max(0, min(8, (os.cpu_count() or 1) - 1))
+    return max(0, min(16, (os.cpu_count() or 1) - 1))
 
 
 def _packages(module: str) -> list:
@@ -72,7 +72,7 @@ def _packages(module: str) -> list:
 class Pool:
     """``n`` worker processes; ``compile(request)`` from any thread hands it to an idle one and waits."""
 
-    def __init__(self, n: int, env: dict | None = None, cache_dir: str | None = None):
+    def __init__(self, n: int, env: dict | None = None, cache_dir: str | None = None, target=None):
         import queue
         if cache_dir is None:
             import triton
@@ -83,7 +83,8 @@ class Pool:
         kernel_pkg = __name__.rsplit(".", 1)[0]
         mods = sorted(m for m in list(sys.modules) if m.startswith(kernel_pkg + ".") and sys.modules[m] is not None
                       and m.rsplit(".", 1)[-1] not in ("procs", "compile_worker"))
-        setup = json.dumps({"packages": _packages(__name__), "modules": mods}) + "\n"
+        setup = json.dumps({"packages": _packages(__name__), "modules": mods,
+                            "target": [target.backend, target.arch, target.warp_size] if target else None}) + "\n"
         self.idle: queue.Queue = queue.Queue()
         self.procs: list = []
         self.last = time.monotonic()
@@ -149,8 +150,9 @@ def _reaper() -> None:
                 return
 
 
-def pool(start: bool = True) -> Pool | None:
-    """The running pool; started (when ``start`` and the switch asks for workers) if none runs."""
+def pool(start: bool = True, target=None) -> Pool | None:
+    """The running pool; started (when ``start`` and the switch asks for workers) if none runs. ``target``: the
+    GPUTarget the workers warm their compiler up for."""
     with _LOCK:
         p = _POOL[0]
         if p is not None and not p.closed and p.alive():
@@ -160,7 +162,7 @@ def pool(start: bool = True) -> Pool | None:
         if not start or n == 0 or config.get("TRITON_INTERPRET"):
             return None
         try:
-            p = Pool(n)
+            p = Pool(n, target=target)
         except Exception as e:  # noqa: BLE001 - threads do the compiles
             log.warning("INT8 compile-ahead: no compile workers (%s: %s); compiling in threads", type(e).__name__, e)
             return None
