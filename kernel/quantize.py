@@ -90,6 +90,8 @@ def interpreter_compat() -> None:
     patched._int8_fused_compat = True
     interp._patch_lang_tensor = patched
     _reuse_launch_patch(interp)
+    _np_dtype_once(interp)
+    _tuple_type_when_read()
 
 
 class _NoPatch:
@@ -127,6 +129,75 @@ def _reuse_launch_patch(interp) -> None:
     patch_lang._int8_fused_compat = True
     interp._patch_lang = patch_lang
     interp.GridExecutor.__call__ = grid_call
+
+
+def _np_dtype_once(interp) -> None:
+    """The interpreter's ``_get_np_dtype`` builds its 18-entry table of numpy dtypes at every call (each operand
+    of each operation of each program: a tenth of a model test's interpreted time). The same table, built once;
+    the same lookups."""
+    import numpy as np
+    if getattr(interp._get_np_dtype, "_int8_fused_compat", False):
+        return
+    table = {tl.int1: np.dtype(bool), tl.float16: np.dtype(np.float16), tl.float32: np.dtype(np.float32),
+             tl.float64: np.dtype(np.float64), tl.int8: np.dtype(np.int8), tl.uint8: np.dtype(np.uint8),
+             tl.int16: np.dtype(np.int16), tl.uint16: np.dtype(np.uint16), tl.int32: np.dtype(np.int32),
+             tl.uint32: np.dtype(np.uint32), tl.int64: np.dtype(np.int64), tl.uint64: np.dtype(np.uint64),
+             tl.bfloat16: np.dtype(np.uint16), tl.float8e5: np.dtype(np.uint8),
+             tl.float8e5b16: np.dtype(np.uint8), tl.float8e4nv: np.dtype(np.uint8),
+             tl.float8e4b8: np.dtype(np.uint8), tl.float8e4b15: np.dtype(np.uint8)}
+    u64, pointer, block = np.dtype(np.uint64), tl.pointer_type, tl.block_type
+    original = interp._get_np_dtype
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, pointer):
+            return u64
+        if isinstance(tt_dtype, block):
+            element = tt_dtype.element_ty
+            return u64 if isinstance(element, pointer) else table[element]
+        return table[tt_dtype]
+
+    get_np_dtype._int8_fused_compat = True
+    get_np_dtype.original = original
+    interp._get_np_dtype = get_np_dtype
+
+
+class _TupleTypeWhenRead:
+    """``tl.tuple.type`` of a tuple built without one: ``_type_for_tuple_values(values)`` on first read, then kept
+    (a data descriptor: an assigned type is kept as given)."""
+
+    def __init__(self, type_for):
+        self.type_for = type_for
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        d = obj.__dict__
+        if "type" not in d:
+            d["type"] = self.type_for(obj.values)
+        return d["type"]
+
+    def __set__(self, obj, value):
+        obj.__dict__["type"] = value
+
+
+def _tuple_type_when_read() -> None:
+    """Every interpreted tensor wraps its shape in a ``tl.tuple``, whose type (a ``tuple_type`` that names each
+    element's type in a string) Triton 3.6 builds at once and the interpreter almost never reads: a sixth of a
+    model test's interpreted time. Built when first read instead, by the same function from the same values."""
+    from triton.language import core
+    if isinstance(core.tuple.__dict__.get("type"), _TupleTypeWhenRead):
+        return
+    original = core.tuple.__init__
+
+    def tuple_init(self, args, type=None):
+        if type is None:
+            self.values = [i for i in args]   # the type: _TupleTypeWhenRead
+        else:
+            original(self, args, type)
+
+    tuple_init.original = original
+    core.tuple.type = _TupleTypeWhenRead(core._type_for_tuple_values)
+    core.tuple.__init__ = tuple_init
 
 
 if INTERPRET:

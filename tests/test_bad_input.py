@@ -140,9 +140,10 @@ def _probe(env: dict) -> tuple[dict, list]:
 def test_str_switches_declare_their_values():
     from kernel import config
     assert {n for n, s in config.SWITCHES.items() if s.choices} == set(STR_SWITCHES)
-    # the free-form ones: a path, and backend names (checked by the nodes, which know the registry)
+    # the free-form ones: a path, backend names (checked by the nodes, which know the registry), and a count
+    # (`auto` or a number: kernel.procs.count warns about anything else and takes `auto`, test_compile_procs.py)
     assert {n for n, s in config.SWITCHES.items() if s.type is str and not s.choices} == {
-        "INT8_FUSED_BACKEND", "INT8_FUSED_CACHE_DIR"}
+        "INT8_FUSED_BACKEND", "INT8_FUSED_CACHE_DIR", "INT8_FUSED_COMPILE_PROCS"}
     table = config.markdown_table()
     row = next(ln for ln in table.splitlines() if ln.startswith("| `INT8_FUSED_PAD_ELISION` |"))
     assert "Values: `auto`, `0`, `1`" in row
