@@ -17,11 +17,12 @@ weights; ``comfy.model_prefetch.cleanup_prefetched_modules`` releases them once 
 
 DynamicVRAM (``ModelPatcherDynamic.load``) also force-loads some tensors and records their originals in
 ``patcher.backup`` / ``backup_buffers`` (shared by every clone), keyed by their path in the tree *as patched*: every
-parameter of a cast layer other than weight and bias (an ``Int8Linear``'s ``weight_scale`` and ``smooth``), the
-weight and bias of cast layers of 16 KiB or less, every parameter of other layers, every buffer. Its
-``unpatch_model`` undoes the object patches first and gives those originals back afterwards, through the unpatched
-tree: a key under a fused module that the float model lacks (``feed_forward.w13``) raises AttributeError, and one
-that exists there (``attention.qkv.weight_scale``) adds the INT8 layer's tensor to ComfyUI's float Linear.
+parameter of a cast layer other than weight and bias, the weight and bias of cast layers of 16 KiB or less, every
+parameter of other layers (the norms a fused block holds), every buffer. (An ``Int8Linear``'s ``weight_scale`` and
+``smooth`` are not Parameters, so they are neither backed up nor copied at each sample: ``quant.linear``'s module
+doc.) Its ``unpatch_model`` undoes the object patches first and gives those originals back afterwards, through the
+unpatched tree: a key under a fused module that the float model lacks (``feed_forward.w13``) raises AttributeError,
+and one that exists there (``attention.qkv``) adds the INT8 module's tensor to ComfyUI's float one.
 :func:`restore_patched_backups`, the eject step of :func:`injection` (which the Apply node and the Ideogram 4 loader
 put on their MODEL), gives those back while the object patches are still applied: ComfyUI ejects a patcher before it
 undoes its object patches (``unpatch_model``, ``detach``, ``partially_load``, and when a clone of it is loaded).

@@ -7,17 +7,21 @@ quantizes the activation per token (dividing by ``smooth`` first) and runs the s
     y = (Q(x / s) @ Q(W * s).T) * a_scale[m] * w_scale[n] + bias        [..., K] -> [..., N]
 
 How it lives in ComfyUI's memory manager (comfy/model_patcher.py of 0.33.0 and 0.3.75):
-* Every tensor is a Parameter (no grad): ``weight`` is the int8 tensor itself (``qweight`` is an alias),
-  so ComfyUI counts, moves, pins and offloads it like any weight. The module carries
+* ``weight`` and ``bias`` are Parameters (no grad): ``weight`` is the int8 tensor itself (``qweight`` is an
+  alias), so ComfyUI counts, moves, pins and offloads it like any weight. The module carries
   ``comfy_cast_weights`` like ``comfy.ops`` layers: when ComfyUI sets it (DynamicVRAM always does, the
   legacy patcher on a partial load), the forward fetches weight and bias through ComfyUI's own
   ``cast_bias_weight`` (installed by the nodes package with :func:`set_comfy_cast`): under
   ``ModelPatcherDynamic`` they are faulted once into its VRAM "vbar" and stay resident across steps until
   ComfyUI evicts them; under the legacy patcher they stream from pinned memory on ComfyUI's offload
   stream. No per-call pageable copy.
-* The small vectors (``weight_scale``, ``smooth``; 4 bytes per channel, ~0.1 % of the weight) are moved
-  by ComfyUI with the model; when it has left them on the CPU (a partial load, or after an eviction) the
-  layer keeps one device copy of each (:meth:`vector_on`), made once, not per call.
+* The small vectors (``weight_scale``, ``smooth``; 4 bytes per channel, ~0.1 % of the weight) are plain tensor
+  attributes, not Parameters: DynamicVRAM's load copies every Parameter of a managed layer other than weight and
+  bias to the GPU again at every sample (``ModelPatcherDynamic.load``: ``force_load_param``, a device allocation
+  and a copy each), which made them the largest item of the pack's per-sample tax (issue 49). They are kept in
+  pinned memory where they live on the CPU, and the layer keeps one device copy of each (:meth:`vector_on`), made
+  once, not per call or per sample. They still are state-dict entries (``state_dict``, ``load_state_dict``,
+  ComfyUI's ``module_size``) and move with ``.to()`` like the Parameters.
 * ``weight`` is int8: ComfyUI never casts it (the fetch asks for int8). A LoRA added after quantization runs
   as a low-rank side branch (``quant.lora``, :meth:`set_lora`; the Apply node takes its patches away from
   ComfyUI at each run start); weight patches that still reach the layer (:meth:`set_weight`, weight-function
@@ -69,10 +73,8 @@ def block_fetch() -> Callable | None:
 
 
 _TENSORS = ("weight", "weight_scale", "bias", "smooth")
-# ComfyUI copies a managed layer's parameters other than weight and bias to the GPU at every sample's load
-# (ModelPatcherDynamic.load: force_load_param): from pinned memory that is an asynchronous copy, from pageable memory
-# a staged one that costs the sample's host time (issue 49: the per-sample tax). So on a machine with CUDA the small
-# vectors are kept in pinned memory where they live on the CPU (``_pin``; 4 bytes a channel).
+# The small vectors: plain attributes, not Parameters (module doc), in pinned memory where they live on the CPU and
+# CUDA is present (``_pin``), so that their device copy (``vector_on``) is an asynchronous copy.
 _SMALL = ("weight_scale", "smooth")
 _PIN_OK: list = []
 
@@ -147,17 +149,17 @@ class Int8Linear(nn.Module):
         self.bias_function: list = []
 
     def __setattr__(self, name, value):
-        # The four tensors are always no-grad Parameters (ComfyUI assigns Parameters too).
+        # weight and bias are always no-grad Parameters (ComfyUI assigns Parameters too); the small vectors are
+        # plain tensors (module doc), pinned where they live on the CPU.
         if name in _TENSORS:
             d = self.__dict__.get("derived")
             if d is not None:
                 d.hot.clear()  # the hot path holds the old tensors: let them go
-            if name in _SMALL and isinstance(value, torch.Tensor):
-                data = value.data if isinstance(value, nn.Parameter) else value
-                pinned = _pin(data)
-                if pinned is not data:  # a Parameter already in pinned (or device) memory is kept as given
-                    value = pinned
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            if name in _SMALL:
+                self._parameters.pop(name, None)  # a layer pickled when they were Parameters
+                if isinstance(value, torch.Tensor):
+                    value = _pin(value.detach())
+            elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=False)
         super().__setattr__(name, value)
 
@@ -165,6 +167,9 @@ class Int8Linear(nn.Module):
         super().__setstate__(state)
         if "derived" not in self.__dict__:  # pickled before ``derived`` existed
             self.derived = Derived()
+        for name in _SMALL:  # pickled when the small vectors were Parameters
+            if name in self._parameters:
+                setattr(self, name, self._parameters[name])
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -237,13 +242,48 @@ class Int8Linear(nn.Module):
 
     def _apply(self, fn, *args, **kw):
         self.clear_derived()  # tensors change device or dtype in place: drop what was derived from them
-        return super()._apply(fn, *args, **kw)
+        out = super()._apply(fn, *args, **kw)
+        for name in _SMALL:  # the small vectors go where the Parameters go (``.to()``, ``.cuda()``, a cast)
+            t = self.__dict__.get(name)
+            if t is not None:
+                setattr(self, name, fn(t))
+        return out
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kw):
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in _SMALL:
+            t = self.__dict__.get(name)
+            if t is not None:
+                destination[prefix + name] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         self.clear_derived()
         if prefix + "qweight" in state_dict and prefix + "weight" not in state_dict:  # pre-0.2 name
             state_dict[prefix + "weight"] = state_dict.pop(prefix + "qweight")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kw)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        # the small vectors as nn.Module loads a Parameter: copied in place, or taken as they are with assign=True
+        for name in _SMALL:
+            key, cur = prefix + name, self.__dict__.get(name)
+            if cur is None:  # a layer without smoothing: a stored smooth stays an unexpected key
+                continue
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+                continue
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            v = state_dict[key]
+            if not isinstance(v, torch.Tensor) or v.shape != cur.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(getattr(v, 'shape', ()))} from checkpoint, the shape in current model is "
+                                  f"{tuple(cur.shape)}.")
+            elif local_metadata.get("assign_to_params_buffers", False):
+                setattr(self, name, v.detach().to(cur.dtype))
+            else:
+                with torch.no_grad():
+                    cur.copy_(v)
 
     def set_weight(self, value: torch.Tensor, inplace_update: bool = False, seed=None, return_weight: bool = False):
         """ComfyUI writes a weight through ``set_<param>`` (``ModelPatcher.patch_weight_to_device``). An
@@ -334,9 +374,8 @@ class Int8Linear(nn.Module):
         weight patches target the layer. Reads ``__dict__`` / ``_parameters`` directly: nn.Module's
         ``__getattr__`` costs about half a microsecond a lookup, and this runs on every call."""
         self._refuse_patches()
-        p = self._parameters
-        for name in _TENSORS:
-            t = p.get(name)
+        p, d = self._parameters, self.__dict__
+        for t in (p.get("weight"), p.get("bias"), d.get("weight_scale"), d.get("smooth")):
             if t is not None and t.device != device:
                 return False
         return True
@@ -392,10 +431,10 @@ class Int8Linear(nn.Module):
         """The W8A8 kernels on x with the layer's own tensors, through its prepared launches, for a caller that has
         found them on x's device (:meth:`operands` yielded the layer itself): :meth:`int8_call`, and the INT8 side of
         per-shape dispatch (``backends.Backend.dispatch_int8``; ``_Operands.run_int8`` is a fetched layer's). Reads
-        ``_parameters`` directly: nn.Module's ``__getattr__`` costs about half a microsecond a lookup."""
-        p = self._parameters  # a None bias / smooth may live in __dict__: .get
-        return self._int8_run(x, p["weight"], p["weight_scale"], p.get("bias"),
-                              None if p.get("smooth") is None else self.inv_smooth)
+        ``_parameters`` / ``__dict__`` directly: nn.Module's ``__getattr__`` costs about half a microsecond a lookup."""
+        p, d = self._parameters, self.__dict__  # a None bias may live in __dict__: .get
+        return self._int8_run(x, p["weight"], d["weight_scale"], p.get("bias"),
+                              None if d["smooth"] is None else self.inv_smooth)
 
     def gemm_call(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``kernel.int8_gemm`` of an already-quantized input (int8 [M, K], fp32 [M]) with this layer's weight ->
@@ -403,7 +442,7 @@ class Int8Linear(nn.Module):
         (``quant.blocks.gemm`` adds them from the int8 input; a module call adds them from its float input)."""
         if self._resident(a_q.device):
             p = self._parameters
-            return self._planned(("gemm", a_q.shape, dtype), (a_q, a_s, p["weight"], p["weight_scale"],
+            return self._planned(("gemm", a_q.shape, dtype), (a_q, a_s, p["weight"], self.__dict__["weight_scale"],
                                                               p.get("bias")), dtype)
         t, release = self._fetch(a_q.device)
         try:
@@ -451,9 +490,9 @@ class Int8Linear(nn.Module):
                     self._refuse_patches()
                     if e[2] is None:  # int8
                         self.derived.calls["int8"] += 1
-                        p = self._parameters
-                        return self._int8_run(x, src, p["weight_scale"], p.get("bias"),
-                                              None if p.get("smooth") is None else self.inv_smooth)
+                        p, d = self._parameters, self.__dict__
+                        return self._int8_run(x, src, d["weight_scale"], p.get("bias"),
+                                              None if d["smooth"] is None else self.inv_smooth)
                     self.derived.calls["float"] += 1
                     return F.linear(x, e[2], e[3])
         return self._forward(x)

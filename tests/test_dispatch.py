@@ -601,7 +601,7 @@ def test_small_vectors_are_pinned_where_cuda_is(monkeypatch):
     layer = L.Int8Linear.from_quantized(w, s, torch.zeros(8), sm)
     assert [tuple(t.shape) for t in pinned] == [(8,), (16,)]  # weight_scale, then smooth: nothing else
     assert torch.equal(layer.weight_scale, s) and torch.equal(layer.smooth, sm)
-    assert isinstance(layer.weight_scale, torch.nn.Parameter) and layer.weight_scale.data_ptr() != s.data_ptr()
+    assert not isinstance(layer.weight_scale, torch.nn.Parameter) and layer.weight_scale.data_ptr() != s.data_ptr()
     assert layer.weight.data_ptr() == w.data_ptr()  # the int8 weight as given (no copy)
 
 

@@ -157,12 +157,40 @@ def test_bad_inputs_name_the_layer():
 
 def test_comfy_memory_manager_contract_attributes():
     """ComfyUI's ModelPatcher counts, moves and pins Parameters, and hands ``comfy_cast_weights`` modules
-    their weights through cast_bias_weight: every tensor is a no-grad Parameter, nothing is a buffer."""
+    their weights through cast_bias_weight: weight and bias are no-grad Parameters, nothing is a buffer. The small
+    vectors are not Parameters (DynamicVRAM would copy them to the GPU at every sample) but are state-dict entries
+    (ComfyUI's module_size counts them, Save writes them) and load back, copied in place or assigned."""
     layer = Int8Linear.from_float(torch.randn(32, 48), torch.randn(32), smooth=torch.ones(48) * 2)
     assert hasattr(layer, "comfy_cast_weights") and layer.weight_function == [] and layer.bias_function == []
     params = dict(layer.named_parameters())
-    assert set(params) == {"weight", "weight_scale", "bias", "smooth"}
+    assert set(params) == {"weight", "bias"}
     assert not any(p.requires_grad for p in params.values()) and list(layer.buffers()) == []
+    assert not isinstance(layer.weight_scale, torch.nn.Parameter) and not layer.weight_scale.requires_grad
+    sd = layer.state_dict()
+    assert set(sd) == {"weight", "weight_scale", "bias", "smooth"}
+    assert layer.nbytes() == 32 * 48 + 4 * (32 + 32 + 48)
+    other = Int8Linear.from_float(torch.randn(32, 48), torch.randn(32), smooth=torch.ones(48))
+    scale_before = other.weight_scale
+    other.load_state_dict(sd)  # copied in place, as nn.Module loads a Parameter
+    assert other.weight_scale is scale_before and torch.equal(other.weight_scale, layer.weight_scale)
+    assert torch.equal(other.smooth, layer.smooth) and torch.equal(other.weight, layer.weight)
+    third = Int8Linear.from_float(torch.randn(32, 48), torch.randn(32), smooth=torch.ones(48))
+    third.load_state_dict(sd, assign=True)
+    assert third.weight_scale.data_ptr() == sd["weight_scale"].data_ptr()  # taken as it is (no CUDA: no pinning)
+    bad = {**sd, "weight_scale": torch.ones(31)}
+    with pytest.raises(RuntimeError, match="size mismatch for weight_scale"):
+        other.load_state_dict(bad)
+    missing = {k: v for k, v in sd.items() if k != "smooth"}
+    with pytest.raises(RuntimeError, match='Missing key.*"smooth"'):
+        other.load_state_dict(missing)
+    assert other.load_state_dict(missing, strict=False).missing_keys == ["smooth"]
+    plain = Int8Linear.from_float(torch.randn(32, 48), torch.randn(32))  # no smoothing: a stored one is unexpected
+    with pytest.raises(RuntimeError, match='Unexpected key.*"smooth"'):
+        plain.load_state_dict(sd)
+    # .to() / a cast moves them with the Parameters
+    half = Int8Linear.from_float(torch.randn(32, 48), torch.randn(32), smooth=torch.ones(48)).to(torch.float64)
+    assert half.weight_scale.dtype == torch.float64 and half.smooth.dtype == torch.float64
+    assert half.weight.dtype == torch.int8
 
 
 def test_managed_layer_fetches_through_the_installed_cast_once_per_call():
