@@ -306,3 +306,28 @@ def test_apply_counts_only_the_lora_patches_comfy_merged(pack, tiny_model, caplo
         qw, ws = quantize(w)
         layer = q.object_patches[PREFIX + name]
         assert torch.equal(layer.weight, qw) and torch.equal(layer.weight_scale, ws), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_branch_from_int8_codes_rounds_once_per_step(pack, dtype):
+    """``Branches.add_quantized`` (a fused block's LoRA branch, from the int8 input codes): the bits of its documented
+    steps spelled out here, h = a_q D^T in the output dtype, h * a_s in fp32 rounded once, y + h U^T in one addmm;
+    and within the output dtype's rounding of the float64 low-rank term."""
+    lora = pack.quant.lora
+    g = torch.Generator().manual_seed(3)
+    m, n, k, r = 37, 24, 64, 8
+    down, up = torch.randn(r, k, generator=g) / 8, torch.randn(n, r, generator=g) / 8
+    br = lora.Branches([lora.Term(down, up, 0.75)], [], n, k)
+    a_q = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    a_s = torch.rand(m, generator=g) / 64 + 1e-3
+    y = torch.randn(m, n, generator=g).to(dtype)
+    out = br.add_quantized(a_q, a_s, y)
+    d, u = down.to(dtype), (up.to(dtype) * 0.75)
+    h = a_q.to(dtype) @ d.t()
+    h = (h.float() * a_s[:, None]).to(dtype)
+    assert torch.equal(out, torch.addmm(y, h, u.t()))
+    ref = y.double() + 0.75 * ((a_q.double() * a_s.double()[:, None]) @ down.double().t()) @ up.double().t()
+    mag = y.double().abs() + 0.75 * ((a_q.double().abs() * a_s.double()[:, None]) @ down.double().abs().t()) \
+        @ up.double().abs().t()
+    eps = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    assert ((out.double() - ref).abs() <= (k + r + 4) * eps * mag).all()
