@@ -6,6 +6,7 @@ runs are in tests/test_bench_e2e.py); on a GPU the lead runs the mode."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,7 +116,8 @@ def test_no_gpu_refusal_builds_nothing(comfy_current, tmp_path, how):
         cmd, want = ["bash", str(ROOT / "scripts" / "demo.sh"), *args], comfy_current
     elif how == "runtime":  # no ComfyUI named: demo.sh builds (here: reuses) the runtime and takes its 0.33.0
         rt = Path(os.environ.get("INT8_RUNTIME_DIR") or ROOT / ".runtime")
-        if not (rt / ".current-ready-v4").exists() or rt / "ComfyUI-current" != comfy_current:
+        recipe = re.search(r"^RECIPE=(\d+)$", (ROOT / "scripts" / "setup_runtime.sh").read_text(), re.M).group(1)
+        if not (rt / f".current-ready-v{recipe}").exists() or rt / "ComfyUI-current" != comfy_current:
             pytest.skip("the demo's runtime with ComfyUI 0.33.0 is not built here")
         cmd, want = ["bash", str(ROOT / "scripts" / "demo.sh"), *args], rt / "ComfyUI-current"
     elif how == "custom_nodes":  # a clone in ComfyUI/custom_nodes, called from there, no COMFYUI_CURRENT
