@@ -310,7 +310,11 @@ class ApplyFusedInt8GEMM:
     DESCRIPTION = ("Quantizes the selected linear layers of a diffusion model to INT8 (W8A8: int8 weights "
                    "per output channel, activations per token) once, and runs them on the chosen backend. "
                    "Returns a patched copy; the input MODEL is unchanged. LoRA loaders before this node are merged "
-                   "(exact); LoRA loaders after it run as low-rank side branches on the INT8 layers.")
+                   "(exact); LoRA loaders after it run as low-rank side branches on the INT8 layers. Host RAM: "
+                   "ComfyUI keeps the loader's float model cached beside the INT8 copy (about the float model's "
+                   "size more than loading an INT8 file); for less RAM, save the result once with 'Save INT8 "
+                   "Model' (format comfy_int8_tensorwise) and load that file with 'Load Diffusion Model' before "
+                   "this node: its INT8 layers are taken as stored, no float copy is read.")
     CATEGORY = CATEGORY
     FUNCTION = "apply"
     RETURN_TYPES = ("MODEL",)

@@ -53,6 +53,10 @@ def _attn_default(r: dict) -> bool:
 
 @pytest.mark.parametrize("arch", sorted(ct.TARGETS))
 def test_every_kernel_compiles_for_target(arch):
+    """Every kernel for sm_``arch``: compiled, within shared memory, no spills, every candidate tile; then the
+    attention's untuned default tile (:func:`_check_attention_default_tile`). One test per target on one compile:
+    pytest-xdist gives two tests of a target to two workers, which compiled the same table twice (tests/conftest.py
+    ``_one_at_a_time``: its groups do not work with this pytest)."""
     res = _table(arch)
     t = res["targets"][f"sm_{arch}"]
     cap = ct.TARGETS[arch]
@@ -85,13 +89,12 @@ def test_every_kernel_compiles_for_target(arch):
         assert s8 and all(r["s8_rewrite"] for r in s8), [r.get("s8_error") for r in s8]
     else:
         assert not s8
+    _check_attention_default_tile(res, arch)
 
 
-@pytest.mark.parametrize("arch", sorted(ct.TARGETS))
-def test_attention_default_tile_fits(arch):
+def _check_attention_default_tile(res: dict, arch: int) -> None:
     """``attention8.default_config`` at the target's limit (what ``attention_int8`` runs untuned: ``tune=False``,
     under torch.compile) compiles within the target's shared memory, without spills, for every head dim."""
-    res = _table(arch)
     rows = [r for r in res["targets"][f"sm_{arch}"]["kernels"] if _attn_default(r)]
     assert len(rows) == len(ct.ATTN_HEAD_DIMS), [r["label"] for r in rows]
     limit = autotune.SMEM_OPTIN[ct.TARGETS[arch]]
