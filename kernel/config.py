@@ -66,10 +66,11 @@ SWITCHES = {s.name: s for s in (
     Switch("INT8_FUSED_COMPILE_AHEAD", bool, True,
            "a model call's first run with new input shapes is preceded by a dry run that compiles its INT8 kernels "
            "in parallel (`kernel/ahead.py`); `0`: each kernel compiles when the call first reaches it"),
-    Switch("INT8_FUSED_COMPILE_PROCS", str, "auto",
+    Switch("INT8_FUSED_COMPILE_PROCS", str, "0",
            "how many worker processes do the dry run's compiles (`kernel/procs.py`; started when Apply runs, gone "
-           "after 2 idle minutes): `auto`: one per CPU core but one, at most 16; a number; `0`: threads in ComfyUI's "
-           "process"),
+           "after 2 idle minutes): `0` (default): threads in ComfyUI's process; `auto`: one per CPU core but one, "
+           "at most 16; a number. Each worker holds about 155 MiB of private RAM; on an H100 machine 8 workers did "
+           "not make the first sample shorter than the threads (bench/RESULTS.md)"),
     Switch("INT8_FUSED_TUNE", str, "background",
            "when the alternatives of a new shape (GEMM tiles, tail splits, int8 vs float, attention backends) are "
            "timed: `background` runs it on a predicted config at once and times the rest between samples; "

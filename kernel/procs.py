@@ -49,8 +49,9 @@ def count() -> int:
     except ValueError:
         if not _BAD[0]:
             _BAD[0] = True
-            log.warning("INT8_FUSED_COMPILE_PROCS=%r is neither `auto` nor a number: `auto` used", v)
-        return count_auto()
+            log.warning("INT8_FUSED_COMPILE_PROCS=%r is neither `auto` nor a number: 0 used (the default: the "
+                        "compiles run in threads)", v)
+        return 0
 
 
 def count_auto() -> int:
