@@ -7,8 +7,9 @@ buffers the pack's GEMM keeps across calls (bench/RESULTS.md). So:
 
 * the node after Apply: the sampling run stops at its start with ``CUDAGRAPHS_REFUSED`` (nothing is sampled);
 * the node before Apply: Apply raises the same message;
-* Apply's ``bf16`` control (no INT8 layers) under the node is not refused, and neither is backend ``inductor`` after
-  Apply (tests/test_torch_compile_current.py samples it).
+* Apply's ``bf16`` control (no INT8 layers) under the node is not refused. Backend ``inductor`` after Apply is not
+  refused either: tests/test_torch_compile_current.py samples it (a refusal there fails that test), so it is not
+  compiled again here.
 
 Run: bash scripts/test.sh tests/test_torch_compile_cudagraphs_current.py
 """
@@ -23,7 +24,6 @@ def test_cudagraphs_backend_is_refused_with_what_to_do(comfy_current):
     assert res["before_apply"] == "RuntimeError: Apply Fused INT8 GEMM: " + msg, res
     assert res["steps_run_after_apply"] == 0, res
     assert res["bf16_control"] == "applied", res
-    assert res["inductor_after_apply"] == "sampled", res
 
 
 def body(pack, models) -> dict:
@@ -74,6 +74,4 @@ def body(pack, models) -> dict:
     out["steps_run_after_apply"] = len(steps)
     out["before_apply"] = outcome(lambda: apply(compile_node(mp, "cudagraphs"), "torch_int_mm", attention="math"))
     out["bf16_control"] = outcome(lambda: apply(compile_node(mp, "cudagraphs"), "bf16", attention="math")) or "applied"
-    torch._dynamo.reset()
-    out["inductor_after_apply"] = outcome(lambda: sample(compile_node(applied, "inductor"))) or "sampled"
     return out
