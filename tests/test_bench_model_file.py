@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bench.lib import model_file
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.lib import model_file  # noqa: E402
 
 
 def _tensors(seed=0):
