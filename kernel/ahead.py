@@ -180,10 +180,9 @@ def enabled(device) -> bool:
 def prestart(device) -> None:
     """Starts the compile worker processes (``kernel.procs``; Apply calls it) where a dry run will use them: a CUDA
     device, compile-ahead on."""
-    if enabled(device):
+    from . import procs
+    if enabled(device) and procs.count() > 0:   # no driver query where no worker will start (the default)
         import triton
-
-        from . import procs
         try:
             with _on(device):
                 target = triton.runtime.driver.active.get_current_target()

@@ -304,8 +304,8 @@ class Int8Linear(nn.Module):
         return w if self.smooth is None else w * self.inv_smooth[None, :]
 
     def vector_on(self, key: str, device: torch.device) -> torch.Tensor | None:
-        """A small fp32 vector (weight_scale, inv_smooth) on ``device``: the tensor itself when ComfyUI
-        put it there, else one cached copy, remade only when ComfyUI swaps the source tensor."""
+        """A small fp32 vector (weight_scale, inv_smooth) on ``device``: the tensor itself when it is there (the
+        layer was moved with ``.to()``), else one cached copy, remade only when the source tensor is swapped."""
         src = self.inv_smooth if key == "inv_smooth" else getattr(self, key)
         if src is None or src.device == device:
             return src
