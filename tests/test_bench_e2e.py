@@ -223,6 +223,27 @@ def test_child_rows_are_tagged(tmp_path):
     assert r["cold"] and r["isolated"] and r["vram_gib"] == 16.0 and r["held_gib"] == 120.0
 
 
+def test_cold_child_caches_kept_where_asked(tmp_path, monkeypatch):
+    """With ``BENCH_KEEP_CACHES`` set, the JSON files a cold child wrote into its INT8_FUSED_CACHE_DIR are copied
+    to ``<folder>/<unit>/`` (byte for byte) before its folders are removed; without it nothing is kept."""
+    script = tmp_path / "child.py"
+    script.write_text("import json, os, sys\n"
+                      "d = os.environ['INT8_FUSED_CACHE_DIR']; os.makedirs(d, exist_ok=True)\n"
+                      "open(os.path.join(d, 'gemm-g.json'), 'w').write('{\"k\": [1, 2]}')\n"
+                      "open(os.path.join(d, 'lock'), 'w').write('')\n"
+                      "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                      "json.dump({'rows': [{'model': 'm', 'path': 'bf16', 'status': 'ok'}]}, open(out, 'w'))\n")
+    unit = {"models": "zimage", "paths": "pack:fused_triton"}
+    (r,) = e2e_runs.run_child(script, [], unit, cold=True, gib=None, held={}, cpu=True, timeout=60)[0]
+    assert "kept_caches" not in r and not (tmp_path / "kept").exists()
+    monkeypatch.setenv(e2e_runs.KEEP_ENV, str(tmp_path / "kept"))
+    (r,) = e2e_runs.run_child(script, [], unit, cold=True, gib=None, held={}, cpu=True, timeout=60)[0]
+    kept = tmp_path / "kept" / "zimage-pack_fused_triton"
+    assert r["kept_caches"] == str(kept) and sorted(p.name for p in kept.iterdir()) == ["gemm-g.json"]
+    assert json.loads((kept / "gemm-g.json").read_text()) == {"k": [1, 2]}
+    assert not Path(r["int8_fused_cache_dir"]).parent.exists()
+
+
 def test_second_process_reuses_the_first_caches(tmp_path):
     """``run_child(..., cold=True, second=True)``: the second child gets the first's cache folders (with what it
     left there) and ``--second-process``; its first sample is folded into the first's row; the folders go after."""

@@ -339,6 +339,24 @@ def fold_second(rows: list[dict], rows2: list[dict], meta2: dict, wall2: float) 
                  second_process=info)
 
 
+KEEP_ENV = "BENCH_KEEP_CACHES"   # a folder: each cold child's INT8_FUSED_CACHE_DIR files are copied there
+
+
+def keep_caches(src: Path, dest: Path, unit: dict) -> str | None:
+    """Copies the JSON files a cold child left in its ``INT8_FUSED_CACHE_DIR`` (``src``: tile picks, dispatch
+    decisions, attention backends, after its background timing settled) into ``dest/<unit>/`` before the folder is
+    removed: the seeds of a shipped table (bench/checks/tuned_tables.py). Returns that folder, or None where the child
+    left no file."""
+    files = sorted(src.glob("*.json")) if src.is_dir() else []
+    if not files:
+        return None
+    sub = dest / "-".join(str(v).replace(":", "_").replace(",", "+") for v in unit.values())
+    sub.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy2(f, sub / f.name)
+    return str(sub)
+
+
 def run_child(script: Path, base: list[str], unit: dict, cold: bool, gib, held: dict, cpu: bool,
               timeout: float, second: bool = False) -> tuple[list[dict], dict]:
     """One child run of ``script`` for ``unit``: (its rows, tagged; its document's top-level fields). With ``cold``
@@ -377,6 +395,8 @@ def run_child(script: Path, base: list[str], unit: dict, cold: bool, gib, held: 
             rows2, meta2 = _child_rows(out2, unit, rc2, timed_out2, text2)
             fold_second(rows, rows2, meta2, wall2)
     finally:
+        if cold and os.environ.get(KEEP_ENV):
+            tag["kept_caches"] = keep_caches(tmp / "int8_fused_cache_dir", Path(os.environ[KEEP_ENV]), unit)
         shutil.rmtree(tmp, ignore_errors=True)
     if meta.get("caches"):
         tag["child_caches"] = meta["caches"]
