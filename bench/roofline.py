@@ -87,6 +87,11 @@ EFF = {
     # off Hopper: FlashAttention-2 forward reaches ~0.6 of peak on A100 (FlashAttention-2 paper, well-known);
     # assumed for every path there (cuDNN's SDPA is not assumed off sm_90)
     "attn_other": 0.60,
+    # SageAttention (the 1.x Triton kernels, what PyPI has; INT8 Q·Kᵀ, fp16 P·V with fp16 accumulation) over
+    # FlashAttention-2 on an RTX 4090 at head_dim 64/128: "about 2.1x" (SageAttention paper, ICLR 2025; well-known,
+    # not re-read). Carried to the RTX 3090 and 5090 because on all three GeForce generations both of its inputs'
+    # rates (INT8, fp16 with fp16 accumulation) are twice the fp32-accumulate bf16 rate that FlashAttention-2 runs at
+    "attn_sage_x": 2.1,
     # row kernels / elementwise passes: 40-65 % of HBM in the Ideogram 4 step (RESULTS.md row kernels)
     "row": 0.50,
     # weight streaming (M 1 linears): HBM reads 3.95 of 4.8 TB/s (RESULTS.md hardware limits)
@@ -154,9 +159,18 @@ def weight_bytes(model: dict, path: str) -> float:
     return model["quant_params"] * per + (model["params"] - model["quant_params"]) * 2
 
 
+SAGE_HEAD_DIMS = (64, 96, 128)   # what SageAttention 1.x runs; ComfyUI falls back to SDPA for others (head_dim 256)
+GEFORCE = ("RTX 3090", "RTX 4090", "RTX 5090")   # the sage table's cards (issue 50)
+
+
 def attention_eff(card: dict, backend: str, head_dim: int = 256, fit: dict | None = None) -> float:
-    """Achieved fraction of the bf16 peak: off Hopper ``attn_other``; on sm_90 the kernel-measured figure at head_dim
-    256 (Ideogram 4's shape) and the fitted ``a_cudnn128`` / ``a_flash128`` below it."""
+    """Achieved fraction of the bf16 peak: off Hopper ``attn_other``, ``sage`` (GeForce only) that times
+    ``attn_sage_x`` where SageAttention runs the head size; on sm_90 the kernel-measured figure at head_dim 256
+    (Ideogram 4's shape) and the fitted ``a_cudnn128`` / ``a_flash128`` below it."""
+    if backend == "sage":
+        if card["int8"] < 3.9 * card["bf16"]:   # GeForce: fp32-accumulate bf16 at a quarter of the INT8 rate
+            raise ValueError("the sage rate is predicted for GeForce cards only (attn_sage_x is an RTX figure)")
+        return EFF["attn_other"] * (EFF["attn_sage_x"] if head_dim in SAGE_HEAD_DIMS else 1.0)
     if card["arch"] != "sm_90":
         return EFF["attn_other"]
     if head_dim < 256:
@@ -168,7 +182,7 @@ def attention_eff(card: dict, backend: str, head_dim: int = 256, fit: dict | Non
 def predict(card: dict, model: dict, path: str, fit: dict, attention: str | None = None, eff: dict | None = None) \
         -> dict:
     """Seconds per step and its parts for one (card, model, path). ``attention``: 'cudnn' | 'comfy' (the SDPA
-    ComfyUI picks; flash on the H200); default: the pack 'cudnn', the others 'comfy'."""
+    ComfyUI picks; flash on the H200) | 'sage' (GeForce cards); default: the pack 'cudnn', the others 'comfy'."""
     e = dict(EFF, **(eff or {}))
     bw = card["bw"] * 1e9
     has_fp8 = card["fp8"] is not None
@@ -295,6 +309,30 @@ def table(fitv: dict) -> tuple[list[dict], str]:
     return rows, "\n".join(lines)
 
 
+def sage_table(fitv: dict) -> tuple[list[dict], str]:
+    """Issue 50's SageAttention prediction on the GeForce cards: bf16 with SDPA (FlashAttention-2 rate), bf16 with
+    ``--use-sage-attention``, and the pack with SageAttention (what Apply's ``auto`` keeps there when ComfyUI was
+    started with it: no exact backend is predicted faster; its ``sage`` choice runs the same)."""
+    rows, lines = [], ["| card | model | bf16 (SDPA) s/step | bf16 + sage | pack + sage | pack + sage × bf16 | "
+                       "pack + sage × bf16 + sage | sage runs the heads? |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for cname in GEFORCE:
+        card = CARDS[cname]
+        for mname, model in MODELS.items():
+            b = predict(card, model, "bf16", fitv)
+            bs = predict(card, model, "bf16", fitv, attention="sage")
+            ps = predict(card, model, "pack", fitv, attention="sage")
+            runs = all(d in SAGE_HEAD_DIMS for _, _, _, d, _ in model["attn"])
+            r = dict(card=cname, model=mname, bf16_s=b["s_per_step"], bf16_sage_s=bs["s_per_step"],
+                     pack_sage_s=ps["s_per_step"], x_bf16=b["s_per_step"] / ps["s_per_step"],
+                     x_bf16_sage=bs["s_per_step"] / ps["s_per_step"], sage_runs=runs,
+                     attention_share_pack_sage=ps["attention_s"] / ps["gpu_s"], bound=ps["bound"])
+            rows.append(r)
+            lines.append(f"| {cname} | {mname} | {r['bf16_s']:.3f} | {r['bf16_sage_s']:.3f} | {r['pack_sage_s']:.3f} | "
+                         f"{r['x_bf16']:.2f}× | {r['x_bf16_sage']:.2f}× | "
+                         f"{'yes' if runs else 'no: head_dim 256, SDPA runs'} |")
+    return rows, "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench/results/roofline.json"))
@@ -309,6 +347,7 @@ def main(argv=None) -> int:
     chk = check(measured, _h200_predict(fitv))
     loo = leave_one_out(measured) if measured and not a.no_fit else []
     rows, md = table(fitv)
+    srows, smd = sage_table(fitv)
     doc = dict(what="PREDICTION (roofline model, bench/roofline.py), not a measurement", commit_checked=a.commit,
                efficiencies=EFF, reserve_gib=RESERVE_GIB, fit=fitv, fitted_on_h200=not a.no_fit,
                fit_note="k_bf16, k_pack: non-GEMM bytes per block in units of 2*M*d; w_fp8: fp8_fast's bytes a weight "
@@ -316,7 +355,10 @@ def main(argv=None) -> int:
                         "global numbers fitted on the H200's measured rows (grid search, worst relative error)",
                cards=CARDS, h200_measured=measured, h200_check=chk, leave_one_model_out=loo,
                loo_worst_abs_err=max((x["worst_abs_err"] for x in loo), default=None),
-               trusted=chk["within"] and all(x["worst_abs_err"] <= TRUST for x in loo), rows=rows, markdown=md)
+               trusted=chk["within"] and all(x["worst_abs_err"] <= TRUST for x in loo), rows=rows, markdown=md,
+               sage=dict(what="PREDICTION: SageAttention on GeForce cards (attn_sage_x over FlashAttention-2, from "
+                              "the SageAttention paper's RTX 4090 figure; not measured here)", rows=srows,
+                         markdown=smd))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     if not a.quiet:
@@ -329,6 +371,7 @@ def main(argv=None) -> int:
         for x in loo:
             print(f"  leave out {x['model']:10s}: worst |error| {x['worst_abs_err']:.1%}")
         print(f"trusted: {doc['trusted']}\n\nPrediction (roofline model; only the H200 is measured):\n\n{md}")
+        print(f"\nPrediction with SageAttention (GeForce cards):\n\n{smd}")
     return 0
 
 

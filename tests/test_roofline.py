@@ -111,3 +111,37 @@ def test_h200_rows_read_at_the_commit_and_script_writes_json(tmp_path):
     assert len(d["rows"]) == len(rf.CARDS) * len(rf.MODELS) and d["what"].startswith("PREDICTION")
     assert d["markdown"].count("\n") == len(d["rows"]) + 1
     assert all(c.get("src") for c in d["cards"].values())
+
+
+def test_sage_attention_by_head_dim_on_geforce_only():
+    """``attention="sage"``: attn_other x attn_sage_x where SageAttention runs the head size (64/96/128), SDPA's rate
+    at head_dim 256 (ComfyUI falls back there); refused on a card whose bf16 runs at over a quarter of its INT8 rate
+    (datacenter cards: no measured sage rate)."""
+    flops = 4 * 2 * 1000 * 1000 * 3
+    for d, x in ((128, rf.EFF["attn_sage_x"]), (64, rf.EFF["attn_sage_x"]), (256, 1.0)):
+        mm = dict(lins=[], attn=[(2, 1000, 1000, d, 3)], blocks=[(1, 1, 1)], quant_params=0, params=0)
+        got = rf.predict(CARD, mm, "bf16", NOHOST, attention="sage")["attention_s"]
+        assert got == pytest.approx(flops * d / (100e12 * rf.EFF["attn_other"] * x), rel=1e-12), d
+    mm = dict(lins=[], attn=[(2, 1000, 1000, 128, 3)], blocks=[(1, 1, 1)], quant_params=0, params=0)
+    with pytest.raises(ValueError, match="GeForce"):
+        rf.predict(dict(CARD, int8=200.0), mm, "pack", NOHOST, attention="sage")
+    with pytest.raises(ValueError, match="GeForce"):
+        rf.predict(rf.CARDS["H100 SXM"], mm, "pack", NOHOST, attention="sage")
+
+
+def test_sage_table_rows_follow_predict():
+    fitv = dict(rf.FIT_DEFAULT)
+    rows, md = rf.sage_table(fitv)
+    assert [r["card"] for r in rows] == [c for c in rf.GEFORCE for _ in rf.MODELS]
+    for r in rows:
+        card, model = rf.CARDS[r["card"]], rf.MODELS[r["model"]]
+        ps = rf.predict(card, model, "pack", fitv, attention="sage")["s_per_step"]
+        bs = rf.predict(card, model, "bf16", fitv, attention="sage")["s_per_step"]
+        assert r["pack_sage_s"] == ps and r["x_bf16_sage"] == pytest.approx(bs / ps, rel=1e-12)
+        # Ideogram 4's head_dim 256: SageAttention does not run, bf16 + sage is bf16
+        assert r["sage_runs"] == (r["model"] != "ideogram4")
+        if r["model"] == "ideogram4":
+            assert r["bf16_sage_s"] == r["bf16_s"]
+        else:
+            assert r["bf16_sage_s"] < r["bf16_s"]
+    assert md.count("\n") == len(rows) + 1
