@@ -47,6 +47,12 @@ def _tuples(v):
 
 def compile_request(req: dict) -> str:
     """Compiles one request (module doc); returns the compiled kernel's hash (its cache key)."""
+    return compile_kernel(req).hash
+
+
+def compile_kernel(req: dict):
+    """The CompiledKernel (not loaded on any GPU) of one request, from Triton's on-disk cache where it is there:
+    what ``triton.compile`` returns, with the hash the parent's own ``warmup`` of the same launch gives."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -61,9 +67,8 @@ def compile_request(req: dict) -> str:
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()}
     target = GPUTarget(*req["target"])
     backend = make_backend(target)
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                            options=backend.parse_options(options).__dict__)
-    return kernel.hash
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                          options=backend.parse_options(options).__dict__)
 
 
 def warm_up(target) -> None:

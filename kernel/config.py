@@ -53,6 +53,10 @@ SWITCHES = {s.name: s for s in (
            "sm_90: the INT8 GEMMs may time and run 128 x 256 tiles as s8 wgmma n256, plain or as a persistent kernel "
            "with TMA loads and stores (`kernel/s8wgmma.py`: Triton's fp8 build with its wgmma rewritten to s8, each binary checked bit for bit against Triton's int8 build "
            "on its first call); `0`: Triton's int8 builds only"),
+    Switch("INT8_FUSED_S8_DEFER", bool, True,
+           "sm_90, with `INT8_FUSED_TUNE=background`: the s8 wgmma builds are compiled between samples, and until "
+           "then the calls run Triton's int8 build of the same tiles (the same output bits, a slower instruction); "
+           "`0`: the first call of a model waits for them"),
     Switch("INT8_FUSED_ATTN_INT8_AUTO", bool, False,
            "`1`: the Apply node's attention `auto` also times the pack's INT8 attention kernel (`int8`, "
            "approximate: int8 Q·Kᵀ) and may pick it; unset, `auto` chooses among the exact SDPA backends only"),

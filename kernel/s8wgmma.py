@@ -13,6 +13,12 @@ PTX's wgmma instructions are rewritten to ``.s32.s8.s8`` (integer wgmma has no o
 back with a bitcast (``kernel.gemm.acc_tile``). The launcher only passes pointers, so the int8 tensors are passed
 as they are (and TMA descriptors of them: the persistent kernels' operands, built for fp8 descriptors).
 
+When: a dry run of ``kernel.ahead`` (a model call's first run) with ``INT8_FUSED_TUNE=background`` leaves the s8 builds
+out of the first sample: each is queued in ``kernel.deferred`` (its fp8 build compiled, rewritten and assembled
+between samples), and until it is there the calls run Triton's int8 build of the same tile, which the dry run
+compiles anyway because the check below needs it; the output bits are the same. In the other tuning modes, and
+where no dry run ran, the first call builds it.
+
 Safety: each rewritten binary is checked on its first call: its output against the int8 build's of the same tile
 config on the same operands, bit for bit. A failed build or check turns the path off for this process (logged,
 ``state()`` says why) and that call's result is the int8 build's; so are all calls while a launch hook (a
@@ -21,6 +27,7 @@ profiler) is set, the interpreter runs, or ``INT8_FUSED_S8_WGMMA=0``. Nothing he
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import re
@@ -43,6 +50,8 @@ _OFF: str | None = None             # why the path is off in this process (a fai
 _BUILT: dict[tuple, tuple] = {}     # launch key -> (rewritten CompiledKernel, constexpr tail)
 _BY_HASH: dict[str, object] = {}    # fp8 build's hash -> its rewritten kernel (checked or not yet)
 _CHECKED: set[int] = set()          # id() of rewritten kernels whose first call matched the int8 build
+_PENDING: set = set()               # specializations whose s8 build waits in kernel.deferred (``_defer``)
+_SEQ = itertools.count()
 _CAPABILITY: dict[int, tuple] = {}  # device index -> compute capability
 _MAX_ENTRIES = 4096
 
@@ -227,7 +236,7 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
     key = launch.launch_key(jit_fn, args, constexprs, num_warps, num_stages, device)
     hit = _BUILT.get(key)
     if launch.dry_run():  # kernel.ahead: the s8 build and the int8 build its first call checks against, in the compile pool
-        if hit is None:
+        if hit is None and not _defer(specialization(key), jit_fn, grid, args, constexprs, num_warps, num_stages):
             a = ahead.active()
 
             def build():
@@ -240,6 +249,9 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
             # of other shapes find its kernel in the caches when they first run (_BY_HASH), instead of a second
             # rewrite and assembly of the same code in the pool beside the first
             a.submit(("s8", specialization(key)), build)
+        launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
+        return
+    if hit is None and specialization(key) in _PENDING:   # its build waits for the idle time between samples
         launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
         return
     if hit is None:
@@ -277,6 +289,54 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
     else:
         run_s8()
     launch.note(launch.Launch(jit_fn, grid, args, constexprs, num_warps, num_stages, compiled, tail))
+
+
+def _defer(spec: tuple, jit_fn, grid, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> bool:
+    """In a dry run with ``INT8_FUSED_TUNE=background``: the s8 build of this specialization leaves the first
+    sample's critical path. Its fp8 build is captured (``kernel.procs.capture``: Triton's specialization data, no
+    tensor kept) and queued in ``kernel.deferred`` (compiled, rewritten and assembled between samples); until it
+    is there, calls run the int8 build of the same tile, which the dry run compiles anyway (the s8 binary's check
+    needs it): the same bits, a slower instruction shape. True where deferred (or waiting already); False: build it
+    in the dry run's pool (another tuning mode, or Triton has the fp8 build in memory already)."""
+    from . import deferred
+    if spec in _PENDING:
+        return True
+    if deferred.mode() != "background" or not config.get("INT8_FUSED_S8_DEFER"):
+        return False
+    try:
+        from . import procs
+        req = procs.capture(jit_fn, _fp8_args(args), grid, constexprs, num_warps, num_stages)
+    except Exception:  # noqa: BLE001 - built in the pool, as without deferring
+        return False
+    if req is None:
+        return False
+    name = jit_fn.__name__
+
+    def job(stop):
+        stop()   # a sample is running: queued again, still pending
+        try:
+            from .compile_worker import compile_kernel
+            k8 = compile_kernel(req)
+        except Exception as e:  # noqa: BLE001 - the next call builds it itself (as without deferring) and decides
+            log.debug("s8 wgmma: the deferred fp8 build of %s failed (%s: %s); its next call builds it", name,
+                      type(e).__name__, str(e)[:300])
+            k8 = None
+        if k8 is not None and k8.hash not in _BY_HASH:
+            try:
+                k = rewritten(k8)
+            except Exception as e:  # noqa: BLE001 - as a failed rewrite in a call: the int8 builds from now on
+                turn_off(f"{name}'s s8 build between samples: {type(e).__name__}: {str(e)[:300]}")
+            else:
+                if len(_BY_HASH) >= _MAX_ENTRIES:
+                    _BY_HASH.clear()
+                _BY_HASH[k8.hash] = k
+        _PENDING.discard(spec)
+        config.retune()   # prepared calls recorded on the int8 build re-plan: the next call takes the s8 build
+    _PENDING.add(spec)
+    if not deferred.submit(f"s8 build {name} #{next(_SEQ)}", job):
+        _PENDING.discard(spec)
+        return False
+    return True
 
 
 def _int8_operand(a) -> bool:

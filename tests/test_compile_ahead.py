@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from kernel import ahead, launch, plan, s8wgmma
+from kernel import ahead, config, deferred, launch, plan, procs, s8wgmma
 
 CUDA = torch.device("cuda", 0)
 
@@ -25,6 +25,11 @@ class FakeKernel:
 
     def __getitem__(self, grid):
         raise AssertionError(f"{self.__name__} ran during a dry run")
+
+
+def _tune(mode, get=config.get):
+    """``config.get`` with INT8_FUSED_TUNE set to ``mode``."""
+    return lambda name: mode if name == "INT8_FUSED_TUNE" else get(name)
 
 
 class FakeAsync:
@@ -69,6 +74,8 @@ def test_no_prepared_call_is_built_or_refused_during_a_dry_run():
 
 
 def test_s8_launch_in_a_dry_run_builds_in_the_pool_and_compiles_the_int8_reference(monkeypatch):
+    """Outside background tuning (``first_call``) the s8 build runs in the dry run's pool."""
+    monkeypatch.setattr(config, "get", _tune("first_call"))
     k = FakeKernel("gemm")
     built = []
     monkeypatch.setattr(s8wgmma, "usable", lambda dev: True)
@@ -85,6 +92,7 @@ def test_s8_launch_in_a_dry_run_builds_in_the_pool_and_compiles_the_int8_referen
 def test_s8_builds_once_per_triton_specialization_in_a_dry_run(monkeypatch):
     """Shapes whose integers Triton specializes alike (here 4096 and 3072: both divisible by 16) share one s8 build in
     the pool; 40 (not divisible by 16) and 1 get their own. Every launch still gets its int8 reference compile."""
+    monkeypatch.setattr(config, "get", _tune("first_call"))
     k = FakeKernel("gemm")
     built = []
     monkeypatch.setattr(s8wgmma, "usable", lambda dev: True)
@@ -96,6 +104,119 @@ def test_s8_builds_once_per_triton_specialization_in_a_dry_run(monkeypatch):
             s8wgmma.launch_s8(k, (2,), (x, n), {"BLOCK": 64}, 8, 3, CUDA, 0)
     assert sorted(built) == [1, 40, 4096]
     assert len(k.warmups) == 4  # the int8 builds: one per launch key (4096 twice is one key)
+
+
+class FakeFp8:
+    def __init__(self, h):
+        self.hash = h
+
+
+def _deferred_setup(monkeypatch, compile_kernel=None, rewritten=None):
+    """Background tuning on a queue without a worker (drained by the test); captures and compiles stand-ins."""
+    q = deferred.Queue(start_worker=False)
+    monkeypatch.setattr(deferred, "QUEUE", q)
+    monkeypatch.setattr(config, "get", _tune("background"))
+    monkeypatch.setattr(s8wgmma, "usable", lambda dev: True)
+    for name, v in (("_BUILT", {}), ("_BY_HASH", {}), ("_PENDING", set()), ("_OFF", None)):
+        monkeypatch.setattr(s8wgmma, name, v)
+    captured = []
+    monkeypatch.setattr(procs, "capture", lambda fn, args, grid, consts, w, st: captured.append(args) or
+                        {"qualname": fn.__name__, "spec": str(args[1])})
+    import kernel.compile_worker as cw
+    monkeypatch.setattr(cw, "compile_kernel", compile_kernel or (lambda req: FakeFp8("h" + req["spec"])))
+    monkeypatch.setattr(s8wgmma, "rewritten", rewritten or (lambda k8: ("s8 of", k8.hash)))
+    built = []
+    monkeypatch.setattr(s8wgmma, "_build", lambda *a: built.append(a[2][1]) or None)
+    ran = []
+    real_launch = launch.launch
+
+    def fake_launch(jit_fn, grid, args, consts, w, st, dev):
+        if launch.dry_run():
+            return real_launch(jit_fn, grid, args, consts, w, st, dev)
+        ran.append(("int8 build", args[1]))
+    monkeypatch.setattr(launch, "launch", fake_launch)
+    return q, captured, built, ran
+
+
+def test_background_tuning_defers_the_s8_build_and_calls_run_the_int8_build_until_it_is_there(monkeypatch):
+    """Under INT8_FUSED_TUNE=background a dry run captures the fp8 build (its operands viewed as fp8), queues one job
+    per Triton specialization and compiles only the int8 build; a call meanwhile runs the int8 build; once the job
+    ran between samples, the rewritten kernel is kept under its fp8 build's hash, nothing is pending, prepared calls
+    re-plan, and the next call builds (finding it)."""
+    q, captured, built, ran = _deferred_setup(monkeypatch)
+    k = FakeKernel("gemm")
+    x = torch.zeros(8, dtype=torch.int8)
+    with ahead.compiling(workers=2, async_mode=FakeAsync()) as a:
+        for n in (4096, 3072, 40):
+            s8wgmma.launch_s8(k, (2,), (x, n), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert built == [] and a.jobs == []                       # nothing of the s8 build in the dry run
+    assert len(k.warmups) == 3                                # the int8 builds, one per launch key
+    assert len(q.pending()) == 2 and len(s8wgmma._PENDING) == 2   # 4096 and 3072 specialize alike
+    assert [c[0].dtype for c in captured] == [torch.float8_e4m3fn] * 2 and captured[0][0].data_ptr() == x.data_ptr()
+    s8wgmma.launch_s8(k, (2,), (x, 4096), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert ran == [("int8 build", 4096)] and built == []
+    gen = config.gemm_switches()
+    assert q.drain() == 2
+    assert s8wgmma._PENDING == set() and s8wgmma._BY_HASH == {"h4096": ("s8 of", "h4096"), "h40": ("s8 of", "h40")}
+    assert config.gemm_switches() != gen                      # prepared calls plan again
+    s8wgmma.launch_s8(k, (2,), (x, 4096), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert built == [4096]                                    # the call's own build (served from _BY_HASH for real)
+    assert s8wgmma._OFF is None
+
+
+def test_a_sample_stops_a_deferred_build_before_it_starts_and_it_stays_pending(monkeypatch):
+    q, captured, built, ran = _deferred_setup(monkeypatch)
+    k = FakeKernel("gemm")
+    x = torch.zeros(8, dtype=torch.int8)
+    with ahead.compiling(workers=1, async_mode=FakeAsync()):
+        s8wgmma.launch_s8(k, (2,), (x, 64), {"BLOCK": 64}, 8, 3, CUDA, 0)
+
+    def stop():
+        raise deferred.Stopped()
+    assert q.drain(stop) == 0 and len(q.pending()) == 1 and q.stopped
+    assert len(s8wgmma._PENDING) == 1 and s8wgmma._BY_HASH == {}
+    s8wgmma.launch_s8(k, (2,), (x, 64), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert ran == [("int8 build", 64)] and built == []
+    assert q.drain() == 1 and s8wgmma._PENDING == set() and len(s8wgmma._BY_HASH) == 1
+
+
+def test_a_deferred_compile_that_fails_leaves_the_build_to_the_next_call_and_a_bad_rewrite_turns_the_path_off(
+        monkeypatch):
+    def no_compile(req):
+        raise RuntimeError("compiler crashed")
+    q, captured, built, ran = _deferred_setup(monkeypatch, compile_kernel=no_compile)
+    k = FakeKernel("gemm")
+    x = torch.zeros(8, dtype=torch.int8)
+    with ahead.compiling(workers=1, async_mode=FakeAsync()):
+        s8wgmma.launch_s8(k, (2,), (x, 64), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    q.drain()
+    assert s8wgmma._PENDING == set() and s8wgmma._OFF is None
+    s8wgmma.launch_s8(k, (2,), (x, 64), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert built == [64]                                      # built by the call, as without deferring
+
+    def bad_rewrite(k8):
+        raise RuntimeError("no fp8 wgmma of the expected form")
+    q, captured, built, ran = _deferred_setup(monkeypatch, rewritten=bad_rewrite)
+    with ahead.compiling(workers=1, async_mode=FakeAsync()):
+        s8wgmma.launch_s8(k, (2,), (x, 48), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    q.drain()
+    assert s8wgmma._PENDING == set() and "between samples" in s8wgmma._OFF and s8wgmma._BY_HASH == {}
+
+
+def test_no_deferring_where_triton_has_the_fp8_build_or_the_queue_refuses(monkeypatch):
+    q, captured, built, ran = _deferred_setup(monkeypatch)
+    monkeypatch.setattr(procs, "capture", lambda *a: None)    # compiled in this process already
+    k = FakeKernel("gemm")
+    x = torch.zeros(8, dtype=torch.int8)
+    monkeypatch.setattr(s8wgmma, "_build", lambda *a: built.append(a[2][1]) or ("compiled", ()))
+    with ahead.compiling(workers=1, async_mode=FakeAsync()):
+        s8wgmma.launch_s8(k, (2,), (x, 64), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert built == [64] and q.pending() == [] and s8wgmma._PENDING == set()
+    q, captured, built, ran = _deferred_setup(monkeypatch)   # INT8_FUSED_S8_DEFER=0: built in the dry run
+    monkeypatch.setattr(s8wgmma, "_build", lambda *a: built.append(a[2][1]) or ("compiled", ()))
+    with config.override(INT8_FUSED_S8_DEFER=False), ahead.compiling(workers=1, async_mode=FakeAsync()):
+        s8wgmma.launch_s8(k, (2,), (x, 64), {"BLOCK": 64}, 8, 3, CUDA, 0)
+    assert built == [64] and captured == [] and q.pending() == [] and s8wgmma._PENDING == set()
 
 
 def test_first_call_runs_a_dry_run_then_the_real_one_once_per_key(monkeypatch):

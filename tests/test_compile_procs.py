@@ -183,3 +183,45 @@ def test_no_workers_on_the_cpu_or_under_the_interpreter():
     ahead.prestart(torch.device("cpu"))
     ahead.prestart(torch.device("cuda", 0))     # the interpreter runs here: no dry run, so no workers
     assert procs.pool() is None and procs._POOL[0] is None
+
+
+def test_a_deferred_s8_build_compiled_from_its_capture_is_what_the_call_finds(tmp_path):
+    """kernel.s8wgmma's deferred build, for real on an sm_90 target (no GPU): a dry run's s8 launch of the pack's
+    128 x 256 GEMM compiles the int8 build and captures the fp8 one; the queued job compiles the capture in this
+    process (``compile_worker.compile_kernel``), rewrites and assembles it; then the call's own build of the same
+    launch (``_build``: Triton's ``warmup`` of the fp8 operands) is a Triton cache hit under the same hash and takes
+    the kept s8 kernel, compiling nothing."""
+    got = _run("""
+import kernel.gemm  # noqa: F401
+from kernel import config, deferred, s8wgmma
+class Sm90(Sm80):
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+triton.runtime.driver.set_active(Sm90())
+deferred.QUEUE = deferred.Queue(start_worker=False)
+s8wgmma.usable = lambda dev: True
+(spec,) = [s for s in ct.gemm_jobs(90) if s["s8"] and s["kernel"] == "_int8_gemm_kernel" and s["cfg"]["BLOCK_N"] == 256
+           and "split" not in s["label"]]
+fn = kernel.gemm._int8_gemm_kernel
+runtime = [p.name for p in fn.params if not p.is_constexpr]
+args = tuple(torch.empty(64, dtype=torch.int8) if isinstance(spec["args"][n], ct.P) and spec["args"][n].dtype ==
+             torch.float8_e4m3fn else ct._materialize(spec["args"][n]) for n in runtime)
+with config.override(INT8_FUSED_TUNE="background"):
+    with ahead.compiling(workers=2) as a:
+        s8wgmma.launch_s8(fn, (1,), args, dict(spec["consts"]), spec["warps"], spec["stages"], CUDA, 2)
+    dry = list(EVENTS)
+    pending = len(s8wgmma._PENDING)
+    ran = deferred.QUEUE.drain()
+    job = list(EVENTS[len(dry):])
+    (k,) = s8wgmma._BY_HASH.values()
+    hit = s8wgmma._build(fn, (1,), args, dict(spec["consts"]), spec["warps"], spec["stages"])
+print(json.dumps(dict(errors=a.errors, jobs=a.job_s, dry=dry, pending=pending, ran=ran, job=job,
+                      call=EVENTS[len(dry) + len(job):], same=hit is not None and hit[0] is k,
+                      s8="m64n256k32.s32.s8.s8" in k.asm["ptx"] and "e4m3" not in k.asm["ptx"],
+                      off=s8wgmma._OFF, left=len(s8wgmma._PENDING))))
+""", tmp_path)
+    assert got["errors"] == [] and got["jobs"] == [] and got["off"] is None
+    assert got["dry"] == [["_int8_gemm_kernel", False]]            # the int8 build only, in the dry run
+    assert got["pending"] == 1 and got["ran"] == 1 and got["left"] == 0
+    assert got["job"] == [["_int8_gemm_kernel", False]]            # the fp8 build, compiled by the job
+    assert got["call"] == [["_int8_gemm_kernel", True]]            # the call's build: a cache hit, same key
+    assert got["same"] and got["s8"]
