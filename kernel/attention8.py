@@ -76,7 +76,7 @@ def _quant_tile(x, INTERPRET: tl.constexpr):
     return q.to(tl.int8), scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "n_blocks"])
 def _quant_blocks_kernel(X, MEAN, XQ, XS, L, HX, mult, n_blocks,
                          stride_xb, stride_xh, stride_xl,
                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
@@ -158,7 +158,7 @@ def _attn_block(acc, l_i, m_i, q, qs, kq_ptr, ks_ptr, v_ptr, stride_vl, j, Lk,
     return acc, l_i, m_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Lq", "Lk", "n_qblocks", "n_kblocks"])
 def _attn_int8_kernel(Q, QQ, QS, KQ, KS, V, O,
                       Lq, Lk, H, GROUP, qmult, n_qblocks, n_kblocks,
                       stride_qb, stride_qh, stride_ql,

@@ -122,7 +122,7 @@ def dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, strid
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "DP_TILES"])
 def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, cnt_ptr,
                       M, N, K, DP_TILES, K_PIECE,
                       stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
@@ -174,7 +174,7 @@ def acc_tile_tma(a_desc, w_desc, off_m, off_n, k_lo, k_len, BLOCK_M: tl.constexp
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "DP_TILES"])
 def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_ptr, part_ptr, cnt_ptr, M, N, K,
                                  DP_TILES, K_PIECE, stride_as, stride_ws, stride_bias, NUM_PROGS,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

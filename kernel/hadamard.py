@@ -109,7 +109,7 @@ def _matrices(G1: tl.constexpr, G2: tl.constexpr, HALF: tl.constexpr):
     return h1, h2, h2f
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _hadamard_quant_kernel(x_ptr, b_ptr, q_ptr, s_ptr, f_ptr, M, K, KA, stride_xm, stride_bm, stride_qm, stride_fm,
                            G1: tl.constexpr, G2: tl.constexpr, BM: tl.constexpr, HALF: tl.constexpr,
                            ACT: tl.constexpr, DT: tl.constexpr, CLAMP_FP16: tl.constexpr, FAST: tl.constexpr,
@@ -248,7 +248,7 @@ def concat_gelu_hadamard_quantize(a: torch.Tensor | None, h: torch.Tensor, group
     return q, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "tokens_per_batch"])
 def _norm_mod_hadamard_quant_kernel(x_ptr, w_ptr, s_ptr, sh_ptr, q_ptr, qs_ptr, M, K, tokens_per_batch, eps,
                                     stride_xm, stride_sb, stride_shb, stride_qm,
                                     RMS: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, BM: tl.constexpr,

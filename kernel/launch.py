@@ -17,6 +17,11 @@ reads both forms. The re-launch repeats ``JITFunction.run``'s launcher call, the
 ``same_launcher_call`` reads the installed Triton's source once and, where that call differs, leaves every
 launch to Triton.
 
+Row counts stay out of Triton's specialization: each kernel names the arguments that follow the token count (``M``,
+tile counts, tokens per batch, ``L``) in ``do_not_specialize``, so a resolution whose token count differs in
+divisibility by 16 (Wan 2.1 at 480x832: 14040; at 384x672: 9072) reuses the compiled kernels instead of compiling
+each again (the PTX's loads, stores and wgmma are the same either way; tests/test_compile_procs.py).
+
 ``record()`` collects the launches made inside it (what ran, with which arguments): ``kernel.plan`` turns the
 launches of one checked call into a plan that later calls with the same operand signature re-issue directly.
 """

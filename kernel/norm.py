@@ -83,7 +83,7 @@ def rmsmod_seg(y, w2_ptr, s2_row, inv_ptr, K, rstd2, amax, bad, OFF: tl.constexp
     return z, amax, bad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_batch"])
 def _rmsnorm_modulate_quant_kernel(x_ptr, w_ptr, s_ptr, inv_ptr, q_ptr, qs_ptr,
                                    K, tokens_per_batch, eps,
                                    stride_xm, stride_sb, stride_qm,
@@ -226,7 +226,7 @@ def ln_seg_quant(x0, x1, x2, s_row, sh_row, inv_ptr, q_row, qs_ptr, row, K, mean
     finish_segments(q_row, qs_ptr, row, z0, z1, z2, K, S0, S1, S2, amax, bad, SCALE_RECIP, INTERPRET)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_batch"])
 def _layernorm_modulate_quant_kernel(x_ptr, s_ptr, sh_ptr, inv_ptr, q_ptr, qs_ptr,
                                      K, tokens_per_batch, eps,
                                      stride_xm, stride_sb, stride_shb, stride_qm,

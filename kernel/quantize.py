@@ -357,7 +357,7 @@ def _seg_vals(x, inv, amax, bad, HAS_SMOOTH: tl.constexpr):
     return y, amax, bad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quant_rows_loop_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
                             HAS_SMOOTH: tl.constexpr, SCALE_RECIP: tl.constexpr,
                             S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, INTERPRET: tl.constexpr):
@@ -401,7 +401,7 @@ def _quant_rows_loop_kernel(x_ptr, inv_ptr, q_ptr, s_ptr, M, K, stride_xm, strid
                          SCALE_RECIP, INTERPRET)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quant_rows_kernel(x_ptr, inv_ptr, q_ptr, s_ptr,
                        M, K,
                        stride_xm, stride_xk, stride_qm,

@@ -46,7 +46,7 @@ def _gr_seg_y(o, x_row, wn_ptr, g_row, y_row, K, rstd, OFF: tl.constexpr, SEG: t
     return y, tl.sum(y * y, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_batch"])
 def _gated_residual_kernel(x_ptr, o_ptr, wn_ptr, g_ptr, y_ptr, w2_ptr, s2_ptr, inv_ptr, q_ptr, qs_ptr,
                            K, tokens_per_batch, eps, eps2,
                            stride_xm, stride_om, stride_gb, stride_ym, stride_sb, stride_qm,
@@ -144,7 +144,7 @@ def _res_seg_n(r, w_ptr, b_ptr, n_row, K, mean, rstd, OFF: tl.constexpr, SEG: tl
     tl.store(n_row + ks, round_to(n, DT, INTERPRET).to(n_row.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_batch"])
 def _residual_layernorm_kernel(x_ptr, y_ptr, g_ptr, r_ptr, w_ptr, b_ptr, s_ptr, sh_ptr, inv_ptr, n_ptr, q_ptr,
                                qs_ptr, K, tokens_per_batch, eps,
                                stride_xm, stride_ym, stride_gb, stride_rm, stride_sb, stride_shb, stride_nm,

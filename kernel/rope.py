@@ -40,7 +40,7 @@ def _half_rope_store(x0, x1, wp, eps, f00, f01, f10, f11, out, mask, half, D: tl
     tl.store(out + D // 2, round_to(f10 * n0 + f11 * n1, DT, INTERPRET).to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "row_offset"])
 def _qk_norm_rope_kernel(src_ptr, ksrc_ptr, wq_ptr, wk_ptr, pe_ptr, q_ptr, k_ptr, v_ptr,
                          L, H, row_offset, k_off, eps_q, eps_k,
                          stride_sb, stride_sl, stride_pb, stride_pl, stride_ob, stride_oh, stride_ol,

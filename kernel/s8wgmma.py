@@ -347,9 +347,17 @@ def _int8_operand(a) -> bool:
 
 def specialization(key: tuple) -> tuple:
     """``launch.launch_key``'s key with each integer argument replaced by what Triton specializes it on (equal to 1,
-    divisible by 16, fits 32 bits): launches with equal specializations compile to the same kernel."""
+    divisible by 16, fits 32 bits; only the last for the kernel's ``do_not_specialize`` arguments, the row counts):
+    launches with equal specializations compile to the same kernel."""
     *head, args = key
-    return (*head, tuple((a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31) if type(a) is int else a for a in args))
+    free = [p.do_not_specialize for p in getattr(head[0], "params", ()) if not p.is_constexpr]   # runtime order
+
+    def spec(i, a):
+        if type(a) is not int:
+            return a
+        fits = -2 ** 31 <= a < 2 ** 31
+        return (None, None, fits) if i < len(free) and free[i] else (a == 1, a % 16 == 0, fits)
+    return (*head, tuple(spec(i, a) for i, a in enumerate(args)))
 
 
 def _fp8_args(args: tuple) -> tuple:

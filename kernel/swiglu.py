@@ -46,7 +46,7 @@ def _swiglu_vals(a_row, b_row, ks, mask, DT: tl.constexpr, CLAMP_FP16: tl.conste
     return swiglu_math(a, b, DT, CLAMP_FP16, INTERPRET)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemm_swiglu_kernel(a_ptr, w_ptr, h_ptr, as_ptr, ws_ptr, bias_ptr, M, F, K,
                         stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_hn,
                         stride_as, stride_ws, stride_bias,
@@ -87,7 +87,7 @@ def _swiglu_w_rows(pid_n, F, BLOCK_N: tl.constexpr):
     return (pid_n * HALF + r % HALF) % F + tl.where(r < HALF, 0, F)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemm_swiglu_persistent_kernel(a_desc, w_desc, h_desc, as_ptr, ws_ptr, bias_ptr, M, F, K,
                                    stride_as, stride_ws, stride_bias, NUM_PROGS,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -219,6 +219,23 @@ def test_no_deferring_where_triton_has_the_fp8_build_or_the_queue_refuses(monkey
     assert built == [64] and captured == [] and q.pending() == [] and s8wgmma._PENDING == set()
 
 
+def test_specialization_ignores_the_divisibility_of_arguments_kept_out_of_triton_specialization():
+    """``s8wgmma.specialization``: an integer of a ``do_not_specialize`` parameter (a row count) keys only on its
+    width (i32 / i64), the others on equal-to-1 and divisible-by-16 as Triton specializes them."""
+    class P:
+        def __init__(self, name, dns=False, constexpr=False):
+            self.name, self.do_not_specialize, self.is_constexpr = name, dns, constexpr
+
+    class Fn:
+        params = [P("a_ptr"), P("M", dns=True), P("K"), P("BLOCK", constexpr=True)]
+    x = torch.zeros(8, dtype=torch.int8)
+
+    def spec(m, k):
+        return s8wgmma.specialization(launch.launch_key(Fn, (x, m, k), {"BLOCK": 64}, 8, 3, CUDA))
+    assert spec(14040, 3072) == spec(9072, 3072) == spec(1, 3072) != spec(2 ** 33, 3072)
+    assert spec(14040, 3072) != spec(14040, 40) and spec(14040, 40) != spec(14040, 1)
+
+
 def test_first_call_runs_a_dry_run_then_the_real_one_once_per_key(monkeypatch):
     monkeypatch.setattr(ahead, "enabled", lambda dev: True)
     monkeypatch.setattr(ahead, "_DONE", set())

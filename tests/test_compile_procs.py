@@ -225,3 +225,38 @@ print(json.dumps(dict(errors=a.errors, jobs=a.job_s, dry=dry, pending=pending, r
     assert got["job"] == [["_int8_gemm_kernel", False]]            # the fp8 build, compiled by the job
     assert got["call"] == [["_int8_gemm_kernel", True]]            # the call's build: a cache hit, same key
     assert got["same"] and got["s8"]
+
+
+def test_a_new_token_count_compiles_nothing_new(tmp_path):
+    """The token counts of two resolutions (Wan 2.1 at 480x832: 14040, not a multiple of 16; at 384x672: 9072, one)
+    reach the pack's kernels as the row-count arguments (M, tiles, tokens per batch, L), which the kernels keep out of
+    Triton's specialization: the second resolution's launches of the GEMMs, the fused row kernels and QK norm + RoPE
+    are in-memory hits of the first's kernels (no compile), on an sm_90 target without a GPU."""
+    got = _run("""
+import kernel.gemm  # noqa: F401
+class Sm90(Sm80):
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+triton.runtime.driver.set_active(Sm90())
+jobs = ct.gemm_jobs(90) + ct.row_jobs(90)
+want = {"_int8_gemm_kernel": "128x256x128 w8 s3 g8", "_gemm_swiglu_kernel": "128x256x128 w8 s3 g8 swiglu",
+        "_rmsnorm_modulate_quant_kernel": "rmsnorm_modulate_quantize K1536",
+        "_gated_residual_kernel": "gated_residual_rmsnorm K1536", "_qk_norm_rope_kernel": "qk_norm_rope wan2.1-1.3b 12x128"}
+specs = [s for s in jobs if want.get(s["kernel"]) == s["label"]]
+ROWS = {"M": None, "DP_TILES": lambda m: -(-m // 128) * 12, "tokens_per_batch": None, "L": None}
+counts = []
+for m in (14040, 9072):
+    before = len(EVENTS)
+    todo = []
+    for s in specs:
+        s = dict(s, args={k: (m if ROWS[k] is None else ROWS[k](m)) if k in ROWS else v for k, v in s["args"].items()})
+        todo += launches([s])
+    with ahead.compiling(workers=2) as a:
+        for fn, grid, args, consts, w, st in todo:
+            launch.launch(fn, grid, args, consts, w, st, CUDA)
+    counts.append([a.errors, sorted(e[0] for e in EVENTS[before:]), len(a.seen)])
+print(json.dumps(dict(counts=counts, names=sorted(s["kernel"] for s in specs))))
+""", tmp_path)
+    (e1, first, seen1), (e2, second, seen2) = got["counts"]
+    assert len(got["names"]) == 5 and e1 == e2 == []
+    assert first == got["names"]            # each kernel compiled once at the first token count
+    assert second == [] and seen2 == 5      # the second: launched (new launch keys), nothing compiled
