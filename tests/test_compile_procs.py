@@ -185,29 +185,39 @@ def test_no_workers_on_the_cpu_or_under_the_interpreter():
     assert procs.pool() is None and procs._POOL[0] is None
 
 
-def test_a_deferred_s8_build_compiled_from_its_capture_is_what_the_call_finds(tmp_path):
+@pytest.mark.parametrize("kernel", ["_int8_gemm_kernel", "_int8_gemm_persistent_kernel",
+                                    "_gemm_swiglu_persistent_kernel"])
+def test_a_deferred_s8_build_compiled_from_its_capture_is_what_the_call_finds(tmp_path, kernel):
     """kernel.s8wgmma's deferred build, for real on an sm_90 target (no GPU): a dry run's s8 launch of the pack's
-    128 x 256 GEMM compiles the int8 build and captures the fp8 one; the queued job compiles the capture in this
-    process (``compile_worker.compile_kernel``), rewrites and assembles it; then the call's own build of the same
-    launch (``_build``: Triton's ``warmup`` of the fp8 operands) is a Triton cache hit under the same hash and takes
-    the kept s8 kernel, compiling nothing."""
+    128 x 256 GEMM (plain, and the persistent TMA forms) compiles the int8 build and captures the fp8 one; the queued
+    job compiles the capture in this process (``compile_worker.compile_kernel``), rewrites and assembles it; then
+    the call's own build of the same launch (``_build``: Triton's ``warmup`` of the fp8 operands) is a Triton cache
+    hit under the same hash and takes the kept s8 kernel, compiling nothing."""
     got = _run("""
-import kernel.gemm  # noqa: F401
+import kernel.gemm, kernel.swiglu  # noqa: F401
 from kernel import config, deferred, s8wgmma
 class Sm90(Sm80):
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
 triton.runtime.driver.set_active(Sm90())
 deferred.QUEUE = deferred.Queue(start_worker=False)
 s8wgmma.usable = lambda dev: True
-(spec,) = [s for s in ct.gemm_jobs(90) if s["s8"] and s["kernel"] == "_int8_gemm_kernel" and s["cfg"]["BLOCK_N"] == 256
-           and "split" not in s["label"]]
-fn = kernel.gemm._int8_gemm_kernel
+NAME = """ + repr(kernel) + """
+(spec,) = [s for s in ct.gemm_jobs(90) if s["s8"] and s["kernel"] == NAME and s["cfg"]["BLOCK_N"] == 256
+           and "split" not in s["label"] and ("PERSIST" in s["cfg"]) == ("persistent" in NAME)]
+fn = getattr(kernel.gemm if hasattr(kernel.gemm, NAME) else kernel.swiglu, NAME)
 runtime = [p.name for p in fn.params if not p.is_constexpr]
-args = tuple(torch.empty(64, dtype=torch.int8) if isinstance(spec["args"][n], ct.P) and spec["args"][n].dtype ==
-             torch.float8_e4m3fn else ct._materialize(spec["args"][n]) for n in runtime)
+def int8(v):  # the launch's own operands are int8 (the fp8 view is the build's)
+    if isinstance(v, ct.P) and v.dtype == torch.float8_e4m3fn:
+        return torch.empty(64, dtype=torch.int8)
+    if isinstance(v, ct.D) and v.dtype == torch.float8_e4m3fn:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        return TensorDescriptor(torch.empty(64, dtype=torch.int8), v.shape, v.strides, v.block)
+    return ct._materialize(v)
+args = tuple(int8(spec["args"][n]) for n in runtime)
+out_pos = runtime.index("c_desc" if "c_desc" in runtime else "h_desc" if "h_desc" in runtime else "c_ptr")
 with config.override(INT8_FUSED_TUNE="background"):
     with ahead.compiling(workers=2) as a:
-        s8wgmma.launch_s8(fn, (1,), args, dict(spec["consts"]), spec["warps"], spec["stages"], CUDA, 2)
+        s8wgmma.launch_s8(fn, (1,), args, dict(spec["consts"]), spec["warps"], spec["stages"], CUDA, out_pos)
     dry = list(EVENTS)
     pending = len(s8wgmma._PENDING)
     ran = deferred.QUEUE.drain()
@@ -220,10 +230,10 @@ print(json.dumps(dict(errors=a.errors, jobs=a.job_s, dry=dry, pending=pending, r
                       off=s8wgmma._OFF, left=len(s8wgmma._PENDING))))
 """, tmp_path)
     assert got["errors"] == [] and got["jobs"] == [] and got["off"] is None
-    assert got["dry"] == [["_int8_gemm_kernel", False]]            # the int8 build only, in the dry run
+    assert got["dry"] == [[kernel, False]]                 # the int8 build only, in the dry run
     assert got["pending"] == 1 and got["ran"] == 1 and got["left"] == 0
-    assert got["job"] == [["_int8_gemm_kernel", False]]            # the fp8 build, compiled by the job
-    assert got["call"] == [["_int8_gemm_kernel", True]]            # the call's build: a cache hit, same key
+    assert got["job"] == [[kernel, False]]                 # the fp8 build, compiled by the job
+    assert got["call"] == [[kernel, True]]                 # the call's build: a cache hit, same key
     assert got["same"] and got["s8"]
 
 
