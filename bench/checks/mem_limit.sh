@@ -22,8 +22,11 @@ fi
 echo $((gib * 1024 * 1024 * 1024)) > "$grp/memory.max" || { rmdir "$grp"; echo "[mem_limit] memory.max refused" >&2; exit 3; }
 echo 0 > "$grp/memory.swap.max" 2>/dev/null || true
 echo "[mem_limit] $grp: memory.max $(cat "$grp/memory.max") bytes ($gib GiB), swap $(cat "$grp/memory.swap.max" 2>/dev/null || echo n/a)"
-( echo $BASHPID > "$grp/cgroup.procs" && exec "$@" )
+( echo $BASHPID > "$grp/cgroup.procs" 2>/dev/null || exit 197; exec "$@" )
 rc=$?
+if [ $rc -eq 197 ] && [ -z "$(cat "$grp/cgroup.procs" 2>/dev/null)" ]; then
+  rmdir "$grp" 2>/dev/null; echo "[mem_limit] cannot move a process into $grp (no delegation here)" >&2; exit 3
+fi
 peak=$(cat "$grp/memory.peak" 2>/dev/null || echo "")
 [ -n "$peak" ] && echo "[mem_limit] memory.peak $peak bytes ($(awk -v b="$peak" 'BEGIN{printf "%.2f", b/2^30}') GiB)"
 echo "[mem_limit] memory.events: $(tr '\n' ' ' < "$grp/memory.events")"
