@@ -184,13 +184,17 @@ def usable(device: torch.device) -> bool:
 
 
 def state() -> str | None:
-    """A few words for run reports: the s8 n256 kernels running (each checked on its first call), or why the path
-    was turned off; None when it has not been used or asked for in this process."""
+    """A few words for run reports: the s8 n256 kernels running (each checked on its first call) and the builds
+    still queued (``_defer``), or why the path was turned off; None when it has not been used or asked for in this
+    process."""
     if _OFF is not None:
         return f"s8 wgmma n256 off: {_OFF}"
+    waiting = (f"{len(_PENDING)} s8 builds waiting for the idle time between samples (Triton's int8 builds of "
+               f"those tiles run meanwhile)") if _PENDING else None
     if _CHECKED:
-        return f"s8 wgmma n256: {len(_CHECKED)} kernels, each checked bit for bit against Triton's int8 build"
-    return None
+        done = f"s8 wgmma n256: {len(_CHECKED)} kernels, each checked bit for bit against Triton's int8 build"
+        return f"{done}; {waiting}" if waiting else done
+    return waiting
 
 
 def turn_off(why: str) -> None:

@@ -67,8 +67,15 @@ def test_first_call_keeps_matching_bits_and_replaces_a_wrong_result():
 def test_the_path_is_not_usable_off_sm90_and_says_why_when_turned_off(monkeypatch):
     monkeypatch.setattr(s8wgmma, "_OFF", None)
     monkeypatch.setattr(s8wgmma, "_CHECKED", set())
+    monkeypatch.setattr(s8wgmma, "_PENDING", set())
     assert not s8wgmma.usable(torch.device("cpu"))
     assert s8wgmma.state() is None  # neither used nor turned off
+    s8wgmma._PENDING.update({"a", "b"})
+    assert s8wgmma.state() == ("2 s8 builds waiting for the idle time between samples (Triton's int8 builds of "
+                               "those tiles run meanwhile)")
+    s8wgmma._CHECKED.add(1)
+    assert s8wgmma.state().startswith("s8 wgmma n256: 1 kernels, each checked bit for bit") and "; 2 s8 builds" in \
+        s8wgmma.state()
     s8wgmma.turn_off("ptxas failed")
     s8wgmma.turn_off("a later reason")  # the first reason is kept
     assert s8wgmma.state() == "s8 wgmma n256 off: ptxas failed"
