@@ -195,21 +195,24 @@ def predicted(capability: tuple[int, int], smem_limit: int | None, m: int, s8: b
     """The candidates of a shape of ``m`` rows on this GPU (``candidates`` of the class's widest bucket), best guess
     first, by class and GPU generation only:
     - ``small``: the 16 x 64 x 256 GEMV tile (10 of the H200's 16 small-M picks);
-    - ``medium``: 64 x 64 x 128, 4 stages (many CTAs streaming the weight);
     - ``large``: on sm_90 with the s8 wgmma tiles the persistent 128 x 256 x 128 s8 tile (34 of the H200's 40
-      picks at M > 1024; its plain form where ``persist`` is off), else the first Hopper / Ampere tile.
+      picks at M > 1024; its plain form where ``persist`` is off), else the first Hopper / Ampere tile;
+    - ``medium``: the large class's tile. The narrow tiles that suit 16 < M <= 256 (``medium_m_configs``: 64 x 64 x
+      128 first) are timed between samples; before the first sample the class shares the large class's compiled
+      kernel instead of compiling its own (Z-Image's 256-token caption layers: two of the twelve compiles of its
+      first sample on an H100, bench/RESULTS.md). Where that tile is not a candidate here, 64 x 64 x 128.
     The rest follow in ``candidates``' order, for a GPU where the first fails to build."""
     cls = m_class(m)
     bucket = {"small": SMALL_M, "medium": MEDIUM_M}.get(cls, M_BUCKET_CAP)
     cands = candidates(capability, smem_limit, bucket, s8=s8, persist=persist)
     if cls == "small":
         first = small_m_configs()[0]
-    elif cls == "medium":
-        first = medium_m_configs()[0]
     elif s8 and tuple(capability) == (9, 0):
         first = s8_configs(persist)[-1]
     else:
         first = (hopper_configs() if tuple(capability)[0] == 9 else ampere_configs())[0]
+    if cls == "medium" and first not in cands:
+        first = medium_m_configs()[0]
     return sorted(cands, key=lambda c: c != first)
 
 

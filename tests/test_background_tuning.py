@@ -47,7 +47,19 @@ def test_predicted_large_tile_on_sm90_is_the_h200s_most_frequent_pick():
     assert autotune.predicted((9, 0), 232448, 4608)[0] == autotune.hopper_configs()[0]
     assert autotune.predicted((8, 9), 101376, 4608)[0] == autotune.ampere_configs()[0]
     assert autotune.predicted((8, 9), 101376, 8)[0] == autotune.small_m_configs()[0]
-    assert autotune.predicted((8, 6), 101376, 100)[0] == autotune.medium_m_configs()[0]
+    # the medium class shares the large class's tile until timed (one compile before the first sample)
+    assert autotune.predicted((8, 6), 101376, 100)[0] == autotune.ampere_configs()[0]
+
+
+@pytest.mark.parametrize("cap, smem", [((8, 0), 166912), ((8, 6), 101376), ((8, 9), 101376), ((9, 0), 232448),
+                                       ((12, 0), 101376)])
+def test_predicted_medium_tile_is_the_large_one_and_the_narrow_tiles_stay_candidates(cap, smem):
+    for s8 in ((False, True) if cap == (9, 0) else (False,)):
+        large = autotune.predicted(cap, smem, 4608, s8=s8, persist=s8)
+        for m in (17, 77, 256):
+            medium = autotune.predicted(cap, smem, m, s8=s8, persist=s8)
+            assert medium[0] == large[0], (cap, s8, m)
+            assert autotune.medium_m_configs()[0] in medium[1:]     # timed between samples
 
 
 # ------------------------------------------------------------------------------------------------ choose
