@@ -239,8 +239,9 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
         return
     key = launch.launch_key(jit_fn, args, constexprs, num_warps, num_stages, device)
     hit = _BUILT.get(key)
+    spec = specialization(key) if hit is None else None   # one build per Triton specialization (``_defer``, below)
     if launch.dry_run():  # kernel.ahead: the s8 build and the int8 build its first call checks against, in the compile pool
-        if hit is None and not _defer(specialization(key), jit_fn, grid, args, constexprs, num_warps, num_stages):
+        if hit is None and not _defer(spec, jit_fn, grid, args, constexprs, num_warps, num_stages):
             a = ahead.active()
 
             def build():
@@ -252,10 +253,10 @@ def launch_s8(jit_fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int
             # one build per Triton specialization (integers by their divisibility, not their values): the launches
             # of other shapes find its kernel in the caches when they first run (_BY_HASH), instead of a second
             # rewrite and assembly of the same code in the pool beside the first
-            a.submit(("s8", specialization(key)), build)
+            a.submit(("s8", spec), build)
         launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
         return
-    if hit is None and specialization(key) in _PENDING:   # its build waits for the idle time between samples
+    if hit is None and spec in _PENDING:   # its build waits for the idle time between samples
         launch.launch(jit_fn, grid, args, constexprs, num_warps, num_stages, device)
         return
     if hit is None:
@@ -359,8 +360,8 @@ def specialization(key: tuple) -> tuple:
     def spec(i, a):
         if type(a) is not int:
             return a
-        fits = -2 ** 31 <= a < 2 ** 31
-        return (None, None, fits) if i < len(free) and free[i] else (a == 1, a % 16 == 0, fits)
+        one, by16, fits = launch.arg_key(a)
+        return (None, None, fits) if i < len(free) and free[i] else (one, by16, fits)
     return (*head, tuple(spec(i, a) for i, a in enumerate(args)))
 
 
