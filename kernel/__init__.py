@@ -8,7 +8,10 @@ first kernel call, so ComfyUI imports the pack instantly):
 - ``int8_gemm(a_q [M, K], a_scale [M], w_q [N, K], w_scale [N], bias [N] | None)`` -> [M, N]
 - ``int8_linear(x [..., K], w_q, w_scale, bias, inv_smooth)`` -> [..., N] (quantize, then GEMM; for M <= 16
   one launch that quantizes inside the GEMM, bit-identical)
-- ``int8_linear_planned`` / ``int8_gemm_planned``: the call and a ``kernel.plan.Plan`` that repeats it with less
+- ``int8_gemm_lora(a_q, a_scale, w_q, w_scale, bias, lora_down [R, K], lora_up [N, R])`` -> [M, N]: the GEMM
+  plus a LoRA read from the same int8 input, its up-projection added in the epilogue (``kernel.lora``)
+- ``int8_linear_planned`` / ``int8_gemm_planned`` / ``int8_gemm_lora_planned``: the call and a
+  ``kernel.plan.Plan`` that repeats it with less
   host work for operands of the same signature
 - ``int8_linear_op(...)``: the same through the ``torch.ops.int8_fused.linear`` custom op (torch.compile)
 
@@ -26,10 +29,10 @@ from . import config  # noqa: F401  (kernel.config)
 from .checks import (FLOAT_IN, check_2d, check_usable, gemm_operands, small_m_operands,  # noqa: F401
                      smooth_vector, triton_status)
 from .config import force_generation, gemm_switches  # noqa: F401  (kernel.gemm_switches)
-from .linear import (SMALL_M_MAX_K, SMALL_M_ROWS, int8_gemm, int8_gemm_planned, int8_linear,  # noqa: F401
-                     int8_linear_planned, quantize_per_token)
+from .linear import (SMALL_M_MAX_K, SMALL_M_ROWS, int8_gemm, int8_gemm_lora, int8_gemm_lora_planned,  # noqa: F401
+                     int8_gemm_planned, int8_linear, int8_linear_planned, quantize_per_token)
 from .ops import linear_op as int8_linear_op, register_ops  # noqa: F401  (torch only: registers nothing at import)
 
 __all__ = ["triton_status", "quantize_per_token", "int8_gemm", "int8_linear", "int8_linear_planned",
-           "int8_gemm_planned", "int8_linear_op",
+           "int8_gemm_planned", "int8_gemm_lora", "int8_gemm_lora_planned", "int8_linear_op",
            "register_ops"]

@@ -128,6 +128,31 @@ def gemm_operands(a_q, a_scale, w_q, w_scale, bias, out_dtype, out_int32=False):
     return a_scale, w_scale, bias
 
 
+LORA_CHUNK = 16  # the rank of a LoRA in the GEMM's epilogue is a multiple of this (kernel.gemm.lora_up)
+
+
+def lora_operands(a_q, a_scale, d, u, n: int, out_dtype) -> None:
+    """The LoRA-in-the-epilogue GEMM's checks (``kernel.int8_gemm_lora``) beyond ``gemm_operands``: d [R, K] and
+    u [N, R] contiguous in the output dtype (bf16 / fp16), R a positive multiple of ``LORA_CHUNK`` (pad with zero
+    rows / columns), the per-token scale contiguous, a_q with unit column stride, all on a_q's device."""
+    m, k = a_q.shape
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"a LoRA in the GEMM epilogue needs a bf16 or fp16 output, not {out_dtype}")
+    for name, t, shape in (("lora down", d, (None, k)), ("lora up", u, (n, None))):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != out_dtype or t.device != a_q.device:
+            raise ValueError(f"{name} must be a 2-D {out_dtype} tensor on {a_q.device}, got "
+                             f"{(t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor) else type(t)}")
+        if any(want is not None and got != want for got, want in zip(t.shape, shape)) or not t.is_contiguous():
+            raise ValueError(f"{name} has shape {tuple(t.shape)} (contiguous: {t.is_contiguous()}); expected a "
+                             f"contiguous {['[R, %d]' % k, '[%d, R]' % n][name == 'lora up']}")
+    r = d.shape[0]
+    if r <= 0 or r % LORA_CHUNK or u.shape[1] != r:
+        raise ValueError(f"lora down [{r}, K] and up [N, {u.shape[1]}] must share a rank that is a positive "
+                         f"multiple of {LORA_CHUNK} (pad with zeros)")
+    if a_q.stride(1) != 1 or a_scale.stride(0) != 1:
+        raise ValueError("the LoRA GEMM reads a_q with unit column stride and a contiguous a_scale")
+
+
 def small_m_operands(x, w_q, w_scale, bias, inv_smooth, out_dtype):
     """The one-launch small-M linear's checks (those of quantize_per_token and int8_gemm); returns (inv_smooth fp32
     [K] | None, w_scale fp32 [N] or a broadcast scalar, bias [N] | None) on x's device."""

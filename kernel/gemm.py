@@ -122,14 +122,41 @@ def dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, strid
     return out
 
 
+@triton.jit
+def dot16(a, b, acc, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` for bf16 / fp16 operands, the products summed in fp32. NOTE: Triton 3.6's interpreter
+    multiplies bf16 operands as their raw bits; there the operands go in as fp32 (exact) with IEEE products."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def lora_up(out, lh_ptr, lu_ptr, rows, offs_wn, stride_lh, stride_lu, LORA_R: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """``out + h[rows, :] @ u[offs_wn, :].T`` in fp32: a LoRA's up-projection added in the epilogue (h [M, R] the
+    low-rank activations, u [N, R] the up weights times their scales, both bf16 or fp16 with unit last stride; rows
+    and columns in range). R (a multiple of ``kernel.checks.LORA_CHUNK``) is taken 16 at a time (a loop, not
+    unrolled), so the operands held at once stay small beside the main loop's buffers; on sm_90 each step is one
+    bf16 wgmma into the dequantized tile's registers (no layout change: tests/test_lora_gemm.py)."""
+    offs_r = tl.arange(0, 16)
+    h_ptrs = lh_ptr + rows[:, None].to(tl.int64) * stride_lh + offs_r[None, :]
+    u_ptrs = lu_ptr + offs_wn[None, :].to(tl.int64) * stride_lu + offs_r[:, None]
+    for _ in range(0, LORA_R, 16):
+        out = dot16(tl.load(h_ptrs), tl.load(u_ptrs), out, INTERPRET)
+        h_ptrs += 16
+        u_ptrs += 16
+    return out
+
+
 @triton.jit(do_not_specialize=["M", "DP_TILES"])
 def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, cnt_ptr,
                       M, N, K, DP_TILES, K_PIECE,
                       stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
-                      stride_as, stride_ws, stride_bias,
+                      stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr,
-                      EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+                      EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr, LORA_R: tl.constexpr):
     # SPLIT > 1 (the tail split, ``kernel.tailsplit``): programs below DP_TILES run whole tiles; the rest run
     # K_PIECE-long pieces of the last tiles, SPLIT a tile, and the last piece of a tile to finish sums the
     # pieces' exact int32 partials (any order: same sum) and runs the epilogue.
@@ -143,7 +170,8 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
     acc, finish = tile_sum(acc, tile, part_ptr, cnt_ptr, DP_TILES, BLOCK_M, BLOCK_N, SPLIT)
     if finish:  # a constant True without the split: no branch
         _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
-                       stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, OUT_INT32, INTERPRET)
+                       stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu, BLOCK_M, BLOCK_N,
+                       HAS_BIAS, OUT_INT32, INTERPRET, LORA_R)
 
 
 @triton.jit
@@ -177,9 +205,10 @@ def acc_tile_tma(a_desc, w_desc, off_m, off_n, k_lo, k_len, BLOCK_M: tl.constexp
 @triton.jit(do_not_specialize=["M", "DP_TILES"])
 def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_ptr, part_ptr, cnt_ptr, M, N, K,
                                  DP_TILES, K_PIECE, stride_as, stride_ws, stride_bias, NUM_PROGS,
+                                 lh_ptr, lu_ptr, stride_lh, stride_lu,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                                 INTERPRET: tl.constexpr):
+                                 INTERPRET: tl.constexpr, LORA_R: tl.constexpr):
     # The same GEMM as _int8_gemm_kernel (same sums, same epilogue arithmetic: same output bits) as a persistent
     # kernel: NUM_PROGS programs (a runtime value: one binary for any grid) loop over the tiles in grouped order,
     # A / W tiles come through TMA descriptors (rows / K past the end read as zero) and the output tile leaves
@@ -192,7 +221,8 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
         pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
         _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
-                          stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET)
+                          stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu, BLOCK_M, BLOCK_N,
+                          HAS_BIAS, INTERPRET, LORA_R)
     if SPLIT > 1:
         q = tl.program_id(0)
         tile = DP_TILES + q // SPLIT
@@ -204,18 +234,22 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
             acc, last = sum_pieces(acc, part_ptr, cnt_ptr, tile - DP_TILES, q % SPLIT, BLOCK_M, BLOCK_N, SPLIT)
             if last:
                 _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
-                                  stride_as, stride_ws, stride_bias, BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET)
+                                  stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu,
+                                  BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET, LORA_R)
 
 
 @triton.jit
 def _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, off_m, off_n, M, N, stride_as, stride_ws, stride_bias,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
-    """The persistent kernel's epilogue: ``dequant`` of the int32 tile at (``off_m``, ``off_n``), stored through
-    ``c_desc`` in two halves (clipped at M / N)."""
+                      lh_ptr, lu_ptr, stride_lh, stride_lu, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, LORA_R: tl.constexpr):
+    """The persistent kernel's epilogue: ``dequant`` of the int32 tile at (``off_m``, ``off_n``) (plus the LoRA
+    up-projection, ``lora_up``), stored through ``c_desc`` in two halves (clipped at M / N)."""
     HALF: tl.constexpr = BLOCK_N // 2
     offs_cm = off_m + tl.arange(0, BLOCK_M)
     offs_wn = (off_n + tl.arange(0, BLOCK_N)) % N  # a column tail wraps; the store clips it
     out = dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias, HAS_BIAS)
+    if LORA_R > 0:
+        out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET)
     if INTERPRET and c_desc.dtype == tl.bfloat16:  # round as compiled code does (see _store_out)
         y = _to_bf16_rne_bits(out)
     else:
@@ -227,8 +261,9 @@ def _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, off_m, off_n, M, N,
 
 @triton.jit
 def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
-                   stride_as, stride_ws, stride_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr, INTERPRET: tl.constexpr):
+                   stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr, INTERPRET: tl.constexpr,
+                   LORA_R: tl.constexpr):
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
@@ -238,6 +273,8 @@ def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, 
     else:
         out = dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                        HAS_BIAS)
+        if LORA_R > 0:
+            out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET)
         _store_out(c_ptrs, out, c_mask, INTERPRET)
 
 
@@ -399,30 +436,45 @@ def _later(dev, n: int, k: int, key: str, ckey: tuple, cands: list, launcher, op
 
 
 def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                     bias: torch.Tensor | None, out: torch.Tensor, cfg: dict) -> torch.Tensor:
+                     bias: torch.Tensor | None, out: torch.Tensor, cfg: dict, lora: tuple | None = None
+                     ) -> torch.Tensor:
     """Runs the kernel with one config into ``out`` (int32 or float [M, N]); inputs already validated,
     M, N, K > 0. ``a_scale``/``w_scale``/``bias`` may have stride 0 (a broadcast scalar). ``cfg["SPLIT"]`` > 1:
-    the tiles of the last partial wave run in K pieces (``tail_layout``); same int32 sums, same output bits."""
+    the tiles of the last partial wave run in K pieces (``tail_layout``); same int32 sums, same output bits.
+    ``lora`` = (h [M, R], u [N, R]) (checked by ``kernel.checks.lora_operands``: out's bf16 / fp16 dtype,
+    contiguous, R a multiple of ``kernel.checks.LORA_CHUNK``): the epilogue adds ``h @ u.T`` in fp32 before the
+    one rounding."""
     m, k = a_q.shape
     n = w_q.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = -(-m // bm) * -(-n // bn)  # integer ceil: triton.cdiv is a ConstexprFunction (~2 us a call)
     out_int32 = out.dtype == torch.int32
     has_bias = bias is not None and not out_int32
+    lora_args, lora_r = lora_launch_args(lora, a_scale)
     if cfg.get("PERSIST") and persistent_ok(a_q, w_q, out):
-        _launch_persistent(a_q, a_scale, w_q, w_scale, bias if has_bias else None, out, cfg, tiles)
+        _launch_persistent(a_q, a_scale, w_q, w_scale, bias if has_bias else None, out, cfg, tiles, lora_args,
+                           lora_r)
         return out
     progs, dp, k_piece, split, part, cnt, opts = split_launch(cfg, tiles, k, a_q.device, a_scale)
     run_launch(cfg, _int8_gemm_kernel, (progs,),
                (a_q, w_q, out, a_scale, w_scale, bias if has_bias else a_scale, part, cnt,
                 m, n, k, dp, k_piece,
                 a_q.stride(0), a_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
-                a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0),
+                a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0, *lora_args),
                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
                     HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0, SPLIT=split,
-                    INTERPRET=_quantize.INTERPRET, **opts),
+                    INTERPRET=_quantize.INTERPRET, LORA_R=lora_r, **opts),
                a_q.device)
     return out
+
+
+def lora_launch_args(lora: tuple | None, dummy: torch.Tensor) -> tuple[tuple, int]:
+    """(the GEMM kernels' LoRA arguments ``lh_ptr, lu_ptr, stride_lh, stride_lu``, ``LORA_R``) for ``lora`` = (h,
+    u) or None (then ``dummy`` stands in for both pointers and LORA_R is 0: the epilogue has no LoRA code)."""
+    if lora is None:
+        return (dummy, dummy, 0, 0), 0
+    h, u = lora
+    return (h, u, h.stride(0), u.stride(0)), h.shape[1]
 
 
 def persistent_ok(a_q: torch.Tensor, w_q: torch.Tensor, out: torch.Tensor) -> bool:
@@ -443,7 +495,8 @@ def persistent_programs(tiles: int, device: torch.device) -> int:
     return min(tiles, sm_count(device) if device.type == "cuda" else 4)
 
 
-def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: int) -> None:
+def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: int, lora_args: tuple,
+                       lora_r: int) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
     m, k = a_q.shape
     n = w_q.shape[0]
@@ -456,9 +509,9 @@ def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: 
                 TensorDescriptor(w_q, [n, k], [w_q.stride(0), 1], [bn, bk]),
                 TensorDescriptor(out, [m, n], [out.stride(0), 1], [bm, bn // 2]),
                 a_scale, w_scale, a_scale if bias is None else bias, part, cnt, m, n, k, dp, k_piece,
-                a_scale.stride(0), w_scale.stride(0), 0 if bias is None else bias.stride(0), progs),
+                a_scale.stride(0), w_scale.stride(0), 0 if bias is None else bias.stride(0), progs, *lora_args),
                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-                    HAS_BIAS=bias is not None, SPLIT=split, INTERPRET=_quantize.INTERPRET),
+                    HAS_BIAS=bias is not None, SPLIT=split, INTERPRET=_quantize.INTERPRET, LORA_R=lora_r),
                dev)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import FLOAT_IN, check_2d, check_usable, gemm_operands, small_m_operands, smooth_vector
+from .checks import FLOAT_IN, check_2d, check_usable, gemm_operands, lora_operands, small_m_operands, smooth_vector
 
 _MODS: dict[str, object] = {}  # kernel modules, imported (with triton) on the first launch
 
@@ -18,6 +18,8 @@ def _mod(name: str):
     if mod is None:
         if name == "gemm":
             from . import gemm as mod
+        elif name == "lora":
+            from . import lora as mod
         else:
             from . import quantize as mod
         _MODS[name] = mod
@@ -74,6 +76,45 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
     gemm = _mod("gemm")
     cfg = gemm.select_config(a_q, a_scale, w_q, w_scale, bias, out)
     return gemm.launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, cfg)
+
+
+def int8_gemm_lora(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                   bias: torch.Tensor | None, lora_down: torch.Tensor, lora_up: torch.Tensor,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``int8_gemm`` plus a LoRA from the same int8 input, in two launches: ``h = (a_q @ lora_down.T) * a_scale``
+    (``kernel.lora``; [M, R] in ``out_dtype``, the sum in fp32), then the GEMM with ``h @ lora_up.T`` added in its
+    epilogue in fp32 before the one rounding. ``lora_down`` [R, K], ``lora_up`` [N, R] (scales folded in):
+    contiguous, in ``out_dtype`` (bf16 / fp16), R a multiple of ``kernel.checks.LORA_CHUNK`` (zero-padded).
+    Against ``int8_gemm`` + a float ``addmm`` of the same h: the output is rounded once instead of twice."""
+    return _int8_gemm_lora(a_q, a_scale, w_q, w_scale, bias, lora_down, lora_up, out_dtype)[0]
+
+
+def _int8_gemm_lora(a_q, a_scale, w_q, w_scale, bias, lora_down, lora_up, out_dtype):
+    """``int8_gemm_lora``: (out, the temporaries it allocated before out)."""
+    a_scale, w_scale, bias = gemm_operands(a_q, a_scale, w_q, w_scale, bias, out_dtype)
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    lora_operands(a_q, a_scale, lora_down, lora_up, n, out_dtype)
+    if m == 0 or n == 0 or k == 0:
+        return int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype), ()  # no LoRA term: h is 0
+    check_usable(a_q, "int8_gemm_lora")
+    h = torch.empty((m, lora_down.shape[0]), dtype=out_dtype, device=a_q.device)
+    _mod("lora").launch_lora_down(a_q, a_scale, lora_down, h)
+    out = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    gemm = _mod("gemm")
+    cfg = gemm.select_config(a_q, a_scale, w_q, w_scale, bias, out)
+    gemm.launch_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out, cfg, lora=(h, lora_up))
+    return out, (h,)
+
+
+def int8_gemm_lora_planned(a_q, a_scale, w_q, w_scale, bias, lora_down, lora_up, out_dtype=torch.bfloat16):
+    """``int8_gemm_lora(...)`` and a ``kernel.plan.Plan`` repeating it:
+    ``plan(a_q, a_scale, w_q, w_scale, bias, lora_down, lora_up)``."""
+    from . import launch, plan
+    with launch.record() as rec:
+        out, temps = _int8_gemm_lora(a_q, a_scale, w_q, w_scale, bias, lora_down, lora_up, out_dtype)
+    return out, plan.build(rec, (a_q, a_scale, w_q, w_scale, bias, lora_down, lora_up), (*temps, out), out,
+                           out.device)
 
 
 SMALL_M_ROWS = 16             # rows up to here run the one-launch kernel (adaLN / time-embedding GEMVs)

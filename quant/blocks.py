@@ -141,7 +141,21 @@ def compiling() -> bool:
 
 def gemm(a_q, a_s, layer, dtype):
     """``layer``'s int8 GEMM from an already-quantized input (int8 [M, K], fp32 [M]) -> [M, N] in ``dtype``
-    (``Int8Linear.gemm_call``: ComfyUI's cast when ComfyUI manages the weights, prepared launches)."""
+    (``Int8Linear.gemm_call``: ComfyUI's cast when ComfyUI manages the weights, prepared launches). A LoRA after
+    Apply (``quant.lora``) reads the same int8 input: its up-projection is added in the GEMM's epilogue
+    (``Int8Linear.gemm_lora_call``), or where that cannot run (torch.compile tracing, a float32 model, a failed
+    build: :func:`lora_epilogue_state`) as a small GEMM pair beside it."""
+    lora = layer.derived.lora
+    if lora is not None and _LORA_EPILOGUE_OFF is None and not compiling() and dtype in _LORA_DTYPES \
+            and not rotation(layer) and a_q.stride(-1) == 1 and a_s.is_contiguous():
+        ops = lora.epilogue(a_q.device, dtype, inv_smooth_of(layer, a_q.device))
+        if ops is not None:
+            try:
+                y = layer.gemm_lora_call(a_q, a_s, dtype, *ops)
+            except Exception as e:  # a kernel build that fails on this GPU / Triton: the branch pair instead
+                _lora_epilogue_off(e)
+            else:
+                return lora.add_bias(y)
     if compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
         with layer.operands(a_q.device) as t:
             y = torch.ops.int8_fused.gemm_dequant(a_q, a_s, t.qweight, t.weight_scale, t.bias, dtype)
@@ -155,6 +169,25 @@ def gemm(a_q, a_s, layer, dtype):
                            "pre-quantized input; load that LoRA BEFORE 'Apply Fused INT8 GEMM'")
     # LoRA after Apply (quant.lora): the low-rank branch reads the same int8 input, added to the output
     return lora.add_quantized(a_q, a_s, y, inv_smooth_of(layer, a_q.device))
+
+
+_LORA_DTYPES = (torch.bfloat16, torch.float16)
+_LORA_EPILOGUE_OFF: str | None = None  # why the LoRA epilogue GEMM is off in this process, else None
+
+
+def _lora_epilogue_off(e: BaseException) -> None:
+    global _LORA_EPILOGUE_OFF
+    _LORA_EPILOGUE_OFF = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    log.warning("INT8 LoRA: the LoRA-in-the-epilogue GEMM failed (%s); LoRAs after Apply run as a GEMM pair beside "
+                "the int8 GEMM for the rest of this process (slower, same results within rounding)",
+                _LORA_EPILOGUE_OFF)
+
+
+def lora_epilogue_state() -> str:
+    """How a LoRA after Apply runs on the fused path in this process (for the dispatch report)."""
+    if _LORA_EPILOGUE_OFF is not None:
+        return f"a GEMM pair beside the int8 GEMM (the epilogue GEMM failed: {_LORA_EPILOGUE_OFF})"
+    return "up-projection in the int8 GEMM's epilogue"
 
 
 def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):
@@ -181,9 +214,16 @@ def act_quant(x2, inv_smooth):
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; a fused_triton Int8Linear runs as quantize + GEMM here (the same two kernels its backend
     launches) so that torch.compile sees the custom ops instead of the backend registry. A layer with LoRA branches
-    runs its module call (the branch then reads the float input ``x``)."""
-    if not fusable(layer) or layer.derived.lora is not None:
+    runs as quantize + :func:`gemm`, which adds the LoRA from the int8 input as in a fused block (while
+    torch.compile traces: its module call, the branch reading the float input ``x``)."""
+    if not fusable(layer):
         return layer(x)
+    if layer.derived.lora is not None:
+        if compiling():
+            return layer(x)
+        lead, k = x.shape[:-1], x.shape[-1]
+        a_q, a_s = act_quant(x.reshape(-1, k), inv_smooth_of(layer, x.device))
+        return gemm(a_q, a_s, layer, x.dtype).reshape(*lead, -1)
     if not compiling():
         return layer.int8_call(x)  # the same two kernels, prepared (Int8Linear.int8_call)
     lead, k = x.shape[:-1], x.shape[-1]

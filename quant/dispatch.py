@@ -425,8 +425,8 @@ def _dispatch_layers(model) -> list:
 
 def counts(model) -> dict:
     """What the ``fused_triton`` Int8Linear layers of ``model`` (a module or an iterable of modules) ran:
-    {"layers", "int8_layers", "float_layers", "int8_calls", "float_calls", "float_shapes": sorted
-    ["M<=b NxK", ...]} (a layer that ran both paths counts in both)."""
+    {"layers", "int8_layers", "float_layers", "int8_calls", "float_calls", "lora_layers" (carrying LoRA branches this
+    run), "float_shapes": sorted ["M<=b NxK", ...]} (a layer that ran both paths counts in both)."""
     layers = _dispatch_layers(model)
     shapes = set()
     for m in layers:
@@ -437,6 +437,7 @@ def counts(model) -> dict:
             "float_layers": sum(1 for m in layers if m.dispatch_calls[FLOAT]),
             "int8_calls": sum(m.dispatch_calls[INT8] for m in layers),
             "float_calls": sum(m.dispatch_calls[FLOAT] for m in layers),
+            "lora_layers": sum(1 for m in layers if m.derived.lora is not None),
             "float_shapes": [f"M<={b} {n}x{k}" + (" (forced)" if forced else "") for b, n, k, forced in sorted(shapes)]}
 
 
@@ -460,4 +461,8 @@ def report_line(model) -> str | None:
         return line
     from ..kernel import s8wgmma
     s8 = s8wgmma.state()
-    return f"{line}; {s8}" if s8 else line
+    line = f"{line}; {s8}" if s8 else line
+    if c["lora_layers"]:  # how their LoRAs ran on the fused path (quant.blocks.gemm)
+        from .blocks import lora_epilogue_state
+        line += f"; LoRA on {c['lora_layers']} layers: {lora_epilogue_state()}"
+    return line

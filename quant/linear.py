@@ -48,6 +48,9 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (layer, device) -> (weight, bias, release): ComfyUI's cast for a layer ComfyUI manages. Set by
 # nodes/comfy_cast.py when ComfyUI is there; None in plain torch (tests, benches without ComfyUI).
 _COMFY_CAST: Callable | None = None
+# Int8Linear._planned's kernel calls: name -> (the checked entry point, its planned form) in ``kernel``
+_CALLS = {"linear": ("int8_linear", "int8_linear_planned"), "gemm": ("int8_gemm", "int8_gemm_planned"),
+          "gemm_lora": ("int8_gemm_lora", "int8_gemm_lora_planned")}
 
 
 def set_comfy_cast(fn: Callable | None) -> None:
@@ -451,12 +454,30 @@ class Int8Linear(nn.Module):
             if release is not None:
                 release()
 
+    def gemm_lora_call(self, a_q: torch.Tensor, a_s: torch.Tensor, dtype: torch.dtype, down: torch.Tensor,
+                       up: torch.Tensor) -> torch.Tensor:
+        """:meth:`gemm_call` plus a LoRA read from the same int8 input, its up-projection added in the GEMM's
+        epilogue (``kernel.int8_gemm_lora``; ``down`` [R, K] / ``up`` [N, R] from ``quant.lora.Branches.epilogue``),
+        prepared like :meth:`gemm_call`."""
+        if self._resident(a_q.device):
+            p = self._parameters
+            return self._planned(("gemm_lora", a_q.shape, dtype), (a_q, a_s, p["weight"],
+                                                                   self.__dict__["weight_scale"], p.get("bias"), down,
+                                                                   up), dtype)
+        t, release = self._fetch(a_q.device)
+        try:
+            return self._planned(("gemm_lora", a_q.shape, dtype), (a_q, a_s, t.qweight, t.weight_scale, t.bias, down,
+                                                                   up), dtype)
+        finally:
+            if release is not None:
+                release()
+
     def _int8_run(self, x, w, ws, b, inv):
         """``kernel.int8_linear`` with these operands (the layer's own or fetched ones), through a plan."""
         return self._planned(("linear", x.shape, x.dtype), (x, w, ws, b, inv), x.dtype)
 
     def _planned(self, key: tuple, ops: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The kernel call ``key[0]`` ("linear" / "gemm") on ``ops``: the plan kept for ``key`` when the operands'
+        """The kernel call ``key[0]`` ("linear" / "gemm" / "gemm_lora", ``_CALLS``) on ``ops``: the plan kept for ``key`` when the operands'
         signatures match it, else the checked call, recording a new plan (``kernel.plan``). Plans hold
         no tensor, only launches, so nothing goes stale when ComfyUI moves or swaps the weights: a changed operand
         signature just fails the plan's check."""
@@ -468,9 +489,10 @@ class Int8Linear(nn.Module):
             y = plan(*ops)
             if y is not None:
                 return y
+        checked, planned = _CALLS[key[0]]
         if plan is False or _launch.dry_run():  # cannot be planned (no launch, a converted operand), or a dry run
-            return k.int8_linear(*ops, out_dtype=dtype) if key[0] == "linear" else k.int8_gemm(*ops, out_dtype=dtype)
-        y, plan = (k.int8_linear_planned if key[0] == "linear" else k.int8_gemm_planned)(*ops, out_dtype=dtype)
+            return getattr(k, checked)(*ops, out_dtype=dtype)
+        y, plan = getattr(k, planned)(*ops, out_dtype=dtype)
         if len(plans) >= 32:  # a handful of call shapes a layer; bounded for varying ones
             plans.clear()
         plans[key] = plan if plan is not None else False

@@ -172,6 +172,32 @@ class Branches:
             hit = self._dev[key] = (inv_smooth, (d.float() / inv_smooth.float()).to(d.dtype))
         return hit[1]
 
+    def epilogue(self, device: torch.device, dtype: torch.dtype, inv_smooth: torch.Tensor | None):
+        """(down [R', K], up [N, R']) for the LoRA-in-the-epilogue GEMM (``kernel.int8_gemm_lora``) on an input read
+        as int8 codes of ``x * inv_smooth``: D with the smoothing folded in (:meth:`down_from_codes`) and U with the
+        scales, both contiguous in ``dtype``, the rank zero-padded to a multiple of ``kernel.checks.LORA_CHUNK``; made
+        once per device, dtype and smoothing vector. None without low-rank terms (bias adds only)."""
+        d, u, _ = self.operands(device, dtype)
+        if d is None:
+            return None
+        key = (device, dtype, "epilogue")
+        hit = self._dev.get(key)
+        if hit is None or hit[0] is not inv_smooth:
+            ds = self.down_from_codes(d, inv_smooth)
+            r = ds.shape[0]
+            rp = -(-r // 16) * 16
+            down = torch.zeros((rp, self.k), device=device, dtype=dtype)
+            up = torch.zeros((self.n, rp), device=device, dtype=dtype)
+            down[:r] = ds
+            up[:, :r] = u
+            hit = self._dev[key] = (inv_smooth, (down, up))
+        return hit[1]
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the bias adds (``diff`` patches on the layer's bias), in y's dtype."""
+        b = self.operands(y.device, y.dtype)[2]
+        return y if b is None else y + b
+
     def add_quantized(self, a_q: torch.Tensor, a_s: torch.Tensor, y: torch.Tensor,
                       inv_smooth: torch.Tensor | None = None) -> torch.Tensor:
         """``y`` (the int8 GEMM's output [M, N]) plus the branches, the down-projection read from the GEMM's own

@@ -331,3 +331,46 @@ def test_branch_from_int8_codes_rounds_once_per_step(pack, dtype):
         @ up.double().abs().t()
     eps = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
     assert ((out.double() - ref).abs() <= (k + r + 4) * eps * mag).all()
+
+
+@pytest.mark.slow
+def test_bf16_lora_after_apply_runs_in_the_gemm_epilogue(env, tiny_model):
+    """A bf16 model on fused_triton, through ComfyUI's LoRA loader and sampler: every targeted layer's LoRA runs
+    inside its GEMM (``kernel.int8_gemm_lora``: the down-projection from the GEMM's int8 input, the up-projection
+    in the epilogue) and the branch pair never runs; with the epilogue GEMM off, the branch pair runs on each.
+    The numerics are tests/test_lora_gemm.py's (a layer against float64). Here, in a width-128 bf16 model, one
+    bf16 rounding anywhere moves the latent by about the int8 error (the pair and the epilogue differ by one
+    rounding at four outputs: 0.14 against an int8 error of 0.17), so the whole-sample checks are on the LoRA's
+    effect (strength 2): ``||(E - E0) - (F - F0)|| <= 0.5 ||F - F0||`` (E, E0: the pack with / without the LoRA;
+    F, F0: the bf16 float model with the LoRA patched by ComfyUI / without) and ``||E - P|| <= 0.35 ||F - F0||``
+    (P: the branch pair)."""
+    pack, cs, nodes, folder = env
+    import comfy.model_management as mm
+    loader = nodes.LoraLoaderModelOnly()
+    mp = tiny_model("flux", dtype=torch.bfloat16)
+    _lora_file(folder, mp, "bf16.safetensors", TARGETS, rank=16, seed=5)
+    q = pack.nodes.apply.ApplyFusedInt8GEMM().apply(mp, "fused_triton")[0]
+    e0 = _sample(cs, q)
+    ran, epi = [], []
+    br, lin = pack.quant.lora.Branches, pack.quant.linear.Int8Linear
+    with pytest.MonkeyPatch.context() as mp_:
+        for name in ("add", "add_quantized"):
+            mp_.setattr(br, name, lambda self, *a, _f=getattr(br, name), _n=name: ran.append(_n) or _f(self, *a))
+        mp_.setattr(lin, "gemm_lora_call", lambda self, *a, _f=lin.gemm_lora_call: epi.append(self) or _f(self, *a))
+        e1 = _sample(cs, loader.load_lora_model_only(q, "bf16.safetensors", 2.0)[0])
+    assert ran == [] and len(epi) == len(TARGETS), (ran, epi)
+    assert pack.quant.blocks.lora_epilogue_state() == "up-projection in the int8 GEMM's epilogue"
+    mm.unload_all_models()
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(pack.quant.blocks, "_LORA_EPILOGUE_OFF", "off for the test")
+        with pytest.MonkeyPatch.context() as mp2:
+            mp2.setattr(br, "add_quantized", lambda self, *a, _f=br.add_quantized: ran.append(1) or _f(self, *a))
+            p1 = _sample(cs, loader.load_lora_model_only(q, "bf16.safetensors", 2.0)[0])
+        assert len(ran) == len(TARGETS)
+    mm.unload_all_models()
+    f0 = _sample(cs, mp)
+    f1 = _sample(cs, loader.load_lora_model_only(mp, "bf16.safetensors", 2.0)[0])
+    assert not torch.equal(e1, p1)  # one rounding fewer: not the pair's bits
+    lora = (f1 - f0).norm()
+    assert ((e1 - e0) - (f1 - f0)).norm() <= 0.5 * lora, (((e1 - e0) - (f1 - f0)).norm(), lora)
+    assert (e1 - p1).norm() <= 0.35 * lora, ((e1 - p1).norm(), lora)
