@@ -57,6 +57,10 @@ SWITCHES = {s.name: s for s in (
            "sm_90, with `INT8_FUSED_TUNE=background`: the s8 wgmma builds are compiled between samples, and until "
            "then the calls run Triton's int8 build of the same tiles (the same output bits, a slower instruction); "
            "`0`: the first call of a model waits for them"),
+    Switch("INT8_FUSED_LORA_EPILOGUE", bool, True,
+           "a LoRA loaded after Apply on a bf16 / fp16 fused layer: its down-projection reads the GEMM's int8 input "
+           "and its up-projection is added in the GEMM's epilogue (`kernel/lora.py`); `0`: two small GEMMs beside "
+           "the int8 GEMM (the path that also runs under torch.compile and for float32 models)"),
     Switch("INT8_FUSED_ATTN_INT8_AUTO", bool, False,
            "`1`: the Apply node's attention `auto` also times the pack's INT8 attention kernel (`int8`, "
            "approximate: int8 Q·Kᵀ) and may pick it; unset, `auto` chooses among the exact SDPA backends only"),

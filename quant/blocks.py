@@ -147,7 +147,8 @@ def gemm(a_q, a_s, layer, dtype):
     build: :func:`lora_epilogue_state`) as a small GEMM pair beside it."""
     lora = layer.derived.lora
     if lora is not None and _LORA_EPILOGUE_OFF is None and not compiling() and dtype in _LORA_DTYPES \
-            and not rotation(layer) and a_q.stride(-1) == 1 and a_s.is_contiguous():
+            and not rotation(layer) and a_q.stride(-1) == 1 and a_s.is_contiguous() \
+            and config.get("INT8_FUSED_LORA_EPILOGUE"):
         ops = lora.epilogue(a_q.device, dtype, inv_smooth_of(layer, a_q.device))
         if ops is not None:
             try:
@@ -185,6 +186,8 @@ def _lora_epilogue_off(e: BaseException) -> None:
 
 def lora_epilogue_state() -> str:
     """How a LoRA after Apply runs on the fused path in this process (for the dispatch report)."""
+    if not config.get("INT8_FUSED_LORA_EPILOGUE"):
+        return "a GEMM pair beside the int8 GEMM (INT8_FUSED_LORA_EPILOGUE=0)"
     if _LORA_EPILOGUE_OFF is not None:
         return f"a GEMM pair beside the int8 GEMM (the epilogue GEMM failed: {_LORA_EPILOGUE_OFF})"
     return "up-projection in the int8 GEMM's epilogue"

@@ -226,6 +226,10 @@ def test_a_failed_epilogue_build_falls_back_to_the_branch_pair_and_says_so(monke
                                                        out_dtype=torch.bfloat16))
     epi = qb.linear(layer, x)
     assert not torch.equal(epi, pair) and qb.lora_epilogue_state() == "up-projection in the int8 GEMM's epilogue"
+    from kernel import config
+    with config.override(INT8_FUSED_LORA_EPILOGUE=False):  # the switch: the pair, said so
+        assert torch.equal(qb.linear(layer, x), pair)
+        assert "INT8_FUSED_LORA_EPILOGUE=0" in qb.lora_epilogue_state()
 
     def fail(*a):
         raise RuntimeError("out of resource: shared memory, Required: 300000, Hardware limit: 232448")
