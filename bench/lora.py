@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
+import contextlib
 import json
 import os
 import shutil
@@ -49,6 +51,39 @@ def lora_file(folder: Path, name: str, sd: dict, prefixes: tuple, rank: int, see
         out[f"{p}.alpha"] = torch.tensor(float(rank))
     save_file(out, str(folder / name))
     return len(out) // 3
+
+
+@contextlib.contextmanager
+def lora_paths(pack):
+    """Counts, inside, how the INT8 layers' LoRAs ran: ``epilogue`` (``Int8Linear.gemm_lora_call``: in the GEMM),
+    ``pair_codes`` (``Branches.add_quantized``: the GEMM pair on the int8 input), ``pair_float`` (``Branches.add``:
+    a module call's pair on the float input)."""
+    counts = collections.Counter()
+    br, lin = pack.quant.lora.Branches, pack.quant.linear.Int8Linear
+    saved = [(br, "add_quantized", "pair_codes"), (br, "add", "pair_float"), (lin, "gemm_lora_call", "epilogue")]
+    originals = [getattr(c, n) for c, n, _ in saved]
+    for (cls, name, label), f in zip(saved, originals):
+        setattr(cls, name, lambda self, *x, _f=f, _l=label: counts.update([_l]) or _f(self, *x))
+    try:
+        yield counts
+    finally:
+        for (cls, name, _), f in zip(saved, originals):
+            setattr(cls, name, f)
+
+
+def profiled(run, steps: int, top: int = 15) -> dict:
+    """One ``run()`` (a whole sample) under torch.profiler: GPU kernel time a step and the ``top`` kernels by
+    total time ({name, ms_per_step, calls_per_step})."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in rows) / 1e3 / steps
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    return {"gpu_ms_per_step": total,
+            "top": [{"name": e.key[:90], "ms_per_step": e.self_device_time_total / 1e3 / steps,
+                     "calls_per_step": e.count / steps} for e in rows[:top]]}
 
 
 def run_model(a, name: str, pack, dev, folder: Path) -> dict:
@@ -103,6 +138,11 @@ def run_model(a, name: str, pack, dev, folder: Path) -> dict:
             outs[count] = first
             rows.append({"loras": count, "rank": a.rank, "layers": layers[0] if count else 0,
                          "first_sample_s": t_first, "samples_s": times, "s_per_step": min(times) / a.steps})
+            with lora_paths(pack) as paths:
+                sample(m)
+            rows[-1]["lora_paths_per_sample"] = dict(paths)
+            if a.profile and dev.type == "cuda":
+                rows[-1]["gpu_kernels"] = profiled(lambda: sample(m), a.steps)
             if dev.type == "cuda":
                 rows[-1]["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
             log(f"{name} {count} LoRA: {min(times) / a.steps:.4f} s/step (first sample {t_first:.2f} s)")
@@ -146,6 +186,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also one sample of each row under torch.profiler: GPU time a step, its top kernels")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(HERE / "results" / "h200-lora.json"))
     a = ap.parse_args()
