@@ -186,6 +186,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--tiny", action="store_true", help="shrunken models (smoke runs)")
+    ap.add_argument("--lora-step", type=int, default=0,
+                    help="the widest rank step of the GEMM epilogue's LoRA (kernel.gemm.LORA_STEP_MAX; 0: its default)")
+    ap.add_argument("--down-rows", type=int, default=0,
+                    help="rows a program of the LoRA down-projection (kernel.lora.LORA_DOWN_BM; 0: its default)")
     ap.add_argument("--profile", action="store_true",
                     help="also one sample of each row under torch.profiler: GPU time a step, its top kernels")
     ap.add_argument("--device", default="cuda")
@@ -201,6 +205,12 @@ def main() -> int:
     from bench.lib import e2e
     from bench.lib import provenance
     pack = e2e.load_pack()
+    import importlib
+    kg, kl = (importlib.import_module(f"{pack.kernel.__name__}.{m}") for m in ("gemm", "lora"))
+    if a.lora_step:
+        kg.LORA_STEP_MAX = a.lora_step
+    if a.down_rows:
+        kl.LORA_DOWN_BM = a.down_rows
     dev = torch.device(a.device)
     folder = Path(tempfile.mkdtemp(prefix="int8_lora_"))
     atexit.register(shutil.rmtree, folder, True)
@@ -209,7 +219,8 @@ def main() -> int:
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     doc = {"bench": "lora", "command": provenance.command(), "commit": provenance.commit(), "dirty": provenance.dirty(),
            "device": dev_name, "torch": torch.__version__, "dynamic_vram": dynamic, "backend": a.backend,
-           "tiny": a.tiny, "steps": a.steps, "models": models, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+           "tiny": a.tiny, "steps": a.steps, "lora_step_max": kg.LORA_STEP_MAX, "lora_down_rows": kl.LORA_DOWN_BM,
+           "models": models, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     log("wrote", a.out)

@@ -133,20 +133,35 @@ def dot16(a, b, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def lora_up(out, lh_ptr, lu_ptr, rows, offs_wn, stride_lh, stride_lu, LORA_R: tl.constexpr,
-            INTERPRET: tl.constexpr):
+            INTERPRET: tl.constexpr, LORA_STEP: tl.constexpr):
     """``out + h[rows, :] @ u[offs_wn, :].T`` in fp32: a LoRA's up-projection added in the epilogue (h [M, R] the
     low-rank activations, u [N, R] the up weights times their scales, both bf16 or fp16 with unit last stride; rows
-    and columns in range). R (a multiple of ``kernel.checks.LORA_CHUNK``) is taken 16 at a time (a loop, not
-    unrolled), so the operands held at once stay small beside the main loop's buffers; on sm_90 each step is one
-    bf16 wgmma into the dequantized tile's registers (no layout change: tests/test_lora_gemm.py)."""
-    offs_r = tl.arange(0, 16)
+    and columns in range). R (a multiple of ``kernel.checks.LORA_CHUNK``) is taken LORA_STEP at a time (a loop, not
+    unrolled: ``lora_step``), so the operands held at once stay small beside the main loop's buffers; on sm_90 each
+    step is a bf16 wgmma into the dequantized tile's registers (no layout change: tests/test_lora_gemm.py)."""
+    offs_r = tl.arange(0, LORA_STEP)
     h_ptrs = lh_ptr + rows[:, None].to(tl.int64) * stride_lh + offs_r[None, :]
     u_ptrs = lu_ptr + offs_wn[None, :].to(tl.int64) * stride_lu + offs_r[:, None]
-    for _ in range(0, LORA_R, 16):
+    for _ in range(0, LORA_R, LORA_STEP):
         out = dot16(tl.load(h_ptrs), tl.load(u_ptrs), out, INTERPRET)
-        h_ptrs += 16
-        u_ptrs += 16
+        h_ptrs += LORA_STEP
+        u_ptrs += LORA_STEP
     return out
+
+
+LORA_STEP_MAX = 32  # the widest rank step of lora_up (module data: bench/lora.py --lora-step sets it)
+
+
+def lora_step(r: int) -> int:
+    """The rank step of ``lora_up`` for rank ``r`` (a multiple of 16): the widest power of 2 up to
+    ``LORA_STEP_MAX`` that divides it. Each step is one round trip to memory for h and u before its MMA, so a wider
+    step waits less, at the cost of its tiles in shared memory (16 KB a 32-wide step at 128 x 256 bf16)."""
+    if r == 0:
+        return 0
+    step = 16
+    while step * 2 <= LORA_STEP_MAX and r % (step * 2) == 0:
+        step *= 2
+    return step
 
 
 @triton.jit(do_not_specialize=["M", "DP_TILES"])
@@ -156,7 +171,8 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
                       stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr,
-                      EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr, LORA_R: tl.constexpr):
+                      EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr, LORA_R: tl.constexpr,
+                      LORA_STEP: tl.constexpr):
     # SPLIT > 1 (the tail split, ``kernel.tailsplit``): programs below DP_TILES run whole tiles; the rest run
     # K_PIECE-long pieces of the last tiles, SPLIT a tile, and the last piece of a tile to finish sums the
     # pieces' exact int32 partials (any order: same sum) and runs the epilogue.
@@ -171,7 +187,7 @@ def _int8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, part_ptr, c
     if finish:  # a constant True without the split: no branch
         _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
                        stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu, BLOCK_M, BLOCK_N,
-                       HAS_BIAS, OUT_INT32, INTERPRET, LORA_R)
+                       HAS_BIAS, OUT_INT32, INTERPRET, LORA_R, LORA_STEP)
 
 
 @triton.jit
@@ -208,7 +224,7 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
                                  lh_ptr, lu_ptr, stride_lh, stride_lu,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                                 INTERPRET: tl.constexpr, LORA_R: tl.constexpr):
+                                 INTERPRET: tl.constexpr, LORA_R: tl.constexpr, LORA_STEP: tl.constexpr):
     # The same GEMM as _int8_gemm_kernel (same sums, same epilogue arithmetic: same output bits) as a persistent
     # kernel: NUM_PROGS programs (a runtime value: one binary for any grid) loop over the tiles in grouped order,
     # A / W tiles come through TMA descriptors (rows / K past the end read as zero) and the output tile leaves
@@ -222,7 +238,7 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
         acc = acc_tile_tma(a_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, False)
         _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
                           stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu, BLOCK_M, BLOCK_N,
-                          HAS_BIAS, INTERPRET, LORA_R)
+                          HAS_BIAS, INTERPRET, LORA_R, LORA_STEP)
     if SPLIT > 1:
         q = tl.program_id(0)
         tile = DP_TILES + q // SPLIT
@@ -235,13 +251,14 @@ def _int8_gemm_persistent_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, bias_pt
             if last:
                 _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
                                   stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu,
-                                  BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET, LORA_R)
+                                  BLOCK_M, BLOCK_N, HAS_BIAS, INTERPRET, LORA_R, LORA_STEP)
 
 
 @triton.jit
 def _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, off_m, off_n, M, N, stride_as, stride_ws, stride_bias,
                       lh_ptr, lu_ptr, stride_lh, stride_lu, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, LORA_R: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, LORA_R: tl.constexpr,
+                      LORA_STEP: tl.constexpr):
     """The persistent kernel's epilogue: ``dequant`` of the int32 tile at (``off_m``, ``off_n``) (plus the LoRA
     up-projection, ``lora_up``), stored through ``c_desc`` in two halves (clipped at M / N)."""
     HALF: tl.constexpr = BLOCK_N // 2
@@ -249,7 +266,8 @@ def _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, off_m, off_n, M, N,
     offs_wn = (off_n + tl.arange(0, BLOCK_N)) % N  # a column tail wraps; the store clips it
     out = dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias, HAS_BIAS)
     if LORA_R > 0:
-        out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET)
+        out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET,
+                      LORA_STEP)
     if INTERPRET and c_desc.dtype == tl.bfloat16:  # round as compiled code does (see _store_out)
         y = _to_bf16_rne_bits(out)
     else:
@@ -263,7 +281,7 @@ def _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, off_m, off_n, M, N,
 def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, M, N, stride_cm, stride_cn,
                    stride_as, stride_ws, stride_bias, lh_ptr, lu_ptr, stride_lh, stride_lu, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_INT32: tl.constexpr, INTERPRET: tl.constexpr,
-                   LORA_R: tl.constexpr):
+                   LORA_R: tl.constexpr, LORA_STEP: tl.constexpr):
     offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
@@ -274,7 +292,8 @@ def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, 
         out = dequant(acc, as_ptr, ws_ptr, bias_ptr, offs_cm, offs_wn, M, stride_as, stride_ws, stride_bias,
                        HAS_BIAS)
         if LORA_R > 0:
-            out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET)
+            out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET,
+                      LORA_STEP)
         _store_out(c_ptrs, out, c_mask, INTERPRET)
 
 
@@ -463,7 +482,7 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
                 a_scale.stride(0), w_scale.stride(0), bias.stride(0) if has_bias else 0, *lora_args),
                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
                     HAS_BIAS=has_bias, OUT_INT32=out_int32, EVEN_K=k % bk == 0, SPLIT=split,
-                    INTERPRET=_quantize.INTERPRET, LORA_R=lora_r, **opts),
+                    INTERPRET=_quantize.INTERPRET, LORA_R=lora_r, LORA_STEP=lora_step(lora_r), **opts),
                a_q.device)
     return out
 
@@ -511,7 +530,8 @@ def _launch_persistent(a_q, a_scale, w_q, w_scale, bias, out, cfg: dict, tiles: 
                 a_scale, w_scale, a_scale if bias is None else bias, part, cnt, m, n, k, dp, k_piece,
                 a_scale.stride(0), w_scale.stride(0), 0 if bias is None else bias.stride(0), progs, *lora_args),
                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-                    HAS_BIAS=bias is not None, SPLIT=split, INTERPRET=_quantize.INTERPRET, LORA_R=lora_r),
+                    HAS_BIAS=bias is not None, SPLIT=split, INTERPRET=_quantize.INTERPRET, LORA_R=lora_r,
+                    LORA_STEP=lora_step(lora_r)),
                dev)
 
 

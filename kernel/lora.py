@@ -59,12 +59,15 @@ def _lora_down_kernel(a_ptr, as_ptr, d_ptr, h_ptr, M, K, stride_am, stride_dr, s
                INTERPRET)
 
 
+LORA_DOWN_BM = 0  # rows a program (module data, 0: by M; bench/lora.py --down-rows sets it): each program reads all of D
+
+
 def launch_lora_down(a_q: torch.Tensor, a_s: torch.Tensor, d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``h = (a_q @ d.T) * a_s[:, None]`` into ``h`` [M, R] (inputs checked by ``kernel.checks.lora_operands``;
     a_q int8 [M, K] with unit column stride, a_s fp32 [M] contiguous, d [R, K] contiguous in h's dtype)."""
     m, k = a_q.shape
     r = d.shape[0]
-    bm = 32 if m >= 32 * 128 or m <= 32 else 16  # enough programs to spread the read of a_q over the SMs
+    bm = LORA_DOWN_BM or (32 if m >= 32 * 128 or m <= 32 else 16)  # programs enough to spread the read over the SMs
     bk = 128 if r <= 64 else 64
     launch(_lora_down_kernel, (-(-m // bm),), (a_q, a_s, d, h, m, k, a_q.stride(0), d.stride(0), h.stride(0)),
            dict(R=r, RP=triton.next_power_of_2(r), BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERPRET=_quantize.INTERPRET), 4, 2, a_q.device)

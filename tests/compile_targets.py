@@ -112,7 +112,7 @@ def gemm_jobs(arch: int) -> list[dict]:
             out.append(job("gemm", "kernel.gemm", "_int8_gemm_persistent_kernel", name, dict(
                 common, a_desc=D(a_t, [m, k], [k, 1], [bm, bk]), w_desc=D(a_t, [n, k], [k, 1], [bn, bk]),
                 c_desc=D(bf, [m, n], [n, 1], [bm, bn // 2]), M=m, N=n, K=k, DP_TILES=tiles, K_PIECE=0,
-                NUM_PROGS=132), dict(tile, HAS_BIAS=True, SPLIT=1, INTERPRET=False, LORA_R=0),
+                NUM_PROGS=132), dict(tile, HAS_BIAS=True, SPLIT=1, INTERPRET=False, LORA_R=0, LORA_STEP=0),
                 cfg["num_warps"], cfg["num_stages"], s8=s8, cfg=cfg))
             f = n
             half = bn // 2
@@ -125,7 +125,8 @@ def gemm_jobs(arch: int) -> list[dict]:
             continue
         plain = dict(common, a_ptr=P(a_t), w_ptr=P(a_t), c_ptr=P(bf), M=m, N=n, K=k, DP_TILES=1296, K_PIECE=0,
                      stride_am=k, stride_ak=1, stride_wn=k, stride_wk=1, stride_cm=n, stride_cn=1)
-        consts = dict(tile, HAS_BIAS=True, OUT_INT32=False, EVEN_K=True, SPLIT=1, INTERPRET=False, LORA_R=0)
+        consts = dict(tile, HAS_BIAS=True, OUT_INT32=False, EVEN_K=True, SPLIT=1, INTERPRET=False, LORA_R=0,
+                      LORA_STEP=0)
         out.append(job("gemm", "kernel.gemm", "_int8_gemm_kernel", name, plain, consts, cfg["num_warps"],
                        cfg["num_stages"], s8=s8, cfg=cfg))
         if bucket == "small":

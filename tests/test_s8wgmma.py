@@ -288,7 +288,8 @@ TYPES = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16", "h_ptr": "*
 # specializes integers equal to 1), pointers and the other integers divisible by 16
 UNIT = {"stride_ak": 1, "stride_wk": 1, "stride_cn": 1, "stride_hn": 1, "stride_as": 1, "stride_ws": 1,
         "stride_bias": 1}
-TILE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "INTERPRET": False, "LORA_R": 0}
+TILE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "INTERPRET": False, "LORA_R": 0,
+        "LORA_STEP": 0}
 CASES = [
     ("gemm bias bf16", g._int8_gemm_kernel, {"HAS_BIAS": True, "OUT_INT32": False, "EVEN_K": True, "SPLIT": 1}, {}),
     ("gemm int32", g._int8_gemm_kernel, {"HAS_BIAS": False, "OUT_INT32": True, "EVEN_K": True, "SPLIT": 1},
