@@ -133,15 +133,17 @@ LORA_CHUNK = 16  # the rank of a LoRA in the GEMM's epilogue is a multiple of th
 
 def lora_operands(a_q, a_scale, d, u, n: int, out_dtype) -> None:
     """The LoRA-in-the-epilogue GEMM's checks (``kernel.int8_gemm_lora``) beyond ``gemm_operands``: d [R, K] and
-    u [N, R] contiguous in the output dtype (bf16 / fp16), R a positive multiple of ``LORA_CHUNK`` (pad with zero
-    rows / columns), the per-token scale contiguous, a_q with unit column stride, all on a_q's device."""
+    u [N, R] contiguous, both bf16 or both fp16 (the MMA's inputs; the output may be any float dtype: the epilogue
+    sums in fp32), R a positive multiple of ``LORA_CHUNK`` (pad with zero rows / columns), the per-token scale
+    contiguous, a_q with unit column stride, all on a_q's device."""
     m, k = a_q.shape
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"a LoRA in the GEMM epilogue needs a bf16 or fp16 output, not {out_dtype}")
+    if out_dtype not in FLOAT_OUT:
+        raise ValueError(f"a LoRA in the GEMM epilogue needs a float output (bf16, fp16, fp32), not {out_dtype}")
+    half = d.dtype if isinstance(d, torch.Tensor) and d.dtype in (torch.bfloat16, torch.float16) else None
     for name, t, shape in (("lora down", d, (None, k)), ("lora up", u, (n, None))):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != out_dtype or t.device != a_q.device:
-            raise ValueError(f"{name} must be a 2-D {out_dtype} tensor on {a_q.device}, got "
-                             f"{(t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor) else type(t)}")
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != half or t.device != a_q.device:
+            raise ValueError(f"{name} must be a 2-D bf16 or fp16 tensor on {a_q.device} (down and up of one dtype), "
+                             f"got {(t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor) else type(t)}")
         if any(want is not None and got != want for got, want in zip(t.shape, shape)) or not t.is_contiguous():
             raise ValueError(f"{name} has shape {tuple(t.shape)} (contiguous: {t.is_contiguous()}); expected a "
                              f"contiguous {['[R, %d]' % k, '[%d, R]' % n][name == 'lora up']}")

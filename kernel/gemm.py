@@ -46,7 +46,7 @@ def _to_bf16_rne_bits(v):
 
 
 @triton.jit
-def _store_out(c_ptrs, v, c_mask, INTERPRET: tl.constexpr):
+def store_out(c_ptrs, v, c_mask, INTERPRET: tl.constexpr):
     # NOTE: Triton 3.6's interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest even,
     # cvt.rn.bf16.f32), so under TRITON_INTERPRET=1 round on the bits to test the same numbers on the CPU.
     if INTERPRET:
@@ -268,7 +268,7 @@ def _persistent_store(acc, c_desc, as_ptr, ws_ptr, bias_ptr, off_m, off_n, M, N,
     if LORA_R > 0:
         out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET,
                       LORA_STEP)
-    if INTERPRET and c_desc.dtype == tl.bfloat16:  # round as compiled code does (see _store_out)
+    if INTERPRET and c_desc.dtype == tl.bfloat16:  # round as compiled code does (see store_out)
         y = _to_bf16_rne_bits(out)
     else:
         y = out.to(c_desc.dtype)
@@ -294,7 +294,7 @@ def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, 
         if LORA_R > 0:
             out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET,
                       LORA_STEP)
-        _store_out(c_ptrs, out, c_mask, INTERPRET)
+        store_out(c_ptrs, out, c_mask, INTERPRET)
 
 
 @triton.jit
@@ -356,7 +356,7 @@ def _w8a8_small_m_kernel(x_ptr, inv_ptr, w_ptr, c_ptr, ws_ptr, bias_ptr,
     out = acc.to(tl.float32) * a_s[:, None] * w_s[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_cn * stride_bias, mask=offs_cn < N, other=0.0).to(tl.float32)[None, :]
-    _store_out(c_ptrs, out, c_mask, INTERPRET)
+    store_out(c_ptrs, out, c_mask, INTERPRET)
 
 
 def launch_w8a8_small_m(x: torch.Tensor, inv_smooth: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -460,9 +460,9 @@ def launch_int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor
     """Runs the kernel with one config into ``out`` (int32 or float [M, N]); inputs already validated,
     M, N, K > 0. ``a_scale``/``w_scale``/``bias`` may have stride 0 (a broadcast scalar). ``cfg["SPLIT"]`` > 1:
     the tiles of the last partial wave run in K pieces (``tail_layout``); same int32 sums, same output bits.
-    ``lora`` = (h [M, R], u [N, R]) (checked by ``kernel.checks.lora_operands``: out's bf16 / fp16 dtype,
+    ``lora`` = (h [M, R], u [N, R]) (checked by ``kernel.checks.lora_operands``: both bf16 or both fp16,
     contiguous, R a multiple of ``kernel.checks.LORA_CHUNK``): the epilogue adds ``h @ u.T`` in fp32 before the
-    one rounding."""
+    one rounding (an int32 output takes no LoRA)."""
     m, k = a_q.shape
     n = w_q.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]

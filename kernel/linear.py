@@ -82,9 +82,10 @@ def int8_gemm_lora(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, 
                    bias: torch.Tensor | None, lora_down: torch.Tensor, lora_up: torch.Tensor,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``int8_gemm`` plus a LoRA from the same int8 input, in two launches: ``h = (a_q @ lora_down.T) * a_scale``
-    (``kernel.lora``; [M, R] in ``out_dtype``, the sum in fp32), then the GEMM with ``h @ lora_up.T`` added in its
-    epilogue in fp32 before the one rounding. ``lora_down`` [R, K], ``lora_up`` [N, R] (scales folded in):
-    contiguous, in ``out_dtype`` (bf16 / fp16), R a multiple of ``kernel.checks.LORA_CHUNK`` (zero-padded).
+    (``kernel.lora``; [M, R] in the LoRA's dtype, the sum in fp32), then the GEMM with ``h @ lora_up.T`` added in its
+    epilogue in fp32 before the one rounding to ``out_dtype``. ``lora_down`` [R, K], ``lora_up`` [N, R] (scales
+    folded in): contiguous, both bf16 or both fp16 (any float ``out_dtype``), R a multiple of
+    ``kernel.checks.LORA_CHUNK`` (zero-padded).
     Against ``int8_gemm`` + a float ``addmm`` of the same h: the output is rounded once instead of twice."""
     return _int8_gemm_lora(a_q, a_scale, w_q, w_scale, bias, lora_down, lora_up, out_dtype)[0]
 
@@ -98,7 +99,7 @@ def _int8_gemm_lora(a_q, a_scale, w_q, w_scale, bias, lora_down, lora_up, out_dt
     if m == 0 or n == 0 or k == 0:
         return int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype=out_dtype), ()  # no LoRA term: h is 0
     check_usable(a_q, "int8_gemm_lora")
-    h = torch.empty((m, lora_down.shape[0]), dtype=out_dtype, device=a_q.device)
+    h = torch.empty((m, lora_down.shape[0]), dtype=lora_down.dtype, device=a_q.device)
     _mod("lora").launch_lora_down(a_q, a_scale, lora_down, h)
     out = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     gemm = _mod("gemm")

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import quantize as _quantize  # the interpreter compat shim
-from .gemm import _store_out, dot16
+from .gemm import store_out, dot16
 from .launch import launch
 
 
@@ -55,7 +55,7 @@ def _lora_down_kernel(a_ptr, as_ptr, d_ptr, h_ptr, M, K, stride_am, stride_dr, s
         d_ptrs += BLOCK_K
     s = tl.load(as_ptr + rows)
     h = acc * s[:, None]
-    _store_out(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_r[None, :], h, (offs_m < M)[:, None] & in_r,
+    store_out(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_r[None, :], h, (offs_m < M)[:, None] & in_r,
                INTERPRET)
 
 
@@ -64,7 +64,8 @@ LORA_DOWN_BM = 0  # rows a program (module data, 0: by M; bench/lora.py --down-r
 
 def launch_lora_down(a_q: torch.Tensor, a_s: torch.Tensor, d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``h = (a_q @ d.T) * a_s[:, None]`` into ``h`` [M, R] (inputs checked by ``kernel.checks.lora_operands``;
-    a_q int8 [M, K] with unit column stride, a_s fp32 [M] contiguous, d [R, K] contiguous in h's dtype)."""
+    a_q int8 [M, K] with unit column stride, a_s fp32 [M] contiguous, d [R, K] contiguous in h's dtype, bf16 or
+    fp16)."""
     m, k = a_q.shape
     r = d.shape[0]
     bm = LORA_DOWN_BM or (32 if m >= 32 * 128 or m <= 32 else 16)  # programs enough to spread the read over the SMs

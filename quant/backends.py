@@ -316,3 +316,32 @@ def resolve(name: str, device: torch.device, N: int, K: int) -> tuple[str, str |
 def env_override() -> str | None:
     """INT8_FUSED_BACKEND (``kernel.config``) forces a backend for every node (A/B runs from the shell)."""
     return config.get("INT8_FUSED_BACKEND")
+
+
+# ------------------------------------------------------------------ LoRA after Apply on fused_triton's fused layers
+# Whether a LoRA runs inside the int8 GEMM (``kernel.int8_gemm_lora``: quant.blocks.gemm) or as the branch pair beside
+# it (``quant.lora.Branches.add_quantized``): the switch, and a build that failed in this process.
+_LORA_EPILOGUE_FAILED: str | None = None  # why the LoRA epilogue GEMM is off in this process, else None
+
+
+def lora_epilogue_on() -> bool:
+    """Whether fused layers run a LoRA inside their GEMM (``INT8_FUSED_LORA_EPILOGUE``, no failed build)."""
+    return _LORA_EPILOGUE_FAILED is None and config.get("INT8_FUSED_LORA_EPILOGUE")
+
+
+def lora_epilogue_failed(e: BaseException) -> None:
+    """The LoRA epilogue GEMM raised ``e``: off for the rest of the process, said once in the log."""
+    global _LORA_EPILOGUE_FAILED
+    _LORA_EPILOGUE_FAILED = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    log.warning("INT8 LoRA: the LoRA-in-the-epilogue GEMM failed (%s); LoRAs after Apply run as a GEMM pair beside "
+                "the int8 GEMM for the rest of this process (slower, same results within rounding)",
+                _LORA_EPILOGUE_FAILED)
+
+
+def lora_epilogue_state() -> str:
+    """How a LoRA after Apply runs on the fused layers in this process (for the dispatch report)."""
+    if not config.get("INT8_FUSED_LORA_EPILOGUE"):
+        return "a GEMM pair beside the int8 GEMM (INT8_FUSED_LORA_EPILOGUE=0)"
+    if _LORA_EPILOGUE_FAILED is not None:
+        return f"a GEMM pair beside the int8 GEMM (the epilogue GEMM failed: {_LORA_EPILOGUE_FAILED})"
+    return "up-projection in the int8 GEMM's epilogue"

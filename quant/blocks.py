@@ -139,22 +139,23 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def gemm(a_q, a_s, layer, dtype):
+def gemm(a_q, a_s, layer, dtype, model_dtype=None):
     """``layer``'s int8 GEMM from an already-quantized input (int8 [M, K], fp32 [M]) -> [M, N] in ``dtype``
     (``Int8Linear.gemm_call``: ComfyUI's cast when ComfyUI manages the weights, prepared launches). A LoRA after
     Apply (``quant.lora``) reads the same int8 input: its up-projection is added in the GEMM's epilogue
-    (``Int8Linear.gemm_lora_call``), or where that cannot run (torch.compile tracing, a float32 model, a failed
-    build: :func:`lora_epilogue_state`) as a small GEMM pair beside it."""
+    (``Int8Linear.gemm_lora_call``; its operands in the output's dtype, or ``model_dtype`` for an fp32 output:
+    :func:`_lora_dtype`), or where that cannot run (torch.compile tracing, a float32 model, a failed build:
+    :func:`quant.backends.lora_epilogue_state`) as a small GEMM pair beside it."""
     lora = layer.derived.lora
-    if lora is not None and _LORA_EPILOGUE_OFF is None and not compiling() and dtype in _LORA_DTYPES \
-            and not rotation(layer) and a_q.stride(-1) == 1 and a_s.is_contiguous() \
-            and config.get("INT8_FUSED_LORA_EPILOGUE"):
-        ops = lora.epilogue(a_q.device, dtype, inv_smooth_of(layer, a_q.device))
+    if lora is not None and backends.lora_epilogue_on() and not compiling() and not rotation(layer) \
+            and a_q.stride(-1) == 1 and a_s.is_contiguous() \
+            and (lora_dt := _lora_dtype(dtype, model_dtype)) is not None:
+        ops = lora.epilogue(a_q.device, lora_dt, inv_smooth_of(layer, a_q.device))
         if ops is not None:
             try:
                 y = layer.gemm_lora_call(a_q, a_s, dtype, *ops)
             except Exception as e:  # a kernel build that fails on this GPU / Triton: the branch pair instead
-                _lora_epilogue_off(e)
+                backends.lora_epilogue_failed(e)
             else:
                 return lora.add_bias(y)
     if compiling():  # one opaque custom op per kernel for torch.compile (registered in the constructors)
@@ -173,24 +174,15 @@ def gemm(a_q, a_s, layer, dtype):
 
 
 _LORA_DTYPES = (torch.bfloat16, torch.float16)
-_LORA_EPILOGUE_OFF: str | None = None  # why the LoRA epilogue GEMM is off in this process, else None
 
 
-def _lora_epilogue_off(e: BaseException) -> None:
-    global _LORA_EPILOGUE_OFF
-    _LORA_EPILOGUE_OFF = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-    log.warning("INT8 LoRA: the LoRA-in-the-epilogue GEMM failed (%s); LoRAs after Apply run as a GEMM pair beside "
-                "the int8 GEMM for the rest of this process (slower, same results within rounding)",
-                _LORA_EPILOGUE_OFF)
-
-
-def lora_epilogue_state() -> str:
-    """How a LoRA after Apply runs on the fused path in this process (for the dispatch report)."""
-    if not config.get("INT8_FUSED_LORA_EPILOGUE"):
-        return "a GEMM pair beside the int8 GEMM (INT8_FUSED_LORA_EPILOGUE=0)"
-    if _LORA_EPILOGUE_OFF is not None:
-        return f"a GEMM pair beside the int8 GEMM (the epilogue GEMM failed: {_LORA_EPILOGUE_OFF})"
-    return "up-projection in the int8 GEMM's epilogue"
+def _lora_dtype(dtype: torch.dtype, model_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of a LoRA's operands in the epilogue GEMM: the output's where it is bf16 / fp16, else the model's
+    half dtype where the caller names it (Wan's modulated GEMMs output fp32, its modulation being fp32, in an fp16 /
+    bf16 model); None: the branch pair, in the output's dtype (a float32 model)."""
+    if dtype in _LORA_DTYPES:
+        return dtype
+    return model_dtype if model_dtype in _LORA_DTYPES else None
 
 
 def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):

@@ -463,6 +463,5 @@ def report_line(model) -> str | None:
     s8 = s8wgmma.state()
     line = f"{line}; {s8}" if s8 else line
     if c["lora_layers"]:  # how their LoRAs ran on the fused path (quant.blocks.gemm)
-        from .blocks import lora_epilogue_state
-        line += f"; LoRA on {c['lora_layers']} layers: {lora_epilogue_state()}"
+        line += f"; LoRA on {c['lora_layers']} layers: {backends.lora_epilogue_state()}"
     return line

@@ -402,7 +402,7 @@ def test_report_line_counts_what_actually_ran(fresh, fake_gpu, first_call_tuning
     x = _x(40, 72)
     model[0](x[:4]), model[0](x[:40]), model[1](x[:40]), model[2](x[:2])
     c = dispatch.counts(model)
-    assert c == {"layers": 3, "int8_layers": 2, "float_layers": 2, "int8_calls": 2, "float_calls": 2,
+    assert c == {"layers": 3, "int8_layers": 2, "float_layers": 2, "int8_calls": 2, "float_calls": 2, "lora_layers": 0,
                  "float_shapes": ["M<=16 24x72", "M<=16 40x72"]}
     line = dispatch.report_line(model)
     assert line == ("dispatch auto: 2 linears ran int8, 2 on float (float faster, unless forced): 2 shapes "

@@ -986,13 +986,13 @@ def _hopper_check_gemm_split() -> str:
     from kernel import gemm
     fn = gemm._int8_gemm_kernel
     types = {"a_ptr": "*i8", "w_ptr": "*i8", "c_ptr": "*bf16", "as_ptr": "*fp32", "ws_ptr": "*fp32",
-             "bias_ptr": "*bf16", "part_ptr": "*i32", "cnt_ptr": "*i32"}
+             "bias_ptr": "*bf16", "part_ptr": "*i32", "cnt_ptr": "*i32", "lh_ptr": "*fp32", "lu_ptr": "*fp32"}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     cap = 65536 // (2 * 32 * 8)  # launch_int8_gemm's cap for two CTAs an SM at 8 warps
     for split in (1, 2, 3, 4):
         consts = {"stride_ak": 1, "stride_wk": 1, "stride_cn": 1, "stride_as": 1, "stride_ws": 1, "stride_bias": 1,
                   "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "HAS_BIAS": True,
-                  "OUT_INT32": False, "EVEN_K": True, "SPLIT": split, "INTERPRET": False}
+                  "OUT_INT32": False, "EVEN_K": True, "SPLIT": split, "INTERPRET": False, "LORA_R": 0, "LORA_STEP": 0}
         params = list(inspect.signature(fn.fn).parameters)
         sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
         attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}

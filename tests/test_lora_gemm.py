@@ -102,11 +102,11 @@ def test_lora_gemm_refuses_what_it_cannot_run_and_says_how_to_fix_it():
     a_q, a_s, w_q, w_s, b, d, u = _operands(32, 48, 64, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 16"):
         kernel.int8_gemm_lora(a_q, a_s, w_q, w_s, b, d[:8].contiguous(), u[:, :8].contiguous())
-    with pytest.raises(ValueError, match="bf16 or fp16 output"):
+    with pytest.raises(ValueError, match="bf16 or fp16 tensor"):
         kernel.int8_gemm_lora(a_q, a_s, w_q, w_s, b, d.float(), u.float(), out_dtype=torch.float32)
     with pytest.raises(ValueError, match="lora up"):
         kernel.int8_gemm_lora(a_q, a_s, w_q, w_s, b, d, u.t().contiguous().t())   # not contiguous
-    with pytest.raises(ValueError, match="lora down"):
+    with pytest.raises(ValueError, match="down and up of one dtype"):
         kernel.int8_gemm_lora(a_q, a_s, w_q, w_s, b, d.half(), u)                 # another dtype
 
 
@@ -216,9 +216,9 @@ def test_a_failed_epilogue_build_falls_back_to_the_branch_pair_and_says_so(monke
     """The LoRA epilogue GEMM raising (a build that fails on some GPU / Triton) turns it off for the process with
     one warning naming the error; that call and later ones run the branch pair (``Branches.add_quantized``) on the
     same int8 input, and the state says which ran."""
-    from quant import blocks as qb, lora as ql
+    from quant import backends, blocks as qb, lora as ql
     from quant.linear import Int8Linear
-    monkeypatch.setattr(qb, "_LORA_EPILOGUE_OFF", None)
+    monkeypatch.setattr(backends, "_LORA_EPILOGUE_FAILED", None)
     g = torch.Generator().manual_seed(5)
     n, k = 32, 64
     layer = Int8Linear.from_float(torch.randn(n, k, generator=g), None, backend="fused_triton",
@@ -230,17 +230,50 @@ def test_a_failed_epilogue_build_falls_back_to_the_branch_pair_and_says_so(monke
     pair = br.add_quantized(a_q, a_s, kernel.int8_gemm(a_q, a_s, layer.weight, layer.weight_scale,
                                                        out_dtype=torch.bfloat16))
     epi = qb.linear(layer, x)
-    assert not torch.equal(epi, pair) and qb.lora_epilogue_state() == "up-projection in the int8 GEMM's epilogue"
+    assert not torch.equal(epi, pair) and backends.lora_epilogue_state() == "up-projection in the int8 GEMM's epilogue"
     from kernel import config
     with config.override(INT8_FUSED_LORA_EPILOGUE=False):  # the switch: the pair, said so
         assert torch.equal(qb.linear(layer, x), pair)
-        assert "INT8_FUSED_LORA_EPILOGUE=0" in qb.lora_epilogue_state()
+        assert "INT8_FUSED_LORA_EPILOGUE=0" in backends.lora_epilogue_state()
 
     def fail(*a):
         raise RuntimeError("out of resource: shared memory, Required: 300000, Hardware limit: 232448")
     monkeypatch.setattr(Int8Linear, "gemm_lora_call", fail)
     with caplog.at_level("WARNING", logger="int8_fused"):
         assert torch.equal(qb.linear(layer, x), pair)
-    assert "out of resource" in qb.lora_epilogue_state() and "GEMM pair" in qb.lora_epilogue_state()
+    assert "out of resource" in backends.lora_epilogue_state() and "GEMM pair" in backends.lora_epilogue_state()
     assert sum("LoRA-in-the-epilogue GEMM failed" in r.getMessage() for r in caplog.records) == 1
     assert torch.equal(qb.linear(layer, x), pair)  # off for the process: not tried again
+
+
+@pytest.mark.parametrize("lora_dtype", [torch.float16, torch.bfloat16])
+def test_an_fp32_output_takes_a_half_precision_lora(lora_dtype):
+    """An fp32 GEMM output (Wan's modulated GEMMs in an fp16 / bf16 model) with the LoRA's operands in the model's
+    half dtype: h rounded to it once, the sum in fp32, the output rounded to fp32 once. Through ``quant.blocks.gemm``
+    with ``model_dtype`` it runs inside the GEMM; without (a float32 model) the branch pair runs, in fp32."""
+    a_q, a_s, w_q, w_s, b, d, u = _operands(48, 40, 96, 32, lora_dtype, seed=2)
+    _, y_ref = _reference(a_q, a_s, w_q, w_s, b, d, u, lora_dtype)
+    y = kernel.int8_gemm_lora(a_q, a_s, w_q, w_s, b, d, u, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    # fp32 sums of fp32-rounded terms: a few fp32 roundings of the terms' magnitudes (h's own rounding in y_ref)
+    h = ((a_q.double() @ d.double().t()) * a_s.double()[:, None]).to(lora_dtype).double()
+    mag = ((a_q.double() @ w_q.double().t()) * a_s.double()[:, None] * w_s.double()[None, :]).abs() \
+        + b.double().abs()[None, :] + h.abs() @ u.double().abs().t()
+    assert bool(((y.double() - y_ref).abs() <= 8 * 2.0 ** -24 * mag + 1e-12).all())
+    from quant import blocks as qb, lora as ql
+    from quant.linear import Int8Linear
+    g = torch.Generator().manual_seed(6)
+    layer = Int8Linear.from_float(torch.randn(40, 96, generator=g), None, backend="fused_triton", name="blk.2.q")
+    layer.set_lora(ql.Branches([ql.Term(d.float(), u.float(), 1.0)], [], 40, 96))
+    seen = []
+    orig = Int8Linear.gemm_lora_call
+    Int8Linear.gemm_lora_call = lambda self, *x: seen.append(x[3].dtype) or orig(self, *x)
+    try:
+        inside = qb.gemm(a_q, a_s, layer, torch.float32, lora_dtype)
+        pair = qb.gemm(a_q, a_s, layer, torch.float32)
+    finally:
+        Int8Linear.gemm_lora_call = orig
+    assert seen == [lora_dtype] and inside.dtype == pair.dtype == torch.float32
+    # both are the same LoRA: apart by the LoRA's half-precision rounding, far below its size
+    lora_size = (pair - kernel.int8_gemm(a_q, a_s, layer.weight, layer.weight_scale, out_dtype=torch.float32)).abs()
+    assert float((inside - pair).abs().max()) < 0.02 * float(lora_size.max())

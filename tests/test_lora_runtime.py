@@ -359,10 +359,10 @@ def test_bf16_lora_after_apply_runs_in_the_gemm_epilogue(env, tiny_model):
         mp_.setattr(lin, "gemm_lora_call", lambda self, *a, _f=lin.gemm_lora_call: epi.append(self) or _f(self, *a))
         e1 = _sample(cs, loader.load_lora_model_only(q, "bf16.safetensors", 2.0)[0])
     assert ran == [] and len(epi) == len(TARGETS), (ran, epi)
-    assert pack.quant.blocks.lora_epilogue_state() == "up-projection in the int8 GEMM's epilogue"
+    assert pack.quant.backends.lora_epilogue_state() == "up-projection in the int8 GEMM's epilogue"
     mm.unload_all_models()
     with pytest.MonkeyPatch.context() as mp_:
-        mp_.setattr(pack.quant.blocks, "_LORA_EPILOGUE_OFF", "off for the test")
+        mp_.setattr(pack.quant.backends, "_LORA_EPILOGUE_FAILED", "off for the test")
         with pytest.MonkeyPatch.context() as mp2:
             mp2.setattr(br, "add_quantized", lambda self, *a, _f=br.add_quantized: ran.append(1) or _f(self, *a))
             p1 = _sample(cs, loader.load_lora_model_only(q, "bf16.safetensors", 2.0)[0])
