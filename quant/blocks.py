@@ -139,18 +139,16 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def gemm(a_q, a_s, layer, dtype, model_dtype=None):
+def gemm(a_q, a_s, layer, dtype):
     """``layer``'s int8 GEMM from an already-quantized input (int8 [M, K], fp32 [M]) -> [M, N] in ``dtype``
     (``Int8Linear.gemm_call``: ComfyUI's cast when ComfyUI manages the weights, prepared launches). A LoRA after
     Apply (``quant.lora``) reads the same int8 input: its up-projection is added in the GEMM's epilogue
-    (``Int8Linear.gemm_lora_call``; its operands in the output's dtype, or ``model_dtype`` for an fp32 output:
-    :func:`_lora_dtype`), or where that cannot run (torch.compile tracing, a float32 model, a failed build:
-    :func:`quant.backends.lora_epilogue_state`) as a small GEMM pair beside it."""
+    (``Int8Linear.gemm_lora_call``), or where that cannot run (torch.compile tracing, a float32 output, a failed
+    build: :func:`quant.backends.lora_epilogue_state`) as a small GEMM pair beside it."""
     lora = layer.derived.lora
-    if lora is not None and backends.lora_epilogue_on() and not compiling() and not rotation(layer) \
-            and a_q.stride(-1) == 1 and a_s.is_contiguous() \
-            and (lora_dt := _lora_dtype(dtype, model_dtype)) is not None:
-        ops = lora.epilogue(a_q.device, lora_dt, inv_smooth_of(layer, a_q.device))
+    if lora is not None and dtype in _LORA_DTYPES and backends.lora_epilogue_on() and not compiling() \
+            and not rotation(layer) and a_q.stride(-1) == 1 and a_s.is_contiguous():
+        ops = lora.epilogue(a_q.device, dtype, inv_smooth_of(layer, a_q.device))
         if ops is not None:
             try:
                 y = layer.gemm_lora_call(a_q, a_s, dtype, *ops)
@@ -174,15 +172,6 @@ def gemm(a_q, a_s, layer, dtype, model_dtype=None):
 
 
 _LORA_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _lora_dtype(dtype: torch.dtype, model_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The dtype of a LoRA's operands in the epilogue GEMM: the output's where it is bf16 / fp16, else the model's
-    half dtype where the caller names it (Wan's modulated GEMMs output fp32, its modulation being fp32, in an fp16 /
-    bf16 model); None: the branch pair, in the output's dtype (a float32 model)."""
-    if dtype in _LORA_DTYPES:
-        return dtype
-    return model_dtype if model_dtype in _LORA_DTYPES else None
 
 
 def gemm_swiglu(a_q, a_s, w13, dtype, clamp_fp16=False):

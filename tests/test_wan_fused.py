@@ -315,3 +315,46 @@ def test_tiny_wan_fused_on_the_current_comfyui(comfy_current):
         _check_equivalence(res[dt])
         assert res[dt]["block"]["patch_applied"]      # current ComfyUI applies attn2_patch (its own forward ran)
     _check_unsupported(res["unsupported"])
+
+
+def test_tiny_wan_bf16_lora_runs_inside_the_fused_blocks_gemms_pinned(pack):
+    """A LoRA after Apply (``Int8Linear.set_lora``) on every linear of a bf16 tiny Wan 2.1: the fused blocks' q / k / v
+    / o / ffn.0 / ffn.2 run it inside their GEMM (bf16 operands); the cross-attention's module calls add the pair from
+    their float input. The LoRA's effect on the output is the per-linear model's (every layer's pair from its float
+    input) within 5 %: the fused path's LoRA reads the int8-rounded input."""
+    A, ql, lin = pack.adapters, pack.quant.lora, pack.quant.linear.Int8Linear
+    dm = tiny_wan(BF16)
+    layers = _layers(pack, dm)
+    patches = A.object_patches(dm, layers)
+    with pack.quant.blocks.config.override(INT8_FUSED_FUSION=False):
+        plain = A.object_patches(dm, layers)
+    x, t, ctx = _inputs(BF16)
+    with torch.no_grad():
+        base_f, base_p = _swap(dm, patches)(x, t, ctx), _swap(dm, plain)(x, t, ctx)
+    g = torch.Generator().manual_seed(9)
+    for name, layer in layers.items():
+        n, k = layer.out_features, layer.in_features
+        layer.set_lora(ql.Branches([ql.Term(torch.randn(8, k, generator=g) / k ** 0.5,
+                                            torch.randn(n, 8, generator=g) * 0.5, 1.0)], [], n, k))
+    seen = {"epilogue": [], "pair_float": 0, "pair_codes": 0}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lin, "gemm_lora_call", lambda self, *a, _f=lin.gemm_lora_call:
+                   seen["epilogue"].append((self.name, a[3].dtype)) or _f(self, *a))  # a: a_q, a_s, dtype, down, up
+        mp.setattr(ql.Branches, "add", lambda self, *a, _f=ql.Branches.add: seen.__setitem__(
+            "pair_float", seen["pair_float"] + 1) or _f(self, *a))
+        mp.setattr(ql.Branches, "add_quantized", lambda self, *a, _f=ql.Branches.add_quantized: seen.__setitem__(
+            "pair_codes", seen["pair_codes"] + 1) or _f(self, *a))
+        with torch.no_grad():
+            got = _swap(dm, patches)(x, t, ctx)
+    with torch.no_grad():
+        ref = _swap(dm, plain)(x, t, ctx)
+    for layer in layers.values():
+        layer.set_lora(None)
+    names = sorted({n for n, _ in seen["epilogue"]})
+    assert names == sorted(f"blocks.{blk}.{p}" for blk in ("0", "1") for p in
+                           ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")), names
+    assert {dt for _, dt in seen["epilogue"]} == {BF16}
+    assert seen["pair_codes"] == 0 and seen["pair_float"] == 8  # cross_attn q / k / v / o of two blocks
+    effect_f, effect_p = (got - base_f).float(), (ref - base_p).float()
+    assert effect_p.norm() > 0.1 * base_p.float().norm()  # the LoRA matters
+    assert _rel(effect_f, effect_p) < 0.05, _rel(effect_f, effect_p)

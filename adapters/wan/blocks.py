@@ -105,10 +105,6 @@ class FusedWanBlock(qb.FetchedBlock):
             li = getattr(self.self_attn, n)
             src.append(next((j for j in range(i) if _same_input(getattr(self.self_attn, QKV[j]), li)), i))
         self._qkv_src = tuple(src)
-        # the model's own dtype (its norms' weights): Wan's modulated GEMMs output fp32 (its modulation is fp32), and a
-        # LoRA after Apply runs inside them in this dtype (quant.blocks.gemm's ``model_dtype``)
-        w = getattr(getattr(self.self_attn, "norm_q", None), "weight", None)
-        self._model_dtype = w.dtype if isinstance(w, torch.Tensor) else None
         qb.kernels().register_ops()
 
     def int8_layers(self) -> dict[str, Int8Linear]:
@@ -138,7 +134,7 @@ class FusedWanBlock(qb.FetchedBlock):
                 acts[j] = qb.ln_mod_quant(x.reshape(-1, k), scale, shift, _tokens_per_row(scale, l),
                                           qb.inv_smooth_of(layer, x.device), float(norm.eps), qb.rotation(layer))
             a_q, a_s = acts[j]
-            outs.append(qb.gemm(a_q, a_s, layer, dt, self._model_dtype).view(b, l, -1))
+            outs.append(qb.gemm(a_q, a_s, layer, dt).view(b, l, -1))
         return outs
 
     def _self_attention(self, x, e0, e1, freqs, transformer_options):
@@ -221,7 +217,7 @@ class FusedWanBlock(qb.FetchedBlock):
         r, a_q, a_s = qb.call(qb.kernels().residual.residual_add_layernorm_modulate_quantize, x.reshape(-1, k), c.reshape(-1, k),
                                None, _tokens_per_row(e4, l), float(self.norm2.eps), e4, e3,
                                qb.inv_smooth_of(ffn0, x.device))
-        h = qb.gemm(a_q, a_s, ffn0, qb.promote(x, e4, e3), self._model_dtype).view(b, l, -1)
+        h = qb.gemm(a_q, a_s, ffn0, qb.promote(x, e4, e3)).view(b, l, -1)
         return r.view(b, l, k), self._ffn_hidden(h)
 
     def _ffn(self, x, e3, e4):
@@ -236,7 +232,7 @@ class FusedWanBlock(qb.FetchedBlock):
             return ffn[2](ffn[1](h))
         a_q, a_s = qb.cat_gelu_quant(None, h.reshape(-1, h.shape[-1]), qb.inv_smooth_of(ffn[2], h.device),
                                      qb.rotation(ffn[2]))
-        return qb.gemm(a_q, a_s, ffn[2], h.dtype, self._model_dtype).view(*h.shape[:-1], -1)
+        return qb.gemm(a_q, a_s, ffn[2], h.dtype).view(*h.shape[:-1], -1)
 
     # -------------------------------------------------------------------------------- forward
     def forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}, **kwargs):
