@@ -69,7 +69,10 @@ def test_lora_gemm_adds_the_low_rank_term_before_the_one_rounding(m, n, k, r, dt
     assert torch.allclose(h.double(), h_ref.double(), rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
     cfg = {**autotune.interpreter_configs()[0], **({"S8": True, "PERSIST": True} if persist else {})}
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    gemm.launch_int8_gemm(a_q, a_s, w_q, w_s, b, out, cfg, lora=(h_ref, u))
+    from kernel import launch
+    with launch.record() as rec:
+        gemm.launch_int8_gemm(a_q, a_s, w_q, w_s, b, out, cfg, lora=(h_ref, u))
+    assert [ln.jit_fn for ln in rec] == [gemm._int8_gemm_persistent_kernel if persist else gemm._int8_gemm_kernel]
     _one_rounding(out, y_ref, dtype)
     # the entry point: same bits as the launcher with its own h
     y = kernel.int8_gemm_lora(a_q, a_s, w_q, w_s, b, d, u, out_dtype=dtype)
@@ -260,3 +263,27 @@ def test_an_fp32_output_takes_a_half_precision_lora(lora_dtype):
     mag = ((a_q.double() @ w_q.double().t()) * a_s.double()[:, None] * w_s.double()[None, :]).abs() \
         + b.double().abs()[None, :] + h.abs() @ u.double().abs().t()
     assert bool(((y.double() - y_ref).abs() <= 8 * 2.0 ** -24 * mag + 1e-12).all())
+
+
+@pytest.mark.parametrize("persist", [False, True])
+def test_the_tail_split_adds_the_lora_once_in_the_tile_that_finishes(persist):
+    """With the tail split (``kernel.tailsplit``: the last wave's tiles in K pieces, the last piece to finish runs the
+    epilogue), the LoRA is added once, in that epilogue: the same bits as the unsplit call."""
+    from kernel import tailsplit
+    from kernel import launch
+    m, n, k = 160, 48, 96  # 10 tiles of 32 x 32 on the interpreter's 4 programs; TMA-able strides (persistent form)
+    a_q, a_s, w_q, w_s, b, d, u = _operands(m, n, k, 32, torch.bfloat16, seed=7)
+    h = torch.empty((m, 32), dtype=torch.bfloat16)
+    from kernel import lora as klora
+    klora.launch_lora_down(a_q, a_s, d, h)
+    cfg = {**autotune.interpreter_configs()[0], **({"S8": True, "PERSIST": True} if persist else {})}
+    tiles = -(-m // 32) * -(-n // 32)
+    assert tailsplit.tail_layout(tiles, 4, 2, -(-k // 32))[1] > 1  # the case does split
+    whole = gemm.launch_int8_gemm(a_q, a_s, w_q, w_s, b, torch.empty((m, n), dtype=torch.bfloat16), cfg, lora=(h, u))
+    with launch.record() as rec:
+        split = gemm.launch_int8_gemm(a_q, a_s, w_q, w_s, b, torch.full((m, n), float("nan"), dtype=torch.bfloat16),
+                                      {**cfg, "SPLIT": 2}, lora=(h, u))
+    assert [ln.jit_fn for ln in rec] == [gemm._int8_gemm_persistent_kernel if persist else gemm._int8_gemm_kernel]
+    assert torch.equal(split, whole)
+    _, y_ref = _reference(a_q, a_s, w_q, w_s, b, d, u, torch.bfloat16)
+    _one_rounding(whole, y_ref, torch.bfloat16)
