@@ -293,7 +293,7 @@ def _gemm_epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, pid_m, pid_n, offs_wn, 
                        HAS_BIAS)
         if LORA_R > 0:
             out = lora_up(out, lh_ptr, lu_ptr, offs_cm % M, offs_wn, stride_lh, stride_lu, LORA_R, INTERPRET,
-                      LORA_STEP)
+                          LORA_STEP)
         store_out(c_ptrs, out, c_mask, INTERPRET)
 
 

@@ -12,7 +12,8 @@ as int8 (the old branch read them as bf16 after converting them: two more passes
 launches a layer instead of one).
 
 ``_lora_down_kernel``: a program a BLOCK_M-row tile, the whole rank at once (R, a multiple of 16, is small; padded
-to a power of 2 inside, masked), K in BLOCK_K steps; the codes are converted to the output dtype in registers. Importing this module imports triton.
+to a power of 2 inside, masked), K in BLOCK_K steps; the codes are converted to the LoRA's dtype in registers.
+Importing this module imports triton.
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ import triton
 import triton.language as tl
 
 from . import quantize as _quantize  # the interpreter compat shim
-from .gemm import store_out, dot16
+from .gemm import dot16, store_out
 from .launch import launch
 
 
 @triton.jit(do_not_specialize=["M"])
 def _lora_down_kernel(a_ptr, as_ptr, d_ptr, h_ptr, M, K, stride_am, stride_dr, stride_hm,
-                      R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = offs_m % M  # a row tail wraps on load; the store masks it
@@ -59,7 +60,7 @@ def _lora_down_kernel(a_ptr, as_ptr, d_ptr, h_ptr, M, K, stride_am, stride_dr, s
                INTERPRET)
 
 
-LORA_DOWN_BM = 0  # rows a program (module data, 0: by M; bench/lora.py --down-rows sets it): each program reads all of D
+LORA_DOWN_BM = 0  # rows a program (module data; 0: by M; bench/lora.py --down-rows): each program reads all of D
 
 
 def launch_lora_down(a_q: torch.Tensor, a_s: torch.Tensor, d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -71,5 +72,6 @@ def launch_lora_down(a_q: torch.Tensor, a_s: torch.Tensor, d: torch.Tensor, h: t
     bm = LORA_DOWN_BM or (32 if m >= 32 * 128 or m <= 32 else 16)  # programs enough to spread the read over the SMs
     bk = 128 if r <= 64 else 64
     launch(_lora_down_kernel, (-(-m // bm),), (a_q, a_s, d, h, m, k, a_q.stride(0), d.stride(0), h.stride(0)),
-           dict(R=r, RP=triton.next_power_of_2(r), BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERPRET=_quantize.INTERPRET), 4, 2, a_q.device)
+           dict(R=r, RP=triton.next_power_of_2(r), BLOCK_M=bm, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                INTERPRET=_quantize.INTERPRET), 4, 2, a_q.device)
     return h

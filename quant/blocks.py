@@ -152,6 +152,8 @@ def gemm(a_q, a_s, layer, dtype):
         if ops is not None:
             try:
                 y = layer.gemm_lora_call(a_q, a_s, dtype, *ops)
+            except torch.OutOfMemoryError:  # not the kernel's fault: the pair would need the memory too
+                raise
             except Exception as e:  # a kernel build that fails on this GPU / Triton: the branch pair instead
                 backends.lora_epilogue_failed(e)
             else:

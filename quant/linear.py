@@ -477,8 +477,8 @@ class Int8Linear(nn.Module):
         return self._planned(("linear", x.shape, x.dtype), (x, w, ws, b, inv), x.dtype)
 
     def _planned(self, key: tuple, ops: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The kernel call ``key[0]`` ("linear" / "gemm" / "gemm_lora", ``_CALLS``) on ``ops``: the plan kept for ``key`` when the operands'
-        signatures match it, else the checked call, recording a new plan (``kernel.plan``). Plans hold
+        """The kernel call ``key[0]`` ("linear" / "gemm" / "gemm_lora", ``_CALLS``) on ``ops``: the plan kept for
+        ``key`` when the operands' signatures match it, else the checked call, recording a new plan (``kernel.plan``). Plans hold
         no tensor, only launches, so nothing goes stale when ComfyUI moves or swaps the weights: a changed operand
         signature just fails the plan's check."""
         k = _kernel
