@@ -42,6 +42,9 @@
 #            bench/results/cold-runs/<gpu>-cold-<commit>-<models>[-<paths>].json, bench/lib/merge.py merges them into
 #            bench/results/<gpu>-cold.json with issue 48's checks. Run it on nvidia-h100-x1 (no shipped picks) and
 #            on nvidia-h200. BENCH_EXTRA: more flags for bench/e2e_models.py (e.g. "--tax-sample pack:fused_triton").
+#   lora     bench/lora.py --profile (issue 50): Flux.1 with the LoRA inside the GEMM, Flux.1 with the branch pair
+#            (INT8_FUSED_LORA_EPILOGUE=0), Wan 2.1 1.3B; 0 / 1 / 3 rank-32 LoRAs on every block linear, each row's top
+#            GPU kernels and how its LoRAs ran. Writes $OUT/<gpu>-lora-{flux,flux-pair,wan13}.json (about 5 minutes).
 #   multigpu (a two-GPU kind: nvidia-h100-x2 / nvidia-h200-x2; issue 51) Ideogram 4 DualModelGuider with the pack, one
 #            GPU and then the unconditional backbone on cuda:1 (the pack's Dual Model Guider (two GPUs)); Flux.1 at
 #            cfg 3.5, bf16 and the pack, one GPU and then through MultiGPU CFG Split (max_gpus 2). Writes
@@ -111,6 +114,14 @@ case $suite in
     timeout 560 $models --cold --models "$cm" --paths "$cp" --child-timeout 300 ${BENCH_EXTRA:-} \
       --out "$OUT/$name.json" 2>&1 \
       | tee "$OUT/$name.log" ;;
+  lora)
+    # issue 50: LoRA after Apply (0 / 1 / 3 rank-32 LoRAs), inside the GEMM and as the branch pair, with each row's
+    # GPU profile (top kernels) and how its LoRAs ran
+    lora="python3 bench/lora.py --comfy .carry/comfy --profile"
+    timeout 150 $lora --models flux --out "$OUT/$gpu-lora-flux.json" 2>&1 | tee "$OUT/lora.log"
+    INT8_FUSED_LORA_EPILOGUE=0 timeout 150 $lora --models flux --out "$OUT/$gpu-lora-flux-pair.json" 2>&1 \
+      | tee -a "$OUT/lora.log"
+    timeout 120 $lora --models wan13 --out "$OUT/$gpu-lora-wan13.json" 2>&1 | tee -a "$OUT/lora.log" ;;
   multigpu)
     for n in 1 2; do
       dev=(); split=(); [ "$n" = 2 ] && dev=(--negative-device cuda:1) && split=(--multigpu 2)
