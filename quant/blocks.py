@@ -202,15 +202,9 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     launches) so that torch.compile sees the custom ops instead of the backend registry. A layer with LoRA branches
     runs as quantize + :func:`gemm`, which adds the LoRA from the int8 input as in a fused block (while
     torch.compile traces: its module call, the branch reading the float input ``x``)."""
-    if not fusable(layer):
+    if not fusable(layer) or (layer.derived.lora is not None and compiling()):
         return layer(x)
-    if layer.derived.lora is not None:
-        if compiling():
-            return layer(x)
-        lead, k = x.shape[:-1], x.shape[-1]
-        a_q, a_s = act_quant(x.reshape(-1, k), inv_smooth_of(layer, x.device))
-        return gemm(a_q, a_s, layer, x.dtype).reshape(*lead, -1)
-    if not compiling():
+    if layer.derived.lora is None and not compiling():
         return layer.int8_call(x)  # the same two kernels, prepared (Int8Linear.int8_call)
     lead, k = x.shape[:-1], x.shape[-1]
     a_q, a_s = act_quant(x.reshape(-1, k), inv_smooth_of(layer, x.device))

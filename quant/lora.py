@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from ..kernel.checks import LORA_CHUNK
 from .linear import Int8Linear
 
 MERGE_HINT = ("Load that LoRA BEFORE 'Apply Fused INT8 GEMM' (it merges the LoRA into the weights it quantizes), "
@@ -183,13 +184,12 @@ class Branches:
         key = (device, dtype, "epilogue")
         hit = self._dev.get(key)
         if hit is None or hit[0] is not inv_smooth:
-            ds = self.down_from_codes(d, inv_smooth)
-            r = ds.shape[0]
-            rp = -(-r // 16) * 16
-            down = torch.zeros((rp, self.k), device=device, dtype=dtype)
-            up = torch.zeros((self.n, rp), device=device, dtype=dtype)
-            down[:r] = ds
-            up[:, :r] = u
+            down, up = self.down_from_codes(d, inv_smooth).contiguous(), u.contiguous()
+            r = down.shape[0]
+            if r % LORA_CHUNK:  # zero rows of D / columns of U: the padded ranks add nothing
+                rp = -(-r // LORA_CHUNK) * LORA_CHUNK
+                down = torch.cat((down, down.new_zeros((rp - r, self.k))))
+                up = torch.cat((up, up.new_zeros((self.n, rp - r))), dim=1)
             hit = self._dev[key] = (inv_smooth, (down, up))
         return hit[1]
 
@@ -219,13 +219,10 @@ class Branches:
 
     def _plus(self, y: torch.Tensor, down) -> torch.Tensor:
         """``y + down(D) U^T`` (one addmm) plus the bias adds, in y's dtype; ``down(D)`` -> h [M, R]."""
-        d, u, b = self.operands(y.device, y.dtype)
-        y2 = y.reshape(-1, self.n)
+        d, u, _ = self.operands(y.device, y.dtype)
         if d is not None:
-            y2 = torch.addmm(y2, down(d), u.t())
-        if b is not None:
-            y2 = y2 + b
-        return y2.reshape(y.shape)
+            y = torch.addmm(y.reshape(-1, self.n), down(d), u.t()).reshape(y.shape)
+        return self.add_bias(y)
 
 
 def _describe(v) -> str:
